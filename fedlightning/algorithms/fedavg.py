@@ -1,0 +1,24 @@
+"""FedAvg: McMahan et al., Communication-Efficient Learning of Deep Networks from
+Decentralized Data, AISTATS 2017."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from fedlightning.algorithms.base import Algorithm
+from fedlightning.clients import NodeClassifier
+from fedlightning.server import Server, fedavg
+
+
+class FedAvg(Algorithm):
+    """Local cross-entropy training; the server averages models weighted by training nodes."""
+
+    name = "fedavg"
+
+    def client_module(self, net: nn.Module, optimizer: Any) -> NodeClassifier:
+        return NodeClassifier(net, optimizer)
+
+    def server(self, global_state: dict) -> Server:
+        return Server(global_state, aggregator=fedavg)

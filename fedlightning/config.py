@@ -1,0 +1,85 @@
+"""Checks on a composed config, run before any data is read or any model is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from fedlightning.errors import ConfigError, FedLightningError
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    try:
+        return OmegaConf.select(cfg, key, throw_on_missing=True)
+    except Exception as e:  # a mandatory `???` value, or an interpolation that fails
+        raise ConfigError(key, f"has no value ({e.__class__.__name__}: {e})") from None
+
+
+def _int(cfg: DictConfig, key: str, low: int) -> int:
+    v = _get(cfg, key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ConfigError(key, f"must be an integer >= {low}, got {v!r}")
+    return v
+
+
+def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = False) -> float:
+    v = _get(cfg, key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(key, f"must be a number, got {v!r}")
+    if v > high or v < low or (low_open and v == low):
+        bound = "(" if low_open else "["
+        raise ConfigError(key, f"must lie in {bound}{low}, {high}], got {v}")
+    return float(v)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Fail with a :class:`ConfigError` naming the key for any invalid value."""
+    _int(cfg, "seed", 0)
+    _int(cfg, "protocol.seed", 0)
+    _int(cfg, "federation.clients", 1)
+    _int(cfg, "federation.rounds", 1)
+    _int(cfg, "federation.local_epochs", 1)
+    _float(cfg, "federation.participation", 0.0, 1.0, low_open=True)
+    net = _get(cfg, "model.net")
+    if "conv" in net and net.conv not in ("gcn", "sage"):
+        raise ConfigError("model.net.conv", f"must be 'gcn' or 'sage', got {net.conv!r}")
+    if "hidden" in net:
+        _int(cfg, "model.net.hidden", 1)
+    if "dropout" in net:
+        _float(cfg, "model.net.dropout", 0.0, 0.99)
+    if "lr" in _get(cfg, "model.optimizer"):
+        _float(cfg, "model.optimizer.lr", 0.0, 10.0, low_open=True)
+    if "path" in _get(cfg, "dataset"):
+        path = _get(cfg, "dataset.path")
+        if not Path(str(path)).is_dir():
+            raise ConfigError("dataset.path", f"must be a folder in the documented format "
+                              f"(docs/datasets.md); {path!r} is not a directory")
+    if cfg.get("resume") and not (Path(cfg.resume) / "checkpoint.pt").is_file():
+        raise ConfigError("resume", f"{cfg.resume!r} holds no checkpoint.pt; pass the run "
+                          "directory of an earlier run")
+
+
+def build(node: Any, key: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` that reports errors against the config key.
+
+    Our own errors (bad data, bad values) come through unwrapped; anything else becomes a
+    :class:`ConfigError` naming ``key``.
+    """
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        while cause is not None:
+            if isinstance(cause, FedLightningError):
+                raise cause from None
+            cause = cause.__cause__
+        root = e.__cause__ or e
+        raise ConfigError(key, f"{root.__class__.__name__}: {root}") from None
+    except FedLightningError:
+        raise
+    except Exception as e:
+        raise ConfigError(key, f"{e.__class__.__name__}: {e}") from None

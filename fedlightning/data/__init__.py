@@ -1,0 +1,1 @@
+"""Raw files -> typed graphs and event streams; client partitions; protocol objects."""

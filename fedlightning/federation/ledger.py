@@ -1,0 +1,90 @@
+"""The communication ledger: every value that crosses the client/server boundary."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from fedlightning.federation.messages import Message
+
+UP, DOWN = "up", "down"
+MIB = 1024**2
+
+
+def values_to_mib(values: int) -> float:
+    """Float32 MiB of ``values`` transmitted values: ``4 * values / 1024^2`` (FedTIP Eq. (32))."""
+    return 4.0 * values / MIB
+
+
+class CommLedger:
+    """Counts transmitted values and bytes per direction, round, client and named field.
+
+    Every message goes through :meth:`record`; totals are derived from one list of
+    entries ``(direction, round, client, field, values, bytes)``, so no count can drift
+    from another.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, int, int, str, int, int]] = []
+
+    def record(self, direction: str, client_id: int, message: Message) -> None:
+        """Count ``message`` sent in ``direction`` (``"up"`` or ``"down"``) to/from a client."""
+        if direction not in (UP, DOWN):
+            raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
+        for name, (values, nbytes) in message.field_sizes().items():
+            self.entries.append((direction, message.round, client_id, name, values, nbytes))
+
+    def total(self, direction: str, *, round: int | None = None, client: int | None = None) -> int:
+        """Values sent in ``direction``, optionally only in one round / for one client."""
+        return sum(v for d, r, c, _, v, _ in self.entries
+                   if d == direction and (round is None or r == round)
+                   and (client is None or c == client))
+
+    def total_bytes(self, direction: str) -> int:
+        return sum(b for d, *_, b in self.entries if d == direction)
+
+    def mib(self, direction: str, **kw: Any) -> float:
+        return values_to_mib(self.total(direction, **kw))
+
+    def by_field(self) -> dict[str, dict[str, int]]:
+        """Field name -> ``{"up": values, "down": values}``."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: {UP: 0, DOWN: 0})
+        for d, _, _, name, v, _ in self.entries:
+            out[name][d] += v
+        return {k: dict(v) for k, v in sorted(out.items())}
+
+    def by_client(self, direction: str) -> dict[int, int]:
+        out: dict[int, int] = defaultdict(int)
+        for d, _, c, _, v, _ in self.entries:
+            if d == direction:
+                out[c] += v
+        return dict(sorted(out.items()))
+
+    def by_round(self, direction: str) -> dict[int, int]:
+        out: dict[int, int] = defaultdict(int)
+        for d, r, _, _, v, _ in self.entries:
+            if d == direction:
+                out[r] += v
+        return dict(sorted(out.items()))
+
+    def summary(self) -> dict[str, Any]:
+        """The ``comm`` block of ``summary.json``."""
+        return {
+            "uplink_mib": self.mib(UP),
+            "downlink_mib": self.mib(DOWN),
+            "uplink_values": self.total(UP),
+            "downlink_values": self.total(DOWN),
+            "uplink_bytes": self.total_bytes(UP),
+            "downlink_bytes": self.total_bytes(DOWN),
+            "fields": self.by_field(),
+            "per_client": {str(c): {UP: v, DOWN: self.by_client(DOWN).get(c, 0)}
+                           for c, v in self.by_client(UP).items()},
+            "per_round": {str(r): {UP: v, DOWN: self.by_round(DOWN).get(r, 0)}
+                          for r, v in self.by_round(UP).items()},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"entries": list(self.entries)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.entries = [tuple(e) for e in state["entries"]]

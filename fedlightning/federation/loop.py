@@ -1,0 +1,143 @@
+"""The federated round loop: sample, broadcast, fit locally, aggregate, evaluate, checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+
+from fedlightning.algorithms.base import Algorithm, FederatedClient
+from fedlightning.federation.ledger import DOWN, UP, CommLedger
+from fedlightning.federation.messages import ClientUpdate
+from fedlightning.utils.io import save_torch
+from fedlightning.utils.seeding import derive_seed, rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+def sample_clients(seed: int, round: int, num_clients: int, fraction: float) -> list[int]:
+    """The clients taking part in ``round``: ``max(1, round(fraction K))`` of them, seeded."""
+    m = max(1, round_half_up(fraction * num_clients))
+    if m >= num_clients:
+        return list(range(num_clients))
+    rng = np.random.default_rng(derive_seed(seed, "sample", round))
+    return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
+
+
+def round_half_up(x: float) -> int:
+    return int(np.floor(x + 0.5))
+
+
+def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
+    """Accuracy pooled over clients (weighted by nodes) per split, and per client on test."""
+    out: dict[str, float] = {}
+    for split in ("train", "val", "test"):
+        correct = sum(r[f"{split}_correct"] for r in results.values())
+        total = sum(r[f"{split}_total"] for r in results.values())
+        out[f"{split}_acc"] = correct / total if total else float("nan")
+    for k, r in results.items():
+        out[f"client{k}_test_acc"] = r["test_correct"] / r["test_total"] if r["test_total"] else float("nan")
+    return out
+
+
+class FederatedLoop:
+    """Runs rounds ``start..rounds`` and checkpoints the whole federated state after each.
+
+    Args:
+        algorithm: the wiring (client procedure, server).
+        module: the client LightningModule, shared by all clients (their persistent state
+            lives in :attr:`FederatedClient.state`, not in the module).
+        server: the :class:`~fedlightning.server.Server`.
+        clients: all clients.
+        runner: where clients run (e.g. :class:`SequentialRunner`).
+        rounds, participation, local_epochs: from ``federation``.
+        seed: the training seed; every local fit is seeded by ``(seed, round, client)``.
+        checkpoint_path: where to write the state after every round (``None``: nowhere).
+        on_round_end: ``(round, metrics) -> None``, e.g. MLflow logging.
+    """
+
+    def __init__(self, algorithm: Algorithm, module: pl.LightningModule, server: Any,
+                 clients: Sequence[FederatedClient], runner: Any, *, rounds: int,
+                 participation: float = 1.0, local_epochs: int = 1, seed: int = 0,
+                 checkpoint_path: str | Path | None = None,
+                 on_round_end: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        self.algorithm, self.module, self.server = algorithm, module, server
+        self.clients, self.runner = list(clients), runner
+        self.rounds, self.participation = rounds, participation
+        self.local_epochs, self.seed = local_epochs, seed
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.on_round_end = on_round_end
+        self.ledger = CommLedger()
+        self.history: list[dict[str, float]] = []
+        self.completed_rounds = 0
+
+    # ------------------------------------------------------------------ one round
+    def run_round(self, round: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        sampled = sample_clients(self.seed, round, len(self.clients), self.participation)
+        broadcast = self.server.broadcast(round)
+
+        def fit(client: FederatedClient) -> ClientUpdate:
+            self.ledger.record(DOWN, client.client_id, broadcast)
+            torch.manual_seed(derive_seed(self.seed, "fit", round, client.client_id))
+            update = self.algorithm.local_fit(self.module, client, broadcast,
+                                              self.runner.executor, self.local_epochs)
+            self.ledger.record(UP, client.client_id, update)
+            return update
+
+        updates = self.runner.run_round(round, [self.clients[k] for k in sampled], fit,
+                                        desc=f"round {round}/{self.rounds}")
+        self.server.aggregate(round, updates)
+        metrics = self.evaluate()
+        metrics["train_loss"] = float(np.average([u.scalars["train_loss"] for u in updates],
+                                                 weights=[u.num_examples for u in updates]))
+        metrics["uplink_mib"] = self.ledger.mib(UP)
+        metrics["downlink_mib"] = self.ledger.mib(DOWN)
+        metrics["round_time_s"] = time.perf_counter() - t0
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """The global model on every client's whole subgraph (a simulator measurement,
+        not a protocol message: it is not counted in the ledger)."""
+        self.module.receive(self.server.global_state)
+        return pooled_metrics({c.client_id: self.module.evaluate(c.data) for c in self.clients})
+
+    def run(self) -> list[dict[str, float]]:
+        for r in range(self.completed_rounds + 1, self.rounds + 1):
+            metrics = self.run_round(r)
+            self.history.append({"round": r, **metrics})
+            self.completed_rounds = r
+            log.info("round %d/%d  train_loss %.4f  val_acc %.4f  test_acc %.4f  up %.3f MiB  (%.1fs)",
+                     r, self.rounds, metrics["train_loss"], metrics["val_acc"],
+                     metrics["test_acc"], metrics["uplink_mib"], metrics["round_time_s"])
+            if self.on_round_end:
+                self.on_round_end(r, metrics)
+            if self.checkpoint_path:
+                save_torch(self.checkpoint_path, self.state_dict())
+        return self.history
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "completed_rounds": self.completed_rounds,
+            "server": self.server.state_dict(),
+            "clients": {c.client_id: c.state for c in self.clients},
+            "ledger": self.ledger.state_dict(),
+            "history": self.history,
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.completed_rounds = int(state["completed_rounds"])
+        self.server.load_state_dict(state["server"])
+        for c in self.clients:
+            c.state = state["clients"][c.client_id]
+        self.ledger.load_state_dict(state["ledger"])
+        self.history = list(state["history"])
+        set_rng_state(state["rng"])

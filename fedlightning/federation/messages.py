@@ -1,0 +1,64 @@
+"""Typed messages: the only things that cross the client/server boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Message:
+    """Named tensors and numeric scalars sent across the boundary.
+
+    Args:
+        round: the federated round the message belongs to (1-based).
+        tensors: field name -> tensor. Every element is one transmitted value.
+        scalars: field name -> number. Every scalar is one transmitted value.
+    """
+
+    round: int
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    scalars: dict[str, float] = field(default_factory=dict)
+
+    def field_sizes(self) -> dict[str, tuple[int, int]]:
+        """Field name -> ``(values, bytes)``. A scalar is one value of 4 bytes (float32)."""
+        sizes = {f"{k}": (t.numel(), t.numel() * t.element_size()) for k, t in self.tensors.items()}
+        sizes.update({k: (1, 4) for k in self.scalars})
+        return sizes
+
+    def num_values(self) -> int:
+        return sum(v for v, _ in self.field_sizes().values())
+
+
+@dataclass
+class ServerBroadcast(Message):
+    """Server -> client: the global state a client starts its round from."""
+
+
+@dataclass
+class ClientUpdate(Message):
+    """Client -> server: a client's result of one round.
+
+    Args:
+        client_id: the sending client.
+        num_examples: training examples behind the update (FedAvg weight). Sent as the
+            scalar field ``num_examples`` so that it is counted like every other value.
+    """
+
+    client_id: int = -1
+
+    @property
+    def num_examples(self) -> float:
+        return float(self.scalars["num_examples"])
+
+
+def detach_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Copy a state dict so that later in-place updates on either side do not leak across."""
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def state_values(state: dict[str, Tensor]) -> int:
+    """Number of values in a state dict."""
+    return sum(int(torch.as_tensor(v).numel()) for v in state.values())

@@ -1,0 +1,6 @@
+"""Server side: global state and aggregation. Never imports Lightning."""
+
+from fedlightning.server.aggregate import fedavg, weighted_average
+from fedlightning.server.server import Server
+
+__all__ = ["Server", "fedavg", "weighted_average"]

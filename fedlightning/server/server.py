@@ -1,0 +1,57 @@
+"""The server: global model state, aggregation, broadcast. No Lightning here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from fedlightning.federation.messages import ClientUpdate, ServerBroadcast, detach_state
+from fedlightning.server.aggregate import as_model_fields, fedavg
+
+Aggregator = Callable[[Sequence[ClientUpdate]], dict[str, Tensor]]
+
+
+class Server:
+    """Holds the global model and turns client updates into the next global model.
+
+    Method-specific server memory (bases, prototype banks, anchors) plugs in as
+    ``modules``: objects with ``aggregate(round, updates)``, ``broadcast_fields()``,
+    ``state_dict()`` and ``load_state_dict()``. They see messages only.
+
+    Args:
+        global_state: the initial global model state dict (parameters and buffers).
+        aggregator: ``updates -> new global state``; default :func:`fedavg`.
+        modules: named server modules, run after the model aggregation in order.
+    """
+
+    def __init__(self, global_state: dict[str, Tensor], aggregator: Aggregator = fedavg,
+                 modules: dict[str, Any] | None = None) -> None:
+        self.global_state = detach_state(global_state)
+        self.aggregator = aggregator
+        self.modules = dict(modules or {})
+
+    def broadcast(self, round: int) -> ServerBroadcast:
+        """The message every sampled client receives at the start of ``round``."""
+        tensors = as_model_fields(self.global_state)
+        for mod in self.modules.values():
+            tensors.update(mod.broadcast_fields())
+        return ServerBroadcast(round=round, tensors=detach_state(tensors))
+
+    def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
+        """Aggregate one round's client updates into the global state."""
+        if not updates:
+            raise ValueError(f"round {round}: no client updates to aggregate")
+        self.global_state = self.aggregator(updates)
+        for mod in self.modules.values():
+            mod.aggregate(round, updates)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_state": self.global_state,
+                "modules": {k: m.state_dict() for k, m in self.modules.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_state = detach_state(state["global_state"])
+        for k, m in self.modules.items():
+            m.load_state_dict(state["modules"][k])

@@ -1,0 +1,5 @@
+"""Experiment tracking: MLflow runs, artifacts and plots."""
+
+from fedlightning.tracking.mlflow_tracker import MlflowTracker, NullTracker, flatten
+
+__all__ = ["MlflowTracker", "NullTracker", "flatten"]

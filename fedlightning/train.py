@@ -1,0 +1,169 @@
+"""One federated experiment, from a composed config to ``summary.json`` and an MLflow run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch_geometric.data import Data
+
+from fedlightning.algorithms.base import FederatedClient
+from fedlightning.config import build, validate
+from fedlightning.data.graphs.base import MultimodalGraph
+from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
+from fedlightning.errors import FedLightningError
+from fedlightning.federation.loop import FederatedLoop
+from fedlightning.tracking import MlflowTracker, NullTracker, flatten
+from fedlightning.tracking.plots import plot_curves
+from fedlightning.utils.io import write_json
+from fedlightning.utils.seeding import derive_seed, seed_everything
+
+log = logging.getLogger("fedlightning")
+
+CONFIG_FILE, CHECKPOINT_FILE, SUMMARY_FILE = "config.yaml", "checkpoint.pt", "summary.json"
+MLFLOW_RUN_FILE = "mlflow_run.json"
+
+
+def build_clients(graph: MultimodalGraph, partition: Partition) -> list[FederatedClient]:
+    """Each client's induced subgraph with its train/val/test masks."""
+    clients = []
+    for k in range(partition.num_clients):
+        nodes = partition.client_nodes(k)
+        data: Data = graph.subgraph(nodes).to_data()
+        split = partition.split[nodes]
+        data.train_mask, data.val_mask, data.test_mask = split == TRAIN, split == VAL, split == TEST
+        clients.append(FederatedClient(k, data))
+    return clients
+
+
+def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
+    """The config and directory to run in; on ``resume`` the earlier run's own.
+
+    A resumed run takes its saved config whole, except ``runner`` and ``logger`` (how and
+    where it runs, which cannot change results) from this invocation. A fresh run refuses
+    a directory that already holds a run, so nothing saved is overwritten.
+    """
+    if cfg.get("resume"):
+        old = Path(cfg.resume)
+        saved = OmegaConf.load(old / CONFIG_FILE)
+        saved.runner, saved.logger = cfg.runner, cfg.logger
+        saved.resume = str(old)
+        return saved, old, True
+    for name in (SUMMARY_FILE, CHECKPOINT_FILE):
+        if (run_dir / name).exists():
+            raise FedLightningError(f"run directory {run_dir} already holds a run ({name}); "
+                                    "refusing to overwrite it: choose a new hydra.run.dir or "
+                                    f"resume={run_dir}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / CONFIG_FILE, resolve=True)
+    return OmegaConf.load(run_dir / CONFIG_FILE), run_dir, False
+
+
+def make_tracker(cfg: DictConfig) -> NullTracker:
+    if not cfg.logger.get("enabled", True):
+        return NullTracker()
+    return MlflowTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name)
+
+
+def run_tags(cfg: DictConfig, graph: MultimodalGraph, algorithm: Any,
+             hashes: dict[str, str]) -> dict[str, str]:
+    """The MLflow tags every run carries (DESIGN.md): reports select runs by these."""
+    return {"method": algorithm.name, "dataset": graph.name, "task": str(cfg.task),
+            "variant": str(getattr(algorithm, "variant", "full")),
+            "backbone": str(cfg.model.net.get("conv", "custom")), "seed": str(cfg.seed),
+            "experiment": str(cfg.name), **{f"hash_{k}": v for k, v in hashes.items()}}
+
+
+def final_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+    """Final-round metrics, plus the test accuracy at the round of best validation accuracy."""
+    last = history[-1]
+    best = max(history, key=lambda h: (h["val_acc"], -h["round"]))
+    keep = ("test_acc", "val_acc", "train_acc", "train_loss")
+    out = {k: last[k] for k in keep}
+    out.update({k: v for k, v in last.items() if k.startswith("client")})
+    out["best_val_acc"] = best["val_acc"]
+    out["best_val_round"] = best["round"]
+    out["test_acc_at_best_val"] = best["test_acc"]
+    return out
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    m, c = summary["metrics"], summary["comm"]
+    rows = [("experiment", summary["experiment"]), ("rounds", summary["rounds"]),
+            ("test_acc", f"{m['test_acc']:.4f}"), ("val_acc", f"{m['val_acc']:.4f}"),
+            ("test_acc_at_best_val", f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"),
+            ("uplink", f"{c['uplink_mib']:.3f} MiB"), ("downlink", f"{c['downlink_mib']:.3f} MiB"),
+            *[(f"hash[{k}]", v) for k, v in summary["hashes"].items()],
+            ("wall time", f"{summary['wall_time_s']:.1f} s"), ("run dir", summary["run_dir"])]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 40)
+    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
+
+
+def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Run the experiment ``cfg`` in ``run_dir``; return the summary (also written to disk)."""
+    t0 = time.perf_counter()
+    validate(cfg)
+    cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
+    seed_everything(cfg.seed)
+
+    graph: MultimodalGraph = build(cfg.dataset, "dataset")
+    partitioner = build(cfg.partition, "partition")
+    partition = partitioner(graph, cfg.federation.clients, cfg.protocol.seed)
+    partition.save(run_dir / "partition.json")
+    hashes = {"partition": partition.hash}
+    clients = build_clients(graph, partition)
+    log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
+
+    torch.manual_seed(derive_seed(cfg.seed, "init"))
+    in_dims = {m: x.size(1) for m, x in graph.features.items()}
+    net = build(cfg.model.net, "model.net")(in_dims=in_dims, num_classes=graph.num_classes)
+    optimizer = build(cfg.model.optimizer, "model.optimizer")
+    algorithm = build(cfg.algorithm, "algorithm")
+    module = algorithm.client_module(net, optimizer)
+    server = algorithm.server(net.state_dict())
+    runner = build(cfg.runner, "runner")
+    tracker = make_tracker(cfg)
+
+    loop = FederatedLoop(algorithm, module, server, clients, runner,
+                         rounds=cfg.federation.rounds, participation=cfg.federation.participation,
+                         local_epochs=cfg.federation.local_epochs, seed=cfg.seed,
+                         checkpoint_path=run_dir / CHECKPOINT_FILE,
+                         on_round_end=lambda r, m: tracker.log_metrics(m, step=r))
+    run_id = None
+    if resuming:
+        loop.load_state_dict(torch.load(run_dir / CHECKPOINT_FILE, weights_only=False))
+        log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
+        if (run_dir / MLFLOW_RUN_FILE).exists():
+            run_id = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())["run_id"]
+    tags = run_tags(cfg, graph, algorithm, hashes)
+    params = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items()}
+    run_id = tracker.start(f"{cfg.name}-{run_dir.name}", tags, params, run_id=run_id)
+    if run_id:
+        write_json(run_dir / MLFLOW_RUN_FILE, {"run_id": run_id, "tracking_uri": cfg.logger.tracking_uri})
+
+    try:
+        history = loop.run()
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    summary = {
+        "experiment": str(cfg.name), "seed": int(cfg.seed), "rounds": loop.completed_rounds,
+        "metrics": final_metrics(history), "comm": loop.ledger.summary(), "hashes": hashes,
+        "wall_time_s": time.perf_counter() - t0, "run_dir": str(run_dir), "tags": tags,
+        "resumed": resuming,
+    }
+    write_json(run_dir / "history.json", history)
+    write_json(run_dir / SUMMARY_FILE, summary)
+    plot_curves(history, run_dir / "curves.png", title=f"{cfg.name} ({algorithm.name}, {graph.name})")
+    tracker.log_metrics({f"final_{k}": v for k, v in summary["metrics"].items()}, step=loop.completed_rounds)
+    tracker.log_artifacts(run_dir / f for f in (CONFIG_FILE, SUMMARY_FILE, "history.json",
+                                                "partition.json", "curves.png"))
+    tracker.end("FINISHED")
+    print(format_summary(summary), flush=True)
+    return summary

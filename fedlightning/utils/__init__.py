@@ -1,0 +1,1 @@
+"""Small shared helpers: seeding, hashing, atomic files."""

@@ -1,0 +1,47 @@
+"""Hashing and atomic writes for protocol objects and checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace: the bytes that a content hash is taken of."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def content_hash(obj: Any) -> str:
+    """sha256 (first 16 hex chars) of the canonical JSON of ``obj``."""
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:16]
+
+
+def _atomic(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
+    """Write JSON atomically (a reader never sees a half-written file)."""
+    _atomic(Path(path), lambda f: f.write(json.dumps(obj, indent=indent, sort_keys=True).encode()))
+
+
+def save_torch(path: str | Path, obj: Any) -> None:
+    """``torch.save`` atomically: a kill during the write leaves the previous file intact."""
+    _atomic(Path(path), lambda f: torch.save(obj, f))

@@ -1,0 +1,46 @@
+"""Shared fixtures: the real data directory and a composed, shrunk config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = str(REPO / "conf")
+SHARED_DATA = Path(os.environ.get("FEDLIGHTNING_TEST_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The real data of ``../shared/data``; under CI a missing directory fails the test."""
+    if not (SHARED_DATA / "README.md").exists():
+        msg = f"real data not found at {SHARED_DATA} (set FEDLIGHTNING_TEST_DATA)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return SHARED_DATA
+
+
+def compose_cfg(overrides: list[str] | None = None):
+    """The real ``conf/train.yaml`` composed with ``overrides`` (no Hydra run)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=overrides or [], return_hydra_config=False)
+
+
+@pytest.fixture
+def tmp_env(tmp_path, monkeypatch):
+    """Run inside a temporary directory with its own cache and MLflow store."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return tmp_path
+
+
+@pytest.fixture
+def compose():
+    """``compose(overrides) -> DictConfig``: the real config as the CLI composes it."""
+    return compose_cfg

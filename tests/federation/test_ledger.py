@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from fedlightning.federation.ledger import CommLedger, values_to_mib
+from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
+
+
+def _update(client, rnd):
+    return ClientUpdate(rnd, {"model.w": torch.zeros(3, 4), "model.b": torch.zeros(4, dtype=torch.float64)},
+                        {"num_examples": 10.0, "train_loss": 0.5}, client_id=client)
+
+
+def test_counts_match_hand_counts():
+    led = CommLedger()
+    for r in (1, 2):
+        bc = ServerBroadcast(r, {"model.w": torch.zeros(3, 4), "model.b": torch.zeros(4)})
+        for c in (0, 1, 2):
+            led.record("down", c, bc)
+            led.record("up", c, _update(c, r))
+    # one update: 12 + 4 tensor values + 2 scalars = 18; 3 clients x 2 rounds
+    assert led.total("up") == 18 * 6
+    assert led.total("down") == 16 * 6
+    assert led.total("up", round=1) == 54
+    assert led.total("up", client=2) == 36
+    # bytes: w float32 12*4, b float64 4*8, two scalars 2*4 = 88 per update
+    assert led.total_bytes("up") == 88 * 6
+    assert led.by_field()["num_examples"] == {"up": 6, "down": 0}
+    assert led.by_field()["model.w"] == {"up": 72, "down": 72}
+    assert led.mib("up") == pytest.approx(4 * 108 / 1024**2)
+    s = led.summary()
+    assert s["uplink_mib"] == pytest.approx(values_to_mib(108))
+    assert s["per_client"]["0"] == {"up": 36, "down": 32}
+    assert s["per_round"]["2"] == {"up": 54, "down": 48}
+
+
+def test_state_roundtrip_and_direction_check():
+    led = CommLedger()
+    led.record("up", 0, _update(0, 1))
+    led2 = CommLedger()
+    led2.load_state_dict(led.state_dict())
+    assert led2.summary() == led.summary()
+    with pytest.raises(ValueError, match="direction"):
+        led.record("sideways", 0, _update(0, 1))
