@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
@@ -32,7 +31,6 @@ def _train(cfg: DictConfig) -> float:
     try:
         summary = train(cfg, run_dir)
     except FedLightningError as e:
-        logging.getLogger("fedlightning").error("%s", e)
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     return float(summary["metrics"]["val_acc"])
@@ -41,9 +39,15 @@ def _train(cfg: DictConfig) -> float:
 def _resume_run_dir(args: list[str]) -> list[str]:
     """On ``resume=DIR``, keep the resuming invocation's Hydra files inside ``DIR/.resume``."""
     for a in args:
-        if a.startswith("resume=") and a != "resume=null" and not any(
-                x.startswith("hydra.run.dir=") for x in args):
-            return [*args, f"hydra.run.dir={a.split('=', 1)[1]}/.resume/${{now:%Y-%m-%d_%H-%M-%S-%f}}"]
+        if (
+            a.startswith("resume=")
+            and a != "resume=null"
+            and not any(x.startswith("hydra.run.dir=") for x in args)
+        ):
+            return [
+                *args,
+                f"hydra.run.dir={a.split('=', 1)[1]}/.resume/${{now:%Y-%m-%d_%H-%M-%S-%f}}",
+            ]
     return args
 
 

@@ -56,11 +56,16 @@ def validate(cfg: DictConfig) -> None:
     if "path" in _get(cfg, "dataset"):
         path = _get(cfg, "dataset.path")
         if not Path(str(path)).is_dir():
-            raise ConfigError("dataset.path", f"must be a folder in the documented format "
-                              f"(docs/datasets.md); {path!r} is not a directory")
+            raise ConfigError(
+                "dataset.path",
+                f"must be a folder in the documented format "
+                f"(docs/datasets.md); {path!r} is not a directory",
+            )
     if cfg.get("resume") and not (Path(cfg.resume) / "checkpoint.pt").is_file():
-        raise ConfigError("resume", f"{cfg.resume!r} holds no checkpoint.pt; pass the run "
-                          "directory of an earlier run")
+        raise ConfigError(
+            "resume",
+            f"{cfg.resume!r} holds no checkpoint.pt; pass the run directory of an earlier run",
+        )
 
 
 def build(node: Any, key: str, **kwargs: Any) -> Any:

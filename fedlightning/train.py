@@ -56,9 +56,11 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
         return saved, old, True
     for name in (SUMMARY_FILE, CHECKPOINT_FILE):
         if (run_dir / name).exists():
-            raise FedLightningError(f"run directory {run_dir} already holds a run ({name}); "
-                                    "refusing to overwrite it: choose a new hydra.run.dir or "
-                                    f"resume={run_dir}")
+            raise FedLightningError(
+                f"run directory {run_dir} already holds a run ({name}); "
+                "refusing to overwrite it: choose a new hydra.run.dir or "
+                f"resume={run_dir}"
+            )
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / CONFIG_FILE, resolve=True)
     return OmegaConf.load(run_dir / CONFIG_FILE), run_dir, False
@@ -70,13 +72,20 @@ def make_tracker(cfg: DictConfig) -> NullTracker:
     return MlflowTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name)
 
 
-def run_tags(cfg: DictConfig, graph: MultimodalGraph, algorithm: Any,
-             hashes: dict[str, str]) -> dict[str, str]:
+def run_tags(
+    cfg: DictConfig, graph: MultimodalGraph, algorithm: Any, hashes: dict[str, str]
+) -> dict[str, str]:
     """The MLflow tags every run carries (DESIGN.md): reports select runs by these."""
-    return {"method": algorithm.name, "dataset": graph.name, "task": str(cfg.task),
-            "variant": str(getattr(algorithm, "variant", "full")),
-            "backbone": str(cfg.model.net.get("conv", "custom")), "seed": str(cfg.seed),
-            "experiment": str(cfg.name), **{f"hash_{k}": v for k, v in hashes.items()}}
+    return {
+        "method": algorithm.name,
+        "dataset": graph.name,
+        "task": str(cfg.task),
+        "variant": str(getattr(algorithm, "variant", "full")),
+        "backbone": str(cfg.model.net.get("conv", "custom")),
+        "seed": str(cfg.seed),
+        "experiment": str(cfg.name),
+        **{f"hash_{k}": v for k, v in hashes.items()},
+    }
 
 
 def final_metrics(history: list[dict[str, float]]) -> dict[str, float]:
@@ -94,12 +103,18 @@ def final_metrics(history: list[dict[str, float]]) -> dict[str, float]:
 
 def format_summary(summary: dict[str, Any]) -> str:
     m, c = summary["metrics"], summary["comm"]
-    rows = [("experiment", summary["experiment"]), ("rounds", summary["rounds"]),
-            ("test_acc", f"{m['test_acc']:.4f}"), ("val_acc", f"{m['val_acc']:.4f}"),
-            ("test_acc_at_best_val", f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"),
-            ("uplink", f"{c['uplink_mib']:.3f} MiB"), ("downlink", f"{c['downlink_mib']:.3f} MiB"),
-            *[(f"hash[{k}]", v) for k, v in summary["hashes"].items()],
-            ("wall time", f"{summary['wall_time_s']:.1f} s"), ("run dir", summary["run_dir"])]
+    rows = [
+        ("experiment", summary["experiment"]),
+        ("rounds", summary["rounds"]),
+        ("test_acc", f"{m['test_acc']:.4f}"),
+        ("val_acc", f"{m['val_acc']:.4f}"),
+        ("test_acc_at_best_val", f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"),
+        ("uplink", f"{c['uplink_mib']:.3f} MiB"),
+        ("downlink", f"{c['downlink_mib']:.3f} MiB"),
+        *[(f"hash[{k}]", v) for k, v in summary["hashes"].items()],
+        ("wall time", f"{summary['wall_time_s']:.1f} s"),
+        ("run dir", summary["run_dir"]),
+    ]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 40)
     return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
@@ -130,11 +145,19 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     runner = build(cfg.runner, "runner")
     tracker = make_tracker(cfg)
 
-    loop = FederatedLoop(algorithm, module, server, clients, runner,
-                         rounds=cfg.federation.rounds, participation=cfg.federation.participation,
-                         local_epochs=cfg.federation.local_epochs, seed=cfg.seed,
-                         checkpoint_path=run_dir / CHECKPOINT_FILE,
-                         on_round_end=lambda r, m: tracker.log_metrics(m, step=r))
+    loop = FederatedLoop(
+        algorithm,
+        module,
+        server,
+        clients,
+        runner,
+        rounds=cfg.federation.rounds,
+        participation=cfg.federation.participation,
+        local_epochs=cfg.federation.local_epochs,
+        seed=cfg.seed,
+        checkpoint_path=run_dir / CHECKPOINT_FILE,
+        on_round_end=lambda r, m: tracker.log_metrics(m, step=r),
+    )
     run_id = None
     if resuming:
         loop.load_state_dict(torch.load(run_dir / CHECKPOINT_FILE, weights_only=False))
@@ -145,7 +168,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     params = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items()}
     run_id = tracker.start(f"{cfg.name}-{run_dir.name}", tags, params, run_id=run_id)
     if run_id:
-        write_json(run_dir / MLFLOW_RUN_FILE, {"run_id": run_id, "tracking_uri": cfg.logger.tracking_uri})
+        write_json(
+            run_dir / MLFLOW_RUN_FILE, {"run_id": run_id, "tracking_uri": cfg.logger.tracking_uri}
+        )
 
     try:
         history = loop.run()
@@ -153,17 +178,29 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         tracker.end("FAILED")
         raise
     summary = {
-        "experiment": str(cfg.name), "seed": int(cfg.seed), "rounds": loop.completed_rounds,
-        "metrics": final_metrics(history), "comm": loop.ledger.summary(), "hashes": hashes,
-        "wall_time_s": time.perf_counter() - t0, "run_dir": str(run_dir), "tags": tags,
+        "experiment": str(cfg.name),
+        "seed": int(cfg.seed),
+        "rounds": loop.completed_rounds,
+        "metrics": final_metrics(history),
+        "comm": loop.ledger.summary(),
+        "hashes": hashes,
+        "wall_time_s": time.perf_counter() - t0,
+        "run_dir": str(run_dir),
+        "tags": tags,
         "resumed": resuming,
     }
     write_json(run_dir / "history.json", history)
     write_json(run_dir / SUMMARY_FILE, summary)
-    plot_curves(history, run_dir / "curves.png", title=f"{cfg.name} ({algorithm.name}, {graph.name})")
-    tracker.log_metrics({f"final_{k}": v for k, v in summary["metrics"].items()}, step=loop.completed_rounds)
-    tracker.log_artifacts(run_dir / f for f in (CONFIG_FILE, SUMMARY_FILE, "history.json",
-                                                "partition.json", "curves.png"))
+    plot_curves(
+        history, run_dir / "curves.png", title=f"{cfg.name} ({algorithm.name}, {graph.name})"
+    )
+    tracker.log_metrics(
+        {f"final_{k}": v for k, v in summary["metrics"].items()}, step=loop.completed_rounds
+    )
+    tracker.log_artifacts(
+        run_dir / f
+        for f in (CONFIG_FILE, SUMMARY_FILE, "history.json", "partition.json", "curves.png")
+    )
     tracker.end("FINISHED")
     print(format_summary(summary), flush=True)
     return summary

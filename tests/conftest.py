@@ -28,7 +28,9 @@ def shared_data() -> Path:
 def compose_cfg(overrides: list[str] | None = None):
     """The real ``conf/train.yaml`` composed with ``overrides`` (no Hydra run)."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides or [], return_hydra_config=False)
+        return hydra_compose(
+            config_name="train", overrides=overrides or [], return_hydra_config=False
+        )
 
 
 @pytest.fixture

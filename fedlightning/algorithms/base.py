@@ -60,17 +60,25 @@ class Algorithm:
     def server(self, global_state: dict) -> Server:
         return Server(global_state)
 
-    def make_update(self, module: pl.LightningModule, client: FederatedClient,
-                    round: int) -> ClientUpdate:
+    def make_update(
+        self, module: pl.LightningModule, client: FederatedClient, round: int
+    ) -> ClientUpdate:
         """The uplink message: the model (parameters and buffers) and two scalars."""
         return ClientUpdate(
-            round=round, client_id=client.client_id,
+            round=round,
+            client_id=client.client_id,
             tensors=as_model_fields(detach_state(module.net.state_dict())),
             scalars={"num_examples": float(client.num_train), "train_loss": module.last_loss},
         )
 
-    def local_fit(self, module: pl.LightningModule, client: FederatedClient,
-                  broadcast: ServerBroadcast, executor: Any, epochs: int) -> ClientUpdate:
+    def local_fit(
+        self,
+        module: pl.LightningModule,
+        client: FederatedClient,
+        broadcast: ServerBroadcast,
+        executor: Any,
+        epochs: int,
+    ) -> ClientUpdate:
         """Receive the broadcast, train locally for ``epochs`` steps, return the update."""
         module.receive(model_state(broadcast.tensors))
         executor.fit(module, client.data, epochs, self.callbacks())

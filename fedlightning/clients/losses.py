@@ -8,7 +8,9 @@ import torch
 from torch import Tensor
 
 
-def proximal_term(params: Iterable[tuple[str, Tensor]], anchor: dict[str, Tensor], mu: float) -> Tensor:
+def proximal_term(
+    params: Iterable[tuple[str, Tensor]], anchor: dict[str, Tensor], mu: float
+) -> Tensor:
     r"""FedProx's proximal term (Li et al., 2020, Eq. (2)).
 
     .. math::

@@ -67,7 +67,9 @@ class Partition:
             raise DataError(path, f"not a readable partition manifest ({e})") from e
         part = cls(assignment, split, obj)
         if part.hash != stored:
-            raise DataError(path, f"field `hash`: stored {stored} but content hashes to {part.hash}")
+            raise DataError(
+                path, f"field `hash`: stored {stored} but content hashes to {part.hash}"
+            )
         return part
 
 
@@ -117,11 +119,14 @@ class Partitioner:
 
     method = "base"
 
-    def __init__(self, split: tuple[float, float, float] = (0.6, 0.2, 0.2),
-                 cache_dir: str | None = None) -> None:
+    def __init__(
+        self, split: tuple[float, float, float] = (0.6, 0.2, 0.2), cache_dir: str | None = None
+    ) -> None:
         split = tuple(float(x) for x in split)
         if len(split) != 3 or min(split) < 0 or abs(sum(split) - 1.0) > 1e-6:
-            raise ConfigError("partition.split", f"three non-negative fractions summing to 1, got {list(split)}")
+            raise ConfigError(
+                "partition.split", f"three non-negative fractions summing to 1, got {list(split)}"
+            )
         self.split = split
         self.cache_dir = Path(cache_dir) if cache_dir else None
 
@@ -135,12 +140,21 @@ class Partitioner:
         if num_clients < 1:
             raise ConfigError("federation.clients", f"must be >= 1, got {num_clients}")
         if num_clients * MIN_CLIENT_NODES > graph.num_nodes:
-            raise ConfigError("federation.clients", f"{num_clients} clients need at least "
-                              f"{num_clients * MIN_CLIENT_NODES} nodes ({MIN_CLIENT_NODES} each); "
-                              f"graph {graph.name!r} has {graph.num_nodes}")
-        meta = {"method": self.method, "params": self.params(), "num_clients": int(num_clients),
-                "seed": int(seed), "split_fractions": list(self.split),
-                "graph": graph.fingerprint(), "num_nodes": graph.num_nodes}
+            raise ConfigError(
+                "federation.clients",
+                f"{num_clients} clients need at least "
+                f"{num_clients * MIN_CLIENT_NODES} nodes ({MIN_CLIENT_NODES} each); "
+                f"graph {graph.name!r} has {graph.num_nodes}",
+            )
+        meta = {
+            "method": self.method,
+            "params": self.params(),
+            "num_clients": int(num_clients),
+            "seed": int(seed),
+            "split_fractions": list(self.split),
+            "graph": graph.fingerprint(),
+            "num_nodes": graph.num_nodes,
+        }
         cached = self.cache_dir / f"partition-{content_hash(meta)}.json" if self.cache_dir else None
         if cached is not None and cached.exists():
             part = Partition.load(cached)
@@ -150,9 +164,12 @@ class Partitioner:
         assignment = torch.tensor(self.assign(graph, num_clients, seed), dtype=torch.long)
         sizes = torch.bincount(assignment, minlength=num_clients)
         if int(sizes.min()) < MIN_CLIENT_NODES:
-            raise ConfigError("federation.clients", f"{self.method} partition of {graph.name!r} into "
-                              f"{num_clients} clients leaves a client with {int(sizes.min())} nodes "
-                              f"(< {MIN_CLIENT_NODES}); use fewer clients")
+            raise ConfigError(
+                "federation.clients",
+                f"{self.method} partition of {graph.name!r} into "
+                f"{num_clients} clients leaves a client with {int(sizes.min())} nodes "
+                f"(< {MIN_CLIENT_NODES}); use fewer clients",
+            )
         part = Partition(assignment, client_splits(assignment, self.split, seed), meta)
         if cached is not None:
             part.save(cached)
@@ -180,11 +197,15 @@ class LouvainPartitioner(Partitioner):
         g.add_nodes_from(range(graph.num_nodes))
         g.add_edges_from(graph.edge_index.t().tolist())
         comms = nx.community.louvain_communities(
-            g, resolution=self.resolution, seed=derive_seed(seed, "louvain") % 2**32)
+            g, resolution=self.resolution, seed=derive_seed(seed, "louvain") % 2**32
+        )
         comms = [sorted(c) for c in comms]
         if len(comms) < num_clients:
-            raise ConfigError("federation.clients", f"Louvain finds {len(comms)} communities in "
-                              f"{graph.name!r}, fewer than the {num_clients} clients asked for")
+            raise ConfigError(
+                "federation.clients",
+                f"Louvain finds {len(comms)} communities in "
+                f"{graph.name!r}, fewer than the {num_clients} clients asked for",
+            )
         return merge_communities(comms, num_clients)
 
 
@@ -194,7 +215,9 @@ class RandomPartitioner(Partitioner):
     method = "random"
 
     def assign(self, graph: MultimodalGraph, num_clients: int, seed: int) -> list[int]:
-        perm = np.random.default_rng(derive_seed(seed, "random_partition")).permutation(graph.num_nodes)
+        perm = np.random.default_rng(derive_seed(seed, "random_partition")).permutation(
+            graph.num_nodes
+        )
         owner = np.empty(graph.num_nodes, dtype=np.int64)
         owner[perm] = np.arange(graph.num_nodes) % num_clients
         return owner.tolist()

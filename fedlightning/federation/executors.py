@@ -17,6 +17,7 @@ Both call ``configure_optimizers`` afresh, run ``epochs`` full-batch steps, and 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +26,14 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-for _name in ("lightning.pytorch.utilities.rank_zero", "lightning.pytorch.accelerators.cuda",
-              "lightning.fabric.utilities.seed"):
+for _name in (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.pytorch.accelerators.cuda",
+    "lightning.fabric.utilities.seed",
+):
     logging.getLogger(_name).setLevel(logging.WARNING)
+# Lightning's own use of a deprecated torch pytree API; nothing a user can act on.
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
 @dataclass
@@ -47,8 +53,10 @@ def _single_optimizer(conf: Any) -> torch.optim.Optimizer:
         return conf
     if isinstance(conf, dict) and "optimizer" in conf and "lr_scheduler" not in conf:
         return conf["optimizer"]
-    raise TypeError("the lean executor supports configure_optimizers returning one optimizer "
-                    "(or {'optimizer': opt}); use runner.executor=trainer for anything else")
+    raise TypeError(
+        "the lean executor supports configure_optimizers returning one optimizer "
+        "(or {'optimizer': opt}); use runner.executor=trainer for anything else"
+    )
 
 
 class LeanExecutor:
@@ -56,8 +64,13 @@ class LeanExecutor:
 
     name = "lean"
 
-    def fit(self, module: pl.LightningModule, batch: Any, epochs: int,
-            callbacks: Sequence[pl.Callback] = ()) -> None:
+    def fit(
+        self,
+        module: pl.LightningModule,
+        batch: Any,
+        epochs: int,
+        callbacks: Sequence[pl.Callback] = (),
+    ) -> None:
         state = LoopState(max_epochs=epochs, lightning_module=module, callbacks=callbacks)
         opt = _single_optimizer(module.configure_optimizers())
         state.optimizers = [opt]
@@ -83,8 +96,13 @@ class LeanExecutor:
         self._hook("on_fit_end", module, callbacks, state)
 
     @staticmethod
-    def _hook(name: str, module: pl.LightningModule, callbacks: Sequence[pl.Callback],
-              state: LoopState, *args: Any) -> None:
+    def _hook(
+        name: str,
+        module: pl.LightningModule,
+        callbacks: Sequence[pl.Callback],
+        state: LoopState,
+        *args: Any,
+    ) -> None:
         # Lightning calls callbacks first for on_*_start of the fit and the module first in
         # the step hooks; every hook here is order-independent for our callbacks, so the
         # module goes first throughout and callbacks follow in list order.
@@ -119,20 +137,34 @@ class TrainerExecutor:
 
     name = "trainer"
 
-    def __init__(self, accelerator: str = "cpu", devices: int | str = 1,
-                 precision: str = "32-true") -> None:
+    def __init__(
+        self, accelerator: str = "cpu", devices: int | str = 1, precision: str = "32-true"
+    ) -> None:
         self.accelerator, self.devices, self.precision = accelerator, devices, precision
 
-    def fit(self, module: pl.LightningModule, batch: Any, epochs: int,
-            callbacks: Sequence[pl.Callback] = ()) -> None:
+    def fit(
+        self,
+        module: pl.LightningModule,
+        batch: Any,
+        epochs: int,
+        callbacks: Sequence[pl.Callback] = (),
+    ) -> None:
         trainer = pl.Trainer(
-            max_epochs=epochs, accelerator=self.accelerator, devices=self.devices,
-            precision=self.precision, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            callbacks=list(callbacks), limit_val_batches=0,
+            max_epochs=epochs,
+            accelerator=self.accelerator,
+            devices=self.devices,
+            precision=self.precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=list(callbacks),
+            limit_val_batches=0,
         )
         # A private generator keeps the DataLoader from drawing on the global RNG, so both
         # executors consume the same random numbers (dropout) and give the same weights.
-        loader = DataLoader(_OneBatch(batch), batch_size=1, collate_fn=_first,
-                            generator=torch.Generator())
+        loader = DataLoader(
+            _OneBatch(batch), batch_size=1, collate_fn=_first, generator=torch.Generator()
+        )
         trainer.fit(module, train_dataloaders=loader)

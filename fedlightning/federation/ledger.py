@@ -36,9 +36,11 @@ class CommLedger:
 
     def total(self, direction: str, *, round: int | None = None, client: int | None = None) -> int:
         """Values sent in ``direction``, optionally only in one round / for one client."""
-        return sum(v for d, r, c, _, v, _ in self.entries
-                   if d == direction and (round is None or r == round)
-                   and (client is None or c == client))
+        return sum(
+            v
+            for d, r, c, _, v, _ in self.entries
+            if d == direction and (round is None or r == round) and (client is None or c == client)
+        )
 
     def total_bytes(self, direction: str) -> int:
         return sum(b for d, *_, b in self.entries if d == direction)
@@ -77,10 +79,14 @@ class CommLedger:
             "uplink_bytes": self.total_bytes(UP),
             "downlink_bytes": self.total_bytes(DOWN),
             "fields": self.by_field(),
-            "per_client": {str(c): {UP: v, DOWN: self.by_client(DOWN).get(c, 0)}
-                           for c, v in self.by_client(UP).items()},
-            "per_round": {str(r): {UP: v, DOWN: self.by_round(DOWN).get(r, 0)}
-                          for r, v in self.by_round(UP).items()},
+            "per_client": {
+                str(c): {UP: v, DOWN: self.by_client(DOWN).get(c, 0)}
+                for c, v in self.by_client(UP).items()
+            },
+            "per_round": {
+                str(r): {UP: v, DOWN: self.by_round(DOWN).get(r, 0)}
+                for r, v in self.by_round(UP).items()
+            },
         }
 
     def state_dict(self) -> dict[str, Any]:

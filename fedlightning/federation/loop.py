@@ -42,7 +42,9 @@ def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
         total = sum(r[f"{split}_total"] for r in results.values())
         out[f"{split}_acc"] = correct / total if total else float("nan")
     for k, r in results.items():
-        out[f"client{k}_test_acc"] = r["test_correct"] / r["test_total"] if r["test_total"] else float("nan")
+        out[f"client{k}_test_acc"] = (
+            r["test_correct"] / r["test_total"] if r["test_total"] else float("nan")
+        )
     return out
 
 
@@ -62,11 +64,21 @@ class FederatedLoop:
         on_round_end: ``(round, metrics) -> None``, e.g. MLflow logging.
     """
 
-    def __init__(self, algorithm: Algorithm, module: pl.LightningModule, server: Any,
-                 clients: Sequence[FederatedClient], runner: Any, *, rounds: int,
-                 participation: float = 1.0, local_epochs: int = 1, seed: int = 0,
-                 checkpoint_path: str | Path | None = None,
-                 on_round_end: Callable[[int, dict[str, float]], None] | None = None) -> None:
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        module: pl.LightningModule,
+        server: Any,
+        clients: Sequence[FederatedClient],
+        runner: Any,
+        *,
+        rounds: int,
+        participation: float = 1.0,
+        local_epochs: int = 1,
+        seed: int = 0,
+        checkpoint_path: str | Path | None = None,
+        on_round_end: Callable[[int, dict[str, float]], None] | None = None,
+    ) -> None:
         self.algorithm, self.module, self.server = algorithm, module, server
         self.clients, self.runner = list(clients), runner
         self.rounds, self.participation = rounds, participation
@@ -86,17 +98,23 @@ class FederatedLoop:
         def fit(client: FederatedClient) -> ClientUpdate:
             self.ledger.record(DOWN, client.client_id, broadcast)
             torch.manual_seed(derive_seed(self.seed, "fit", round, client.client_id))
-            update = self.algorithm.local_fit(self.module, client, broadcast,
-                                              self.runner.executor, self.local_epochs)
+            update = self.algorithm.local_fit(
+                self.module, client, broadcast, self.runner.executor, self.local_epochs
+            )
             self.ledger.record(UP, client.client_id, update)
             return update
 
-        updates = self.runner.run_round(round, [self.clients[k] for k in sampled], fit,
-                                        desc=f"round {round}/{self.rounds}")
+        updates = self.runner.run_round(
+            round, [self.clients[k] for k in sampled], fit, desc=f"round {round}/{self.rounds}"
+        )
         self.server.aggregate(round, updates)
         metrics = self.evaluate()
-        metrics["train_loss"] = float(np.average([u.scalars["train_loss"] for u in updates],
-                                                 weights=[u.num_examples for u in updates]))
+        metrics["train_loss"] = float(
+            np.average(
+                [u.scalars["train_loss"] for u in updates],
+                weights=[u.num_examples for u in updates],
+            )
+        )
         metrics["uplink_mib"] = self.ledger.mib(UP)
         metrics["downlink_mib"] = self.ledger.mib(DOWN)
         metrics["round_time_s"] = time.perf_counter() - t0
@@ -113,9 +131,16 @@ class FederatedLoop:
             metrics = self.run_round(r)
             self.history.append({"round": r, **metrics})
             self.completed_rounds = r
-            log.info("round %d/%d  train_loss %.4f  val_acc %.4f  test_acc %.4f  up %.3f MiB  (%.1fs)",
-                     r, self.rounds, metrics["train_loss"], metrics["val_acc"],
-                     metrics["test_acc"], metrics["uplink_mib"], metrics["round_time_s"])
+            log.info(
+                "round %d/%d  train_loss %.4f  val_acc %.4f  test_acc %.4f  up %.3f MiB  (%.1fs)",
+                r,
+                self.rounds,
+                metrics["train_loss"],
+                metrics["val_acc"],
+                metrics["test_acc"],
+                metrics["uplink_mib"],
+                metrics["round_time_s"],
+            )
             if self.on_round_end:
                 self.on_round_end(r, metrics)
             if self.checkpoint_path:

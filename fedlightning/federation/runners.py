@@ -32,12 +32,18 @@ class SequentialRunner:
         self.progress = progress
         self.kill_at = tuple(int(x) for x in str(kill_at).split(":")) if kill_at else None
 
-    def run_round(self, round: int, clients: Sequence[Any], fit: FitFn,
-                  desc: str = "") -> list[ClientUpdate]:
+    def run_round(
+        self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
+    ) -> list[ClientUpdate]:
         """Fit each client and return their updates in the order given."""
         updates = []
-        bar = tqdm(clients, desc=desc or f"round {round}", unit="client", leave=False,
-                   disable=None if self.progress else True)
+        bar = tqdm(
+            clients,
+            desc=desc or f"round {round}",
+            unit="client",
+            leave=False,
+            disable=None if self.progress else True,
+        )
         for n, client in enumerate(bar, start=1):
             updates.append(fit(client))
             if self.kill_at == (round, n):

@@ -55,13 +55,21 @@ class GNNEncoder(nn.Module):
 
     CONVS = {"gcn": GCNConv, "sage": SAGEConv}
 
-    def __init__(self, in_dim: int, hidden: int = 64, layers: int = 2, conv: str = "gcn",
-                 dropout: float = 0.5) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        hidden: int = 64,
+        layers: int = 2,
+        conv: str = "gcn",
+        dropout: float = 0.5,
+    ) -> None:
         super().__init__()
         if conv not in self.CONVS:
             raise ValueError(f"model.net.conv must be one of {sorted(self.CONVS)}, got {conv!r}")
         dims = [in_dim] + [hidden] * layers
-        self.convs = nn.ModuleList(self.CONVS[conv](a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.convs = nn.ModuleList(
+            self.CONVS[conv](a, b) for a, b in zip(dims[:-1], dims[1:], strict=False)
+        )
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
@@ -93,8 +101,15 @@ class MultimodalGNN(nn.Module):
         ``edge_index`` ``[2, E]``; output: logits ``[N, num_classes]``.
     """
 
-    def __init__(self, in_dims: dict[str, int], num_classes: int, hidden: int = 64,
-                 gnn_layers: int = 2, conv: str = "gcn", dropout: float = 0.5) -> None:
+    def __init__(
+        self,
+        in_dims: dict[str, int],
+        num_classes: int,
+        hidden: int = 64,
+        gnn_layers: int = 2,
+        conv: str = "gcn",
+        dropout: float = 0.5,
+    ) -> None:
         super().__init__()
         self.modalities = list(in_dims)
         self.conv = conv

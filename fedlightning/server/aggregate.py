@@ -12,7 +12,9 @@ from fedlightning.federation.messages import ClientUpdate
 MODEL_PREFIX = "model."
 
 
-def weighted_average(states: Sequence[dict[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:
+def weighted_average(
+    states: Sequence[dict[str, Tensor]], weights: Sequence[float]
+) -> dict[str, Tensor]:
     r"""Weighted mean of state dicts, key by key.
 
     .. math::
@@ -27,7 +29,9 @@ def weighted_average(states: Sequence[dict[str, Tensor]], weights: Sequence[floa
         weights: one non-negative weight per client (e.g. training examples), not all zero.
     """
     if len(states) != len(weights) or not states:
-        raise ValueError(f"need one weight per state, got {len(states)} states, {len(weights)} weights")
+        raise ValueError(
+            f"need one weight per state, got {len(states)} states, {len(weights)} weights"
+        )
     w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
     if (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"weights must be non-negative and not all zero, got {list(weights)}")
@@ -61,5 +65,6 @@ def fedavg(updates: Sequence[ClientUpdate]) -> dict[str, Tensor]:
 
     Parameters and buffers alike.
     """
-    return weighted_average([model_state(u.tensors) for u in updates],
-                            [u.num_examples for u in updates])
+    return weighted_average(
+        [model_state(u.tensors) for u in updates], [u.num_examples for u in updates]
+    )

@@ -26,8 +26,12 @@ class Server:
         modules: named server modules, run after the model aggregation in order.
     """
 
-    def __init__(self, global_state: dict[str, Tensor], aggregator: Aggregator = fedavg,
-                 modules: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        global_state: dict[str, Tensor],
+        aggregator: Aggregator = fedavg,
+        modules: dict[str, Any] | None = None,
+    ) -> None:
         self.global_state = detach_state(global_state)
         self.aggregator = aggregator
         self.modules = dict(modules or {})
@@ -48,8 +52,10 @@ class Server:
             mod.aggregate(round, updates)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"global_state": self.global_state,
-                "modules": {k: m.state_dict() for k, m in self.modules.items()}}
+        return {
+            "global_state": self.global_state,
+            "modules": {k: m.state_dict() for k, m in self.modules.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_state = detach_state(state["global_state"])

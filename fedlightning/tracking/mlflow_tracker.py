@@ -28,8 +28,9 @@ class NullTracker:
 
     run_id: str | None = None
 
-    def start(self, run_name: str, tags: dict[str, str], params: dict[str, Any],
-              run_id: str | None = None) -> str | None:
+    def start(
+        self, run_name: str, tags: dict[str, str], params: dict[str, Any], run_id: str | None = None
+    ) -> str | None:
         return None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -54,8 +55,9 @@ class MlflowTracker(NullTracker):
         experiment_name: MLflow experiment (default ``"fedlightning"``).
     """
 
-    def __init__(self, tracking_uri: str = "sqlite:///mlflow.db",
-                 experiment_name: str = "fedlightning") -> None:
+    def __init__(
+        self, tracking_uri: str = "sqlite:///mlflow.db", experiment_name: str = "fedlightning"
+    ) -> None:
         import mlflow  # slow import: only when tracking is on
 
         self.mlflow = mlflow
@@ -64,8 +66,9 @@ class MlflowTracker(NullTracker):
         self.client: Any = None
         self.run_id = None
 
-    def start(self, run_name: str, tags: dict[str, str], params: dict[str, Any],
-              run_id: str | None = None) -> str:
+    def start(
+        self, run_name: str, tags: dict[str, str], params: dict[str, Any], run_id: str | None = None
+    ) -> str:
         from mlflow.tracking import MlflowClient
 
         self.mlflow.set_tracking_uri(self.tracking_uri)
@@ -83,8 +86,12 @@ class MlflowTracker(NullTracker):
         items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
-        log.info("mlflow: run %s in experiment %r at %s", self.run_id, self.experiment_name,
-                 self.tracking_uri)
+        log.info(
+            "mlflow: run %s in experiment %r at %s",
+            self.run_id,
+            self.experiment_name,
+            self.tracking_uri,
+        )
         return self.run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -93,8 +100,11 @@ class MlflowTracker(NullTracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        items = [
+            Metric(k, float(v), now, step)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and math.isfinite(float(v))
+        ]
         for i in range(0, len(items), 500):
             self.client.log_batch(self.run_id, metrics=items[i : i + 500])
 

@@ -43,8 +43,11 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """The global generators' states, for a checkpoint."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

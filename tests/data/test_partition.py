@@ -23,8 +23,9 @@ def _caveman(cliques=6, size=20):
     ei = clean_edges(torch.tensor(list(g.edges())).t(), g.number_of_nodes())
     n = g.number_of_nodes()
     y = torch.arange(n) // size % 3
-    return MultimodalGraph("caveman", {"x": torch.randn(n, 4)}, full_mask(n, 1), ei, y,
-                           ["a", "b", "c"])
+    return MultimodalGraph(
+        "caveman", {"x": torch.randn(n, 4)}, full_mask(n, 1), ei, y, ["a", "b", "c"]
+    )
 
 
 def test_merge_communities_hand_case():
@@ -57,8 +58,11 @@ def test_splits_are_60_20_20_per_client_and_disjoint():
     split = client_splits(assignment, (0.6, 0.2, 0.2), seed=3)
     for k, n in ((0, 50), (1, 30)):
         s = split[assignment == k]
-        assert [(s == x).sum().item() for x in (TRAIN, VAL, TEST)] == [round(0.6 * n), round(0.2 * n),
-                                                                         n - round(0.6 * n) - round(0.2 * n)]
+        assert [(s == x).sum().item() for x in (TRAIN, VAL, TEST)] == [
+            round(0.6 * n),
+            round(0.2 * n),
+            n - round(0.6 * n) - round(0.2 * n),
+        ]
     assert torch.equal(split, client_splits(assignment, (0.6, 0.2, 0.2), seed=3))
     assert not torch.equal(split, client_splits(assignment, (0.6, 0.2, 0.2), seed=4))
 

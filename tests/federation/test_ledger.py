@@ -6,8 +6,12 @@ from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
 
 
 def _update(client, rnd):
-    return ClientUpdate(rnd, {"model.w": torch.zeros(3, 4), "model.b": torch.zeros(4, dtype=torch.float64)},
-                        {"num_examples": 10.0, "train_loss": 0.5}, client_id=client)
+    return ClientUpdate(
+        rnd,
+        {"model.w": torch.zeros(3, 4), "model.b": torch.zeros(4, dtype=torch.float64)},
+        {"num_examples": 10.0, "train_loss": 0.5},
+        client_id=client,
+    )
 
 
 def test_counts_match_hand_counts():

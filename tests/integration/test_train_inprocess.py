@@ -29,8 +29,9 @@ def test_fedavg_cora_accuracy_uplink_and_repeatability(tmp_env, shared_data, mon
     assert s1["comm"]["uplink_values"] == values * 5 * 20
     assert s1["comm"]["uplink_mib"] == pytest.approx(values * 5 * 20 * 4 / 2**20)
     assert s1["comm"]["fields"]["num_examples"] == {"up": 100, "down": 0}
-    s2 = train(compose(["experiment=fedavg_cora", "federation.rounds=20", "logger=none"]),
-               tmp_env / "run2")
+    s2 = train(
+        compose(["experiment=fedavg_cora", "federation.rounds=20", "logger=none"]), tmp_env / "run2"
+    )
     assert s1["metrics"] == s2["metrics"] and s1["hashes"] == s2["hashes"]
     on_disk = json.loads((tmp_env / "run1" / "summary.json").read_text())
     assert on_disk["metrics"]["test_acc"] == s1["metrics"]["test_acc"]
@@ -41,8 +42,10 @@ def test_fedavg_cora_accuracy_uplink_and_repeatability(tmp_env, shared_data, mon
 
 def test_fedprox_citeseer_mm_two_modalities(tmp_env, shared_data, monkeypatch, compose):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    s = train(compose(["experiment=fedprox_citeseer_mm", "federation.rounds=3", "logger=none"]),
-              tmp_env / "run")
+    s = train(
+        compose(["experiment=fedprox_citeseer_mm", "federation.rounds=3", "logger=none"]),
+        tmp_env / "run",
+    )
     assert s["tags"]["dataset"] == "citeseer_mm" and s["tags"]["method"] == "fedprox"
     assert 0.3 < s["metrics"]["test_acc"] <= 1.0  # 6 classes: well above chance after 3 rounds
     fields = s["comm"]["fields"]
@@ -61,8 +64,10 @@ def test_seed_changes_training_but_not_protocol_hash(tmp_env, compose):
 
 
 def test_partial_participation_counts_only_sampled_clients(tmp_env, compose):
-    s = train(compose(["federation.rounds=3", "federation.participation=0.4", "logger=none"]),
-              tmp_env / "p")
+    s = train(
+        compose(["federation.rounds=3", "federation.participation=0.4", "logger=none"]),
+        tmp_env / "p",
+    )
     per_round = s["comm"]["per_round"]
     one = per_round["1"]["up"] // 2  # 2 of 5 clients sampled each round
     assert all(v["up"] == 2 * one for v in per_round.values())
@@ -70,8 +75,9 @@ def test_partial_participation_counts_only_sampled_clients(tmp_env, compose):
 
 def test_trainer_executor_matches_lean(tmp_env, compose):
     lean = train(compose(["federation.rounds=2", "logger=none"]), tmp_env / "l")
-    full = train(compose(["federation.rounds=2", "logger=none", "runner=sequential_trainer"]),
-                 tmp_env / "t")
+    full = train(
+        compose(["federation.rounds=2", "logger=none", "runner=sequential_trainer"]), tmp_env / "t"
+    )
     assert full["metrics"]["test_acc"] == pytest.approx(lean["metrics"]["test_acc"], abs=1e-9)
     assert full["metrics"]["train_loss"] == pytest.approx(lean["metrics"]["train_loss"], rel=1e-5)
 

@@ -28,8 +28,15 @@ def test_batchnorm_buffers_survive_fedavg():
     bn1, bn2 = torch.nn.BatchNorm1d(2), torch.nn.BatchNorm1d(2)
     bn1(torch.tensor([[0.0, 0.0], [2.0, 4.0]]))
     bn2(torch.tensor([[4.0, 8.0], [6.0, 12.0]]))
-    ups = [ClientUpdate(1, {f"model.{k}": v for k, v in bn.state_dict().items()},
-                        {"num_examples": 1.0}, client_id=i) for i, bn in enumerate((bn1, bn2))]
+    ups = [
+        ClientUpdate(
+            1,
+            {f"model.{k}": v for k, v in bn.state_dict().items()},
+            {"num_examples": 1.0},
+            client_id=i,
+        )
+        for i, bn in enumerate((bn1, bn2))
+    ]
     out = fedavg(ups)
     assert set(out) == set(bn1.state_dict())
     # running_mean after one batch with momentum 0.1: 0.1 * batch mean
@@ -50,8 +57,10 @@ def test_server_broadcast_is_a_copy_and_aggregates_by_examples():
     bc = srv.broadcast(1)
     bc.tensors["model.w"] += 5  # a client mutating its copy must not touch the server
     assert torch.equal(srv.global_state["w"], torch.zeros(2))
-    ups = [ClientUpdate(1, {"model.w": torch.tensor([1.0, 1.0])}, {"num_examples": 30.0}, client_id=0),
-           ClientUpdate(1, {"model.w": torch.tensor([5.0, 9.0])}, {"num_examples": 10.0}, client_id=1)]
+    ups = [
+        ClientUpdate(1, {"model.w": torch.tensor([1.0, 1.0])}, {"num_examples": 30.0}, client_id=0),
+        ClientUpdate(1, {"model.w": torch.tensor([5.0, 9.0])}, {"num_examples": 10.0}, client_id=1),
+    ]
     srv.aggregate(1, ups)
     # (30*[1,1] + 10*[5,9]) / 40 = [2, 3]
     assert torch.allclose(srv.global_state["w"], torch.tensor([2.0, 3.0]))

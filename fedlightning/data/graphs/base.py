@@ -41,16 +41,24 @@ class MultimodalGraph:
             raise ValueError(f"graph {self.name!r}: at least one modality is required")
         for m, x in self.features.items():
             if x.dim() != 2 or x.size(0) != n:
-                raise ValueError(f"graph {self.name!r}: modality {m!r} has shape "
-                                 f"{tuple(x.shape)}, expected [{n}, d]")
+                raise ValueError(
+                    f"graph {self.name!r}: modality {m!r} has shape "
+                    f"{tuple(x.shape)}, expected [{n}, d]"
+                )
         if tuple(self.mask.shape) != (n, len(self.features)):
-            raise ValueError(f"graph {self.name!r}: mask has shape {tuple(self.mask.shape)}, "
-                             f"expected [{n}, {len(self.features)}]")
+            raise ValueError(
+                f"graph {self.name!r}: mask has shape {tuple(self.mask.shape)}, "
+                f"expected [{n}, {len(self.features)}]"
+            )
         if self.edge_index.numel() and int(self.edge_index.max()) >= n:
-            raise ValueError(f"graph {self.name!r}: edge_index refers to node "
-                             f"{int(self.edge_index.max())} but there are {n} nodes")
+            raise ValueError(
+                f"graph {self.name!r}: edge_index refers to node "
+                f"{int(self.edge_index.max())} but there are {n} nodes"
+            )
         if n and (int(self.y.min()) < 0 or int(self.y.max()) >= len(self.class_names)):
-            raise ValueError(f"graph {self.name!r}: labels must lie in 0..{len(self.class_names) - 1}")
+            raise ValueError(
+                f"graph {self.name!r}: labels must lie in 0..{len(self.class_names) - 1}"
+            )
 
     @property
     def modalities(self) -> list[str]:
@@ -105,8 +113,10 @@ class MultimodalGraph:
 
     def __repr__(self) -> str:
         mods = ", ".join(f"{m}={x.size(1)}" for m, x in self.features.items())
-        return (f"MultimodalGraph({self.name}, nodes={self.num_nodes}, edges={self.num_edges}, "
-                f"classes={self.num_classes}, modalities=[{mods}])")
+        return (
+            f"MultimodalGraph({self.name}, nodes={self.num_nodes}, edges={self.num_edges}, "
+            f"classes={self.num_classes}, modalities=[{mods}])"
+        )
 
 
 def clean_edges(edge_index: Tensor, num_nodes: int) -> Tensor:
@@ -121,7 +131,9 @@ def full_mask(num_nodes: int, num_modalities: int) -> Tensor:
     return torch.ones(num_nodes, num_modalities, dtype=torch.bool)
 
 
-def apply_missing(graph: MultimodalGraph, rate: float | dict[str, float], seed: int) -> MultimodalGraph:
+def apply_missing(
+    graph: MultimodalGraph, rate: float | dict[str, float], seed: int
+) -> MultimodalGraph:
     r"""Hide each modality for a fraction ``rate`` of the nodes, seeded.
 
     A node keeps at least one modality: where all of a node's modalities would be hidden,
@@ -132,8 +144,11 @@ def apply_missing(graph: MultimodalGraph, rate: float | dict[str, float], seed: 
         seed: the protocol seed.
     """
     mods = graph.modalities
-    rates = {m: float(rate) for m in mods} if not isinstance(rate, dict) else {
-        m: float(rate.get(m, 0.0)) for m in mods}
+    rates = (
+        {m: float(rate) for m in mods}
+        if not isinstance(rate, dict)
+        else {m: float(rate.get(m, 0.0)) for m in mods}
+    )
     if all(r == 0.0 for r in rates.values()):
         return graph
     gen = torch.Generator().manual_seed(int(seed))
@@ -144,6 +159,9 @@ def apply_missing(graph: MultimodalGraph, rate: float | dict[str, float], seed: 
         keep = draws[all_hidden].argmin(dim=1)
         hide[all_hidden.nonzero().squeeze(1), keep] = False
     mask = graph.mask & ~hide
-    feats = {m: x * mask[:, j : j + 1].to(x.dtype) for j, (m, x) in enumerate(graph.features.items())}
-    return MultimodalGraph(graph.name, feats, mask, graph.edge_index, graph.y,
-                           graph.class_names, graph.node_ids)
+    feats = {
+        m: x * mask[:, j : j + 1].to(x.dtype) for j, (m, x) in enumerate(graph.features.items())
+    }
+    return MultimodalGraph(
+        graph.name, feats, mask, graph.edge_index, graph.y, graph.class_names, graph.node_ids
+    )

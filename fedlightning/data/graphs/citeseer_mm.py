@@ -1,0 +1,189 @@
+"""CiteSeer with two real modalities: MiniLM text embeddings and the bag-of-words."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedlightning.data.graphs.base import MultimodalGraph, clean_edges, full_mask
+from fedlightning.data.graphs.planetoid import (
+    data_root,
+    read_gnn_benchmark_npz,
+    require_dir,
+    require_file,
+)
+from fedlightning.errors import DataError
+
+__all__ = ["load_citeseer_mm"]
+
+_TAPE = "citeseer_tape"
+
+
+def _read_ids(path: Path) -> list[str]:
+    require_file(path, "the JSON list of paper ids, one per row of citeseer_minilm.npy")
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(path, f"not valid UTF-8 JSON ({e})") from e
+    if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
+        raise DataError(path, "expected a JSON list of non-empty paper-id strings")
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise DataError(path, f"expected distinct paper ids, {dup!r} appears more than once")
+    return ids
+
+
+def _read_embeddings(path: Path, n: int) -> np.ndarray:
+    require_file(path, f"the float32 [{n}, 384] MiniLM text embeddings")
+    try:
+        x = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(path, f"not a readable .npy array ({type(e).__name__}: {e})") from e
+    if x.ndim != 2 or x.shape[0] != n or not np.issubdtype(x.dtype, np.floating):
+        raise DataError(
+            path,
+            f"expected a float matrix [{n}, d] (one row per id of "
+            f"citeseer_minilm_ids.json), got shape {x.shape} dtype {x.dtype}",
+        )
+    if not np.isfinite(x).all():
+        raise DataError(path, "expected finite values, found NaN or inf")
+    return x.astype(np.float32, copy=False)
+
+
+def _read_texts(path: Path) -> dict[str, str]:
+    """Paper id -> class name from the TAPE records (id line, text line, class line)."""
+    require_file(path, "the TAPE records: paper id, title and abstract, class name")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(path, f"expected UTF-8 text ({e})") from e
+    # splitlines also handles CRLF; trailing blank lines (a final newline) carry no record.
+    lines = [ln.strip() for ln in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    if len(lines) % 3:
+        raise DataError(
+            path,
+            f"expected records of three lines (id, text, class), got "
+            f"{len(lines)} lines, not a multiple of 3",
+        )
+    classes: dict[str, str] = {}
+    for start in range(0, len(lines), 3):
+        pid, label = lines[start], lines[start + 2]
+        # Ids and class names are single tokens; a text line in either slot means the
+        # records are out of step (e.g. a text that spans two lines).
+        for what, value, offset in (("paper id", pid, 0), ("class name", label, 2)):
+            if not value or len(value.split()) != 1:
+                raise DataError(
+                    path,
+                    f"line {start + offset + 1}: expected a {what} (one token), got {value[:60]!r}",
+                )
+        if classes.setdefault(pid, label) != label:
+            raise DataError(
+                path,
+                f"line {start + 1}: paper {pid!r} has two classes, {classes[pid]!r} and {label!r}",
+            )
+    return classes
+
+
+def _read_cites(path: Path, index: dict[str, int]) -> torch.Tensor:
+    require_file(path, "the citations, one `cited citing` pair of paper ids per line")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(path, f"expected UTF-8 text ({e})") from e
+    src: list[int] = []
+    dst: list[int] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        tok = line.split()
+        if not tok:
+            continue
+        if len(tok) != 2:
+            raise DataError(
+                path, f"line {lineno}: expected two paper ids `cited citing`, got {line[:80]!r}"
+            )
+        # Citations of papers outside the 3,186 (no text, hence no embedding) are dropped.
+        if tok[0] in index and tok[1] in index:
+            src.append(index[tok[0]])
+            dst.append(index[tok[1]])
+    return torch.tensor([src, dst], dtype=torch.long).reshape(2, -1)
+
+
+def load_citeseer_mm(root: str | os.PathLike[str] | None = None) -> MultimodalGraph:
+    r"""Load ``citeseer_mm``: the 3,186 CiteSeer papers with real titles and abstracts.
+
+    Nodes are the paper ids of ``citeseer_minilm_ids.json`` in that order. Two modalities:
+
+    * ``text``: float32 ``[3186, 384]`` all-MiniLM-L6-v2 embeddings of title + abstract,
+    * ``bow``: float32 ``[3186, 3703]`` 0/1 word indicators, the rows of the gnn-benchmark
+      ``citeseer.npz`` whose ``node_names`` are the paper ids.
+
+    Labels come from the class line of ``citeseer_texts.txt``; ``class_names`` are sorted
+    alphabetically (``['AI', 'Agents', 'DB', 'HCI', 'IR', 'ML']``). Edges are the citations
+    of ``citeseer.cites`` between two of the papers, undirected, without self citations
+    (4,225 undirected edges).
+
+    Files, under ``<root>/citeseer_tape/``: ``citeseer_minilm_ids.json``,
+    ``citeseer_minilm.npy``, ``citeseer_texts.txt``, ``citeseer.cites``; and
+    ``<root>/gnn_benchmark/citeseer.npz``.
+
+    Args:
+        root (str or Path, optional): the data directory; see :func:`data_root`.
+
+    Raises:
+        DataError: for a missing or malformed file, or a paper id missing from one of them.
+    """
+    base = data_root(root)
+    tape = require_dir(
+        base / _TAPE,
+        "citeseer_minilm_ids.json, citeseer_minilm.npy, citeseer_texts.txt and citeseer.cites",
+    )
+    ids = _read_ids(tape / "citeseer_minilm_ids.json")
+    n = len(ids)
+    index = {pid: i for i, pid in enumerate(ids)}
+    text = _read_embeddings(tape / "citeseer_minilm.npy", n)
+
+    npz_path = require_dir(base / "gnn_benchmark", "citeseer.npz") / "citeseer.npz"
+    z = read_gnn_benchmark_npz(npz_path)
+    if z.node_names is None:
+        raise DataError(npz_path, "missing field `node_names`: needed to match the paper ids")
+    row_of = {name: i for i, name in enumerate(z.node_names)}
+    missing = [pid for pid in ids if pid not in row_of]
+    if missing:
+        raise DataError(
+            npz_path,
+            f"field `node_names`: paper id {missing[0]!r} (of "
+            f"citeseer_minilm_ids.json) not found; {len(missing)} missing",
+        )
+    bow = z.attr[np.array([row_of[pid] for pid in ids], dtype=np.int64)].toarray()
+
+    texts_path = tape / "citeseer_texts.txt"
+    classes = _read_texts(texts_path)
+    unlabelled = [pid for pid in ids if pid not in classes]
+    if unlabelled:
+        raise DataError(
+            texts_path,
+            f"paper id {unlabelled[0]!r} (of citeseer_minilm_ids.json) "
+            f"has no record; {len(unlabelled)} missing",
+        )
+    class_names = sorted({classes[pid] for pid in ids})
+    label_of = {c: i for i, c in enumerate(class_names)}
+    y = torch.tensor([label_of[classes[pid]] for pid in ids], dtype=torch.long)
+
+    edge_index = clean_edges(_read_cites(tape / "citeseer.cites", index), n)
+    return MultimodalGraph(
+        name="citeseer_mm",
+        features={
+            "text": torch.from_numpy(np.ascontiguousarray(text)),
+            "bow": torch.from_numpy(bow.astype(np.float32)),
+        },
+        mask=full_mask(n, 2),
+        edge_index=edge_index,
+        y=y,
+        class_names=class_names,
+        node_ids=list(ids),
+    )

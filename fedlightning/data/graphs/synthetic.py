@@ -1,0 +1,159 @@
+"""A seeded synthetic multimodal graph: stochastic block model + class-dependent features."""
+
+from __future__ import annotations
+
+import numbers
+import zlib
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from fedlightning.data.graphs.base import MultimodalGraph, apply_missing, clean_edges, full_mask
+
+__all__ = ["make_synthetic"]
+
+# Upper bound on the number of node pairs drawn at once, so memory stays bounded (~16 MB of
+# float32 draws) whatever num_nodes is.
+_PAIRS_PER_CHUNK = 1 << 22
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"make_synthetic: {name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _check_float(
+    name: str, value: object, low: float, high: float | None = None, high_open: bool = False
+) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    v = float(value) if ok else float("nan")
+    if (
+        not ok
+        or not np.isfinite(v)
+        or v < low
+        or (high is not None and (v > high or (high_open and v == high)))
+    ):
+        bound = "" if high is None else f" and {'<' if high_open else '<='} {high}"
+        raise ValueError(f"make_synthetic: {name} must be a number >= {low}{bound}, got {value!r}")
+    return v
+
+
+def _sbm_edges(y: np.ndarray, p_in: float, p_out: float, rng: np.random.Generator) -> np.ndarray:
+    """Draw each unordered pair {i, j} (i < j) once: w.p. p_in within a class, else p_out."""
+    n = y.size
+    rows_per_chunk = max(1, _PAIRS_PER_CHUNK // max(n, 1))
+    cols = np.arange(n)
+    src, dst = [], []
+    for start in range(0, n, rows_per_chunk):
+        rows = np.arange(start, min(start + rows_per_chunk, n))
+        draws = rng.random((rows.size, n), dtype=np.float32)
+        prob = np.where(y[rows, None] == y[None, :], p_in, p_out)
+        # Only the upper triangle: each pair is decided once, then mirrored by clean_edges.
+        hit = (draws < prob) & (cols[None, :] > rows[:, None])
+        r, c = np.nonzero(hit)
+        src.append(rows[r])
+        dst.append(c)
+    return np.stack([np.concatenate(src), np.concatenate(dst)]).astype(np.int64)
+
+
+def make_synthetic(
+    num_nodes: int = 600,
+    num_classes: int = 5,
+    modalities: dict[str, int] | None = None,
+    p_in: float = 0.05,
+    p_out: float = 0.005,
+    signal: float = 1.0,
+    noise: float = 1.0,
+    missing_rate: float = 0.0,
+    seed: int = 0,
+) -> MultimodalGraph:
+    r"""Generate the ``synthetic`` graph: a stochastic block model with one block per class.
+
+    Classes are balanced (sizes differ by at most one) and assigned by a seeded permutation.
+    Each unordered pair of nodes is linked with probability ``p_in`` within a class and
+    ``p_out`` across classes. For each modality ``m`` of dimension ``d``, every class ``c``
+    gets a mean ``mu_c ~ signal * N(0, I_d)`` and node ``i`` the features
+    ``mu_{y_i} + noise * N(0, I_d)``.
+
+    Everything is a function of ``seed``: the labels and edges of one stream, each
+    modality's features of a stream keyed by its name (so adding a modality or changing a
+    dimension leaves the graph and the other modalities unchanged), and the missing
+    modalities of :func:`apply_missing` with the same ``seed``.
+
+    Args:
+        num_nodes (int, optional): number of nodes ``N``. (default: ``600``)
+        num_classes (int, optional): number of classes ``C``, ``1 <= C <= N``. (default: ``5``)
+        modalities (dict[str, int], optional): modality name -> feature dimension.
+            (default: ``{"text": 32, "image": 16}``)
+        p_in (float, optional): edge probability within a class. (default: ``0.05``)
+        p_out (float, optional): edge probability across classes. (default: ``0.005``)
+        signal (float, optional): scale of the class means. (default: ``1.0``)
+        noise (float, optional): standard deviation of the per-node noise. (default: ``1.0``)
+        missing_rate (float, optional): fraction of nodes that lose each modality, in
+            ``[0, 1)``; every node keeps at least one modality (see :func:`apply_missing`),
+            which makes the hidden fraction per modality slightly lower, and needs at least
+            two modalities. (default: ``0.0``)
+        seed (int, optional): the seed, ``>= 0``. (default: ``0``)
+
+    Returns:
+        MultimodalGraph: ``features[m]`` float32 ``[N, d_m]``, ``y`` long ``[N]``,
+        undirected ``edge_index``.
+
+    Raises:
+        ValueError: naming the first invalid argument.
+    """
+    n = _check_int("num_nodes", num_nodes, 1)
+    c = _check_int("num_classes", num_classes, 1)
+    if c > n:
+        raise ValueError(f"make_synthetic: num_classes ({c}) must not exceed num_nodes ({n})")
+    if modalities is None:
+        modalities = {"text": 32, "image": 16}
+    if not isinstance(modalities, Mapping) or not modalities:
+        raise ValueError(
+            f"make_synthetic: modalities must be a non-empty dict name -> dimension, "
+            f"got {modalities!r}"
+        )
+    modalities = dict(modalities)
+    for m, d in modalities.items():
+        if not isinstance(m, str) or not m:
+            raise ValueError(
+                f"make_synthetic: modalities keys must be non-empty strings, got {m!r}"
+            )
+        _check_int(f"modalities[{m!r}]", d, 1)
+    p_in = _check_float("p_in", p_in, 0.0, 1.0)
+    p_out = _check_float("p_out", p_out, 0.0, 1.0)
+    signal = _check_float("signal", signal, 0.0)
+    noise = _check_float("noise", noise, 0.0)
+    missing_rate = _check_float("missing_rate", missing_rate, 0.0, 1.0, high_open=True)
+    if missing_rate > 0 and len(modalities) < 2:
+        # apply_missing never hides a node's last modality, so with one modality nothing
+        # would be hidden; refuse rather than silently ignore the rate.
+        raise ValueError(
+            "make_synthetic: missing_rate > 0 needs at least two modalities, "
+            f"got {list(modalities)}"
+        )
+    seed = _check_int("seed", seed, 0)
+
+    structure = np.random.default_rng([seed, 0])
+    y = structure.permutation(np.arange(n) % c)
+    edges = _sbm_edges(y, p_in, p_out, structure)
+
+    features = {}
+    for m, d in modalities.items():
+        # crc32 rather than hash(): str hashes are salted per process.
+        rng = np.random.default_rng([seed, 1, zlib.crc32(m.encode("utf-8"))])
+        means = signal * rng.standard_normal((c, int(d)))
+        x = means[y] + noise * rng.standard_normal((n, int(d)))
+        features[m] = torch.from_numpy(x.astype(np.float32))
+
+    graph = MultimodalGraph(
+        name="synthetic",
+        features=features,
+        mask=full_mask(n, len(features)),
+        edge_index=clean_edges(torch.from_numpy(edges), n),
+        y=torch.from_numpy(y.astype(np.int64)),
+        class_names=[f"class_{i}" for i in range(c)],
+    )
+    return apply_missing(graph, missing_rate, seed) if missing_rate > 0 else graph

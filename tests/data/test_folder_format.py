@@ -1,0 +1,311 @@
+"""The folder format: round trips, hand-written folders and every kind of broken file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedlightning.data.graphs import MultimodalGraph, load_folder, make_synthetic, save_folder
+from fedlightning.data.graphs.folder import FolderExistsError
+from fedlightning.errors import DataError
+
+N = 6
+
+
+def write_small(folder: Path) -> Path:
+    """A hand-written 6-node folder using the CSV variants, masks and all optional files."""
+    (folder / "features").mkdir(parents=True)
+    (folder / "masks").mkdir()
+    # Directed, duplicated, one self loop (4,4) and one pair in both directions (0,1)/(1,0).
+    (folder / "edges.csv").write_text("src,dst\n0,1\n1,0\n1,2\n1,2\n\n2,3\n4,4\n3,5\n")
+    (folder / "labels.csv").write_text("label\n0\n1\n1\n2\n0\n2\n")
+    rng = np.random.default_rng(0)
+    np.save(folder / "features" / "text.npy", rng.standard_normal((N, 4)).astype(np.float64))
+    np.save(folder / "features" / "image.npy", np.arange(N * 3).reshape(N, 3).astype(np.int32))
+    np.save(folder / "masks" / "image.npy", np.array([1, 1, 0, 1, 0, 1], dtype=np.int8))
+    (folder / "class_names.json").write_text(json.dumps(["a", "b", "c"]))
+    (folder / "node_ids.json").write_text(json.dumps([f"n{i}" for i in range(N)]))
+    (folder / "meta.json").write_text(json.dumps({"name": "small"}))
+    return folder
+
+
+def write_npy_variant(folder: Path) -> Path:
+    """The minimal folder with the .npy variants and no optional files."""
+    (folder / "features").mkdir(parents=True)
+    np.save(folder / "edge_index.npy", np.array([[0, 1, 2], [1, 2, 3]]))
+    np.save(folder / "labels.npy", np.array([0, 1, 0, 1, 0, 1]))
+    np.save(folder / "features" / "text.npy", np.ones((N, 2), dtype=np.float32))
+    return folder
+
+
+def test_hand_written_folder(tmp_path):
+    g = load_folder(write_small(tmp_path / "ds"))
+    assert g.name == "small"
+    assert g.modalities == ["image", "text"]  # sorted file names
+    assert g.num_nodes == N
+    # Undirected pairs by hand: {0,1}, {1,2}, {2,3}, {3,5}; the self loop is dropped.
+    pairs = {tuple(sorted(p)) for p in g.edge_index.t().tolist()}
+    assert pairs == {(0, 1), (1, 2), (2, 3), (3, 5)}
+    assert g.num_edges == 4
+    assert g.y.tolist() == [0, 1, 1, 2, 0, 2]
+    assert g.class_names == ["a", "b", "c"]
+    assert g.node_ids == [f"n{i}" for i in range(N)]
+    assert g.mask[:, 0].tolist() == [True, True, False, True, False, True]
+    assert g.mask[:, 1].all()
+    image = g.features["image"]
+    assert image.dtype == torch.float32
+    assert image[[2, 4]].abs().sum() == 0  # unavailable rows zeroed
+    assert image[3].tolist() == [9.0, 10.0, 11.0]
+    assert g.features["text"].dtype == torch.float32
+
+
+def test_npy_variant_and_defaults(tmp_path):
+    g = load_folder(write_npy_variant(tmp_path / "mygraph"))
+    assert g.name == "mygraph"  # folder name without meta.json
+    assert g.class_names == ["class_0", "class_1"]
+    assert g.node_ids is None
+    assert g.mask.all()
+    assert g.num_edges == 3
+    assert load_folder(tmp_path / "mygraph", name="other").name == "other"
+
+
+def test_round_trip_synthetic_with_missing(tmp_path):
+    g = make_synthetic(num_nodes=200, num_classes=4, missing_rate=0.3, seed=3)
+    g = MultimodalGraph(
+        g.name,
+        g.features,
+        g.mask,
+        g.edge_index,
+        g.y,
+        g.class_names,
+        node_ids=[f"p{i}" for i in range(g.num_nodes)],
+    )
+    save_folder(g, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out" / "masks").iterdir()) == [
+        "image.npy",
+        "text.npy",
+    ]
+    h = load_folder(tmp_path / "out")
+    assert h.name == g.name
+    assert set(h.modalities) == set(g.modalities)
+    for m in g.modalities:
+        assert torch.equal(h.features[m], g.features[m])
+        assert torch.equal(h.mask[:, h.modalities.index(m)], g.mask[:, g.modalities.index(m)])
+    assert torch.equal(h.edge_index, g.edge_index)
+    assert torch.equal(h.y, g.y)
+    assert h.class_names == g.class_names
+    assert h.node_ids == g.node_ids
+    assert h.fingerprint() == load_folder(tmp_path / "out").fingerprint()
+
+
+def test_round_trip_without_masks(tmp_path):
+    g = make_synthetic(num_nodes=50, num_classes=2, modalities={"a": 3}, seed=1)
+    save_folder(g, tmp_path / "out")
+    assert not (tmp_path / "out" / "masks").exists()
+    h = load_folder(tmp_path / "out")
+    assert torch.equal(h.features["a"], g.features["a"]) and torch.equal(h.edge_index, g.edge_index)
+
+
+def test_save_refuses_non_empty_folder(tmp_path):
+    g = make_synthetic(num_nodes=20, num_classes=2, seed=0)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(FolderExistsError, match="full") as e:
+        save_folder(g, tmp_path / "full")
+    assert isinstance(e.value, DataError) and isinstance(e.value, FileExistsError)
+    assert (tmp_path / "full" / "keep.txt").read_text() == "x"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FolderExistsError):
+        save_folder(g, tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    save_folder(g, tmp_path / "empty")  # an empty existing folder is fine
+    assert load_folder(tmp_path / "empty").num_nodes == 20
+
+
+def test_save_refuses_unsafe_modality_name(tmp_path):
+    g = make_synthetic(num_nodes=20, num_classes=2, modalities={"../x": 2}, seed=0)
+    with pytest.raises(ValueError, match="modality"):
+        save_folder(g, tmp_path / "out")
+
+
+def _npy(path: Path, arr) -> None:
+    np.save(path, arr)
+
+
+# (mutation of the small folder, file named in the message, other text expected)
+BROKEN = {
+    "missing labels": (lambda f: (f / "labels.csv").unlink(), "labels.npy", "labels.csv"),
+    "both label files": (lambda f: _npy(f / "labels.npy", np.zeros(N, int)), "ds", "keep one"),
+    "labels.csv bad line": (
+        lambda f: (f / "labels.csv").write_text("label\n0\n1\nx\n2\n0\n2\n"),
+        "labels.csv",
+        "line 4",
+    ),
+    "negative label": (
+        lambda f: (f / "labels.csv").write_text("0\n1\n-1\n2\n0\n2\n"),
+        "labels.csv",
+        ">= 0",
+    ),
+    "label out of range": (
+        lambda f: (f / "labels.csv").write_text("0\n1\n3\n2\n0\n2\n"),
+        "labels.csv",
+        "0..2",
+    ),
+    "labels wrong N": (
+        lambda f: (f / "labels.csv").write_text("0\n1\n1\n2\n0\n"),
+        "image.npy",
+        "[5, d]",
+    ),
+    "labels.npy 2-D": (
+        lambda f: ((f / "labels.csv").unlink(), _npy(f / "labels.npy", np.zeros((N, 1), int))),
+        "labels.npy",
+        "1-D integer",
+    ),
+    "labels.npy float": (
+        lambda f: ((f / "labels.csv").unlink(), _npy(f / "labels.npy", np.zeros(N))),
+        "labels.npy",
+        "integer",
+    ),
+    "features 1-D": (lambda f: _npy(f / "features" / "text.npy", np.zeros(N)), "text.npy", "2-D"),
+    "features wrong rows": (
+        lambda f: _npy(f / "features" / "text.npy", np.zeros((N + 1, 2))),
+        "text.npy",
+        "[6, d]",
+    ),
+    "features NaN": (
+        lambda f: _npy(f / "features" / "text.npy", np.where(np.eye(N, 2) > 0, np.nan, 0.0)),
+        "text.npy",
+        "NaN",
+    ),
+    "features strings": (
+        lambda f: _npy(f / "features" / "text.npy", np.full((N, 2), "a")),
+        "text.npy",
+        "dtype",
+    ),
+    "features object": (
+        lambda f: np.save(
+            f / "features" / "text.npy", np.full((N, 2), None, dtype=object), allow_pickle=True
+        ),
+        "text.npy",
+        "readable",
+    ),
+    "features truncated": (
+        lambda f: (f / "features" / "text.npy").write_bytes(
+            (f / "features" / "text.npy").read_bytes()[:50]
+        ),
+        "text.npy",
+        "readable",
+    ),
+    "features none": (
+        lambda f: [p.unlink() for p in (f / "features").iterdir()],
+        "features",
+        "at least one",
+    ),
+    "features dir missing": (
+        lambda f: (
+            [p.rename(f / p.name) for p in (f / "features").iterdir()] and (f / "features").rmdir()
+        ),
+        "features",
+        "directory missing",
+    ),
+    "features stray file": (
+        lambda f: (f / "features" / "notes.txt").write_text("x"),
+        "features",
+        "notes.txt",
+    ),
+    "edges missing": (lambda f: (f / "edges.csv").unlink(), "edge_index.npy", "edges.csv"),
+    "edges out of range": (
+        lambda f: (f / "edges.csv").write_text("0,1\n2,6\n"),
+        "edges.csv",
+        "0..5",
+    ),
+    "edges negative": (lambda f: (f / "edges.csv").write_text("0,-1\n"), "edges.csv", "0..5"),
+    "edges.csv bad line": (
+        lambda f: (f / "edges.csv").write_text("src,dst\n0,1\n1;2\n"),
+        "edges.csv",
+        "line 3",
+    ),
+    "edges.csv three columns": (
+        lambda f: (f / "edges.csv").write_text("0,1\n1,2,3\n"),
+        "edges.csv",
+        "line 2",
+    ),
+    "edge_index transposed": (
+        lambda f: ((f / "edges.csv").unlink(), _npy(f / "edge_index.npy", np.zeros((5, 2), int))),
+        "edge_index.npy",
+        "transpose",
+    ),
+    "edge_index float": (
+        lambda f: ((f / "edges.csv").unlink(), _npy(f / "edge_index.npy", np.zeros((2, 5)))),
+        "edge_index.npy",
+        r"\[2, E\]",
+    ),
+    "mask wrong length": (
+        lambda f: _npy(f / "masks" / "image.npy", np.ones(N - 1, bool)),
+        "image.npy",
+        r"\(6,\)",
+    ),
+    "mask not 0/1": (lambda f: _npy(f / "masks" / "image.npy", np.full(N, 2)), "image.npy", "0/1"),
+    "mask unknown modality": (
+        lambda f: _npy(f / "masks" / "audio.npy", np.ones(N, bool)),
+        "audio.npy",
+        "modalities",
+    ),
+    "class_names not a list": (
+        lambda f: (f / "class_names.json").write_text('{"a": 1}'),
+        "class_names.json",
+        "list",
+    ),
+    "class_names bad json": (
+        lambda f: (f / "class_names.json").write_text('["a", '),
+        "class_names.json",
+        "JSON",
+    ),
+    "class_names duplicated": (
+        lambda f: (f / "class_names.json").write_text('["a", "a", "b"]'),
+        "class_names.json",
+        "distinct",
+    ),
+    "node_ids wrong length": (
+        lambda f: (f / "node_ids.json").write_text('["a"]'),
+        "node_ids.json",
+        "6 node ids",
+    ),
+    "node_ids not strings": (
+        lambda f: (f / "node_ids.json").write_text(json.dumps(list(range(N)))),
+        "node_ids.json",
+        "strings",
+    ),
+    "meta name not a string": (
+        lambda f: (f / "meta.json").write_text('{"name": 3}'),
+        "meta.json",
+        "name",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_folder_raises_data_error_naming_file(tmp_path, case):
+    mutate, filename, text = BROKEN[case]
+    folder = write_small(tmp_path / "ds")
+    mutate(folder)
+    with pytest.raises(DataError, match=text) as e:
+        load_folder(folder)
+    assert filename in str(e.value)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(DataError, match="does not exist") as e:
+        load_folder(tmp_path / "absent")
+    assert "absent" in str(e.value)
+
+
+def test_empty_edge_list_is_allowed(tmp_path):
+    folder = write_small(tmp_path / "ds")
+    (folder / "edges.csv").write_text("src,dst\n")
+    g = load_folder(folder)
+    assert g.num_edges == 0 and tuple(g.edge_index.shape) == (2, 0)

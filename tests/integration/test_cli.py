@@ -1,0 +1,158 @@
+"""The command line as a user runs it: `fedlightning train ...` in a fresh directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def fl(args: list[str], cwd: Path, env: dict | None = None, module: bool = False):
+    cmd = (
+        [sys.executable, "-m", "fedlightning"]
+        if module
+        else [str(Path(sys.executable).parent / "fedlightning")]
+    )
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [*cmd, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600
+    )
+
+
+def run_dirs(root: Path, name: str) -> list[Path]:
+    return sorted(p for p in (root / "outputs" / name).iterdir() if p.is_dir())
+
+
+@pytest.fixture
+def cli_env(tmp_path, shared_data):
+    return {
+        "FEDLIGHTNING_DATA": str(shared_data),
+        "FEDLIGHTNING_CACHE": str(tmp_path / "cache"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+
+
+def test_default_demo_logs_everything_to_mlflow(tmp_path, cli_env):
+    env = {k: v for k, v in cli_env.items() if k != "MLFLOW_TRACKING_URI"}  # the default store
+    r = fl(["train", "federation.rounds=3"], tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    assert "test_acc" in r.stdout and "uplink" in r.stdout  # the summary table
+    (run,) = run_dirs(tmp_path, "demo")
+    summary = json.loads((run / "summary.json").read_text())
+    assert (run / "config.yaml").exists() and (run / "partition.json").exists()
+    assert (
+        summary["hashes"]["partition"] == json.loads((run / "partition.json").read_text())["hash"]
+    )
+    assert (tmp_path / "mlflow.db").exists()  # default: ./mlflow.db
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = json.loads((run / "mlflow_run.json").read_text())["run_id"]
+    mrun = client.get_run(run_id)
+    tags = mrun.data.tags
+    for key, value in {
+        "method": "fedavg",
+        "dataset": "synthetic",
+        "task": "fl",
+        "variant": "full",
+        "backbone": "gcn",
+        "seed": "0",
+        "hash_partition": summary["hashes"]["partition"],
+    }.items():
+        assert tags[key] == value
+    assert mrun.data.params["federation.rounds"] == "3"
+    assert mrun.data.params["algorithm._target_"] == "fedlightning.algorithms.FedAvg"
+    hist = client.get_metric_history(run_id, "test_acc")
+    assert [m.step for m in hist] == [1, 2, 3]
+    assert hist[-1].value == pytest.approx(summary["metrics"]["test_acc"])
+    arts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"summary.json", "config.yaml", "curves.png", "partition.json"} <= arts
+    assert mrun.info.status == "FINISHED"
+
+
+def test_python_m_and_multirun(tmp_path, cli_env):
+    r = fl(
+        ["train", "-m", "seed=0,1", "federation.rounds=1", "logger=none"],
+        tmp_path,
+        cli_env,
+        module=True,
+    )
+    assert r.returncode == 0, r.stderr
+    sums = sorted((tmp_path / "multirun").rglob("summary.json"))
+    assert len(sums) == 2
+    seeds = sorted(json.loads(p.read_text())["seed"] for p in sums)
+    assert seeds == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("args", "env_change", "needle"),
+    [
+        (["federation.clients=0"], {}, "federation.clients"),
+        (["federation.rounds=-3"], {}, "federation.rounds"),
+        (["experiment=fedavg_cora", "federation.clients=400"], {}, "federation.clients"),
+        (["experiment=fedavg_cora"], {"FEDLIGHTNING_DATA": "/nonexistent/dir"}, "/nonexistent/dir"),
+        (["dataset=folder"], {}, "dataset.path"),
+        (["model.net.conv=gat"], {}, "model.net.conv"),
+    ],
+)
+def test_bad_input_is_one_line_error(tmp_path, cli_env, args, env_change, needle):
+    r = fl(["train", "logger=none", *args], tmp_path, {**cli_env, **env_change})
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], r.stderr
+
+
+def test_truncated_npz_is_named(tmp_path, cli_env, shared_data):
+    data = tmp_path / "data" / "gnn_benchmark"
+    data.mkdir(parents=True)
+    (data / "cora.npz").write_bytes(
+        (shared_data / "gnn_benchmark" / "cora.npz").read_bytes()[:5000]
+    )
+    r = fl(
+        ["train", "experiment=fedavg_cora", "dataset.source=npz", "logger=none"],
+        tmp_path,
+        {**cli_env, "FEDLIGHTNING_DATA": str(tmp_path / "data")},
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert "cora.npz" in line
+
+
+def test_unknown_experiment_name_fails_cleanly(tmp_path, cli_env):
+    r = fl(["train", "experiment=nope"], tmp_path, cli_env)
+    assert r.returncode != 0 and "nope" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_killed_run_resumes_to_identical_metrics(tmp_path, cli_env):
+    base = ["train", "experiment=fedavg_cora", "federation.rounds=4", "federation.local_epochs=2"]
+    full = fl([*base, "hydra.run.dir=full", "logger=none"], tmp_path, cli_env)
+    assert full.returncode == 0, full.stderr
+    killed = fl([*base, "hydra.run.dir=killed", "runner.kill_at=3:2"], tmp_path, cli_env)
+    assert killed.returncode == -9  # SIGKILL after the second client of round 3
+    assert not (tmp_path / "killed" / "summary.json").exists()
+    resumed = fl(["train", "resume=killed"], tmp_path, cli_env)
+    assert resumed.returncode == 0, resumed.stderr
+    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    b = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert a["metrics"] == b["metrics"]  # bitwise: same floats
+    assert a["comm"] == b["comm"] and a["hashes"] == b["hashes"] and b["resumed"] is True
+    hist_a = json.loads((tmp_path / "full" / "history.json").read_text())
+    hist_b = json.loads((tmp_path / "killed" / "history.json").read_text())
+    assert [h["test_acc"] for h in hist_a] == [h["test_acc"] for h in hist_b]
+    # the MLflow run continues: one run, metrics of all four rounds
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(cli_env["MLFLOW_TRACKING_URI"])
+    run_id = json.loads((tmp_path / "killed" / "mlflow_run.json").read_text())["run_id"]
+    assert sorted({m.step for m in client.get_metric_history(run_id, "test_acc")}) == [1, 2, 3, 4]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    shutil.rmtree(tmp_path / "full")
