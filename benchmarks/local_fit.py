@@ -50,7 +50,7 @@ def measure(fits: int, epochs: int, num_nodes: int, dims: dict[str, int], hidden
         "fresh Trainer": lambda m: TrainerExecutor().fit(m, data, epochs),
     }
     times: dict[str, list[float]] = {k: [] for k in paths}
-    for name, fn in paths.items():  # warm-up (imports, allocator)
+    for fn in paths.values():  # warm-up (imports, allocator)
         fn(NodeClassifier(copy.deepcopy(net), partial(torch.optim.Adam, lr=0.01)))
     for _ in range(fits):
         for name, fn in paths.items():  # interleaved: machine noise hits every path alike
