@@ -14,12 +14,13 @@ from torch_geometric.data import Data
 
 from fedlightning.algorithms.base import FederatedClient
 from fedlightning.config import build, validate
-from fedlightning.data.graphs.base import MultimodalGraph
+from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
 from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
-from fedlightning.errors import FedLightningError
+from fedlightning.data.streams import ClassStream
+from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.federation.continual import ContinualLoop
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.tracking import MlflowTracker, NullTracker, flatten
-from fedlightning.tracking.plots import plot_curves
 from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
 
@@ -39,6 +40,42 @@ def build_clients(graph: MultimodalGraph, partition: Partition) -> list[Federate
         data.train_mask, data.val_mask, data.test_mask = split == TRAIN, split == VAL, split == TEST
         clients.append(FederatedClient(k, data))
     return clients
+
+
+def load_graph(cfg: DictConfig) -> MultimodalGraph:
+    """Build the dataset; ``dataset.missing_rate`` (if set) hides modalities, seeded by
+    ``protocol.seed``. The mask reaches the model, whose fusion ignores what is missing."""
+    node = OmegaConf.to_container(cfg.dataset, resolve=True)
+    rate = node.pop("missing_rate", 0.0)
+    graph = build(OmegaConf.create(node), "dataset")
+    if rate:
+        if isinstance(rate, dict):
+            unknown = set(rate) - set(graph.modalities)
+            if unknown:
+                raise ConfigError(
+                    "dataset.missing_rate",
+                    f"unknown modalities {sorted(unknown)}; {graph.name!r} has {graph.modalities}",
+                )
+        bad = [r for r in (rate.values() if isinstance(rate, dict) else [rate]) if not 0 <= r < 1]
+        if bad:
+            raise ConfigError("dataset.missing_rate", f"rates must lie in [0, 1), got {rate}")
+        graph = apply_missing(graph, rate, derive_seed(cfg.protocol.seed, "missing"))
+    return graph
+
+
+def check_algorithm_fits_protocol(algorithm: Any, stream: ClassStream | None) -> None:
+    continual = hasattr(algorithm, "setup")
+    if stream is not None and not continual:
+        raise ConfigError(
+            "algorithm",
+            f"{algorithm.name!r} is not a class-incremental algorithm; "
+            "with protocol=cil use algorithm=cil_* (e.g. cil_fedavg_replay)",
+        )
+    if stream is None and continual:
+        raise ConfigError(
+            "protocol",
+            f"algorithm {algorithm.name!r} needs the class-incremental stream: add protocol=cil",
+        )
 
 
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
@@ -88,19 +125,6 @@ def run_tags(
     }
 
 
-def final_metrics(history: list[dict[str, float]]) -> dict[str, float]:
-    """Final-round metrics, plus the test accuracy at the round of best validation accuracy."""
-    last = history[-1]
-    best = max(history, key=lambda h: (h["val_acc"], -h["round"]))
-    keep = ("test_acc", "val_acc", "train_acc", "train_loss")
-    out = {k: last[k] for k in keep}
-    out.update({k: v for k, v in last.items() if k.startswith("client")})
-    out["best_val_acc"] = best["val_acc"]
-    out["best_val_round"] = best["round"]
-    out["test_acc_at_best_val"] = best["test_acc"]
-    return out
-
-
 def format_summary(summary: dict[str, Any]) -> str:
     m, c = summary["metrics"], summary["comm"]
     rows = [
@@ -109,6 +133,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("test_acc", f"{m['test_acc']:.4f}"),
         ("val_acc", f"{m['val_acc']:.4f}"),
         ("test_acc_at_best_val", f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"),
+        *[
+            (k, f"{m[k]:.4f}")
+            for k in ("am", "fm", "fm_diag", "fpr95", "auroc_ood", "open_acc")
+            if k in m
+        ],
         ("uplink", f"{c['uplink_mib']:.3f} MiB"),
         ("downlink", f"{c['downlink_mib']:.3f} MiB"),
         *[(f"hash[{k}]", v) for k, v in summary["hashes"].items()],
@@ -127,11 +156,22 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
     seed_everything(cfg.seed)
 
-    graph: MultimodalGraph = build(cfg.dataset, "dataset")
+    graph = load_graph(cfg)
     partitioner = build(cfg.partition, "partition")
     partition = partitioner(graph, cfg.federation.clients, cfg.protocol.seed)
     partition.save(run_dir / "partition.json")
     hashes = {"partition": partition.hash}
+    stream = None
+    if cfg.protocol.get("stream") is not None:
+        stream = build(cfg.protocol.stream, "protocol.stream")(graph, partition, cfg.protocol.seed)
+        stream.save(run_dir / "stream.json")
+        hashes["stream"] = stream.hash
+        log.info(
+            "class stream %s, never introduced %s (stream %s)",
+            stream.stages,
+            stream.never,
+            stream.hash,
+        )
     clients = build_clients(graph, partition)
     log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
 
@@ -140,24 +180,40 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     net = build(cfg.model.net, "model.net")(in_dims=in_dims, num_classes=graph.num_classes)
     optimizer = build(cfg.model.optimizer, "model.optimizer")
     algorithm = build(cfg.algorithm, "algorithm")
+    check_algorithm_fits_protocol(algorithm, stream)
     module = algorithm.client_module(net, optimizer)
     server = algorithm.server(net.state_dict())
     runner = build(cfg.runner, "runner")
     tracker = make_tracker(cfg)
 
-    loop = FederatedLoop(
-        algorithm,
-        module,
-        server,
-        clients,
-        runner,
-        rounds=cfg.federation.rounds,
+    common = dict(
         participation=cfg.federation.participation,
         local_epochs=cfg.federation.local_epochs,
         seed=cfg.seed,
         checkpoint_path=run_dir / CHECKPOINT_FILE,
         on_round_end=lambda r, m: tracker.log_metrics(m, step=r),
     )
+    if stream is None:
+        loop = FederatedLoop(
+            algorithm, module, server, clients, runner, rounds=cfg.federation.rounds, **common
+        )
+    else:
+        algorithm.setup(stream, cfg.federation.rounds, cfg.seed, graph.num_classes)
+        loop_cls = getattr(algorithm, "loop_cls", None) or ContinualLoop
+        loop = loop_cls(
+            algorithm,
+            module,
+            server,
+            clients,
+            runner,
+            stream=stream,
+            rounds_per_stage=cfg.federation.rounds,
+            num_classes=graph.num_classes,
+            on_stage_end=lambda t, m: tracker.log_metrics(
+                {f"stage_{k}": v for k, v in m.items() if k != "stage"}, step=t
+            ),
+            **common,
+        )
     run_id = None
     if resuming:
         loop.load_state_dict(torch.load(run_dir / CHECKPOINT_FILE, weights_only=False))
@@ -181,25 +237,30 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "experiment": str(cfg.name),
         "seed": int(cfg.seed),
         "rounds": loop.completed_rounds,
-        "metrics": final_metrics(history),
+        "metrics": loop.final_metrics(),
         "comm": loop.ledger.summary(),
         "hashes": hashes,
         "wall_time_s": time.perf_counter() - t0,
         "run_dir": str(run_dir),
         "tags": tags,
         "resumed": resuming,
+        **loop.summary_extras(),
     }
     write_json(run_dir / "history.json", history)
     write_json(run_dir / SUMMARY_FILE, summary)
-    plot_curves(
-        history, run_dir / "curves.png", title=f"{cfg.name} ({algorithm.name}, {graph.name})"
-    )
+    artifacts = loop.write_artifacts(run_dir, f"{cfg.name} ({algorithm.name}, {graph.name})")
     tracker.log_metrics(
         {f"final_{k}": v for k, v in summary["metrics"].items()}, step=loop.completed_rounds
     )
+    protocol_files = [run_dir / f for f in ("partition.json", "stream.json")]
     tracker.log_artifacts(
-        run_dir / f
-        for f in (CONFIG_FILE, SUMMARY_FILE, "history.json", "partition.json", "curves.png")
+        [
+            run_dir / CONFIG_FILE,
+            run_dir / SUMMARY_FILE,
+            run_dir / "history.json",
+            *protocol_files,
+            *artifacts,
+        ]
     )
     tracker.end("FINISHED")
     print(format_summary(summary), flush=True)

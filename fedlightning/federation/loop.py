@@ -108,11 +108,12 @@ class FederatedLoop:
             round, [self.clients[k] for k in sampled], fit, desc=f"round {round}/{self.rounds}"
         )
         self.server.aggregate(round, updates)
-        metrics = self.evaluate()
+        metrics = self.evaluate(round)
+        weights = [u.num_examples for u in updates]
         metrics["train_loss"] = float(
             np.average(
                 [u.scalars["train_loss"] for u in updates],
-                weights=[u.num_examples for u in updates],
+                weights=weights if sum(weights) > 0 else None,
             )
         )
         metrics["uplink_mib"] = self.ledger.mib(UP)
@@ -120,7 +121,7 @@ class FederatedLoop:
         metrics["round_time_s"] = time.perf_counter() - t0
         return metrics
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, round: int) -> dict[str, float]:
         """The global model on every client's whole subgraph (a simulator measurement,
         not a protocol message: it is not counted in the ledger)."""
         self.module.receive(self.server.global_state)
@@ -129,6 +130,7 @@ class FederatedLoop:
     def run(self) -> list[dict[str, float]]:
         for r in range(self.completed_rounds + 1, self.rounds + 1):
             metrics = self.run_round(r)
+            metrics.update(self.end_of_round(r))
             self.history.append({"round": r, **metrics})
             self.completed_rounds = r
             log.info(
@@ -147,9 +149,41 @@ class FederatedLoop:
                 save_torch(self.checkpoint_path, self.state_dict())
         return self.history
 
+    def end_of_round(self, round: int) -> dict[str, float]:
+        """Extra work after a round's evaluation (a stage's end, say); extra metrics."""
+        return {}
+
+    def final_metrics(self) -> dict[str, float]:
+        """Final-round metrics and the test accuracy at the round of best validation accuracy."""
+        last = self.history[-1]
+        best = max(self.history, key=lambda h: (h["val_acc"], -h["round"]))
+        out = {k: last[k] for k in ("test_acc", "val_acc", "train_acc", "train_loss") if k in last}
+        out.update({k: v for k, v in last.items() if k.startswith("client")})
+        out["best_val_acc"] = best["val_acc"]
+        out["best_val_round"] = best["round"]
+        out["test_acc_at_best_val"] = best["test_acc"]
+        return out
+
+    def summary_extras(self) -> dict[str, Any]:
+        """Extra blocks for ``summary.json`` (the accuracy matrix, per-stage results, ...)."""
+        return {}
+
+    def write_artifacts(self, run_dir: Path, title: str) -> list[Path]:
+        """Plots and tables of the run, written into ``run_dir``; returns their paths."""
+        from fedlightning.tracking.plots import plot_curves
+
+        return [plot_curves(self.history, run_dir / "curves.png", title=title)]
+
     # ------------------------------------------------------------------ state
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
     def state_dict(self) -> dict[str, Any]:
         return {
+            "extra": self.extra_state(),
             "completed_rounds": self.completed_rounds,
             "server": self.server.state_dict(),
             "clients": {c.client_id: c.state for c in self.clients},
@@ -165,4 +199,5 @@ class FederatedLoop:
             c.state = state["clients"][c.client_id]
         self.ledger.load_state_dict(state["ledger"])
         self.history = list(state["history"])
+        self.load_extra_state(state["extra"])
         set_rng_state(state["rng"])

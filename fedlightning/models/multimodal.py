@@ -119,13 +119,18 @@ class MultimodalGNN(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(hidden, num_classes)
 
-    def embed(self, data: Data) -> Tensor:
-        """The fused representation ``z`` of Eq. (10), ``[N, hidden]``."""
+    def representations(self, data: Data) -> dict[str, Tensor]:
+        """The semantic ``s``, structural ``g`` and fused ``z`` (Eq. (10)) vectors, ``[N, hidden]``."""
         feats = {m: data[f"x_{m}"] for m in self.modalities}
         mask = data.modality_mask
         s = masked_fusion(self.encoders(feats), mask)
         g = self.gnn(s, data.edge_index)
-        return torch.relu(self.project(torch.cat([s, g, mask.to(s.dtype)], dim=-1)))
+        z = torch.relu(self.project(torch.cat([s, g, mask.to(s.dtype)], dim=-1)))
+        return {"s": s, "g": g, "z": z}
+
+    def embed(self, data: Data) -> Tensor:
+        """The fused representation ``z`` of Eq. (10), ``[N, hidden]``."""
+        return self.representations(data)["z"]
 
     def forward(self, data: Data) -> Tensor:
         return self.head(self.dropout(self.embed(data)))

@@ -63,8 +63,11 @@ def as_model_fields(state: dict[str, Tensor]) -> dict[str, Tensor]:
 def fedavg(updates: Sequence[ClientUpdate]) -> dict[str, Tensor]:
     """FedAvg (McMahan et al., 2017): average of the clients' models weighted by ``num_examples``.
 
-    Parameters and buffers alike.
+    Parameters and buffers alike. If no client trained on any example (possible in a
+    class-incremental stage whose sampled clients observe no new class), the models are
+    averaged with equal weights.
     """
-    return weighted_average(
-        [model_state(u.tensors) for u in updates], [u.num_examples for u in updates]
-    )
+    weights = [u.num_examples for u in updates]
+    if sum(weights) <= 0:
+        weights = [1.0] * len(updates)
+    return weighted_average([model_state(u.tensors) for u in updates], weights)

@@ -1,0 +1,160 @@
+"""Class-incremental federated baselines of the FedOGL setting, as compositions.
+
+Following the paper's adaptation rule, every baseline trains locally and aggregates with
+FedAvg; non-continual methods get the same class-balanced replay budget. They differ only
+in switches: replay budget, distillation, the proximal term and the rejection score.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedlightning.algorithms.base import Algorithm, FederatedClient
+from fedlightning.clients.continual import ContinualNodeClassifier
+from fedlightning.clients.replay import class_balanced_sample, stage_batch
+from fedlightning.data.streams import ClassStream
+from fedlightning.errors import ConfigError
+from fedlightning.federation.messages import ClientUpdate, ServerBroadcast, detach_state
+from fedlightning.server import Server, fedavg
+from fedlightning.server.aggregate import as_model_fields, model_state
+from fedlightning.utils.seeding import torch_generator
+
+SCORES = ("msp", "energy")
+
+
+class ContinualFedAvg(Algorithm):
+    """FedAvg in the class-incremental stream, with optional replay, distillation, FedProx.
+
+    Args:
+        name: method name for tags (``fedavg``, ``fedprox``, ``fedlwf``, ...).
+        variant: variant tag (``full``, ``replay``, ``energy``, ...).
+        replay_budget: class-balanced replay budget per class and stage; ``0`` = no replay.
+        replay_stages: ``M``: replay the last ``q = min(M, t-1)`` stages (default: all).
+        lambda_rep: replay CE weight (default ``1.0``).
+        lambda_dis: distillation weight; ``0`` = no teacher (default ``0.0``).
+        tau: distillation temperature (default ``2.0``).
+        distill_on: nodes of the KL term: ``replay``, ``current`` or ``both``; default
+            ``replay`` while replay is on, else ``current``.
+        prox_mu: FedProx coefficient (default ``0.0``).
+        score: rejection score, ``msp`` (Eq. (6)) or ``energy`` (default ``msp``).
+    """
+
+    def __init__(
+        self,
+        name: str = "fedavg",
+        variant: str = "full",
+        replay_budget: int = 0,
+        replay_stages: int | None = None,
+        lambda_rep: float = 1.0,
+        lambda_dis: float = 0.0,
+        tau: float = 2.0,
+        distill_on: str | None = None,
+        prox_mu: float = 0.0,
+        score: str = "msp",
+    ) -> None:
+        if replay_budget < 0:
+            raise ConfigError("algorithm.replay_budget", f"must be >= 0, got {replay_budget}")
+        if replay_stages is not None and replay_stages < 1:
+            raise ConfigError("algorithm.replay_stages", f"must be >= 1, got {replay_stages}")
+        if lambda_rep < 0 or lambda_dis < 0 or prox_mu < 0 or tau <= 0:
+            raise ConfigError(
+                "algorithm",
+                "lambda_rep, lambda_dis, prox_mu must be >= 0 and "
+                f"tau > 0; got {lambda_rep}, {lambda_dis}, {prox_mu}, {tau}",
+            )
+        if score not in SCORES:
+            raise ConfigError("algorithm.score", f"must be one of {SCORES}, got {score!r}")
+        self.name, self.variant = name, variant
+        self.replay_budget, self.replay_stages = int(replay_budget), replay_stages
+        self.lambda_rep, self.lambda_dis, self.tau = lambda_rep, lambda_dis, tau
+        self.distill_on = distill_on or ("replay" if replay_budget > 0 else "current")
+        self.prox_mu, self.score = prox_mu, score
+        self.stream: ClassStream | None = None
+        self.rounds_per_stage, self.seed, self.num_classes = 1, 0, 0
+
+    def setup(
+        self, stream: ClassStream, rounds_per_stage: int, seed: int, num_classes: int
+    ) -> None:
+        """Attach the protocol: which classes are known when, and the round schedule."""
+        self.stream, self.rounds_per_stage = stream, rounds_per_stage
+        self.seed, self.num_classes = seed, num_classes
+
+    def stage_of(self, round: int) -> int:
+        return (round - 1) // self.rounds_per_stage
+
+    def client_module(self, net: nn.Module, optimizer: Any) -> ContinualNodeClassifier:
+        return ContinualNodeClassifier(
+            net,
+            optimizer,
+            prox_mu=self.prox_mu,
+            lambda_rep=self.lambda_rep,
+            lambda_dis=self.lambda_dis,
+            tau=self.tau,
+            distill_on=self.distill_on,
+        )
+
+    def server(self, global_state: dict) -> Server:
+        return Server(global_state, aggregator=fedavg)
+
+    # ---------------------------------------------------------------- client side
+    def supervised_classes(self, client_id: int, t: int) -> torch.Tensor:
+        return torch.tensor(self.stream.observed[client_id][t], dtype=torch.long)
+
+    def begin_stage(self, client: FederatedClient, t: int, global_state: dict) -> None:
+        """At a client's first round of stage ``t``: freeze the teacher, fill the memory."""
+        state = client.state
+        memory: dict[int, torch.Tensor] = state.setdefault("replay", {})
+        data = client.data
+        for s in range(t):
+            if s in memory:
+                continue
+            sup = data.train_mask & torch.isin(data.y, self.supervised_classes(client.client_id, s))
+            nodes = sup.nonzero().squeeze(1)
+            gen = torch_generator(self.seed, "replay", client.client_id, s)
+            memory[s] = class_balanced_sample(nodes, data.y[nodes], self.replay_budget, gen)
+        state["stage"] = t
+        if self.lambda_dis > 0 and t > 0:
+            state["teacher"] = detach_state(global_state)
+            state["teacher_known"] = torch.tensor(self.stream.known(t - 1), dtype=torch.long)
+        else:
+            state.pop("teacher", None)
+            state.pop("teacher_known", None)
+
+    def replay_nodes(self, client: FederatedClient, t: int) -> torch.Tensor:
+        memory = client.state.get("replay", {})
+        q = t if self.replay_stages is None else min(self.replay_stages, t)
+        parts = [memory[s] for s in range(t - q, t) if s in memory]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    def local_fit(
+        self,
+        module: ContinualNodeClassifier,
+        client: FederatedClient,
+        broadcast: ServerBroadcast,
+        executor: Any,
+        epochs: int,
+    ) -> ClientUpdate:
+        t = self.stage_of(broadcast.round)
+        global_state = model_state(broadcast.tensors)
+        if client.state.get("stage") != t:
+            self.begin_stage(client, t, global_state)
+        module.receive(global_state)
+        known = torch.tensor(self.stream.known(t), dtype=torch.long)
+        module.set_stage(known, client.state.get("teacher"), client.state.get("teacher_known"))
+        batch = stage_batch(
+            client.data,
+            known,
+            self.supervised_classes(client.client_id, t),
+            self.replay_nodes(client, t),
+        )
+        executor.fit(module, batch, epochs, self.callbacks())
+        examples = int(batch.sup_mask.sum()) + int(batch.replay_mask.sum())
+        return ClientUpdate(
+            round=broadcast.round,
+            client_id=client.client_id,
+            tensors=as_model_fields(detach_state(module.net.state_dict())),
+            scalars={"num_examples": float(examples), "train_loss": module.last_loss},
+        )

@@ -1,0 +1,165 @@
+"""The open-world class-incremental stream over a partitioned graph: a protocol object."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedlightning.data.graphs.base import MultimodalGraph
+from fedlightning.data.partition import TRAIN, Partition
+from fedlightning.errors import ConfigError
+from fedlightning.utils.io import content_hash, write_json
+from fedlightning.utils.seeding import derive_seed
+
+UNKNOWN = -1
+
+
+@dataclass
+class ClassStream:
+    r"""Which classes arrive at which stage, and which client observes which of them.
+
+    After stage ``t`` (0-based) the known classes are
+    :math:`\mathcal{C}_K^t = \bigcup_{s \le t} \mathcal{C}_s`; every other class is unknown
+    (FedOGL Eq. (1)): future classes while they are in the future, and the never-introduced
+    classes for good, so open-set metrics exist after the last stage.
+
+    Args:
+        stages: the classes each stage introduces, in order.
+        never: classes never introduced.
+        observed: ``observed[k][t]``: the classes of ``stages[t]`` whose labels client ``k``
+            may use at stage ``t`` (its supervised nodes are its training nodes of these).
+        meta: the inputs (stage sizes, fraction, seed, graph and partition hashes).
+    """
+
+    stages: list[list[int]]
+    never: list[int]
+    observed: list[list[list[int]]]
+    meta: dict[str, Any]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def known(self, t: int) -> list[int]:
+        """Known classes after stage ``t``: those introduced at stages ``0..t``."""
+        return sorted(c for s in self.stages[: t + 1] for c in s)
+
+    def known_mask(self, t: int, num_classes: int) -> Tensor:
+        mask = torch.zeros(num_classes, dtype=torch.bool)
+        mask[self.known(t)] = True
+        return mask
+
+    def class_stage(self, num_classes: int) -> Tensor:
+        """The stage that introduces each class, ``-1`` for never-introduced classes."""
+        out = torch.full((num_classes,), UNKNOWN, dtype=torch.long)
+        for t, classes in enumerate(self.stages):
+            out[classes] = t
+        return out
+
+    def manifest(self) -> dict[str, Any]:
+        return {**self.meta, "stages": self.stages, "never": self.never, "observed": self.observed}
+
+    @property
+    def hash(self) -> str:
+        return content_hash(self.manifest())
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, {**self.manifest(), "hash": self.hash})
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClassStream:
+        obj = json.loads(Path(path).read_text())
+        stored = obj.pop("hash")
+        stream = cls(obj.pop("stages"), obj.pop("never"), obj.pop("observed"), obj)
+        if stream.hash != stored:
+            raise ValueError(f"{path}: stream content hashes to {stream.hash}, file says {stored}")
+        return stream
+
+
+class ClassIncrementalStream:
+    """Builds a :class:`ClassStream` from stage sizes, seeded by ``protocol.seed``.
+
+    The class order is a seeded permutation. At each stage, each client observes
+    ``ceil(client_fraction x n)`` of the ``n`` new classes that occur among its training
+    nodes (a seeded choice); a new class that no client drew goes to the client with the
+    most training nodes of it, so every new class is observed by at least one client.
+
+    Args:
+        stages: classes per stage, e.g. ``[2, 1, 1, 1]``; the first stage needs at least 2
+            (with one class, cross-entropy is zero and the softmax score is always 1), and
+            at least one class must stay unknown after the last stage.
+        client_fraction: fraction of a stage's new classes each client observes, in (0, 1].
+    """
+
+    def __init__(self, stages: list[int], client_fraction: float = 1.0) -> None:
+        stages = [int(s) for s in stages]
+        if not stages or stages[0] < 2 or min(stages) < 1:
+            raise ConfigError(
+                "protocol.stream.stages",
+                f"need a first stage of >= 2 classes and >= 1 class per later stage, got {stages}",
+            )
+        if not 0 < float(client_fraction) <= 1:
+            raise ConfigError(
+                "protocol.stream.client_fraction", f"must lie in (0, 1], got {client_fraction}"
+            )
+        self.stage_sizes = stages
+        self.client_fraction = float(client_fraction)
+
+    def __call__(self, graph: MultimodalGraph, partition: Partition, seed: int) -> ClassStream:
+        c = graph.num_classes
+        if sum(self.stage_sizes) > c - 1:
+            raise ConfigError(
+                "protocol.stream.stages",
+                f"{self.stage_sizes} introduce {sum(self.stage_sizes)} classes, but "
+                f"{graph.name!r} has {c}: at least one must stay unknown "
+                f"(at most {c - 1} in all)",
+            )
+        order = np.random.default_rng(derive_seed(seed, "class_order")).permutation(c).tolist()
+        cuts = np.cumsum([0, *self.stage_sizes]).tolist()
+        stages = [sorted(order[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        never = sorted(order[cuts[-1] :])
+        k_clients = partition.num_clients
+        train = partition.split == TRAIN
+        counts = torch.zeros(k_clients, c, dtype=torch.long)  # training nodes per client, class
+        counts.index_put_(
+            (partition.assignment[train], graph.y[train]),
+            torch.ones(int(train.sum()), dtype=torch.long),
+            accumulate=True,
+        )
+        observed: list[list[list[int]]] = [[] for _ in range(k_clients)]
+        for t, new in enumerate(stages):
+            rng = np.random.default_rng(derive_seed(seed, "observe", t))
+            picks: list[list[int]] = []
+            for k in range(k_clients):
+                present = [cl for cl in new if counts[k, cl] > 0]
+                m = math.ceil(self.client_fraction * len(present))
+                chosen = rng.choice(present, size=m, replace=False).tolist() if m else []
+                picks.append(sorted(int(x) for x in chosen))
+            for cl in new:
+                if not any(cl in p for p in picks):
+                    owner = int(counts[:, cl].argmax())
+                    if counts[owner, cl] == 0:
+                        raise ConfigError(
+                            "protocol.stream.stages",
+                            f"class {graph.class_names[cl]!r} of stage {t + 1} has no "
+                            "training node on any client",
+                        )
+                    picks[owner] = sorted([*picks[owner], cl])
+            for k in range(k_clients):
+                observed[k].append(picks[k])
+        meta = {
+            "stage_sizes": self.stage_sizes,
+            "client_fraction": self.client_fraction,
+            "seed": int(seed),
+            "graph": graph.fingerprint(),
+            "partition": partition.hash,
+            "class_names": list(graph.class_names),
+        }
+        return ClassStream(stages, never, observed, meta)

@@ -1,0 +1,311 @@
+"""The class-incremental open-world loop: stages of rounds, stage-end open-world evaluation."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedlightning.algorithms.continual import ContinualFedAvg
+from fedlightning.data.streams import ClassStream
+from fedlightning.federation.loop import FederatedLoop
+from fedlightning.metrics import (
+    AccuracyMatrix,
+    auroc_known_vs_unknown,
+    average_accuracy,
+    basis_drift,
+    class_centroids,
+    energy_score,
+    forgetting,
+    forgetting_diag,
+    fpr_at_tpr,
+    msp_score,
+    open_accuracy,
+    principal_basis,
+    prototype_dispersion,
+    seen_accuracy_curve,
+    semantic_drift,
+    threshold_at_tpr,
+)
+
+log = logging.getLogger(__name__)
+
+SCORE_FNS = {"msp": msp_score, "energy": energy_score}
+SPLITS = ("val", "test")
+
+
+def nan_to_none(rows: list[list[float]]) -> list[list[float | None]]:
+    """NaN (no value: a stage not yet seen) as JSON null, so summary.json stays strict JSON."""
+    return [[None if math.isnan(v) else v for v in row] for row in rows]
+
+
+class ContinualLoop(FederatedLoop):
+    """Runs ``T`` stages of ``rounds_per_stage`` rounds in the class-incremental stream.
+
+    After every round: closed-set accuracy over the known classes (val/test, pooled). After
+    every stage: the accuracy-matrix row (pooled and per client, test and val), the
+    rejection threshold calibrated at 95% TPR on validation known-class nodes, FPR95, AUROC
+    of known vs unknown and open-set accuracy on test, and the diagnostics of FedOGL
+    Eqs. (2)-(4) from an evaluation probe on the global model (outside the ledger).
+
+    Args:
+        stream: the materialized class stream.
+        rounds_per_stage: rounds in every stage (``federation.rounds``).
+        num_classes: classes of the graph.
+        basis_rank: ``r`` of the structural-basis probe (Eq. (3)); default ``8``.
+        on_stage_end: ``(stage, metrics) -> None`` (1-based stage), e.g. MLflow logging.
+        **kw: as :class:`FederatedLoop`; ``rounds`` is set to ``T x rounds_per_stage``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        stream: ClassStream,
+        rounds_per_stage: int,
+        num_classes: int,
+        basis_rank: int = 8,
+        on_stage_end: Callable[[int, dict[str, float]], None] | None = None,
+        **kw: Any,
+    ) -> None:
+        kw["rounds"] = stream.num_stages * rounds_per_stage
+        super().__init__(*args, **kw)
+        self.stream, self.rounds_per_stage = stream, rounds_per_stage
+        self.num_classes, self.basis_rank = num_classes, basis_rank
+        self.on_stage_end = on_stage_end
+        self.class_stage = stream.class_stage(num_classes)
+        algo: ContinualFedAvg = self.algorithm
+        self.score_fn = SCORE_FNS[algo.score]
+        self.rows: dict[str, list[list[float]]] = {"test": [], "val": []}
+        self.client_rows: dict[int, list[list[float]]] = {c.client_id: [] for c in self.clients}
+        self.stage_results: list[dict[str, float]] = []
+        self.centroids_at_intro: dict[int, Tensor] = {}
+        self.bases_at_end: dict[int, Tensor] = {}
+
+    def stage_of(self, round: int) -> int:
+        return (round - 1) // self.rounds_per_stage
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def _forward_all(self) -> list[tuple[Any, Tensor, dict[str, Tensor]]]:
+        """Global model on every client's whole subgraph: (client, logits, representations)."""
+        self.module.receive(self.server.global_state)
+        net = self.module.net
+        net.eval()
+        out = []
+        for c in self.clients:
+            reps = net.representations(c.data) if hasattr(net, "representations") else {}
+            logits = net.head(reps["z"]) if "z" in reps else net(c.data)
+            out.append((c, logits, reps))
+        net.train()
+        return out
+
+    def evaluate(self, round: int) -> dict[str, float]:
+        """Closed-set accuracy over the known classes of the current stage, pooled."""
+        known = torch.tensor(self.stream.known(self.stage_of(round)), dtype=torch.long)
+        totals = {s: [0, 0] for s in ("train", *SPLITS)}
+        for c, logits, _ in self._forward_all():
+            pred = known[logits[:, known].argmax(-1)]
+            is_known = torch.isin(c.data.y, known)
+            for s in totals:
+                m = c.data[f"{s}_mask"] & is_known
+                totals[s][0] += int((pred[m] == c.data.y[m]).sum())
+                totals[s][1] += int(m.sum())
+        return {f"{s}_acc": a / n if n else math.nan for s, (a, n) in totals.items()}
+
+    def end_of_round(self, round: int) -> dict[str, float]:
+        if round % self.rounds_per_stage:
+            return {}
+        t = self.stage_of(round)
+        res = self.evaluate_stage(t)
+        self.stage_results.append(res)
+        log.info(
+            "stage %d/%d  seen_acc %.4f  fpr95 %.4f  auroc %.4f  open_acc %.4f",
+            t + 1,
+            self.stream.num_stages,
+            res["seen_acc"],
+            res["fpr95"],
+            res["auroc_ood"],
+            res["open_acc"],
+        )
+        if self.on_stage_end:
+            self.on_stage_end(t + 1, res)
+        return {}
+
+    def evaluate_stage(self, t: int) -> dict[str, float]:
+        """The open-world evaluation after stage ``t`` (0-based)."""
+        T = self.stream.num_stages
+        known = torch.tensor(self.stream.known(t), dtype=torch.long)
+        known_mask = self.stream.known_mask(t, self.num_classes)
+        mats = {s: AccuracyMatrix(T) for s in SPLITS}
+        scores: dict[str, dict[bool, list[Tensor]]] = {s: {True: [], False: []} for s in SPLITS}
+        open_parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+        reps_all = []
+        for c, logits, reps in self._forward_all():
+            y = c.data.y
+            node_stage = self.class_stage[y]
+            is_known = (node_stage >= 0) & (node_stage <= t)
+            pred = known[logits[:, known].argmax(-1)]
+            score = self.score_fn(logits, known_mask)
+            client_mat = AccuracyMatrix(T)
+            for s in SPLITS:
+                m = c.data[f"{s}_mask"]
+                mk = m & is_known  # the matrix is closed-set over the known classes
+                mats[s].update(t, node_stage[mk], (pred == y)[mk])
+                scores[s][True].append(score[m & is_known])
+                scores[s][False].append(score[m & ~is_known])
+                if s == "test":
+                    client_mat.update(t, node_stage[mk], (pred == y)[mk])
+                    open_parts.append((pred[m], score[m], y[m], is_known[m]))
+            self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
+            reps_all.append((c, reps))
+        for s in SPLITS:
+            self.rows[s].append(mats[s].compute()[t].tolist())
+        cat = {s: {k: torch.cat(v) for k, v in d.items()} for s, d in scores.items()}
+        delta = threshold_at_tpr(cat["val"][True])  # Eq. (6)'s delta_t: validation only
+        pred, score, y, is_known = (torch.cat(x) for x in zip(*open_parts, strict=True))
+        pred_open = torch.where(score >= delta, pred, torch.full_like(pred, -1))
+        res = {
+            "stage": t + 1,
+            "seen_acc": seen_accuracy_curve(self.matrix("test"))[t],
+            "val_seen_acc": seen_accuracy_curve(self.matrix("val"))[t],
+            "threshold": delta,
+            "fpr95": fpr_at_tpr(cat["test"][True], cat["test"][False]),
+            "auroc_ood": auroc_known_vs_unknown(cat["test"][True], cat["test"][False]),
+            "open_acc": open_accuracy(pred_open, y, is_known),
+            "val_fpr95": fpr_at_tpr(cat["val"][True], cat["val"][False]),
+            "val_auroc_ood": auroc_known_vs_unknown(cat["val"][True], cat["val"][False]),
+        }
+        res.update(self.diagnostics(t, reps_all))
+        return res
+
+    def diagnostics(
+        self, t: int, reps_all: list[tuple[Any, dict[str, Tensor]]]
+    ) -> dict[str, float]:
+        """FedOGL Eqs. (2)-(4) from a probe on the global model's representations.
+
+        Semantic drift of old-class centroids of ``s`` since their stage (Eq. (2)), drift of
+        the top-``r`` basis of ``g`` on each earlier stage's training nodes since that
+        stage's end (Eq. (3), averaged over earlier stages), and the dispersion of the
+        clients' class prototypes of ``z`` around their count-weighted mean (Eq. (4)).
+        """
+        if not reps_all or not reps_all[0][1]:
+            return {}
+        known = self.stream.known(t)
+        train = [(c.data.train_mask, c.data.y, r) for c, r in reps_all]
+        s_cat = torch.cat([r["s"][m] for m, _, r in train])
+        y_cat = torch.cat([y[m] for m, y, _ in train])
+        now = class_centroids(s_cat, y_cat, known)
+        for cl in self.stream.stages[t]:
+            self.centroids_at_intro.setdefault(cl, now[cl])
+        old = [cl for s in self.stream.stages[:t] for cl in s]
+        d_sem = (
+            semantic_drift({c: self.centroids_at_intro[c] for c in old}, {c: now[c] for c in old})
+            if old
+            else 0.0
+        )
+        drifts = []
+        for i in range(t + 1):
+            nodes = torch.isin(y_cat, torch.tensor(self.stream.stages[i]))
+            g = torch.cat([r["g"][m] for m, _, r in train])[nodes]
+            if g.size(0) <= self.basis_rank:
+                continue
+            basis = principal_basis(g, self.basis_rank)
+            if i == t:
+                self.bases_at_end[i] = basis
+            elif i in self.bases_at_end:
+                drifts.append(basis_drift(self.bases_at_end[i], basis))
+        local: dict[int, list[Tensor]] = {}
+        weights: dict[int, list[int]] = {}
+        for m, y, r in train:
+            for cl in known:
+                sel = m & (y == cl)
+                if sel.any():
+                    local.setdefault(cl, []).append(r["z"][sel].mean(0))
+                    weights.setdefault(cl, []).append(int(sel.sum()))
+        glob = {
+            cl: sum(w * p for w, p in zip(weights[cl], ps, strict=True)) / sum(weights[cl])
+            for cl, ps in local.items()
+        }
+        return {
+            "d_sem": d_sem,
+            "d_str": sum(drifts) / len(drifts) if drifts else 0.0,
+            "d_fed": prototype_dispersion(local, glob),
+        }
+
+    # ------------------------------------------------------------------ results
+    def matrix(self, split: str = "test") -> Tensor:
+        """The accuracy matrix ``M[t, j]`` so far (NaN above the diagonal)."""
+        T = self.stream.num_stages
+        m = torch.full((T, T), math.nan, dtype=torch.float64)
+        for t, row in enumerate(self.rows[split]):
+            m[t] = torch.tensor(row, dtype=torch.float64)
+        return m
+
+    def final_metrics(self) -> dict[str, float]:
+        out = super().final_metrics()
+        for prefix, split in (("", "test"), ("val_", "val")):
+            m = self.matrix(split)
+            out[f"{prefix}am"] = average_accuracy(m)
+            out[f"{prefix}fm"] = forgetting(m)
+            out[f"{prefix}fm_diag"] = forgetting_diag(m)
+        last = self.stage_results[-1]
+        for k in (
+            "fpr95",
+            "auroc_ood",
+            "open_acc",
+            "val_fpr95",
+            "val_auroc_ood",
+            "d_sem",
+            "d_str",
+            "d_fed",
+        ):
+            if k in last:
+                out[k] = last[k]
+        return out
+
+    def summary_extras(self) -> dict[str, Any]:
+        return {
+            "acc_matrix": nan_to_none(self.matrix("test").tolist()),
+            "val_acc_matrix": nan_to_none(self.matrix("val").tolist()),
+            "client_acc_matrices": {str(k): nan_to_none(v) for k, v in self.client_rows.items()},
+            "stages": self.stage_results,
+            "stream": {"stages": self.stream.stages, "never": self.stream.never},
+        }
+
+    def write_artifacts(self, run_dir: Path, title: str) -> list[Path]:
+        from fedlightning.tracking.plots import plot_accuracy_matrix, plot_seen_accuracy
+
+        paths = super().write_artifacts(run_dir, title)
+        m = self.matrix("test")
+        csv_path = run_dir / "acc_matrix.csv"
+        with csv_path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["after_stage", *[f"stage_{j + 1}" for j in range(m.size(1))]])
+            for t, row in enumerate(m.tolist()):
+                w.writerow([t + 1, *["" if math.isnan(v) else f"{v:.6f}" for v in row]])
+        paths.append(csv_path)
+        paths.append(plot_accuracy_matrix(m, run_dir / "acc_matrix.png", title=title))
+        paths.append(plot_seen_accuracy(self.stage_results, run_dir / "seen_acc.png", title=title))
+        return paths
+
+    # ------------------------------------------------------------------ state
+    def extra_state(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "client_rows": self.client_rows,
+            "stage_results": self.stage_results,
+            "centroids_at_intro": self.centroids_at_intro,
+            "bases_at_end": self.bases_at_end,
+        }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.rows, self.client_rows = state["rows"], state["client_rows"]
+        self.stage_results = state["stage_results"]
+        self.centroids_at_intro = state["centroids_at_intro"]
+        self.bases_at_end = state["bases_at_end"]

@@ -1,0 +1,295 @@
+r"""Open-world rejection: known-class scores, the Eq. (6) threshold rule, FPR95 and AUROC.
+
+Known classes are the positive class everywhere: a higher score means "more known". A
+node is accepted when its score is ``>= threshold`` and rejected as OOD otherwise (FedOGL
+Eq. (6)). Rates are fractions in [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+from torchmetrics.functional.classification import binary_auroc
+from torchmetrics.utilities import dim_zero_cat
+
+__all__ = [
+    "FPR95",
+    "OODAUROC",
+    "auroc_known_vs_unknown",
+    "energy_score",
+    "fpr_at_threshold",
+    "fpr_at_tpr",
+    "msp_score",
+    "open_accuracy",
+    "open_set_predict",
+    "threshold_at_tpr",
+]
+
+ScoreFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def _known_logits(logits: Tensor, known: Tensor) -> Tensor:
+    known = torch.as_tensor(known, device=logits.device).bool()
+    if logits.dim() != 2 or known.shape != (logits.shape[1],):
+        raise ValueError(
+            f"expected logits [N, C] and a bool mask [C], got {tuple(logits.shape)} and "
+            f"{tuple(known.shape)}"
+        )
+    if not known.any():
+        raise ValueError("no known class in the mask")
+    return logits[:, known]
+
+
+def msp_score(logits: Tensor, known: Tensor) -> Tensor:
+    r"""Maximum softmax probability over the known classes (FedOGL Eq. (6), :math:`\rho`).
+
+    .. math::
+        \rho_i = \max_{c \in \mathcal{C}_K} \frac{\exp(\ell_{i,c})}
+        {\sum_{c' \in \mathcal{C}_K} \exp(\ell_{i,c'})}
+
+    Logits of classes outside :math:`\mathcal{C}_K` are dropped before the softmax, so
+    heads of not-yet-introduced classes cannot take probability mass.
+
+    Args:
+        logits: class logits.
+        known: bool mask of the known classes.
+
+    Shapes:
+        - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
+        - **output:** :math:`(N,)`
+    """
+    return _known_logits(logits, known).softmax(dim=1).amax(dim=1)
+
+
+def energy_score(logits: Tensor, known: Tensor, temperature: float = 1.0) -> Tensor:
+    r"""Negative free energy over the known classes (Liu et al., 2020); higher = more known.
+
+    .. math::
+        s_i = T \log \sum_{c \in \mathcal{C}_K} \exp(\ell_{i,c} / T)
+
+    Args:
+        logits: class logits.
+        known: bool mask of the known classes.
+        temperature: :math:`T > 0`.
+
+    Shapes:
+        - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
+        - **output:** :math:`(N,)`
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return temperature * torch.logsumexp(_known_logits(logits, known) / temperature, dim=1)
+
+
+def _scores(x: Tensor) -> Tensor:
+    x = torch.as_tensor(x).detach().flatten()
+    if x.is_floating_point() and torch.isnan(x).any():
+        raise ValueError("scores contain NaN")
+    return x
+
+
+def threshold_at_tpr(known_scores: Tensor, tpr: float = 0.95) -> float:
+    r"""The largest threshold that accepts at least a fraction ``tpr`` of known scores.
+
+    .. math::
+        \delta = \max \Big\{ \delta' : \frac{1}{n} \sum_i [s_i \ge \delta'] \ge \mathrm{tpr}
+        \Big\} = s_{(\lceil \mathrm{tpr} \cdot n \rceil)}
+
+    where :math:`s_{(k)}` is the :math:`k`-th largest score. With ties the accepted fraction
+    can exceed ``tpr``. Used to calibrate :math:`\delta_t` of Eq. (6) on validation
+    known-class nodes, and by FPR95 on test nodes.
+
+    Args:
+        known_scores: scores of known-class nodes (not empty).
+        tpr: target true-positive rate in (0, 1].
+
+    Shapes:
+        - **input:** :math:`(n,)`
+    """
+    s = _scores(known_scores)
+    if not 0.0 < tpr <= 1.0:
+        raise ValueError(f"tpr must be in (0, 1], got {tpr}")
+    n = s.numel()
+    if n == 0:
+        raise ValueError("no known scores to calibrate a threshold on")
+    # Round before ceil so float noise in tpr * n (e.g. 0.95 * n landing a hair above an
+    # integer) does not demand one more accepted node than the definition does.
+    k = max(1, math.ceil(round(tpr * n, 6)))
+    return float(torch.sort(s, descending=True).values[k - 1])
+
+
+def fpr_at_threshold(unknown_scores: Tensor, threshold: float) -> float:
+    """Fraction of unknown-class scores accepted (``>= threshold``); NaN if there are none.
+
+    Shapes:
+        - **input:** ``unknown_scores`` :math:`(m,)`
+    """
+    u = _scores(unknown_scores)
+    if u.numel() == 0:
+        return math.nan
+    return float((u >= threshold).double().mean())
+
+
+def fpr_at_tpr(known_scores: Tensor, unknown_scores: Tensor, tpr: float = 0.95) -> float:
+    r"""False-positive rate on unknowns at the threshold giving ``tpr`` on knowns (FPR95).
+
+    .. math::
+        \mathrm{FPR}@\mathrm{tpr} = \frac{1}{m} \sum_{i=1}^{m} [u_i \ge \delta],
+        \qquad \delta = \texttt{threshold\_at\_tpr}(s, \mathrm{tpr})
+
+    NaN if either side is empty.
+
+    Args:
+        known_scores: scores of known-class nodes (positives).
+        unknown_scores: scores of unknown-class nodes.
+        tpr: target true-positive rate in (0, 1].
+
+    Shapes:
+        - **input:** ``known_scores`` :math:`(n,)`, ``unknown_scores`` :math:`(m,)`
+    """
+    s, u = _scores(known_scores), _scores(unknown_scores)
+    if s.numel() == 0 or u.numel() == 0:
+        return math.nan
+    return fpr_at_threshold(u, threshold_at_tpr(s, tpr))
+
+
+def auroc_known_vs_unknown(known_scores: Tensor, unknown_scores: Tensor) -> float:
+    r"""AUROC of separating known (positive) from unknown nodes by score, via torchmetrics.
+
+    .. math::
+        \mathrm{AUROC} = P(s > u) + \tfrac{1}{2} P(s = u)
+
+    NaN if either side is empty. Scores are replaced by their dense ranks scaled to [0, 1]
+    first: ``binary_auroc`` applies a sigmoid to scores outside [0, 1], which saturates in
+    float32 (energy scores of 20 and 30 would tie) and would change the value; ranks keep
+    order and ties exactly.
+
+    Shapes:
+        - **input:** ``known_scores`` :math:`(n,)`, ``unknown_scores`` :math:`(m,)`
+    """
+    s, u = _scores(known_scores), _scores(unknown_scores)
+    if s.numel() == 0 or u.numel() == 0:
+        return math.nan
+    scores = torch.cat([s.double(), u.double().to(s.device)])
+    _, ranks = torch.unique(scores, sorted=True, return_inverse=True)
+    preds = ranks.double() / max(1, int(ranks.max()))
+    target = torch.cat(
+        [torch.ones(s.numel(), dtype=torch.long), torch.zeros(u.numel(), dtype=torch.long)]
+    ).to(preds.device)
+    return float(binary_auroc(preds, target))
+
+
+def open_set_predict(
+    logits: Tensor, known: Tensor, threshold: float, score_fn: ScoreFn = msp_score
+) -> Tensor:
+    r"""Open-world prediction of FedOGL Eq. (6): a known class, or ``-1`` (OOD).
+
+    .. math::
+        \hat{y}_i = \begin{cases} \arg\max_{c \in \mathcal{C}_K} \ell_{i,c}, & \rho_i \ge
+        \delta \\ -1, & \rho_i < \delta \end{cases}
+
+    The argmax over known logits equals the argmax of their softmax. Returned labels are
+    indices into the full class axis of ``logits``.
+
+    Args:
+        logits: class logits.
+        known: bool mask of the known classes.
+        threshold: :math:`\delta`, e.g. from :func:`threshold_at_tpr` on validation nodes.
+        score_fn: ``(logits, known) -> scores``, :func:`msp_score` by default.
+
+    Shapes:
+        - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
+        - **output:** :math:`(N,)` long
+    """
+    known = torch.as_tensor(known, device=logits.device).bool()
+    known_idx = known.nonzero().flatten()
+    pred = known_idx[_known_logits(logits, known).argmax(dim=1)]
+    score = score_fn(logits, known)
+    return pred.masked_fill(score < threshold, -1)
+
+
+def open_accuracy(pred: Tensor, y: Tensor, is_known: Tensor) -> float:
+    r"""Open-set accuracy: knowns must get their class, unknowns must be rejected.
+
+    .. math::
+        \mathrm{acc} = \frac{1}{N} \sum_i \begin{cases} [\hat{y}_i = y_i], & i
+        \text{ known} \\ [\hat{y}_i = -1], & i \text{ unknown} \end{cases}
+
+    A rejected known node counts as an error. NaN for no nodes.
+
+    Shapes:
+        - **input:** ``pred``, ``y``, ``is_known`` :math:`(N,)`
+    """
+    pred, y = pred.flatten(), y.flatten().to(pred.device)
+    is_known = torch.as_tensor(is_known, device=pred.device).bool().flatten()
+    if pred.numel() == 0:
+        return math.nan
+    ok = torch.where(is_known, pred == y, pred == -1)
+    return float(ok.double().mean())
+
+
+class _KnownUnknownScores(Metric):
+    """Accumulates scores and known/unknown flags (cat states, so DDP gathers them)."""
+
+    is_differentiable = False
+    full_state_update = False
+
+    scores: list[Tensor]
+    is_known: list[Tensor]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("scores", default=[], dist_reduce_fx="cat")
+        self.add_state("is_known", default=[], dist_reduce_fx="cat")
+
+    def update(self, scores: Tensor, is_known: Tensor) -> None:
+        """Add a batch of scores with their bool known flags (both :math:`(N,)`)."""
+        scores = _scores(scores).double()
+        is_known = torch.as_tensor(is_known, device=scores.device).bool().flatten()
+        if scores.shape != is_known.shape:
+            raise ValueError(
+                f"scores and is_known differ in length: {scores.numel()} vs {is_known.numel()}"
+            )
+        self.scores.append(scores)
+        self.is_known.append(is_known)
+
+    def _split(self) -> tuple[Tensor, Tensor]:
+        if not self.scores:
+            empty = torch.zeros(0, dtype=torch.float64)
+            return empty, empty
+        s, k = dim_zero_cat(self.scores), dim_zero_cat(self.is_known).bool()
+        return s[k], s[~k]
+
+
+class FPR95(_KnownUnknownScores):
+    """FPR of unknowns at the threshold accepting ``tpr`` of knowns; see :func:`fpr_at_tpr`.
+
+    Args:
+        tpr: target true-positive rate on known nodes, 0.95 for FPR95.
+    """
+
+    higher_is_better = False
+
+    def __init__(self, tpr: float = 0.95, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 < tpr <= 1.0:
+            raise ValueError(f"tpr must be in (0, 1], got {tpr}")
+        self.tpr = tpr
+
+    def compute(self) -> Tensor:
+        """FPR as a 0-d float64 tensor; NaN if either side is empty."""
+        return torch.tensor(fpr_at_tpr(*self._split(), tpr=self.tpr), dtype=torch.float64)
+
+
+class OODAUROC(_KnownUnknownScores):
+    """AUROC of known (positive) vs unknown nodes; see :func:`auroc_known_vs_unknown`."""
+
+    higher_is_better = True
+
+    def compute(self) -> Tensor:
+        """AUROC as a 0-d float64 tensor; NaN if either side is empty."""
+        return torch.tensor(auroc_known_vs_unknown(*self._split()), dtype=torch.float64)
