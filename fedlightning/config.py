@@ -38,6 +38,12 @@ def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = 
 
 def validate(cfg: DictConfig) -> None:
     """Fail with a :class:`ConfigError` naming the key for any invalid value."""
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+    if missing:
+        raise ConfigError(
+            missing[0],
+            f"is required (`???` in the config); set it on the command line, e.g. {missing[0]}=...",
+        )
     _int(cfg, "seed", 0)
     _int(cfg, "protocol.seed", 0)
     _int(cfg, "federation.clients", 1)
@@ -53,7 +59,7 @@ def validate(cfg: DictConfig) -> None:
         _float(cfg, "model.net.dropout", 0.0, 0.99)
     if "lr" in _get(cfg, "model.optimizer"):
         _float(cfg, "model.optimizer.lr", 0.0, 10.0, low_open=True)
-    if "path" in _get(cfg, "dataset"):
+    if "path" in _get(cfg, "dataset").keys():
         path = _get(cfg, "dataset.path")
         if not Path(str(path)).is_dir():
             raise ConfigError(

@@ -101,6 +101,16 @@ def test_python_m_and_multirun(tmp_path, cli_env):
         (["experiment=fedavg_cora"], {"FEDLIGHTNING_DATA": "/nonexistent/dir"}, "/nonexistent/dir"),
         (["dataset=folder"], {}, "dataset.path"),
         (["model.net.conv=gat"], {}, "model.net.conv"),
+        (["experiment=cil_fedavg_cora", "protocol.stream.stages=[2,2,2,2]"], {}, "stages"),
+        (["experiment=cil_fedavg_cora", "protocol.stream.stages=[1,2]"], {}, "stages"),
+        (["experiment=cil_fedavg_replay_cora", "algorithm.replay_budget=-1"], {}, "replay_budget"),
+        (
+            ["experiment=cil_fedavg_cora", "protocol.stream.client_fraction=0"],
+            {},
+            "client_fraction",
+        ),
+        (["experiment=cil_fedavg_cora", "algorithm=fedavg"], {}, "algorithm"),
+        (["algorithm=cil_fedavg"], {}, "protocol"),
     ],
 )
 def test_bad_input_is_one_line_error(tmp_path, cli_env, args, env_change, needle):
@@ -156,3 +166,33 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, cli_env):
     assert sorted({m.step for m in client.get_metric_history(run_id, "test_acc")}) == [1, 2, 3, 4]
     assert client.get_run(run_id).info.status == "FINISHED"
     shutil.rmtree(tmp_path / "full")
+
+
+def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env):
+    base = [
+        "train",
+        "experiment=cil_fedavg_replay_citeseer_mm",
+        "federation.rounds=2",
+        "algorithm.lambda_dis=1.0",
+    ]
+    full = fl([*base, "hydra.run.dir=full", "logger=none"], tmp_path, cli_env)
+    assert full.returncode == 0, full.stderr
+    killed = fl([*base, "hydra.run.dir=killed", "runner.kill_at=3:2"], tmp_path, cli_env)
+    assert killed.returncode == -9  # in stage 2, after the teacher was frozen for 2 clients
+    resumed = fl(["train", "resume=killed"], tmp_path, cli_env)
+    assert resumed.returncode == 0, resumed.stderr
+    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    b = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert a["metrics"] == b["metrics"] and a["acc_matrix"] == b["acc_matrix"]
+    assert a["hashes"] == b["hashes"] and set(a["hashes"]) == {"partition", "stream"}
+    assert "am" in resumed.stdout and "fpr95" in resumed.stdout
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(cli_env["MLFLOW_TRACKING_URI"])
+    run_id = json.loads((tmp_path / "killed" / "mlflow_run.json").read_text())["run_id"]
+    run = client.get_run(run_id)
+    assert run.data.tags["task"] == "cil" and run.data.tags["hash_stream"] == a["hashes"]["stream"]
+    assert [m.step for m in client.get_metric_history(run_id, "stage_fpr95")] == [1, 2, 3]
+    arts = {x.path for x in client.list_artifacts(run_id)}
+    assert {"acc_matrix.png", "acc_matrix.csv", "seen_acc.png", "stream.json"} <= arts
