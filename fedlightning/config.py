@@ -59,7 +59,7 @@ def validate(cfg: DictConfig) -> None:
         _float(cfg, "model.net.dropout", 0.0, 0.99)
     if "lr" in _get(cfg, "model.optimizer"):
         _float(cfg, "model.optimizer.lr", 0.0, 10.0, low_open=True)
-    if "path" in _get(cfg, "dataset").keys():
+    if "path" in _get(cfg, "dataset"):
         path = _get(cfg, "dataset.path")
         if not Path(str(path)).is_dir():
             raise ConfigError(

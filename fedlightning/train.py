@@ -135,7 +135,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("test_acc_at_best_val", f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"),
         *[
             (k, f"{m[k]:.4f}")
-            for k in ("am", "fm", "fm_diag", "fpr95", "auroc_ood", "open_acc")
+            for k in ("recall_at_1", "am", "fm", "fm_diag", "fpr95", "auroc_ood", "open_acc")
             if k in m
         ],
         ("uplink", f"{c['uplink_mib']:.3f} MiB"),

@@ -42,7 +42,7 @@ def tmp_env(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def compose():
     """``compose(overrides) -> DictConfig``: the real config as the CLI composes it."""
     return compose_cfg

@@ -86,6 +86,12 @@ class ContinualFedAvg(Algorithm):
         return (round - 1) // self.rounds_per_stage
 
     def client_module(self, net: nn.Module, optimizer: Any) -> ContinualNodeClassifier:
+        if hasattr(net, "pair_mask"):
+            raise ConfigError(
+                "model",
+                f"{type(net).__name__} is a retrieval model; node "
+                "classification (cil_*) needs a classifier, e.g. model=multimodal_gnn",
+            )
         return ContinualNodeClassifier(
             net,
             optimizer,

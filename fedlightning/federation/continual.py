@@ -80,7 +80,7 @@ class ContinualLoop(FederatedLoop):
         self.on_stage_end = on_stage_end
         self.class_stage = stream.class_stage(num_classes)
         algo: ContinualFedAvg = self.algorithm
-        self.score_fn = SCORE_FNS[algo.score]
+        self.score_fn = SCORE_FNS.get(algo.score)  # None: the loop scores otherwise
         self.rows: dict[str, list[list[float]]] = {"test": [], "val": []}
         self.client_rows: dict[int, list[list[float]]] = {c.client_id: [] for c in self.clients}
         self.stage_results: list[dict[str, float]] = []

@@ -1,0 +1,161 @@
+r"""Class-incremental cross-modal retrieval: symmetric InfoNCE, similarity distillation, client.
+
+The retrieval reading of FedOGL's retention objective, Eq. (5): cross-entropy over classes
+becomes the symmetric InfoNCE over paired nodes (query modality of node :math:`i` against
+item modality of node :math:`i`, every other paired node a negative), and the task-start
+distillation acts on the frozen teacher's similarity logits instead of its class logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch_geometric.data import Data
+
+from fedlightning.clients.continual import ContinualNodeClassifier
+from fedlightning.clients.losses import distillation_kl, proximal_term, retention_objective
+from fedlightning.clients.node_classifier import OptimizerFactory
+
+__all__ = ["ContinualRetrievalClient", "similarity_distillation_kl", "symmetric_info_nce"]
+
+
+def symmetric_info_nce(q: Tensor, k: Tensor, temperature: float = 0.1) -> Tensor:
+    r"""Symmetric InfoNCE of paired embeddings: the CE term of Eq. (5) for retrieval.
+
+    .. math::
+        \mathcal{L}_{\mathrm{nce}} = \frac{1}{2n} \sum_{i=1}^{n} \Big[
+        -\log \frac{e^{S_{ii}/T}}{\sum_{l} e^{S_{il}/T}}
+        -\log \frac{e^{S_{ii}/T}}{\sum_{l} e^{S_{li}/T}} \Big],
+        \qquad S = q k^\top
+
+    i.e. the mean of ``CE(q k^T / T, arange(n))`` and ``CE(k q^T / T, arange(n))``. With
+    L2-normalised rows :math:`S` is the cosine similarity. One pair gives ``0`` (nothing to
+    contrast with); no pair gives a zero that keeps the graph.
+
+    Args:
+        q: query embeddings; row ``i`` pairs with row ``i`` of ``k``.
+        k: item embeddings.
+        temperature: :math:`T > 0` (default ``0.1``).
+
+    Shapes:
+        - **input:** ``q`` :math:`(n, d)`, ``k`` :math:`(n, d)`
+        - **output:** scalar
+    """
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must pair row by row, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.size(0) == 0:
+        return (q.sum() + k.sum()) * 0.0
+    logits = q @ k.T / temperature
+    target = torch.arange(q.size(0), device=q.device)
+    return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
+
+
+def similarity_distillation_kl(student_sim: Tensor, teacher_sim: Tensor, tau: float) -> Tensor:
+    r"""Task-start distillation of Eq. (5) on similarity logits, without its weight.
+
+    .. math::
+        \tau^2 \frac{1}{n} \sum_{i=1}^{n} \mathrm{KL}\big(\sigma(S^{-}_{i,:}/\tau)
+        \,\|\, \sigma(S_{i,:}/\tau)\big)
+
+    where :math:`S^{-}` are the frozen teacher's similarity logits and :math:`S` the
+    student's over the same nodes, and :math:`\sigma` is the row softmax. Zero iff the
+    rows agree up to a constant shift.
+
+    Args:
+        student_sim, teacher_sim: similarity logits (e.g. ``q k^T / T``).
+        tau: distillation temperature :math:`\tau > 0`.
+
+    Shapes:
+        - **input:** :math:`(n, m)` each
+        - **output:** scalar
+    """
+    if student_sim.shape != teacher_sim.shape:
+        raise ValueError(
+            f"student and teacher similarities differ in shape: {tuple(student_sim.shape)} vs "
+            f"{tuple(teacher_sim.shape)}"
+        )
+    if student_sim.numel() == 0:
+        return student_sim.sum() * 0.0
+    return distillation_kl(student_sim, teacher_sim, tau)  # rows of S play the logits' part
+
+
+class ContinualRetrievalClient(ContinualNodeClassifier):
+    r"""Local training at stage ``t`` for cross-modal retrieval: Eq. (5) with InfoNCE.
+
+    .. math::
+        \mathcal{L}_{k,t} = \mathcal{L}_{\mathrm{nce}}(\mathcal{D}_k^t)
+        + \lambda_{\mathrm{rep}} \mathcal{L}_{\mathrm{nce}}(\mathcal{R}_k(t))
+        + \lambda_{\mathrm{dis}} \tau^2 \tfrac{1}{2}\big[\mathrm{KL}(\sigma(S^-/\tau) \|
+        \sigma(S/\tau)) + \mathrm{KL}(\sigma(S^{-\top}/\tau) \| \sigma(S^\top/\tau))\big]
+        + \frac{\mu}{2}\lVert w - w^t \rVert^2
+
+    (FedOGL Eq. (5), with the symmetric InfoNCE of :func:`symmetric_info_nce` in place of
+    CE). Only nodes that have both modalities (``net.pair_mask``) form pairs. The current
+    term uses the paired nodes of ``batch.sup_mask`` (in-batch negatives among them), the
+    replay term those of ``batch.replay_mask``, and the distillation the paired nodes that
+    ``distill_on`` names, with :math:`S = q k^\top / T` of the student and :math:`S^-` of
+    the frozen task-start teacher (eval mode, no gradient), in both retrieval directions.
+    The proximal term is FedProx's (``prox_mu > 0``). Turning replay off does not turn
+    distillation off.
+
+    Args:
+        net: a retrieval model returning ``(q, k)`` and offering ``pair_mask(data)``
+            (e.g. :class:`~fedlightning.models.retrieval.CrossModalGNN`).
+        optimizer: a partial optimizer, called with the parameters; created afresh on every
+            local fit (standard FedAvg).
+        prox_mu: FedProx coefficient (default ``0.0``).
+        lambda_rep: replay weight (default ``1.0``).
+        lambda_dis: distillation weight; ``0`` disables the teacher (default ``0.0``).
+        tau: distillation temperature (default ``2.0``).
+        distill_on: ``"replay"``, ``"current"`` or ``"both"`` (default ``"replay"``).
+        temperature: InfoNCE temperature :math:`T` (default ``0.1``).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: OptimizerFactory,
+        prox_mu: float = 0.0,
+        lambda_rep: float = 1.0,
+        lambda_dis: float = 0.0,
+        tau: float = 2.0,
+        distill_on: str = "replay",
+        temperature: float = 0.1,
+    ) -> None:
+        if temperature <= 0 or tau <= 0:
+            raise ValueError(f"temperature and tau must be > 0, got {temperature}, {tau}")
+        super().__init__(net, optimizer, prox_mu, lambda_rep, lambda_dis, tau, distill_on)
+        self.temperature = temperature
+
+    def forward(self, data: Data) -> tuple[Tensor, Tensor]:
+        return self.net(data)
+
+    def _distill(self, batch: Data, q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
+        with torch.no_grad():
+            tq, tk = self._teacher[0](batch)
+            teacher = tq[mask] @ tk[mask].T / self.temperature
+        student = q[mask] @ k[mask].T / self.temperature
+        return 0.5 * (
+            similarity_distillation_kl(student, teacher, self.tau)
+            + similarity_distillation_kl(student.T, teacher.T, self.tau)
+        )
+
+    def training_step(self, batch: Data, batch_idx: int = 0) -> Tensor:
+        q, k = self.net(batch)
+        pairs = self.net.pair_mask(batch)
+        cur = batch.sup_mask & pairs
+        nce_cur = symmetric_info_nce(q[cur], k[cur], self.temperature)
+        zero = nce_cur * 0.0
+        rep = batch.replay_mask & pairs
+        nce_rep = symmetric_info_nce(q[rep], k[rep], self.temperature) if self.lambda_rep else zero
+        kl = zero
+        if self._teacher:
+            mask = self.distill_mask(batch) & pairs
+            if bool(mask.any()):
+                kl = self._distill(batch, q, k, mask)
+        loss = retention_objective(nce_cur, nce_rep, kl, self.lambda_rep, self.lambda_dis)
+        if self.prox_mu > 0:
+            loss = loss + proximal_term(self.net.named_parameters(), self.anchor, self.prox_mu)
+        self.last_loss = float(loss.detach())
+        return loss

@@ -1,0 +1,185 @@
+r"""The class-incremental open-world loop for cross-modal retrieval.
+
+Recall@1 takes the place of accuracy in the accuracy matrix (DESIGN.md): after stage
+:math:`t`, client :math:`k`'s queries are its test nodes of known classes that have both
+modalities, and the candidates are the same nodes' item modality; query :math:`i` hits when
+its own item ranks first (pessimistic ties, :func:`~fedlightning.metrics.recall_at_k`).
+Counts are pooled over clients. A query's rejection score is its highest similarity to the
+client's known-class items (the retrieval reading of FedOGL Eq. (6)); unknown-class queries
+are the client's test nodes of unknown classes, scored against the same items.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedlightning.federation.continual import SPLITS, ContinualLoop
+from fedlightning.metrics import (
+    AccuracyMatrix,
+    auroc_known_vs_unknown,
+    fpr_at_tpr,
+    max_similarity,
+    open_accuracy,
+    recall_at_k,
+    seen_accuracy_curve,
+    threshold_at_tpr,
+)
+
+WRONG = -2  # a known query's label when its paired item is not ranked first
+
+
+@dataclass
+class SplitQueries:
+    """One client's retrieval results on one split, against its known-class items.
+
+    Attributes:
+        node_stage: stage that introduced each known query's class ``[n]``.
+        hit: whether each known query ranks its own item first ``[n]``.
+        y: class of each known query ``[n]``.
+        known_score: max similarity of each known query to the items ``[n]``.
+        unknown_score: the same for unknown-class queries ``[u]``.
+    """
+
+    node_stage: Tensor
+    hit: Tensor
+    y: Tensor
+    known_score: Tensor
+    unknown_score: Tensor
+
+
+class RetrievalLoop(ContinualLoop):
+    """Stages of rounds with Recall@1 and max-similarity rejection instead of accuracy.
+
+    After every round: Recall@1 over the known-class queries of every split (pooled), in
+    ``train_acc``, ``val_acc`` and ``test_acc`` so the base loop's logging, model selection
+    and final metrics work unchanged. After every stage: the Recall@1 matrix row (pooled
+    and per client on test, pooled on val), the rejection threshold calibrated at 95% TPR
+    on validation known-class queries, FPR95, AUROC and open-set accuracy on test, and the
+    validation counterparts. No diagnostics (Eqs. (2)-(4) need class representations).
+
+    Args:
+        algorithm: a retrieval algorithm (its ``score`` must be ``"similarity"``).
+        *args, **kw: as :class:`ContinualLoop`.
+    """
+
+    def __init__(self, algorithm: Any, *args: Any, **kw: Any) -> None:
+        if getattr(algorithm, "score", "similarity") != "similarity":
+            raise ValueError(f"RetrievalLoop rejects by similarity, not {algorithm.score!r}")
+        super().__init__(algorithm, *args, **kw)
+        self.score_fn = max_similarity
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def _embed_all(self) -> list[tuple[Any, Tensor, Tensor, Tensor]]:
+        """Global model on every client's whole subgraph: (client, q, k, paired-node mask)."""
+        self.module.receive(self.server.global_state)
+        net = self.module.net
+        net.eval()
+        out = []
+        for c in self.clients:
+            q, k = net(c.data)
+            out.append((c, q, k, net.pair_mask(c.data)))
+        net.train()
+        return out
+
+    def evaluate(self, round: int) -> dict[str, float]:
+        """Recall@1 over the known-class queries of the current stage, per split, pooled."""
+        known = torch.tensor(self.stream.known(self.stage_of(round)), dtype=torch.long)
+        totals = {s: [0, 0] for s in ("train", *SPLITS)}
+        for c, q, k, pairs in self._embed_all():
+            is_known = torch.isin(c.data.y, known)
+            for s in totals:
+                m = c.data[f"{s}_mask"] & is_known & pairs
+                if bool(m.any()):
+                    totals[s][0] += int(recall_at_k(q[m], k[m], 1).sum())
+                    totals[s][1] += int(m.sum())
+        return {f"{s}_acc": a / n if n else math.nan for s, (a, n) in totals.items()}
+
+    def split_queries(
+        self, data: Any, q: Tensor, k: Tensor, pairs: Tensor, split: str, t: int
+    ) -> SplitQueries | None:
+        """Retrieval among ``data``'s ``split`` nodes after stage ``t``; ``None`` if the
+        client has no known-class pair there (no candidate to retrieve or compare with)."""
+        node_stage = self.class_stage[data.y]
+        is_known = (node_stage >= 0) & (node_stage <= t)
+        m = data[f"{split}_mask"]
+        known = m & is_known & pairs
+        if not bool(known.any()):
+            return None
+        net = self.module.net
+        unknown = m & ~is_known & net.availability(data, net.query)
+        items = k[known]
+        return SplitQueries(
+            node_stage=node_stage[known],
+            hit=recall_at_k(q[known], items, 1),
+            y=data.y[known],
+            known_score=max_similarity(q[known], items),
+            unknown_score=max_similarity(q[unknown], items) if bool(unknown.any()) else q[:0, 0],
+        )
+
+    def evaluate_stage(self, t: int) -> dict[str, float]:
+        """The open-world retrieval evaluation after stage ``t`` (0-based)."""
+        T = self.stream.num_stages
+        mats = {s: AccuracyMatrix(T) for s in SPLITS}
+        results: dict[str, list[SplitQueries]] = {s: [] for s in SPLITS}
+        for c, q, k, pairs in self._embed_all():
+            client_mat = AccuracyMatrix(T)
+            for s in SPLITS:
+                r = self.split_queries(c.data, q, k, pairs, s, t)
+                if r is None:
+                    continue
+                mats[s].update(t, r.node_stage, r.hit)
+                if s == "test":
+                    client_mat.update(t, r.node_stage, r.hit)
+                results[s].append(r)
+            self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
+        for s in SPLITS:
+            self.rows[s].append(mats[s].compute()[t].tolist())
+
+        def cat(split: str, field: str) -> Tensor:
+            parts = [getattr(r, field) for r in results[split]]
+            return torch.cat(parts) if parts else torch.zeros(0)
+
+        delta = threshold_at_tpr(cat("val", "known_score"))  # Eq. (6)'s delta_t: val only
+        hit, y = cat("test", "hit").bool(), cat("test", "y").long()
+        known_score, unknown_score = cat("test", "known_score"), cat("test", "unknown_score")
+        # Known queries are right when accepted and hit; unknown ones when rejected.
+        wrong = torch.full((unknown_score.numel(),), WRONG, dtype=torch.long)
+        pred = torch.cat([torch.where(hit, y, WRONG), wrong])
+        pred = torch.where(torch.cat([known_score, unknown_score]) >= delta, pred, -1)
+        truth = torch.cat([y, wrong])
+        is_known = torch.arange(pred.numel()) < y.numel()
+        val_known, val_unknown = cat("val", "known_score"), cat("val", "unknown_score")
+        return {
+            "stage": t + 1,
+            "seen_acc": seen_accuracy_curve(self.matrix("test"))[t],
+            "val_seen_acc": seen_accuracy_curve(self.matrix("val"))[t],
+            "recall_at_1": _mean(hit),
+            "val_recall_at_1": _mean(cat("val", "hit")),
+            "threshold": delta,
+            "fpr95": fpr_at_tpr(known_score, unknown_score),
+            "auroc_ood": auroc_known_vs_unknown(known_score, unknown_score),
+            "open_acc": open_accuracy(pred, truth, is_known),
+            "val_fpr95": fpr_at_tpr(val_known, val_unknown),
+            "val_auroc_ood": auroc_known_vs_unknown(val_known, val_unknown),
+        }
+
+    # ------------------------------------------------------------------ results
+    def final_metrics(self) -> dict[str, float]:
+        """The base loop's metrics (AM/FM from the Recall@1 matrix, FPR95, ...) and
+        ``recall_at_1`` / ``val_recall_at_1``: final-stage Recall@1 over all known-class
+        queries, pooled over clients."""
+        out = super().final_metrics()
+        last = self.stage_results[-1]
+        out["recall_at_1"] = last["recall_at_1"]
+        out["val_recall_at_1"] = last["val_recall_at_1"]
+        return out
+
+
+def _mean(x: Tensor) -> float:
+    return float(x.double().mean()) if x.numel() else math.nan

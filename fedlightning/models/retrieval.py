@@ -1,0 +1,98 @@
+"""The cross-modal retrieval backbone of the FedOGL setting: one tower per modality."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch_geometric.data import Data
+
+from fedlightning.errors import ConfigError
+from fedlightning.models.multimodal import GNNEncoder
+
+
+class CrossModalGNN(nn.Module):
+    r"""Two modality towers with graph propagation that embed queries and items in one space.
+
+    For the query modality :math:`q` and the item modality :math:`v` (e.g. ``text`` and
+    ``bow``), each side :math:`m \in \{q, v\}` has its own encoder, GNN and projection head:
+
+    .. math::
+        h_{i,m} = a_{i,m}\, \mathrm{ReLU}(W_m x_{i,m} + b_m), \qquad
+        g_m = \mathrm{GNN}_m(h_m, A), \qquad
+        e_{i,m} = \frac{P_m g_{i,m}}{\lVert P_m g_{i,m} \rVert_2}
+
+    where :math:`a_{i,m} \in \{0, 1\}` is the availability of modality :math:`m` at node
+    :math:`i`: a missing modality sends zeros into the propagation instead of made-up
+    features. The similarity :math:`S_{i,l} = e_{i,q}^\top e_{l,v}` is the cosine
+    similarity used by the symmetric InfoNCE loss (the retrieval reading of FedOGL
+    Eq. (5), see :func:`~fedlightning.clients.retrieval.symmetric_info_nce`), by Recall@1
+    and by the rejection score :math:`\max_l S_{i,l}` (the retrieval reading of Eq. (6)).
+    The last GNN layer of each tower is the retrieval model's structural layer
+    (:math:`\Omega_{\mathrm{str}}` of Eq. (9)).
+
+    Args:
+        in_dims: modality name -> feature width (all modalities of the graph).
+        num_classes: accepted so that the model is built like
+            :class:`~fedlightning.models.MultimodalGNN`; unused (retrieval has no head).
+        query: the query modality (default ``"text"``).
+        item: the item modality (default ``"bow"``).
+        hidden: width of encoders, GNNs and the shared embedding space (default ``64``).
+        gnn_layers: GNN depth per tower (default ``2``).
+        conv: ``"gcn"`` or ``"sage"`` (default ``"gcn"``).
+        dropout: on input features and between GNN layers (default ``0.5``).
+
+    Shapes:
+        - **input:** a PyG ``Data`` with ``x_<modality>`` :math:`(N, d_m)`,
+          ``modality_mask`` :math:`(N, M)` (columns in the order of ``in_dims``),
+          ``edge_index`` :math:`(2, E)`
+        - **output:** ``(q, k)``, each :math:`(N, \text{hidden})`, rows of unit L2 norm
+    """
+
+    def __init__(
+        self,
+        in_dims: dict[str, int],
+        num_classes: int | None = None,
+        query: str = "text",
+        item: str = "bow",
+        hidden: int = 64,
+        gnn_layers: int = 2,
+        conv: str = "gcn",
+        dropout: float = 0.5,
+    ) -> None:
+        super().__init__()
+        for key, m in (("query", query), ("item", item)):
+            if m not in in_dims:
+                raise ConfigError(
+                    f"model.net.{key}",
+                    f"modality {m!r} is not in the dataset; it has {sorted(in_dims)}",
+                )
+        if query == item:
+            raise ConfigError("model.net.item", f"must differ from model.net.query ({query!r})")
+        self.modalities = list(in_dims)
+        self.query, self.item, self.conv = query, item, conv
+        self.sides = (query, item)
+        self.encoders = nn.ModuleDict({m: nn.Linear(in_dims[m], hidden) for m in self.sides})
+        self.gnns = nn.ModuleDict(
+            {m: GNNEncoder(hidden, hidden, gnn_layers, conv, dropout) for m in self.sides}
+        )
+        self.heads = nn.ModuleDict({m: nn.Linear(hidden, hidden) for m in self.sides})
+        self.dropout = nn.Dropout(dropout)
+
+    def availability(self, data: Data, modality: str) -> Tensor:
+        """Bool ``[N]``: nodes that have ``modality``."""
+        return data.modality_mask[:, self.modalities.index(modality)]
+
+    def pair_mask(self, data: Data) -> Tensor:
+        """Bool ``[N]``: nodes with both the query and the item modality (usable pairs)."""
+        return self.availability(data, self.query) & self.availability(data, self.item)
+
+    def embed(self, data: Data, modality: str) -> Tensor:
+        """One tower: encoder, masked propagation, projection, L2 normalisation ``[N, hidden]``."""
+        a = self.availability(data, modality).to(data[f"x_{modality}"].dtype).unsqueeze(-1)
+        h = torch.relu(self.encoders[modality](self.dropout(data[f"x_{modality}"]))) * a
+        g = self.gnns[modality](h, data.edge_index)
+        return F.normalize(self.heads[modality](g), dim=-1)
+
+    def forward(self, data: Data) -> tuple[Tensor, Tensor]:
+        return self.embed(data, self.query), self.embed(data, self.item)
