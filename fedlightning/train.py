@@ -38,6 +38,7 @@ def build_clients(graph: MultimodalGraph, partition: Partition) -> list[Federate
         data: Data = graph.subgraph(nodes).to_data()
         split = partition.split[nodes]
         data.train_mask, data.val_mask, data.test_mask = split == TRAIN, split == VAL, split == TEST
+        data.node_id = nodes  # index in the whole graph, for per-node artifacts
         clients.append(FederatedClient(k, data))
     return clients
 

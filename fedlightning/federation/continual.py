@@ -84,6 +84,7 @@ class ContinualLoop(FederatedLoop):
         self.rows: dict[str, list[list[float]]] = {"test": [], "val": []}
         self.client_rows: dict[int, list[list[float]]] = {c.client_id: [] for c in self.clients}
         self.stage_results: list[dict[str, float]] = []
+        self.test_scores: list[dict[str, Any]] = []  # per stage: every test node's score
         self.centroids_at_intro: dict[int, Tensor] = {}
         self.bases_at_end: dict[int, Tensor] = {}
 
@@ -144,7 +145,7 @@ class ContinualLoop(FederatedLoop):
         known_mask = self.stream.known_mask(t, self.num_classes)
         mats = {s: AccuracyMatrix(T) for s in SPLITS}
         scores: dict[str, dict[bool, list[Tensor]]] = {s: {True: [], False: []} for s in SPLITS}
-        open_parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+        open_parts: list[tuple[Tensor, ...]] = []
         reps_all = []
         for c, logits, reps in self._forward_all():
             y = c.data.y
@@ -161,14 +162,29 @@ class ContinualLoop(FederatedLoop):
                 scores[s][False].append(score[m & ~is_known])
                 if s == "test":
                     client_mat.update(t, node_stage[mk], (pred == y)[mk])
-                    open_parts.append((pred[m], score[m], y[m], is_known[m]))
+                    node = c.data.node_id[m] if "node_id" in c.data else m.nonzero().squeeze(1)
+                    client = torch.full_like(node, c.client_id)
+                    open_parts.append((pred[m], score[m], y[m], is_known[m], node, client))
             self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
             reps_all.append((c, reps))
         for s in SPLITS:
             self.rows[s].append(mats[s].compute()[t].tolist())
         cat = {s: {k: torch.cat(v) for k, v in d.items()} for s, d in scores.items()}
         delta = threshold_at_tpr(cat["val"][True])  # Eq. (6)'s delta_t: validation only
-        pred, score, y, is_known = (torch.cat(x) for x in zip(*open_parts, strict=True))
+        pred, score, y, is_known, node, client = (
+            torch.cat(x) for x in zip(*open_parts, strict=True)
+        )
+        self.test_scores.append(
+            {
+                "node": node,
+                "client": client,
+                "y": y,
+                "pred": pred,
+                "score": score,
+                "known": is_known,
+                "threshold": delta,
+            }
+        )
         pred_open = torch.where(score >= delta, pred, torch.full_like(pred, -1))
         res = {
             "stage": t + 1,
@@ -292,6 +308,9 @@ class ContinualLoop(FederatedLoop):
         paths.append(csv_path)
         paths.append(plot_accuracy_matrix(m, run_dir / "acc_matrix.png", title=title))
         paths.append(plot_seen_accuracy(self.stage_results, run_dir / "seen_acc.png", title=title))
+        if self.test_scores:
+            torch.save(self.test_scores, run_dir / "test_scores.pt")
+            paths.append(run_dir / "test_scores.pt")
         return paths
 
     # ------------------------------------------------------------------ state
@@ -300,6 +319,7 @@ class ContinualLoop(FederatedLoop):
             "rows": self.rows,
             "client_rows": self.client_rows,
             "stage_results": self.stage_results,
+            "test_scores": self.test_scores,
             "centroids_at_intro": self.centroids_at_intro,
             "bases_at_end": self.bases_at_end,
         }
@@ -307,5 +327,6 @@ class ContinualLoop(FederatedLoop):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.rows, self.client_rows = state["rows"], state["client_rows"]
         self.stage_results = state["stage_results"]
+        self.test_scores = state.get("test_scores", [])
         self.centroids_at_intro = state["centroids_at_intro"]
         self.bases_at_end = state["bases_at_end"]

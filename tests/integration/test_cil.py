@@ -61,6 +61,11 @@ def test_stage_metrics_match_a_recomputation_from_the_final_model(tmp_env, compo
     thr = ks[int(torch.tensor(0.95 * len(ks)).ceil()) - 1]
     fpr = sum(u >= thr for u in u_scores) / len(u_scores)
     assert s["metrics"]["fpr95"] == pytest.approx(fpr, abs=1e-9)
+    scores = torch.load(run / "test_scores.pt", weights_only=False)
+    assert len(scores) == 3  # one record per stage: every test node's MSP score
+    last = scores[-1]
+    assert sorted(last["score"][last["known"]].tolist()) == pytest.approx(sorted(k_scores))
+    assert sorted(last["score"][~last["known"]].tolist()) == pytest.approx(sorted(u_scores))
     # the matrix is lower-triangular: stage j's classes are unseen before stage j
     assert s["acc_matrix"][0][1] is None and s["acc_matrix"][1][2] is None
     assert len(s["stages"]) == 3 and (run / "acc_matrix.csv").exists()
