@@ -1,0 +1,166 @@
+r"""Gradient shielding of protected structural weights, FedOGL Eq. (9), as a callback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from fedlightning.server.basis import project_out
+
+
+class GradientProjection(pl.Callback):
+    r"""Keep protected weights from moving inside the span of their structural basis.
+
+    For every protected weight :math:`W` (``[out, in]``) with input-space basis
+    :math:`U` (``[in, r]``, orthonormal columns), the gradient is replaced after the
+    backward pass by Eq. (9):
+
+    .. math::
+        \widetilde{\nabla}_W \mathcal{L} = \nabla_W \mathcal{L}\,(\mathbf{I} - UU^\top)
+
+    That alone keeps :math:`XW^\top` fixed on the old inputs :math:`X \subset
+    \mathrm{span}(U)` only for plain SGD without weight decay: Adam's per-coordinate
+    scaling and weight decay move the weight inside :math:`\mathrm{span}(U)` again. With
+    ``project_update`` the callback therefore also projects the weight change of each
+    optimizer step, :math:`W \leftarrow W_0 + (W - W_0)(\mathbf{I} - UU^\top)`, which
+    makes the guarantee hold for any optimizer. Biases named in ``frozen_biases`` get a
+    zero gradient and, with ``project_update``, their change is reverted ("protected biases
+    are frozen after the first stage").
+
+    Works with a real ``lightning.Trainer`` and with
+    :class:`~fedlightning.federation.executors.LeanExecutor` (it never reads ``trainer``).
+    The weight change is taken between ``on_before_optimizer_step`` and
+    ``on_train_batch_end``, so several optimizer steps within one batch (manual
+    optimisation) are projected together, which is the same because the map is linear.
+
+    Args:
+        bases (dict[str, Tensor], optional): parameter name of the module (as
+            ``pl_module.named_parameters()`` names it, e.g.
+            ``"net.gnn.convs.1.lin.weight"``) -> basis ``[in, r]``. (default: ``None``)
+        project_update (bool, optional): also project each step's weight change and revert
+            frozen biases. (default: ``True``)
+        frozen_biases (list[str], optional): parameter names to freeze. (default: ``None``)
+    """
+
+    def __init__(
+        self,
+        bases: Mapping[str, Tensor] | None = None,
+        project_update: bool = True,
+        frozen_biases: Iterable[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.project_update = bool(project_update)
+        self.frozen_biases: list[str] = list(frozen_biases or [])
+        self.bases: dict[str, Tensor] = {}
+        self._cast: dict[str, Tensor] = {}
+        self._snapshot: dict[str, Tensor] = {}
+        self.set_bases(bases or {})
+
+    def set_bases(self, bases: Mapping[str, Tensor]) -> None:
+        """Replace the protected weights and their bases (e.g. at a stage start)."""
+        checked: dict[str, Tensor] = {}
+        for name, u in bases.items():
+            if u.dim() != 2 or not u.is_floating_point():
+                raise ValueError(
+                    f"basis of {name!r} must be a float [in, r] tensor, got {tuple(u.shape)} "
+                    f"{u.dtype}"
+                )
+            gram = u.detach().double().T @ u.detach().double()
+            if not torch.allclose(gram, torch.eye(u.size(1), dtype=gram.dtype), atol=1e-4):
+                raise ValueError(f"basis of {name!r} must have orthonormal columns")
+            checked[name] = u.detach().clone()
+        self.bases = checked
+        self._cast.clear()
+        self._snapshot.clear()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _params(self, pl_module: nn.Module) -> dict[str, nn.Parameter]:
+        params = dict(pl_module.named_parameters())
+        missing = [n for n in [*self.bases, *self.frozen_biases] if n not in params]
+        if missing:
+            raise KeyError(
+                f"GradientProjection: no parameter named {missing} in "
+                f"{type(pl_module).__name__}; it has e.g. {list(params)[:8]}"
+            )
+        for name, u in self.bases.items():
+            p = params[name]
+            if p.dim() != 2 or p.size(1) != u.size(0):
+                raise ValueError(
+                    f"GradientProjection: basis of {name!r} is {tuple(u.shape)} but the "
+                    f"weight is {tuple(p.shape)}; expected [in={p.size(-1)}, r]"
+                )
+        return params
+
+    def _basis(self, name: str, like: Tensor) -> Tensor:
+        u = self._cast.get(name)
+        if u is None or u.device != like.device or u.dtype != like.dtype:
+            u = self.bases[name].to(device=like.device, dtype=like.dtype)
+            self._cast[name] = u
+        return u
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: Any, pl_module: pl.LightningModule) -> None:
+        self._snapshot.clear()
+        self._params(pl_module)  # fail before training on a wrong name or shape
+
+    @torch.no_grad()
+    def on_after_backward(self, trainer: Any, pl_module: pl.LightningModule) -> None:
+        params = self._params(pl_module)
+        for name in self.bases:
+            p = params[name]
+            if p.grad is not None and self.bases[name].size(1) > 0:
+                p.grad.copy_(project_out(p.grad, self._basis(name, p)))
+        for name in self.frozen_biases:
+            if params[name].grad is not None:
+                params[name].grad.zero_()
+
+    @torch.no_grad()
+    def on_before_optimizer_step(
+        self, trainer: Any, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not self.project_update:
+            return
+        params = self._params(pl_module)
+        for name in [*self.bases, *self.frozen_biases]:
+            if name not in self._snapshot:
+                self._snapshot[name] = params[name].detach().clone()
+
+    @torch.no_grad()
+    def on_train_batch_end(
+        self,
+        trainer: Any,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self._snapshot:
+            return
+        params = self._params(pl_module)
+        for name, before in self._snapshot.items():
+            p = params[name]
+            if name in self.frozen_biases:
+                p.copy_(before)
+            elif self.bases[name].size(1) > 0:
+                p.copy_(before + project_out(p - before, self._basis(name, p)))
+        self._snapshot.clear()
+
+    # -- checkpointing -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bases": {k: v.detach().cpu().clone() for k, v in self.bases.items()},
+            "project_update": self.project_update,
+            "frozen_biases": list(self.frozen_biases),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.project_update = bool(state_dict.get("project_update", self.project_update))
+        self.frozen_biases = list(state_dict.get("frozen_biases", self.frozen_biases))
+        self.set_bases(state_dict["bases"])

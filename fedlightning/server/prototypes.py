@@ -1,0 +1,528 @@
+r"""Prototype-guided memory consolidation of the FedOGL paper, Eqs. (11)-(14).
+
+The mathematics only, as pure functions and one small class over tensors:
+
+- :func:`local_prototypes`, Eq. (11): a client's class prototypes with their support sizes
+  (optionally several within-class modes by a small deterministic k-means);
+- :class:`PrototypeBank`, Eq. (12): the server's bounded per-class memory, merging an
+  incoming prototype into its most similar slot or taking an empty / the weakest slot;
+- :func:`prototype_graph`, Eq. (13): cosine kNN edges plus same-class edges;
+- :func:`propagate`: one normalised propagation step over that graph;
+- :func:`client_consensus`: the soft targets :math:`\bar{\mathbf{q}}_{cli}` of Eq. (14);
+- :func:`refinement_loss` and :func:`refine_head`, Eq. (14): refining the global head.
+
+The descriptor of Eq. (10) is the client model's business; here prototypes are plain
+vectors. They must live in the input space of the head that :func:`refine_head` refines.
+No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "PrototypeBank",
+    "client_consensus",
+    "local_prototypes",
+    "propagate",
+    "prototype_graph",
+    "refine_head",
+    "refinement_loss",
+]
+
+
+def _kmeans(x: Tensor, k: int, seed: int, iters: int) -> Tensor:
+    """Cluster index of each row of ``x`` by Lloyd's k-means, deterministic for a seed.
+
+    Initialisation: one row drawn with ``seed``, then repeatedly the row farthest from the
+    centres chosen so far (farthest-point seeding, ties to the lowest index), so obvious
+    clusters are found whatever the seed. Then ``iters`` Lloyd iterations; a centre that
+    loses all its rows keeps its position.
+    """
+    n = x.shape[0]
+    g = torch.Generator().manual_seed(int(seed))
+    first = int(torch.randint(n, (1,), generator=g))
+    centres = [x[first]]
+    d2 = ((x - x[first]) ** 2).sum(1)
+    for _ in range(1, k):
+        nxt = int(torch.argmax(d2))
+        centres.append(x[nxt])
+        d2 = torch.minimum(d2, ((x - x[nxt]) ** 2).sum(1))
+    c = torch.stack(centres)
+    assign = torch.cdist(x, c).argmin(1)
+    for _ in range(iters):
+        for j in range(k):
+            members = assign == j
+            if members.any():
+                c[j] = x[members].mean(0)
+        new = torch.cdist(x, c).argmin(1)
+        if torch.equal(new, assign):
+            break
+        assign = new
+    return assign
+
+
+def local_prototypes(
+    z: Tensor,
+    y: Tensor,
+    classes: Sequence[int],
+    modes: int = 1,
+    seed: int = 0,
+    iters: int = 20,
+) -> dict[int, list[tuple[Tensor, int]]]:
+    r"""A client's class prototypes and their support sizes, FedOGL Eq. (11).
+
+    .. math::
+        \mathbf{p}_{k,c,q} = \frac{1}{|\mathcal{V}_{k,c,q}|}
+        \sum_{i \in \mathcal{V}_{k,c,q}} \mathbf{z}_i, \qquad
+        n_{k,c,q} = |\mathcal{V}_{k,c,q}|
+
+    With ``modes == 1`` the single mode of class :math:`c` is all its nodes. With
+    ``modes > 1`` the nodes of the class are split into :math:`\min(\text{modes}, n_c)`
+    modes :math:`\mathcal{V}_{k,c,q}` by k-means (one row drawn with ``seed``, then
+    farthest-point seeding, at most ``iters`` Lloyd iterations), so the result is the same
+    for the same inputs. Modes left empty by k-means are dropped, so every returned support
+    size is positive. Classes of ``classes`` without any node are left out.
+
+    Args:
+        z: node memory descriptors :math:`\mathbf{z}_i` of Eq. (10).
+        y: node labels.
+        classes: the classes to summarise (e.g. the client's current training classes).
+        modes: within-class modes per class. (default: :obj:`1`)
+        seed: seed of the k-means initialisation. (default: :obj:`0`)
+        iters: maximum number of Lloyd iterations. (default: :obj:`20`)
+
+    Shapes:
+        - **input:** ``z`` :math:`(N, d)`, ``y`` :math:`(N,)`
+        - **output:** ``{c: [((d,), n_{c,q}), ...]}``, prototypes in ``z``'s dtype
+    """
+    if z.dim() != 2 or y.shape != (z.shape[0],):
+        raise ValueError(f"expected z [N, d] and y [N], got {tuple(z.shape)}, {tuple(y.shape)}")
+    if modes < 1:
+        raise ValueError(f"modes must be >= 1, got {modes}")
+    z = z.detach()
+    y = y.to(z.device)
+    out: dict[int, list[tuple[Tensor, int]]] = {}
+    for c in classes:
+        zc = z[y == c]
+        n_c = zc.shape[0]
+        if n_c == 0:
+            continue
+        k = min(modes, n_c)
+        if k == 1:
+            out[int(c)] = [(zc.mean(0), n_c)]
+            continue
+        assign = _kmeans(zc.double(), k, seed, iters)
+        protos = []
+        for j in range(k):
+            members = assign == j
+            if members.any():
+                protos.append((zc[members].mean(0), int(members.sum())))
+        out[int(c)] = protos
+    return out
+
+
+class PrototypeBank:
+    r"""Server-side bounded prototype memory, one bank of ``slots`` slots per class, Eq. (12).
+
+    For an incoming prototype :math:`\mathbf{p}` of class :math:`c` with support
+    :math:`n_p`:
+
+    .. math::
+        j^* = \arg\max_{j \le S} \cos(\mathbf{p}, \bar{\mathbf{p}}_{c,j}),
+
+    and if :math:`\cos(\mathbf{p}, \bar{\mathbf{p}}_{c,j^*}) > \eta` the support-weighted
+    consolidation
+
+    .. math::
+        (\bar{\mathbf{p}}_{c,j^*}, n_{c,j^*}) \leftarrow
+        \Big(\frac{n_{c,j^*}\bar{\mathbf{p}}_{c,j^*} + n_p \mathbf{p}}{n_{c,j^*} + n_p},\;
+        n_{c,j^*} + n_p\Big);
+
+    otherwise :math:`\mathbf{p}` occupies an empty slot, or, when all :math:`S` slots are
+    taken, replaces the slot with the smallest support (the weakest).
+
+    Choices where the paper leaves room: the arg max runs over occupied slots only (an
+    empty slot has no direction); the merge averages the raw, unnormalised vectors exactly
+    as Eq. (12) writes it (cosine only decides the match), so a slot stays the mean
+    descriptor of all the nodes merged into it; the comparison is strict (:math:`>`);
+    replacement is unconditional, as the paper states, even when the incoming support is
+    smaller than the weakest slot's, and ties go to the lowest slot index; a replaced slot
+    takes the incoming prototype and its support (the old memory is dropped). Arithmetic is
+    in float64, stored in the incoming dtype.
+
+    Args:
+        slots: :math:`S`, the number of slots per class. (default: :obj:`4`)
+        eta: :math:`\eta`, the cosine above which a prototype merges into a slot.
+            (default: :obj:`0.8`)
+    """
+
+    MERGED = "merged"
+    FILLED = "filled"
+    REPLACED = "replaced"
+
+    def __init__(self, slots: int = 4, eta: float = 0.8) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots = int(slots)
+        self.eta = float(eta)
+        self._bank: dict[int, list[tuple[Tensor, int]]] = {}
+        self._dim: int | None = None
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._bank.values())
+
+    def classes(self) -> list[int]:
+        """The classes with at least one occupied slot, ascending."""
+        return sorted(self._bank)
+
+    def update(self, c: int, p: Tensor, n: int) -> str:
+        """Consolidate one incoming prototype ``p`` of class ``c`` with support ``n``.
+
+        Returns ``"merged"``, ``"filled"`` or ``"replaced"``.
+        """
+        p = p.detach()
+        if p.dim() != 1:
+            raise ValueError(f"a prototype is a vector [d], got shape {tuple(p.shape)}")
+        if self._dim is not None and p.shape[0] != self._dim:
+            raise ValueError(f"prototype of dimension {p.shape[0]}, the bank holds {self._dim}")
+        if n <= 0:
+            raise ValueError(f"support size must be positive, got {n}")
+        n = int(n)
+        self._dim = int(p.shape[0])
+        bank = self._bank.setdefault(int(c), [])
+        if bank:
+            stored = torch.stack([q.to(device=p.device, dtype=torch.float64) for q, _ in bank])
+            cos = F.cosine_similarity(stored, p.double().unsqueeze(0), dim=1)
+            j = int(torch.argmax(cos))
+            if float(cos[j]) > self.eta:
+                q, m = bank[j]
+                merged = (m * q.double().to(p.device) + n * p.double()) / (m + n)
+                bank[j] = (merged.to(q.dtype), m + n)
+                return self.MERGED
+        if len(bank) < self.slots:
+            bank.append((p.clone(), n))
+            return self.FILLED
+        weakest = min(range(len(bank)), key=lambda i: (bank[i][1], i))
+        bank[weakest] = (p.clone(), n)
+        return self.REPLACED
+
+    def prototypes(self) -> tuple[Tensor, Tensor, Tensor]:
+        """All occupied slots, by class ascending then slot index.
+
+        Returns:
+            ``(P, labels, counts)`` of shapes :math:`(m, d)`, :math:`(m,)` (long) and
+            :math:`(m,)` (long). An empty bank gives :math:`(0, d)` (``d = 0`` if the bank
+            has never seen a prototype).
+        """
+        rows = [(c, q, n) for c in sorted(self._bank) for q, n in self._bank[c]]
+        if not rows:
+            return (
+                torch.zeros(0, self._dim or 0),
+                torch.zeros(0, dtype=torch.long),
+                torch.zeros(0, dtype=torch.long),
+            )
+        dev = rows[0][1].device
+        P = torch.stack([q.to(dev) for _, q, _ in rows])
+        labels = torch.tensor([c for c, _, _ in rows], dtype=torch.long)
+        counts = torch.tensor([n for _, _, n in rows], dtype=torch.long)
+        return P, labels, counts
+
+    def state_dict(self) -> dict[str, Any]:
+        P, labels, counts = self.prototypes()
+        return {
+            "slots": self.slots,
+            "eta": self.eta,
+            "prototypes": P.clone(),
+            "labels": labels,
+            "counts": counts,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.slots = int(state["slots"])
+        self.eta = float(state["eta"])
+        P, labels, counts = state["prototypes"], state["labels"], state["counts"]
+        self._bank = {}
+        # Slots are saved in slot order and empty slots are only ever at the end of a
+        # class's list, so appending restores every slot index (which breaks ties).
+        for q, c, n in zip(P, labels.tolist(), counts.tolist(), strict=True):
+            self._bank.setdefault(int(c), []).append((q.clone(), int(n)))
+        self._dim = int(P.shape[1]) if P.shape[0] > 0 else None
+
+
+def prototype_graph(P: Tensor, labels: Tensor, kappa: int) -> Tensor:
+    r"""Adjacency of the prototype graph, FedOGL Eq. (13).
+
+    .. math::
+        \mathcal{E}_P = \mathrm{KNN}_\kappa(\mathcal{P}) \cup \mathcal{E}_{same}
+
+    :math:`\mathrm{KNN}_\kappa` links each prototype to the :math:`\kappa` others with the
+    highest cosine similarity (fewer if there are fewer others; ties to the lower index),
+    symmetrised by maximum, :math:`A = \max(A, A^\top)`, so an edge exists if either end
+    chose it. :math:`\mathcal{E}_{same}` links every two prototypes of the same class.
+    No self loops; :func:`propagate` adds them. ``kappa = 0`` keeps only the same-class
+    edges.
+
+    Args:
+        P: prototypes, one per row.
+        labels: the class of each prototype.
+        kappa: :math:`\kappa`, neighbours per prototype.
+
+    Shapes:
+        - **input:** ``P`` :math:`(m, d)`, ``labels`` :math:`(m,)`
+        - **output:** dense 0/1 adjacency :math:`(m, m)` in ``P``'s dtype
+    """
+    if P.dim() != 2 or labels.shape != (P.shape[0],):
+        raise ValueError(
+            f"expected P [m, d] and labels [m], got {tuple(P.shape)}, {tuple(labels.shape)}"
+        )
+    if kappa < 0:
+        raise ValueError(f"kappa must be >= 0, got {kappa}")
+    m = P.shape[0]
+    P = P.detach()
+    eye = torch.eye(m, dtype=torch.bool, device=P.device)
+    A = torch.zeros(m, m, dtype=torch.bool, device=P.device)
+    k = min(int(kappa), m - 1)
+    if k > 0:
+        Pn = F.normalize(P.double(), dim=1)
+        sim = (Pn @ Pn.T).masked_fill(eye, float("-inf"))
+        idx = torch.sort(sim, dim=1, descending=True, stable=True).indices[:, :k]
+        A[torch.arange(m, device=P.device).unsqueeze(1), idx] = True
+        A = A | A.T
+    lab = labels.to(P.device)
+    A = A | ((lab.unsqueeze(0) == lab.unsqueeze(1)) & ~eye)
+    return A.to(P.dtype)
+
+
+def propagate(P: Tensor, A: Tensor) -> Tensor:
+    r"""One step of symmetric-normalised propagation with self loops (methods.md, step 6).
+
+    .. math::
+        \tilde{\mathbf{P}} = \mathbf{D}^{-1/2} (\mathbf{A}_P + \mathbf{I})
+        \mathbf{D}^{-1/2} \mathbf{P}, \qquad
+        \mathbf{D}_{ii} = \sum_j (\mathbf{A}_P + \mathbf{I})_{ij}
+
+    Args:
+        P: prototypes, one per row.
+        A: adjacency of :func:`prototype_graph` (symmetric, no self loops).
+
+    Shapes:
+        - **input:** ``P`` :math:`(m, d)`, ``A`` :math:`(m, m)`
+        - **output:** :math:`(m, d)`
+    """
+    m = P.shape[0]
+    if A.shape != (m, m):
+        raise ValueError(f"expected A [{m}, {m}] for P {tuple(P.shape)}, got {tuple(A.shape)}")
+    A_hat = A.to(P.dtype) + torch.eye(m, dtype=P.dtype, device=P.device)
+    d_inv_sqrt = A_hat.sum(1).rsqrt()
+    return d_inv_sqrt.unsqueeze(1) * (A_hat @ (d_inv_sqrt.unsqueeze(1) * P))
+
+
+def _known_positions(labels: Tensor, known: Tensor) -> Tensor:
+    """Position of each label inside ``known``; a label outside ``known`` is an error."""
+    hit = labels.unsqueeze(1) == known.unsqueeze(0)
+    missing = ~hit.any(1)
+    if missing.any():
+        raise ValueError(
+            f"prototype labels {sorted(set(labels[missing].tolist()))} are not among the "
+            f"known classes {known.tolist()}"
+        )
+    return hit.long().argmax(1)
+
+
+def client_consensus(
+    heads: Sequence[Mapping[str, Tensor]],
+    weights: Sequence[float],
+    P_tilde: Tensor,
+    known: Tensor | Sequence[int],
+) -> Tensor:
+    r"""Soft targets :math:`\bar{\mathbf{q}}_{cli}` of Eq. (14) from recent client heads.
+
+    .. math::
+        \bar{\mathbf{q}}_{cli} = \sum_r \frac{w_r}{\sum_s w_s}
+        \operatorname{softmax}\big(\tilde{\mathbf{P}} \mathbf{W}_r^\top + \mathbf{b}_r
+        \big)_{[:, \mathcal{C}_K]}
+
+    The softmax is over the known classes only, like the global head's in
+    :func:`refinement_loss`. The caller passes the heads of the last ``refine.window``
+    rounds with their weights (training-node counts), which is what makes the targets
+    "trajectory-aware".
+
+    Args:
+        heads: state dicts of :class:`torch.nn.Linear` heads (``weight``, optional ``bias``).
+        weights: one non-negative weight per head, not all zero.
+        P_tilde: propagated prototypes from :func:`propagate`.
+        known: the known class ids :math:`\mathcal{C}_K`, in the column order wanted.
+
+    Shapes:
+        - **input:** ``P_tilde`` :math:`(m, d)`, ``weight`` :math:`(C, d)`
+        - **output:** :math:`(m, |\mathcal{C}_K|)`, rows sum to 1
+    """
+    if len(heads) != len(weights) or not heads:
+        raise ValueError(f"need one weight per head, got {len(heads)} heads, {len(weights)}")
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    if (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"weights must be non-negative and not all zero, got {list(weights)}")
+    w = w / w.sum()
+    known = torch.as_tensor(known, dtype=torch.long, device=P_tilde.device)
+    x = P_tilde.detach().double()
+    q = torch.zeros(x.shape[0], known.numel(), dtype=torch.float64, device=x.device)
+    for wr, sd in zip(w.tolist(), heads, strict=True):
+        W = sd["weight"].detach().double().to(x.device)[known]
+        b = sd.get("bias")
+        b = None if b is None else b.detach().double().to(x.device)[known]
+        q += wr * F.linear(x, W, b).softmax(dim=1)
+    return q.to(P_tilde.dtype)
+
+
+def refinement_loss(
+    head: nn.Module,
+    P_tilde: Tensor,
+    labels: Tensor,
+    q_cli: Tensor | None,
+    known: Tensor | Sequence[int],
+    lambda_lab: float = 1.0,
+    lambda_tr: float = 1.0,
+    weights: Tensor | None = None,
+) -> Tensor:
+    r"""The bracket of Eq. (14): label and trajectory terms on the propagated prototypes.
+
+    .. math::
+        \lambda_{lab} \mathcal{L}_{ce}(\mathcal{G}_P; \theta)
+        + \lambda_{tr} \mathrm{KL}\big(\bar{\mathbf{q}}_{cli} \,\|\, \mathbf{q}_\theta\big),
+        \qquad \mathbf{q}_\theta = \operatorname{softmax}\big(
+        h_\theta(\tilde{\mathbf{P}})_{[:, \mathcal{C}_K]}\big)
+
+    Logits are restricted to the known classes (columns ``known`` of the head's output,
+    in that order), the cross-entropy targets are each prototype's label position in
+    ``known``, and both terms are means over prototypes (``weights`` makes them weighted
+    means instead). :math:`\gamma_t` is applied by :func:`refine_head`.
+
+    Args:
+        head: maps :math:`(m, d)` to logits :math:`(m, C)` over all classes.
+        P_tilde: propagated prototypes from :func:`propagate`.
+        labels: the class id of each prototype, all in ``known``.
+        q_cli: soft targets from :func:`client_consensus`, columns in ``known``'s order;
+            :obj:`None` drops the KL term.
+        known: the known class ids :math:`\mathcal{C}_K`.
+        lambda_lab: :math:`\lambda_{lab}`. (default: :obj:`1.0`)
+        lambda_tr: :math:`\lambda_{tr}`. (default: :obj:`1.0`)
+        weights: optional non-negative per-prototype weights (e.g. support sizes).
+            (default: :obj:`None`, uniform as in the paper)
+
+    Shapes:
+        - **input:** ``P_tilde`` :math:`(m, d)`, ``labels`` :math:`(m,)`, ``q_cli``
+          :math:`(m, |\mathcal{C}_K|)`
+        - **output:** scalar
+    """
+    m = P_tilde.shape[0]
+    known = torch.as_tensor(known, dtype=torch.long, device=P_tilde.device)
+    logits = head(P_tilde)[:, known]
+    log_q = logits.log_softmax(dim=1)
+    if weights is None:
+        w = torch.full((m,), 1.0 / m, dtype=log_q.dtype, device=log_q.device)
+    else:
+        w = weights.to(device=log_q.device, dtype=log_q.dtype)
+        if w.shape != (m,) or (w < 0).any() or w.sum() <= 0:
+            raise ValueError(f"weights must be [{m}], non-negative, not all zero")
+        w = w / w.sum()
+    target = _known_positions(labels.to(known.device), known)
+    ce = -(log_q.gather(1, target.unsqueeze(1)).squeeze(1) * w).sum()
+    loss = lambda_lab * ce
+    if q_cli is not None:
+        if q_cli.shape != log_q.shape:
+            raise ValueError(
+                f"q_cli must be [m, |known|] = {tuple(log_q.shape)}, got {tuple(q_cli.shape)}"
+            )
+        q = q_cli.detach().to(device=log_q.device, dtype=log_q.dtype)
+        kl = F.kl_div(log_q, q, reduction="none").sum(1)
+        loss = loss + lambda_tr * (kl * w).sum()
+    return loss
+
+
+def refine_head(
+    head: nn.Module,
+    P: Tensor,
+    labels: Tensor,
+    counts: Tensor | None,
+    q_cli: Tensor | None,
+    known: Tensor | Sequence[int],
+    kappa: int,
+    gamma: float,
+    lambda_lab: float = 1.0,
+    lambda_tr: float = 1.0,
+    steps: int = 5,
+    lr: float = 0.01,
+    count_weighted: bool = False,
+) -> dict[str, float]:
+    r"""Refine the global head on the prototype memory, FedOGL Eqs. (13)-(14).
+
+    .. math::
+        \mathcal{L}_{mem} = \gamma_t \big[\lambda_{lab} \mathcal{L}_{ce}(\mathcal{G}_P;
+        \theta) + \lambda_{tr} \mathrm{KL}(\bar{\mathbf{q}}_{cli} \,\|\, \mathbf{q}_\theta)
+        \big]
+
+    Builds :math:`\mathcal{G}_P` with :func:`prototype_graph`, propagates once with
+    :func:`propagate`, then takes ``steps`` plain SGD steps
+    :math:`\theta \leftarrow \theta - \text{lr} \, \nabla_\theta \mathcal{L}_{mem}` on the
+    head's parameters, in place (no optimizer state, ``.grad`` is left untouched). With
+    ``gamma == 0`` (the paper's :math:`\gamma_t` while no old class exists) or an empty
+    memory the head is not changed. ``q_cli`` must be computed on the same
+    :math:`\tilde{\mathbf{P}}`, i.e. with the same ``kappa``
+    (see :func:`client_consensus`).
+
+    Args:
+        head: the global model's classification head (input dimension ``d``).
+        P: bank prototypes, e.g. from :meth:`PrototypeBank.prototypes`.
+        labels: their classes.
+        counts: their support sizes; used only with ``count_weighted``.
+        q_cli: soft targets :math:`(m, |\mathcal{C}_K|)` or :obj:`None` (no KL term).
+        known: the known class ids :math:`\mathcal{C}_K`.
+        kappa: :math:`\kappa` of Eq. (13).
+        gamma: :math:`\gamma_t`.
+        lambda_lab: :math:`\lambda_{lab}`. (default: :obj:`1.0`)
+        lambda_tr: :math:`\lambda_{tr}`. (default: :obj:`1.0`)
+        steps: SGD steps. (default: :obj:`5`)
+        lr: SGD learning rate. (default: :obj:`0.01`)
+        count_weighted: weight each prototype's terms by its support instead of the
+            paper's uniform mean. (default: :obj:`False`)
+
+    Returns:
+        ``{"loss_before", "loss_after"}``: the bracket of Eq. (14) (without
+        :math:`\gamma_t`) before and after the steps, NaN for an empty memory.
+    """
+    if P.shape[0] == 0:
+        return {"loss_before": float("nan"), "loss_after": float("nan")}
+    params = [p for p in head.parameters() if p.requires_grad]
+    ref = params[0] if params else next(head.parameters())
+    P = P.detach().to(device=ref.device, dtype=ref.dtype)
+    labels = labels.to(ref.device)
+    P_tilde = propagate(P, prototype_graph(P, labels, kappa))
+    weights = None
+    if count_weighted:
+        if counts is None:
+            raise ValueError("count_weighted needs counts")
+        weights = counts.to(device=ref.device, dtype=ref.dtype)
+
+    def loss_fn() -> Tensor:
+        return refinement_loss(
+            head, P_tilde, labels, q_cli, known, lambda_lab, lambda_tr, weights=weights
+        )
+
+    with torch.no_grad():
+        before = float(loss_fn())
+    if gamma == 0 or steps <= 0 or not params:
+        return {"loss_before": before, "loss_after": before}
+    for _ in range(steps):
+        grads = torch.autograd.grad(gamma * loss_fn(), params)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                p.sub_(lr * g)
+    with torch.no_grad():
+        after = float(loss_fn())
+    return {"loss_before": before, "loss_after": after}
