@@ -33,11 +33,21 @@ def _train(cfg: DictConfig) -> float:
     except FedLightningError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    return float(summary["metrics"]["val_acc"])
+    metrics = summary["metrics"]
+    objective = metrics.get("val_am", metrics.get("val_acc"))  # what a sweep optimizes
+    return float("nan") if objective is None else float(objective)
 
 
 def _resume_run_dir(args: list[str]) -> list[str]:
     """On ``resume=DIR``, keep the resuming invocation's Hydra files inside ``DIR/.resume``."""
+    if any(a.startswith("resume=") and a != "resume=null" for a in args):
+        ignored = [a for a in args if not a.startswith(("resume=", "runner", "logger", "hydra"))]
+        if ignored:
+            print(
+                f"warning: a resumed run keeps its saved config; ignoring {' '.join(ignored)} "
+                "(only runner.* and logger.* may change)",
+                file=sys.stderr,
+            )
     for a in args:
         if (
             a.startswith("resume=")

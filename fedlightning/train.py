@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,31 @@ def load_graph(cfg: DictConfig) -> MultimodalGraph:
     return graph
 
 
+def save_protocol(obj: Any, path: Path, resuming: bool) -> None:
+    """Save a protocol object; on resume, refuse if it no longer matches the saved one."""
+    if resuming and path.exists():
+        saved = json.loads(path.read_text()).get("hash")
+        if saved != obj.hash:
+            raise FedLightningError(
+                f"{path}: the run was started with protocol hash {saved}, "
+                f"but the same config now gives {obj.hash} (data or code "
+                "changed); refusing to resume"
+            )
+        return
+    obj.save(path)
+
+
+def json_safe(obj: Any) -> Any:
+    """Non-finite floats as null, so summary.json and history.json stay strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def check_algorithm_fits_protocol(algorithm: Any, stream: ClassStream | None) -> None:
     continual = hasattr(algorithm, "setup")
     if stream is not None and not continual:
@@ -88,6 +114,14 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
     """
     if cfg.get("resume"):
         old = Path(cfg.resume)
+        if not (old / CONFIG_FILE).is_file():
+            raise ConfigError(
+                "resume", f"{old} holds no {CONFIG_FILE}; pass an earlier run's directory"
+            )
+        if (old / SUMMARY_FILE).exists():
+            raise ConfigError(
+                "resume", f"{old} already finished ({SUMMARY_FILE} exists); nothing to resume"
+            )
         saved = OmegaConf.load(old / CONFIG_FILE)
         saved.runner, saved.logger = cfg.runner, cfg.logger
         saved.resume = str(old)
@@ -127,24 +161,18 @@ def run_tags(
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    """The short table printed at the end of a run."""
     m, c = summary["metrics"], summary["comm"]
-    rows = [
-        ("experiment", summary["experiment"]),
-        ("rounds", summary["rounds"]),
-        ("test_acc", f"{m['test_acc']:.4f}"),
-        ("val_acc", f"{m['val_acc']:.4f}"),
-        ("test_acc_at_best_val", f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"),
-        *[
-            (k, f"{m[k]:.4f}")
-            for k in ("recall_at_1", "am", "fm", "fm_diag", "fpr95", "auroc_ood", "open_acc")
-            if k in m
-        ],
-        ("uplink", f"{c['uplink_mib']:.3f} MiB"),
-        ("downlink", f"{c['downlink_mib']:.3f} MiB"),
-        *[(f"hash[{k}]", v) for k, v in summary["hashes"].items()],
-        ("wall time", f"{summary['wall_time_s']:.1f} s"),
-        ("run dir", summary["run_dir"]),
-    ]
+    rows = [("experiment", summary["experiment"]), ("rounds", summary["rounds"])]
+    rows += [(k, f"{m[k]:.4f}") for k in ("test_acc", "val_acc") if m.get(k) is not None]
+    if m.get("test_acc_at_best_val") is not None:
+        best = f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"
+        rows.append(("test_acc_at_best_val", best))
+    keys = ("recall_at_1", "am", "fm", "fm_diag", "fpr95", "auroc_ood", "open_acc")
+    rows += [(k, f"{m[k]:.4f}") for k in keys if m.get(k) is not None]
+    rows += [("uplink", f"{c['uplink_mib']:.3f} MiB"), ("downlink", f"{c['downlink_mib']:.3f} MiB")]
+    rows += [(f"hash[{k}]", v) for k, v in summary["hashes"].items()]
+    rows += [("wall time", f"{summary['wall_time_s']:.1f} s"), ("run dir", summary["run_dir"])]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 40)
     return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
@@ -160,12 +188,19 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     graph = load_graph(cfg)
     partitioner = build(cfg.partition, "partition")
     partition = partitioner(graph, cfg.federation.clients, cfg.protocol.seed)
-    partition.save(run_dir / "partition.json")
+    save_protocol(partition, run_dir / "partition.json", resuming)
     hashes = {"partition": partition.hash}
     stream = None
     if cfg.protocol.get("stream") is not None:
+        if partition.meta["split_fractions"][1] <= 0:
+            raise ConfigError(
+                "partition.split",
+                "the class-incremental protocol calibrates its "
+                "rejection threshold on validation nodes: the validation fraction "
+                "must be > 0",
+            )
         stream = build(cfg.protocol.stream, "protocol.stream")(graph, partition, cfg.protocol.seed)
-        stream.save(run_dir / "stream.json")
+        save_protocol(stream, run_dir / "stream.json", resuming)
         hashes["stream"] = stream.hash
         log.info(
             "class stream %s, never introduced %s (stream %s)",
@@ -247,7 +282,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         "resumed": resuming,
         **loop.summary_extras(),
     }
-    write_json(run_dir / "history.json", history)
+    summary = json_safe(summary)
+    write_json(run_dir / "history.json", json_safe(history))
     write_json(run_dir / SUMMARY_FILE, summary)
     artifacts = loop.write_artifacts(run_dir, f"{cfg.name} ({algorithm.name}, {graph.name})")
     tracker.log_metrics(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fedlightning.algorithms.base import Algorithm, FederatedClient
-from fedlightning.clients.continual import ContinualNodeClassifier
+from fedlightning.clients.continual import DISTILL_ON, ContinualNodeClassifier
 from fedlightning.clients.replay import class_balanced_sample, stage_batch
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
@@ -59,11 +59,18 @@ class ContinualFedAvg(Algorithm):
             raise ConfigError("algorithm.replay_budget", f"must be >= 0, got {replay_budget}")
         if replay_stages is not None and replay_stages < 1:
             raise ConfigError("algorithm.replay_stages", f"must be >= 1, got {replay_stages}")
-        if lambda_rep < 0 or lambda_dis < 0 or prox_mu < 0 or tau <= 0:
+        for key, value in (
+            ("lambda_rep", lambda_rep),
+            ("lambda_dis", lambda_dis),
+            ("prox_mu", prox_mu),
+        ):
+            if value < 0:
+                raise ConfigError(f"algorithm.{key}", f"must be >= 0, got {value}")
+        if tau <= 0:
+            raise ConfigError("algorithm.tau", f"must be > 0, got {tau}")
+        if distill_on is not None and distill_on not in DISTILL_ON:
             raise ConfigError(
-                "algorithm",
-                "lambda_rep, lambda_dis, prox_mu must be >= 0 and "
-                f"tau > 0; got {lambda_rep}, {lambda_dis}, {prox_mu}, {tau}",
+                "algorithm.distill_on", f"must be one of {DISTILL_ON}, got {distill_on!r}"
             )
         if score not in SCORES:
             raise ConfigError("algorithm.score", f"must be one of {SCORES}, got {score!r}")

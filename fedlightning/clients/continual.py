@@ -72,10 +72,18 @@ class ContinualNodeClassifier(NodeClassifier):
         self._teacher[0].eval()
         self.teacher_known = teacher_known
 
+    def on_fit_start(self) -> None:
+        """Move what Lightning does not manage (teacher, class ids, anchor) to the device."""
+        dev = self.device
+        self.known, self.teacher_known = self.known.to(dev), self.teacher_known.to(dev)
+        if self._teacher:
+            self._teacher[0].to(dev)
+        self.anchor = {k: v.to(dev) for k, v in self.anchor.items()}
+
     def class_index(self, y: Tensor) -> Tensor:
         """Map class ids to positions in the known-class head."""
-        lookup = torch.full((int(self.known.max()) + 1,), -1, dtype=torch.long)
-        lookup[self.known] = torch.arange(self.known.numel())
+        lookup = torch.full((int(self.known.max()) + 1,), -1, dtype=torch.long, device=y.device)
+        lookup[self.known] = torch.arange(self.known.numel(), device=y.device)
         return lookup[y]
 
     def _ce(self, logits: Tensor, y: Tensor, mask: Tensor) -> Tensor:

@@ -134,8 +134,7 @@ class ContinualLoop(FederatedLoop):
             res["auroc_ood"],
             res["open_acc"],
         )
-        if self.on_stage_end:
-            self.on_stage_end(t + 1, res)
+        self.pending_stage_logs.append((t + 1, res))  # logged after the round's checkpoint
         return {}
 
     def evaluate_stage(self, t: int) -> dict[str, float]:
@@ -229,7 +228,7 @@ class ContinualLoop(FederatedLoop):
         for i in range(t + 1):
             nodes = torch.isin(y_cat, torch.tensor(self.stream.stages[i]))
             g = torch.cat([r["g"][m] for m, _, r in train])[nodes]
-            if g.size(0) <= self.basis_rank:
+            if min(g.shape) <= self.basis_rank:
                 continue
             basis = principal_basis(g, self.basis_rank)
             if i == t:
@@ -265,6 +264,8 @@ class ContinualLoop(FederatedLoop):
 
     def final_metrics(self) -> dict[str, float]:
         out = super().final_metrics()
+        for k in ("best_val_acc", "best_val_round", "test_acc_at_best_val"):
+            out.pop(k)  # each stage has its own known classes: not comparable across rounds
         for prefix, split in (("", "test"), ("val_", "val")):
             m = self.matrix(split)
             out[f"{prefix}am"] = average_accuracy(m)

@@ -26,6 +26,7 @@ class CommLedger:
 
     def __init__(self) -> None:
         self.entries: list[tuple[str, int, int, str, int, int]] = []
+        self._totals = {UP: 0, DOWN: 0}  # running totals: per-round logging stays O(1)
 
     def record(self, direction: str, client_id: int, message: Message) -> None:
         """Count ``message`` sent in ``direction`` (``"up"`` or ``"down"``) to/from a client."""
@@ -33,9 +34,12 @@ class CommLedger:
             raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
         for name, (values, nbytes) in message.field_sizes().items():
             self.entries.append((direction, message.round, client_id, name, values, nbytes))
+            self._totals[direction] += values
 
     def total(self, direction: str, *, round: int | None = None, client: int | None = None) -> int:
         """Values sent in ``direction``, optionally only in one round / for one client."""
+        if round is None and client is None:
+            return self._totals[direction]
         return sum(
             v
             for d, r, c, _, v, _ in self.entries
@@ -71,6 +75,8 @@ class CommLedger:
 
     def summary(self) -> dict[str, Any]:
         """The ``comm`` block of ``summary.json``."""
+        up_c, down_c = self.by_client(UP), self.by_client(DOWN)
+        up_r, down_r = self.by_round(UP), self.by_round(DOWN)
         return {
             "uplink_mib": self.mib(UP),
             "downlink_mib": self.mib(DOWN),
@@ -80,12 +86,12 @@ class CommLedger:
             "downlink_bytes": self.total_bytes(DOWN),
             "fields": self.by_field(),
             "per_client": {
-                str(c): {UP: v, DOWN: self.by_client(DOWN).get(c, 0)}
-                for c, v in self.by_client(UP).items()
+                str(c): {UP: up_c.get(c, 0), DOWN: down_c.get(c, 0)}
+                for c in sorted(set(up_c) | set(down_c))
             },
             "per_round": {
-                str(r): {UP: v, DOWN: self.by_round(DOWN).get(r, 0)}
-                for r, v in self.by_round(UP).items()
+                str(r): {UP: up_r.get(r, 0), DOWN: down_r.get(r, 0)}
+                for r in sorted(set(up_r) | set(down_r))
             },
         }
 
@@ -94,3 +100,6 @@ class CommLedger:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.entries = [tuple(e) for e in state["entries"]]
+        self._totals = {UP: 0, DOWN: 0}
+        for d, *_, v, _ in self.entries:
+            self._totals[d] += v

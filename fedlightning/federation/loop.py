@@ -88,6 +88,8 @@ class FederatedLoop:
         self.ledger = CommLedger()
         self.history: list[dict[str, float]] = []
         self.completed_rounds = 0
+        self.on_stage_end: Callable[[int, dict[str, float]], None] | None = None
+        self.pending_stage_logs: list[tuple[int, dict[str, float]]] = []
 
     # ------------------------------------------------------------------ one round
     def run_round(self, round: int) -> dict[str, float]:
@@ -143,10 +145,14 @@ class FederatedLoop:
                 metrics["uplink_mib"],
                 metrics["round_time_s"],
             )
+            if self.checkpoint_path:  # before logging: a resumed run never logs a step twice
+                save_torch(self.checkpoint_path, self.state_dict())
             if self.on_round_end:
                 self.on_round_end(r, metrics)
-            if self.checkpoint_path:
-                save_torch(self.checkpoint_path, self.state_dict())
+            for stage, stage_metrics in self.pending_stage_logs:
+                if self.on_stage_end:
+                    self.on_stage_end(stage, stage_metrics)
+            self.pending_stage_logs = []
         return self.history
 
     def end_of_round(self, round: int) -> dict[str, float]:

@@ -171,7 +171,7 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, cli_env):
 def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env):
     base = [
         "train",
-        "experiment=cil_fedavg_replay_citeseer_mm",
+        "experiment=cil_fedavg_replay_cora",
         "federation.rounds=2",
         "algorithm.lambda_dis=1.0",
     ]
