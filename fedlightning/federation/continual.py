@@ -14,6 +14,7 @@ from torch import Tensor
 
 from fedlightning.algorithms.continual import ContinualFedAvg
 from fedlightning.data.streams import ClassStream
+from fedlightning.federation.ledger import DOWN, UP
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.metrics import (
     AccuracyMatrix,
@@ -135,7 +136,29 @@ class ContinualLoop(FederatedLoop):
             res["open_acc"],
         )
         self.pending_stage_logs.append((t + 1, res))  # logged after the round's checkpoint
+        self.stage_end_exchange(t, round)
         return {}
+
+    def stage_end_exchange(self, t: int, round: int) -> None:
+        """A method's stage-end messages (FedOGL's residual bases, Eq. (7)), all counted.
+
+        The server sends the stage's final global model to every client that took part in
+        the stage; each answers with ``algorithm.stage_end_update`` (or nothing).
+        """
+        fn = getattr(self.algorithm, "stage_end_update", None)
+        if fn is None:
+            return
+        broadcast = self.server.broadcast(round)
+        updates = []
+        for c in self.clients:
+            if c.state.get("stage") != t:
+                continue
+            self.ledger.record(DOWN, c.client_id, broadcast)
+            update = fn(self.module, c, broadcast, t)
+            if update is not None:
+                self.ledger.record(UP, c.client_id, update)
+                updates.append(update)
+        self.server.end_stage(t, updates)
 
     def evaluate_stage(self, t: int) -> dict[str, float]:
         """The open-world evaluation after stage ``t`` (0-based)."""

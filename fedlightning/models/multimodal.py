@@ -72,6 +72,12 @@ class GNNEncoder(nn.Module):
         )
         self.dropout = nn.Dropout(dropout)
 
+    def forward_until(self, x: Tensor, edge_index: Tensor, layer: int) -> Tensor:
+        """The input of ``convs[layer]`` (before its dropout): what its weight sees."""
+        for conv in self.convs[:layer]:
+            x = torch.relu(conv(x, edge_index))
+        return x
+
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
         for i, conv in enumerate(self.convs):
             x = conv(self.dropout(x) if i else x, edge_index)

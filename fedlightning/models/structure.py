@@ -6,7 +6,9 @@ a protected weight is built from the tensor this module returns for the stage's 
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import Any
+
+from torch import Tensor, nn
 from torch_geometric.nn import GCNConv, SAGEConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
@@ -77,3 +79,29 @@ def protected_input(
             out["lin_r"] = pair[1]
         return out
     raise TypeError(f"protected_input supports GCNConv and SAGEConv, got {type(conv).__name__}")
+
+
+def protected_inputs(net: nn.Module, data: Any, layer: int = -1) -> dict[str, Tensor]:
+    """Protected weights of a backbone's GNN layer and their inputs on ``data``.
+
+    Returns parameter name (relative to ``net``) -> the tensor that multiplies it
+    (:func:`protected_input`): for a GCN layer ``gnn.convs.L.lin.weight``, for a SAGE layer
+    ``gnn.convs.L.lin_l.weight`` and ``gnn.convs.L.lin_r.weight``. Works on any net with
+    ``representations(data)["s"]`` (the GNN input) and a ``gnn`` :class:`GNNEncoder`.
+    """
+    layer = layer % len(net.gnn.convs)
+    h = net.gnn.forward_until(net.representations(data)["s"], data.edge_index, layer)
+    conv = net.gnn.convs[layer]
+    inp = protected_input(conv, h, data.edge_index)
+    prefix = f"gnn.convs.{layer}."
+    if isinstance(inp, dict):
+        return {f"{prefix}{k}.weight": v for k, v in inp.items()}
+    return {f"{prefix}lin.weight": inp}
+
+
+def protected_biases(net: nn.Module, layer: int = -1) -> list[str]:
+    """The biases of the protected layer (frozen after the first stage)."""
+    layer = layer % len(net.gnn.convs)
+    names = [f"gnn.convs.{layer}.bias", f"gnn.convs.{layer}.lin_l.bias"]
+    own = dict(net.named_parameters())
+    return [n for n in names if n in own]

@@ -50,6 +50,14 @@ class Server:
         self.global_state = self.aggregator(updates)
         for mod in self.modules.values():
             mod.aggregate(round, updates)
+            if hasattr(mod, "update_global"):  # e.g. FedOGL's head refinement on its memory
+                self.global_state = mod.update_global(round, self.global_state)
+
+    def end_stage(self, stage: int, updates: Sequence[ClientUpdate]) -> None:
+        """A stage-end exchange (e.g. FedOGL's residual bases) reaches the server modules."""
+        for mod in self.modules.values():
+            if hasattr(mod, "end_stage"):
+                mod.end_stage(stage, updates)
 
     def state_dict(self) -> dict[str, Any]:
         return {

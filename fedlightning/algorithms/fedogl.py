@@ -1,0 +1,221 @@
+"""FedOGL: federated open-world multimodal graph learning (paper 000), node classification.
+
+A composition: the retention objective of Eq. (5) (replay + task-start distillation, from
+:class:`ContinualFedAvg`), structure-basis shielding of Eqs. (7)-(9)
+(:class:`~fedlightning.callbacks.GradientProjection` on the client,
+:class:`~fedlightning.server.fedogl.BasisMemory` on the server), prototype memory of
+Eqs. (10)-(14) (:func:`~fedlightning.server.prototypes.local_prototypes` on the client,
+:class:`~fedlightning.server.fedogl.PrototypeMemory` on the server) and MSP rejection,
+Eq. (6). Each module has an ablation switch (paper Table 2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedlightning.algorithms.base import FederatedClient
+from fedlightning.algorithms.continual import ContinualFedAvg
+from fedlightning.callbacks import GradientProjection
+from fedlightning.clients.replay import stage_batch
+from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
+from fedlightning.models.structure import protected_biases, protected_inputs
+from fedlightning.server import Server, fedavg
+from fedlightning.server.aggregate import model_state
+from fedlightning.server.basis import class_balanced_weights, residual_basis
+from fedlightning.server.fedogl import (
+    BASIS_PREFIX,
+    COUNT_PREFIX,
+    PROTO_PREFIX,
+    BasisMemory,
+    PrototypeMemory,
+)
+from fedlightning.server.prototypes import local_prototypes
+
+
+class FedOGL(ContinualFedAvg):
+    """FedOGL with switchable modules.
+
+    Args:
+        replay, distill, projection, prototypes: the four modules (ablations of Table 2).
+        replay_budget, replay_stages, lambda_rep, lambda_dis, tau, distill_on, prox_mu,
+            score: as :class:`ContinualFedAvg` (Eq. (5), Eq. (6)).
+        basis: ``rank_local`` (``r_l``, default 8), ``rank`` (``r``, 16), ``rho`` (1.0),
+            ``include_mean`` (True), ``class_balanced`` (True), ``project_update`` (True).
+        proto: ``modes`` (1), ``slots`` (``S``, 4), ``eta`` (0.8), ``kappa`` (3),
+            ``gamma`` (0.5), ``lambda_lab`` (1.0), ``lambda_tr`` (1.0), ``steps`` (5),
+            ``lr`` (0.05), ``window`` (3).
+    """
+
+    BASIS_DEFAULTS = {
+        "rank_local": 8,
+        "rank": 16,
+        "rho": 1.0,
+        "include_mean": True,
+        "class_balanced": True,
+        "project_update": True,
+    }
+    PROTO_DEFAULTS = {
+        "modes": 1,
+        "slots": 4,
+        "eta": 0.8,
+        "kappa": 3,
+        "gamma": 0.5,
+        "lambda_lab": 1.0,
+        "lambda_tr": 1.0,
+        "steps": 5,
+        "lr": 0.05,
+        "window": 3,
+    }
+
+    def __init__(
+        self,
+        replay: bool = True,
+        distill: bool = True,
+        projection: bool = True,
+        prototypes: bool = True,
+        replay_budget: int = 20,
+        lambda_dis: float = 1.0,
+        basis: dict | None = None,
+        proto: dict | None = None,
+        **kw: Any,
+    ) -> None:
+        off = [
+            n
+            for n, on in (
+                ("replay", replay),
+                ("distill", distill),
+                ("projection", projection),
+                ("prototypes", prototypes),
+            )
+            if not on
+        ]
+        super().__init__(
+            name="fedogl",
+            variant="full" if not off else "no_" + "_no_".join(off),
+            replay_budget=replay_budget if replay else 0,
+            lambda_dis=lambda_dis if distill else 0.0,
+            **kw,
+        )
+        self.projection, self.use_prototypes = projection, prototypes
+        self.basis = {**self.BASIS_DEFAULTS, **dict(basis or {})}
+        self.proto = {**self.PROTO_DEFAULTS, **dict(proto or {})}
+        self.projector = GradientProjection(project_update=self.basis["project_update"])
+
+    def server(self, global_state: dict) -> Server:
+        modules: dict[str, Any] = {}
+        if self.projection:
+            modules["basis"] = BasisMemory(self.basis["rank"], self.basis["rho"])
+        if self.use_prototypes:
+            p = self.proto
+            mem = PrototypeMemory(
+                p["slots"],
+                p["eta"],
+                p["kappa"],
+                p["gamma"],
+                p["lambda_lab"],
+                p["lambda_tr"],
+                p["steps"],
+                p["lr"],
+                p["window"],
+            )
+            mem.schedule = self.schedule
+            modules["prototypes"] = mem
+        return Server(global_state, aggregator=fedavg, modules=modules)
+
+    def schedule(self, round: int) -> tuple[list[int], bool]:
+        """Known classes at ``round`` and whether an old class exists (``gamma_t > 0``)."""
+        t = self.stage_of(round)
+        return self.stream.known(t), t > 0
+
+    # ---------------------------------------------------------------- client side
+    def callbacks(self) -> list:
+        return [self.projector] if self.projection and self.projector.bases else []
+
+    def local_fit(
+        self,
+        module: Any,
+        client: FederatedClient,
+        broadcast: ServerBroadcast,
+        executor: Any,
+        epochs: int,
+    ) -> ClientUpdate:
+        bases = {
+            "net." + k[len(BASIS_PREFIX) :]: v
+            for k, v in broadcast.tensors.items()
+            if k.startswith(BASIS_PREFIX)
+        }
+        self.projector.set_bases(bases)
+        self.projector.frozen_biases = (
+            ["net." + n for n in protected_biases(module.net)] if bases else []
+        )
+        update = super().local_fit(module, client, broadcast, executor, epochs)
+        if self.use_prototypes:
+            self.add_prototypes(module, client, broadcast.round, update)
+        return update
+
+    def supervised_batch(self, client: FederatedClient, t: int):
+        known = torch.tensor(self.stream.known(t), dtype=torch.long)
+        return stage_batch(
+            client.data,
+            known,
+            self.supervised_classes(client.client_id, t),
+            torch.zeros(0, dtype=torch.long),
+        )
+
+    @torch.no_grad()
+    def add_prototypes(
+        self, module: Any, client: FederatedClient, round: int, update: ClientUpdate
+    ) -> None:
+        """Eqs. (10)-(11): prototypes of ``z`` per observed class of this stage, with counts."""
+        t = self.stage_of(round)
+        batch = self.supervised_batch(client, t)
+        module.net.eval()
+        z = module.net.representations(batch)["z"]
+        module.net.train()
+        m = batch.sup_mask
+        protos = local_prototypes(
+            z[m],
+            batch.y[m],
+            self.stream.observed[client.client_id][t],
+            modes=self.proto["modes"],
+            seed=self.seed,
+        )
+        for c, items in protos.items():
+            for q, (p, n) in enumerate(items):
+                update.tensors[f"{PROTO_PREFIX}{c}.{q}"] = p.detach().clone()
+                update.scalars[f"{COUNT_PREFIX}{c}.{q}"] = float(n)
+
+    @torch.no_grad()
+    def stage_end_update(
+        self, module: Any, client: FederatedClient, broadcast: ServerBroadcast, t: int
+    ) -> ClientUpdate | None:
+        """Eq. (7): the residual basis of the stage's training nodes on the final global model."""
+        if not self.projection:
+            return None
+        module.receive(model_state(broadcast.tensors))
+        batch = self.supervised_batch(client, t)
+        if int(batch.sup_mask.sum()) == 0:
+            return None
+        module.net.eval()
+        inputs = protected_inputs(module.net, batch)
+        module.net.train()
+        m, y = batch.sup_mask, batch.y[batch.sup_mask]
+        weights = class_balanced_weights(y) if self.basis["class_balanced"] else None
+        tensors = {}
+        for name, x in inputs.items():
+            prev = broadcast.tensors.get(BASIS_PREFIX + name)
+            u = residual_basis(
+                x[m], prev, self.basis["rank_local"], weights, self.basis["include_mean"]
+            )
+            if u.size(1):
+                tensors[BASIS_PREFIX + name] = u
+        if not tensors:
+            return None
+        return ClientUpdate(
+            round=broadcast.round,
+            client_id=client.client_id,
+            tensors=tensors,
+            scalars={"basis_nodes": float(m.sum())},
+        )
