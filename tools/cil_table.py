@@ -26,7 +26,9 @@ def load(paths: list[Path]) -> dict[str, list[dict]]:
             if "am" not in s["metrics"]:
                 continue
             variant = s.get("tags", {}).get("variant", "full")
-            key = s["experiment"] + ("" if variant in ("full", "replay", "energy") else f" [{variant}]")
+            key = s["experiment"] + (
+                "" if variant in ("full", "replay", "energy") else f" [{variant}]"
+            )
             groups[key].append(s)
     return groups
 
@@ -50,7 +52,11 @@ def main() -> None:
         runs = groups[key]
         per_round = [r["wall_time_s"] / r["rounds"] for r in runs]
         cells = [fmt([r["metrics"].get(m) for r in runs]) for m in METRICS]
-        print(f"| {key} | {len(runs)} | " + " | ".join(cells) + f" | {statistics.mean(per_round):.2f} |")
+        print(
+            f"| {key} | {len(runs)} | "
+            + " | ".join(cells)
+            + f" | {statistics.mean(per_round):.2f} |"
+        )
 
 
 if __name__ == "__main__":
