@@ -178,6 +178,31 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
 
 
+def build_protocol(
+    cfg: DictConfig, graph: MultimodalGraph, run_dir: Path, resuming: bool
+) -> tuple[Partition, ClassStream | None, dict[str, str]]:
+    """The protocol objects (partition; class stream under ``protocol=cil``), saved, hashed."""
+    partition = build(cfg.partition, "partition")(graph, cfg.federation.clients, cfg.protocol.seed)
+    save_protocol(partition, run_dir / "partition.json", resuming)
+    hashes = {"partition": partition.hash}
+    if cfg.protocol.get("stream") is None:
+        return partition, None, hashes
+    if partition.meta["split_fractions"][1] <= 0:
+        raise ConfigError(
+            "partition.split",
+            "the class-incremental protocol calibrates its "
+            "rejection threshold on validation nodes: the validation fraction "
+            "must be > 0",
+        )
+    stream = build(cfg.protocol.stream, "protocol.stream")(graph, partition, cfg.protocol.seed)
+    save_protocol(stream, run_dir / "stream.json", resuming)
+    hashes["stream"] = stream.hash
+    log.info(
+        "class stream %s, never introduced %s (stream %s)", stream.stages, stream.never, stream.hash
+    )
+    return partition, stream, hashes
+
+
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Run the experiment ``cfg`` in ``run_dir``; return the summary (also written to disk)."""
     t0 = time.perf_counter()
@@ -186,28 +211,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     seed_everything(cfg.seed)
 
     graph = load_graph(cfg)
-    partitioner = build(cfg.partition, "partition")
-    partition = partitioner(graph, cfg.federation.clients, cfg.protocol.seed)
-    save_protocol(partition, run_dir / "partition.json", resuming)
-    hashes = {"partition": partition.hash}
-    stream = None
-    if cfg.protocol.get("stream") is not None:
-        if partition.meta["split_fractions"][1] <= 0:
-            raise ConfigError(
-                "partition.split",
-                "the class-incremental protocol calibrates its "
-                "rejection threshold on validation nodes: the validation fraction "
-                "must be > 0",
-            )
-        stream = build(cfg.protocol.stream, "protocol.stream")(graph, partition, cfg.protocol.seed)
-        save_protocol(stream, run_dir / "stream.json", resuming)
-        hashes["stream"] = stream.hash
-        log.info(
-            "class stream %s, never introduced %s (stream %s)",
-            stream.stages,
-            stream.never,
-            stream.hash,
-        )
+    partition, stream, hashes = build_protocol(cfg, graph, run_dir, resuming)
     clients = build_clients(graph, partition)
     log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
 
@@ -257,7 +261,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         if (run_dir / MLFLOW_RUN_FILE).exists():
             run_id = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())["run_id"]
     tags = run_tags(cfg, graph, algorithm, hashes)
-    params = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items()}
+    params = flatten(OmegaConf.to_container(cfg, resolve=True))
     run_id = tracker.start(f"{cfg.name}-{run_dir.name}", tags, params, run_id=run_id)
     if run_id:
         write_json(
