@@ -99,15 +99,17 @@ class ContinualFedAvg(Algorithm):
                 f"{type(net).__name__} is a retrieval model; node "
                 "classification (cil_*) needs a classifier, e.g. model=multimodal_gnn",
             )
-        return ContinualNodeClassifier(
-            net,
-            optimizer,
-            prox_mu=self.prox_mu,
-            lambda_rep=self.lambda_rep,
-            lambda_dis=self.lambda_dis,
-            tau=self.tau,
-            distill_on=self.distill_on,
-        )
+        return ContinualNodeClassifier(net, optimizer, **self.retention_kwargs())
+
+    def retention_kwargs(self) -> dict[str, Any]:
+        """The Eq. (5) settings every continual client module takes."""
+        return {
+            "prox_mu": self.prox_mu,
+            "lambda_rep": self.lambda_rep,
+            "lambda_dis": self.lambda_dis,
+            "tau": self.tau,
+            "distill_on": self.distill_on,
+        }
 
     def server(self, global_state: dict) -> Server:
         return Server(global_state, aggregator=fedavg)

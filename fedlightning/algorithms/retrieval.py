@@ -61,12 +61,5 @@ class ContinualRetrieval(ContinualFedAvg):
                 "model=retrieval_gnn (a net returning query and item embeddings)",
             )
         return ContinualRetrievalClient(
-            net,
-            optimizer,
-            prox_mu=self.prox_mu,
-            lambda_rep=self.lambda_rep,
-            lambda_dis=self.lambda_dis,
-            tau=self.tau,
-            distill_on=self.distill_on,
-            temperature=self.temperature,
+            net, optimizer, temperature=self.temperature, **self.retention_kwargs()
         )
