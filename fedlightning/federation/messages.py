@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 
@@ -24,7 +23,7 @@ class Message:
 
     def field_sizes(self) -> dict[str, tuple[int, int]]:
         """Field name -> ``(values, bytes)``. A scalar is one value of 4 bytes (float32)."""
-        sizes = {f"{k}": (t.numel(), t.numel() * t.element_size()) for k, t in self.tensors.items()}
+        sizes = {k: (t.numel(), t.numel() * t.element_size()) for k, t in self.tensors.items()}
         sizes.update({k: (1, 4) for k in self.scalars})
         return sizes
 
@@ -57,8 +56,3 @@ class ClientUpdate(Message):
 def detach_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Copy a state dict so that later in-place updates on either side do not leak across."""
     return {k: v.detach().clone() for k, v in state.items()}
-
-
-def state_values(state: dict[str, Tensor]) -> int:
-    """Number of values in a state dict."""
-    return sum(int(torch.as_tensor(v).numel()) for v in state.values())
