@@ -127,12 +127,15 @@ class MultimodalGNN(nn.Module):
 
     def representations(self, data: Data) -> dict[str, Tensor]:
         """The semantic ``s``, structural ``g`` and fused ``z`` (Eq. (10)) vectors, ``[N, hidden]``."""
-        feats = {m: data[f"x_{m}"] for m in self.modalities}
-        mask = data.modality_mask
-        s = masked_fusion(self.encoders(feats), mask)
+        s = self.gnn_inputs(data)["gnn"]
         g = self.gnn(s, data.edge_index)
-        z = torch.relu(self.project(torch.cat([s, g, mask.to(s.dtype)], dim=-1)))
+        z = torch.relu(self.project(torch.cat([s, g, data.modality_mask.to(s.dtype)], dim=-1)))
         return {"s": s, "g": g, "z": z}
+
+    def gnn_inputs(self, data: Data) -> dict[str, Tensor]:
+        """Each GNN's input on ``data``, by module name: ``{"gnn": s}``."""
+        feats = {m: data[f"x_{m}"] for m in self.modalities}
+        return {"gnn": masked_fusion(self.encoders(feats), data.modality_mask)}
 
     def embed(self, data: Data) -> Tensor:
         """The fused representation ``z`` of Eq. (10), ``[N, hidden]``."""

@@ -26,7 +26,7 @@ class CrossModalGNN(nn.Module):
     :math:`i`: a missing modality sends zeros into the propagation instead of made-up
     features. The similarity :math:`S_{i,l} = e_{i,q}^\top e_{l,v}` is the cosine
     similarity used by the symmetric InfoNCE loss (the retrieval reading of FedOGL
-    Eq. (5), see :func:`~fedlightning.clients.retrieval.symmetric_info_nce`), by Recall@1
+    Eq. (5), see :func:`~fedlightning.objectives.symmetric_info_nce`), by Recall@1
     and by the rejection score :math:`\max_l S_{i,l}` (the retrieval reading of Eq. (6)).
     The last GNN layer of each tower is the retrieval model's structural layer
     (:math:`\Omega_{\mathrm{str}}` of Eq. (9)).
@@ -87,12 +87,26 @@ class CrossModalGNN(nn.Module):
         """Bool ``[N]``: nodes with both the query and the item modality (usable pairs)."""
         return self.availability(data, self.query) & self.availability(data, self.item)
 
+    def tower_input(self, data: Data, modality: str) -> Tensor:
+        """``h_m``: the encoded modality, zero where it is missing ``[N, hidden]``."""
+        a = self.availability(data, modality).to(data[f"x_{modality}"].dtype).unsqueeze(-1)
+        return torch.relu(self.encoders[modality](self.dropout(data[f"x_{modality}"]))) * a
+
+    def tower(self, data: Data, modality: str) -> Tensor:
+        """``g_m``: the tower's propagated representation before its head ``[N, hidden]``."""
+        return self.gnns[modality](self.tower_input(data, modality), data.edge_index)
+
+    def gnn_inputs(self, data: Data) -> dict[str, Tensor]:
+        """Each GNN's input on ``data``, by module name: ``{"gnns.<m>": h_m}``."""
+        return {f"gnns.{m}": self.tower_input(data, m) for m in self.sides}
+
+    def head(self, g: Tensor, modality: str) -> Tensor:
+        """``e_m``: projection head and L2 normalisation of a tower output ``[n, hidden]``."""
+        return F.normalize(self.heads[modality](g), dim=-1)
+
     def embed(self, data: Data, modality: str) -> Tensor:
         """One tower: encoder, masked propagation, projection, L2 normalisation ``[N, hidden]``."""
-        a = self.availability(data, modality).to(data[f"x_{modality}"].dtype).unsqueeze(-1)
-        h = torch.relu(self.encoders[modality](self.dropout(data[f"x_{modality}"]))) * a
-        g = self.gnns[modality](h, data.edge_index)
-        return F.normalize(self.heads[modality](g), dim=-1)
+        return self.head(self.tower(data, modality), modality)
 
     def forward(self, data: Data) -> tuple[Tensor, Tensor]:
         return self.embed(data, self.query), self.embed(data, self.item)

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from torch_geometric.nn import GCNConv, SAGEConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
+from fedlightning.models.multimodal import GNNEncoder
+
 
 def protected_input(
     conv: GCNConv | SAGEConv,
@@ -82,26 +84,36 @@ def protected_input(
 
 
 def protected_inputs(net: nn.Module, data: Any, layer: int = -1) -> dict[str, Tensor]:
-    """Protected weights of a backbone's GNN layer and their inputs on ``data``.
+    """Protected weights of every GNN of a backbone and their inputs on ``data``.
 
     Returns parameter name (relative to ``net``) -> the tensor that multiplies it
-    (:func:`protected_input`): for a GCN layer ``gnn.convs.L.lin.weight``, for a SAGE layer
-    ``gnn.convs.L.lin_l.weight`` and ``gnn.convs.L.lin_r.weight``. Works on any net with
-    ``representations(data)["s"]`` (the GNN input) and a ``gnn`` :class:`GNNEncoder`.
+    (:func:`protected_input`), for layer ``layer`` of each GNN that ``net.gnn_inputs(data)``
+    names (``gnn`` of :class:`~fedlightning.models.MultimodalGNN`, ``gnns.<m>`` of each
+    tower of :class:`~fedlightning.models.retrieval.CrossModalGNN`): for a GCN layer
+    ``<gnn>.convs.L.lin.weight``, for a SAGE layer ``<gnn>.convs.L.lin_l.weight`` and
+    ``<gnn>.convs.L.lin_r.weight``.
     """
-    layer = layer % len(net.gnn.convs)
-    h = net.gnn.forward_until(net.representations(data)["s"], data.edge_index, layer)
-    conv = net.gnn.convs[layer]
-    inp = protected_input(conv, h, data.edge_index)
-    prefix = f"gnn.convs.{layer}."
-    if isinstance(inp, dict):
-        return {f"{prefix}{k}.weight": v for k, v in inp.items()}
-    return {f"{prefix}lin.weight": inp}
+    out = {}
+    for name, x in net.gnn_inputs(data).items():
+        gnn = net.get_submodule(name)
+        at = layer % len(gnn.convs)
+        h = gnn.forward_until(x, data.edge_index, at)
+        inp = protected_input(gnn.convs[at], h, data.edge_index)
+        prefix = f"{name}.convs.{at}."
+        if isinstance(inp, dict):
+            out.update({f"{prefix}{k}.weight": v for k, v in inp.items()})
+        else:
+            out[f"{prefix}lin.weight"] = inp
+    return out
 
 
 def protected_biases(net: nn.Module, layer: int = -1) -> list[str]:
-    """The biases of the protected layer (frozen after the first stage)."""
-    layer = layer % len(net.gnn.convs)
-    names = [f"gnn.convs.{layer}.bias", f"gnn.convs.{layer}.lin_l.bias"]
+    """The biases of the protected layer of every GNN of ``net`` (frozen after the first
+    stage)."""
     own = dict(net.named_parameters())
+    names = []
+    for name, gnn in net.named_modules():
+        if isinstance(gnn, GNNEncoder):
+            at = layer % len(gnn.convs)
+            names += [f"{name}.convs.{at}.bias", f"{name}.convs.{at}.lin_l.bias"]
     return [n for n in names if n in own]

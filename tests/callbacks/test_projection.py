@@ -155,3 +155,56 @@ def test_bad_names_shapes_and_bases_fail_before_training():
     wrong = {"net.gnn.convs.1.lin.weight": torch.eye(HIDDEN + 1)[:, :2]}
     with pytest.raises(ValueError, match="lin.weight"):
         LeanExecutor().fit(module, data, 1, [GradientProjection(wrong)])
+
+
+def test_shielding_keeps_both_retrieval_towers_fixed():
+    """The retrieval model's protected layer is the last GNN layer of each tower: a stage of
+    InfoNCE training with Adam + weight decay leaves both on the old inputs unchanged."""
+    from fedlightning.clients.retrieval import ContinualRetrievalClient
+    from fedlightning.models.retrieval import CrossModalGNN
+    from fedlightning.models.structure import protected_biases, protected_inputs
+
+    g = make_synthetic(num_nodes=120, num_classes=4, seed=0, modalities={"text": 16, "bow": 12})
+    data = g.to_data()
+    old = (data.y < 2).nonzero().squeeze(1)[:12]
+    data.sup_mask = data.y >= 2
+    data.replay_mask = torch.zeros_like(data.sup_mask)
+    torch.manual_seed(0)
+    net = CrossModalGNN({"text": 16, "bow": 12}, 4, hidden=HIDDEN)
+    biases = protected_biases(net)
+    assert biases == ["gnns.text.convs.1.bias", "gnns.bow.convs.1.bias"]
+    with torch.no_grad():
+        for b in biases:
+            net.get_parameter(b).normal_(0.0, 0.1)
+    net.eval()
+    with torch.no_grad():
+        inputs = protected_inputs(net, data)
+        # the identity the basis rests on: each tower's last layer is A_hat H W^T + b
+        for m in ("text", "bow"):
+            gnn = net.gnns[m]
+            h = gnn.forward_until(net.tower_input(data, m), data.edge_index, 1)
+            out = gnn.convs[1](h, data.edge_index)
+            w, b = (net.get_parameter(f"gnns.{m}.convs.1.{k}") for k in ("lin.weight", "bias"))
+            assert torch.allclose(out, inputs[f"gnns.{m}.convs.1.lin.weight"] @ w.T + b, atol=1e-5)
+    net.train()
+    assert sorted(inputs) == ["gnns.bow.convs.1.lin.weight", "gnns.text.convs.1.lin.weight"]
+    olds = {n: x[old] for n, x in inputs.items()}
+    bases = {"net." + n: residual_basis(x, None, rank=12) for n, x in olds.items()}
+
+    def outputs(model):
+        return {
+            n: x @ model.get_parameter(n).T + model.get_parameter(n.replace("lin.weight", "bias"))
+            for n, x in olds.items()
+        }
+
+    def drift(callbacks):
+        module = ContinualRetrievalClient(copy.deepcopy(net), ADAM_WD)
+        torch.manual_seed(1)
+        LeanExecutor().fit(module, data, 20, callbacks)
+        with torch.no_grad():
+            before, after = outputs(net), outputs(module.net)
+            return max((after[n] - before[n]).abs().max().item() for n in olds)
+
+    shielded = drift([GradientProjection(bases, frozen_biases=["net." + b for b in biases])])
+    assert shielded < 1e-5
+    assert drift([]) > 1e-2
