@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning.federation.messages import ClientUpdate
+from fedlightning.server.alignment import class_descriptors, refine_heads, similarity_consensus
 from fedlightning.server.basis import aggregate_bases
 from fedlightning.server.prototypes import (
     PrototypeBank,
@@ -73,13 +74,16 @@ class BasisMemory:
         self.bases = dict(state["bases"])
 
 
-def read_prototypes(update: ClientUpdate) -> list[tuple[int, Tensor, int]]:
-    """``(class, prototype, support)`` triples of a message (fields ``proto.<c>.<q>``)."""
+def read_prototypes(update: ClientUpdate, side: str = "") -> list[tuple[int, Tensor, int]]:
+    """``(class, prototype, support)`` triples of a message: fields ``proto.<c>.<q>``, or
+    ``proto.<side>.<c>.<q>`` for one modality's prototypes (retrieval)."""
+    prefix = PROTO_PREFIX + (f"{side}." if side else "")
     out = []
     for key, p in update.tensors.items():
-        if key.startswith(PROTO_PREFIX):
-            c = int(key[len(PROTO_PREFIX) :].split(".")[0])
-            out.append((c, p, int(update.scalars[COUNT_PREFIX + key[len(PROTO_PREFIX) :]])))
+        rest = key[len(prefix) :].split(".")
+        if key.startswith(prefix) and rest[0].isdigit():
+            count = update.scalars[COUNT_PREFIX + key[len(PROTO_PREFIX) :]]
+            out.append((int(rest[0]), p, int(count)))
     return sorted(out, key=lambda x: x[0])
 
 
@@ -98,6 +102,7 @@ class PrototypeMemory:
         steps, lr: SGD steps on the head per round (default ``5``, ``0.05``).
         window: rounds of client heads behind ``q_cli`` (default ``3``).
         head_prefix: key prefix of the head in the model state (default ``"head."``).
+        sides: one bank per side (``""``: the single bank of node classification).
     """
 
     def __init__(
@@ -112,8 +117,9 @@ class PrototypeMemory:
         lr: float = 0.05,
         window: int = 3,
         head_prefix: str = "head.",
+        sides: Sequence[str] = ("",),
     ) -> None:
-        self.bank = PrototypeBank(slots, eta)
+        self.banks = {side: PrototypeBank(slots, eta) for side in sides}
         self.kappa, self.gamma = kappa, gamma
         self.lambda_lab, self.lambda_tr, self.steps, self.lr = lambda_lab, lambda_tr, steps, lr
         self.head_prefix = head_prefix
@@ -121,10 +127,16 @@ class PrototypeMemory:
         self.schedule: Callable[[int], tuple[list[int], bool]] | None = None
         self.last_refine: dict[str, float] = {}
 
+    @property
+    def bank(self) -> PrototypeBank:
+        """The single bank of node classification."""
+        return self.banks[""]
+
     def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
         for u in updates:
-            for c, p, n in read_prototypes(u):
-                self.bank.update(c, p, n)
+            for side, bank in self.banks.items():
+                for c, p, n in read_prototypes(u, side):
+                    bank.update(c, p, n)
         n = len(self.head_prefix)
         heads = [
             {
@@ -136,22 +148,34 @@ class PrototypeMemory:
         ]
         self.heads.append((heads, [max(u.num_examples, 1e-12) for u in updates]))
 
+    def known_prototypes(self, side: str, known: list[int]) -> tuple[Tensor, Tensor]:
+        """A bank's prototypes of known classes, propagated on their graph (Eq. (13))."""
+        P, labels, _ = self.banks[side].prototypes()
+        keep = torch.isin(labels, torch.tensor(known, dtype=labels.dtype))
+        P, labels = P[keep], labels[keep]
+        return propagate(P, prototype_graph(P, labels, self.kappa)), labels
+
     def update_global(self, round: int, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Refine the head of the aggregated global model on the memory, Eq. (14)."""
+        """Refine the head(s) of the aggregated global model on the memory, Eq. (14)."""
         known, has_old = self.schedule(round) if self.schedule else ([], False)
-        P, labels, counts = self.bank.prototypes()
-        if not has_old or self.gamma == 0 or P.shape[0] == 0:
-            self.last_refine = {}
+        self.last_refine = {}
+        if not has_old or self.gamma == 0 or any(len(b) == 0 for b in self.banks.values()):
             return state
+        return self.refine(state, known)
+
+    def client_heads(self) -> tuple[list[dict[str, Tensor]], list[float]]:
+        """The client heads of the window with their weights (training-node counts)."""
+        heads = [h for hs, _ in self.heads for h in hs]
+        return heads, [x for _, ws in self.heads for x in ws]
+
+    def refine(self, state: dict[str, Tensor], known: list[int]) -> dict[str, Tensor]:
+        """Eq. (14) on the classification head."""
+        P, labels, counts = self.bank.prototypes()
         keep = torch.isin(labels, torch.tensor(known))
         P, labels, counts = P[keep], labels[keep], counts[keep]
-        w = state[self.head_prefix + "weight"]
-        head = nn.Linear(w.size(1), w.size(0))
-        head.load_state_dict({"weight": w, "bias": state[self.head_prefix + "bias"]})
+        head = _linear(state, self.head_prefix)
         p_tilde = propagate(P, prototype_graph(P, labels, self.kappa))
-        heads = [h for hs, _ in self.heads for h in hs]
-        weights = [x for _, ws in self.heads for x in ws]
-        q_cli = client_consensus(heads, weights, p_tilde, known)
+        q_cli = client_consensus(*self.client_heads(), p_tilde, known)
         self.last_refine = refine_head(
             head,
             P,
@@ -166,18 +190,84 @@ class PrototypeMemory:
             self.steps,
             self.lr,
         )
-        out = dict(state)
-        out[self.head_prefix + "weight"] = head.weight.detach().clone()
-        out[self.head_prefix + "bias"] = head.bias.detach().clone()
-        return out
+        return {**state, **_linear_state(head, self.head_prefix)}
 
     def broadcast_fields(self) -> dict[str, Tensor]:
         return {}  # the bank stays on the server; its effect reaches clients through the head
 
     def state_dict(self) -> dict[str, Any]:
-        return {"bank": self.bank.state_dict(), "heads": list(self.heads)}
+        return {
+            "banks": {k: b.state_dict() for k, b in self.banks.items()},
+            "heads": list(self.heads),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.bank.load_state_dict(state["bank"])
+        for k, b in self.banks.items():
+            b.load_state_dict(state["banks"][k])
         self.heads.clear()
         self.heads.extend(state["heads"])
+
+
+class AlignmentMemory(PrototypeMemory):
+    """The retrieval reading of Eqs. (12)-(14): a bank per modality, head alignment.
+
+    Prototypes arrive as ``proto.<modality>.<c>.<q>``; each modality's bank is consolidated
+    as in Eq. (12) and propagated on its own prototype graph (Eq. (13)); the projection
+    heads ``heads.<query>`` and ``heads.<item>`` of the global model are then aligned on
+    the class descriptors (:mod:`fedlightning.server.alignment`), weighted by ``gamma_t``.
+
+    Args:
+        sides: ``(query, item)`` modality names.
+        temperature: the InfoNCE temperature ``T`` of the retrieval model.
+        **kw: as :class:`PrototypeMemory` (``head_prefix`` defaults to ``"heads."``).
+    """
+
+    def __init__(self, sides: Sequence[str], temperature: float = 0.1, **kw: Any) -> None:
+        kw.setdefault("head_prefix", "heads.")
+        super().__init__(sides=tuple(sides), **kw)
+        self.query, self.item = sides
+        self.temperature = temperature
+
+    def refine(self, state: dict[str, Tensor], known: list[int]) -> dict[str, Tensor]:
+        (Pq, lq), (Pv, lv) = (self.known_prototypes(m, known) for m in (self.query, self.item))
+        classes = sorted(set(lq.tolist()) & set(lv.tolist()))
+        if len(classes) < 2:
+            return state  # nothing to contrast a class with
+        A, B = class_descriptors(Pq, lq, classes), class_descriptors(Pv, lv, classes)
+        heads, weights = self.client_heads()
+        pairs = [(_side(h, self.query), _side(h, self.item)) for h in heads]
+        targets = similarity_consensus(pairs, weights, A, B, self.temperature)
+        hq, hv = (_linear(state, f"{self.head_prefix}{m}.") for m in (self.query, self.item))
+        self.last_refine = refine_heads(
+            hq,
+            hv,
+            A,
+            B,
+            targets,
+            self.temperature,
+            self.gamma,
+            self.lambda_lab,
+            self.lambda_tr,
+            self.steps,
+            self.lr,
+        )
+        return {
+            **state,
+            **_linear_state(hq, f"{self.head_prefix}{self.query}."),
+            **_linear_state(hv, f"{self.head_prefix}{self.item}."),
+        }
+
+
+def _side(head: dict[str, Tensor], side: str) -> dict[str, Tensor]:
+    return {k[len(side) + 1 :]: v for k, v in head.items() if k.startswith(side + ".")}
+
+
+def _linear(state: dict[str, Tensor], prefix: str) -> nn.Linear:
+    w = state[prefix + "weight"]
+    layer = nn.Linear(w.size(1), w.size(0), dtype=w.dtype)
+    layer.load_state_dict({"weight": w, "bias": state[prefix + "bias"]})
+    return layer
+
+
+def _linear_state(layer: nn.Linear, prefix: str) -> dict[str, Tensor]:
+    return {prefix + k: v.detach().clone() for k, v in layer.state_dict().items()}

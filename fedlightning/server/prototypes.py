@@ -18,7 +18,7 @@ No Lightning here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
     "prototype_graph",
     "refine_head",
     "refinement_loss",
+    "sgd_refine",
 ]
 
 
@@ -514,6 +515,18 @@ def refine_head(
             head, P_tilde, labels, q_cli, known, lambda_lab, lambda_tr, weights=weights
         )
 
+    return sgd_refine(loss_fn, params, gamma, steps, lr)
+
+
+def sgd_refine(
+    loss_fn: Callable[[], Tensor], params: list[Tensor], gamma: float, steps: int, lr: float
+) -> dict[str, float]:
+    r"""``steps`` plain SGD steps :math:`\theta \leftarrow \theta - \text{lr}\,
+    \nabla_\theta (\gamma_t \cdot \text{loss})`, in place, without touching ``.grad``.
+
+    Returns ``{"loss_before", "loss_after"}`` of ``loss_fn`` (without :math:`\gamma_t`);
+    nothing changes with ``gamma == 0``, ``steps <= 0`` or no parameters.
+    """
     with torch.no_grad():
         before = float(loss_fn())
     if gamma == 0 or steps <= 0 or not params:

@@ -1,0 +1,167 @@
+r"""The retrieval reading of FedOGL's server refinement, Eqs. (13)-(14) (methods.md).
+
+For cross-modal retrieval the prototypes are per class and per modality: the tower output
+:math:`g_{i,m}` (before the projection head) averaged over a client's nodes of class
+:math:`c` that have modality :math:`m`. Each modality keeps its own bank (Eq. (12)) and its
+own prototype graph (Eq. (13)): the towers' spaces differ, so cosine neighbours across
+modalities mean nothing. After one propagation step per graph,
+
+.. math::
+    \mathbf{a}_c = \operatorname{mean}_{j:\,y_j = c} \tilde{\mathbf{P}}^{q}_j, \qquad
+    \mathbf{b}_c = \operatorname{mean}_{j:\,y_j = c} \tilde{\mathbf{P}}^{v}_j
+
+are the two modalities' class descriptors, for the known classes present in both banks.
+The projection heads :math:`H_q, H_v` (with L2 normalisation) map them into the shared
+space, :math:`S_{cc'} = \hat{H}_q(\mathbf{a}_c)^\top \hat{H}_v(\mathbf{b}_{c'})`, and the
+refinement aligns each class's two descriptors against the other classes':
+
+.. math::
+    \mathcal{L}_{align} = \gamma_t \Big[\lambda_{lab}\, \mathcal{L}_{nce}(S / T)
+    + \lambda_{tr}\, \tfrac{1}{2}\big(\mathrm{KL}(\bar{\mathbf{q}}_{cli} \,\|\,
+    \sigma(S/T)) + \mathrm{KL}(\bar{\mathbf{q}}^{\top}_{cli} \,\|\, \sigma(S^\top/T))\big)
+    \Big]
+
+with :math:`\bar{\mathbf{q}}_{cli}` the count-weighted mean of the same row (and column)
+softmaxes under the recent client heads (:func:`similarity_consensus`), the counterpart of
+:func:`~fedlightning.server.prototypes.client_consensus`. Only the heads change. No
+Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedlightning.objectives import symmetric_info_nce
+from fedlightning.server.prototypes import sgd_refine
+
+__all__ = ["alignment_loss", "class_descriptors", "refine_heads", "similarity_consensus"]
+
+
+def class_descriptors(P_tilde: Tensor, labels: Tensor, classes: Sequence[int]) -> Tensor:
+    r"""Mean propagated prototype of each class, in the order of ``classes``.
+
+    Shapes:
+        - **input:** ``P_tilde`` :math:`(m, d)`, ``labels`` :math:`(m,)`
+        - **output:** :math:`(|C|, d)`
+    """
+    rows = []
+    for c in classes:
+        hit = labels == c
+        if not bool(hit.any()):
+            raise ValueError(f"class {c} has no prototype among labels {labels.tolist()}")
+        rows.append(P_tilde[hit].mean(0))
+    return torch.stack(rows)
+
+
+def _embed(head: Mapping[str, Tensor], x: Tensor) -> Tensor:
+    """``normalize(x W^T + b)`` for a head given as a ``Linear`` state dict."""
+    b = head.get("bias")
+    return F.normalize(F.linear(x, head["weight"].to(x), None if b is None else b.to(x)), dim=-1)
+
+
+def similarity_consensus(
+    heads: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]],
+    weights: Sequence[float],
+    A: Tensor,
+    B: Tensor,
+    temperature: float,
+) -> tuple[Tensor, Tensor]:
+    r"""Soft targets :math:`\bar{\mathbf{q}}_{cli}` of the alignment: client similarity rows
+    and columns.
+
+    .. math::
+        \bar{\mathbf{q}}_{cli} = \sum_r \frac{w_r}{\sum_s w_s}
+        \sigma\big(\hat{H}^r_q(\mathbf{A}) \hat{H}^r_v(\mathbf{B})^\top / T\big)
+
+    (row softmax; the column targets use the transposed similarity).
+
+    Args:
+        heads: ``(query head, item head)`` state dicts of each recent client.
+        weights: one non-negative weight per client head pair, not all zero.
+        A, B: class descriptors of the query and item modality (rows pair by class).
+        temperature: :math:`T`.
+
+    Shapes:
+        - **input:** ``A``, ``B`` :math:`(n, d)`
+        - **output:** two :math:`(n, n)` tensors whose rows sum to 1
+    """
+    if len(heads) != len(weights) or not heads:
+        raise ValueError(f"need one weight per head pair, got {len(heads)}, {len(weights)}")
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    if (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"weights must be non-negative and not all zero, got {list(weights)}")
+    w = w / w.sum()
+    a, b = A.detach().double(), B.detach().double()
+    rows = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64)
+    cols = torch.zeros(b.shape[0], a.shape[0], dtype=torch.float64)
+    for wr, (hq, hv) in zip(w.tolist(), heads, strict=True):
+        s = _embed(hq, a) @ _embed(hv, b).T / temperature
+        rows += wr * s.softmax(1)
+        cols += wr * s.T.softmax(1)
+    return rows.to(A.dtype), cols.to(A.dtype)
+
+
+def alignment_loss(
+    eq: Tensor,
+    ev: Tensor,
+    targets: tuple[Tensor, Tensor] | None,
+    temperature: float,
+    lambda_lab: float = 1.0,
+    lambda_tr: float = 1.0,
+) -> Tensor:
+    r"""The bracket of :math:`\mathcal{L}_{align}`: class InfoNCE plus KL to the clients.
+
+    Args:
+        eq, ev: L2-normalised class embeddings of the two modalities (row ``c`` pairs
+            with row ``c``).
+        targets: ``(rows, cols)`` from :func:`similarity_consensus`; :obj:`None` drops the
+            KL term.
+        temperature: :math:`T`.
+        lambda_lab, lambda_tr: the weights of Eq. (14).
+
+    Shapes:
+        - **input:** ``eq``, ``ev`` :math:`(n, d)`
+        - **output:** scalar
+    """
+    loss = lambda_lab * symmetric_info_nce(eq, ev, temperature)
+    if targets is not None:
+        s = eq @ ev.T / temperature
+        rows, cols = (t.detach().to(s) for t in targets)
+        kl_rows = F.kl_div(s.log_softmax(1), rows, reduction="batchmean")
+        kl_cols = F.kl_div(s.T.log_softmax(1), cols, reduction="batchmean")
+        loss = loss + lambda_tr * 0.5 * (kl_rows + kl_cols)
+    return loss
+
+
+def refine_heads(
+    head_q: nn.Linear,
+    head_v: nn.Linear,
+    A: Tensor,
+    B: Tensor,
+    targets: tuple[Tensor, Tensor] | None,
+    temperature: float,
+    gamma: float,
+    lambda_lab: float = 1.0,
+    lambda_tr: float = 1.0,
+    steps: int = 5,
+    lr: float = 0.05,
+) -> dict[str, float]:
+    r"""``steps`` plain SGD steps on both projection heads, in place, against
+    :math:`\gamma_t \cdot` :func:`alignment_loss`.
+
+    Returns ``{"loss_before", "loss_after"}`` (the bracket, without :math:`\gamma_t`).
+    With ``gamma == 0`` or ``steps <= 0`` the heads are not changed.
+    """
+    params = [*head_q.parameters(), *head_v.parameters()]
+    A, B = A.detach().to(params[0]), B.detach().to(params[0])
+
+    def loss_fn() -> Tensor:
+        eq = F.normalize(head_q(A), dim=-1)
+        ev = F.normalize(head_v(B), dim=-1)
+        return alignment_loss(eq, ev, targets, temperature, lambda_lab, lambda_tr)
+
+    return sgd_refine(loss_fn, params, gamma, steps, lr)
