@@ -17,6 +17,7 @@ import torch
 
 from fedlightning.algorithms.base import FederatedClient
 from fedlightning.algorithms.continual import ContinualFedAvg
+from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.callbacks import GradientProjection
 from fedlightning.clients.replay import stage_batch
 from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
@@ -28,6 +29,7 @@ from fedlightning.server.fedogl import (
     BASIS_PREFIX,
     COUNT_PREFIX,
     PROTO_PREFIX,
+    AlignmentMemory,
     BasisMemory,
     PrototypeMemory,
 )
@@ -108,21 +110,17 @@ class FedOGL(ContinualFedAvg):
         if self.projection:
             modules["basis"] = BasisMemory(self.basis["rank"], self.basis["rho"])
         if self.use_prototypes:
-            p = self.proto
-            mem = PrototypeMemory(
-                p["slots"],
-                p["eta"],
-                p["kappa"],
-                p["gamma"],
-                p["lambda_lab"],
-                p["lambda_tr"],
-                p["steps"],
-                p["lr"],
-                p["window"],
-            )
+            mem = self.prototype_memory()
             mem.schedule = self.schedule
             modules["prototypes"] = mem
         return Server(global_state, aggregator=fedavg, modules=modules)
+
+    def prototype_memory(self) -> PrototypeMemory:
+        """The server's prototype module, Eqs. (12)-(14)."""
+        return PrototypeMemory(**self.memory_kwargs())
+
+    def memory_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in self.proto.items() if k != "modes"}  # modes is the client's
 
     def schedule(self, round: int) -> tuple[list[int], bool]:
         """Known classes at ``round`` and whether an old class exists (``gamma_t > 0``)."""
@@ -164,28 +162,34 @@ class FedOGL(ContinualFedAvg):
             torch.zeros(0, dtype=torch.long),
         )
 
+    def descriptors(self, net: Any, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Memory descriptors by bank: ``{"": (z, sup_mask)}``, the fused ``z`` of Eq. (10)."""
+        return {"": (net.representations(batch)["z"], batch.sup_mask)}
+
     @torch.no_grad()
     def add_prototypes(
         self, module: Any, client: FederatedClient, round: int, update: ClientUpdate
     ) -> None:
-        """Eqs. (10)-(11): prototypes of ``z`` per observed class of this stage, with counts."""
+        """Eq. (11): prototypes of each bank's descriptors per observed class of this stage,
+        with their support, as fields ``proto.[<bank>.]<c>.<q>`` (and ``proto_count.``)."""
         t = self.stage_of(round)
         batch = self.supervised_batch(client, t)
         module.net.eval()
-        z = module.net.representations(batch)["z"]
+        banks = self.descriptors(module.net, batch)
         module.net.train()
-        m = batch.sup_mask
-        protos = local_prototypes(
-            z[m],
-            batch.y[m],
-            self.stream.observed[client.client_id][t],
-            modes=self.proto["modes"],
-            seed=self.seed,
-        )
-        for c, items in protos.items():
-            for q, (p, n) in enumerate(items):
-                update.tensors[f"{PROTO_PREFIX}{c}.{q}"] = p.detach().clone()
-                update.scalars[f"{COUNT_PREFIX}{c}.{q}"] = float(n)
+        for side, (x, m) in banks.items():
+            protos = local_prototypes(
+                x[m],
+                batch.y[m],
+                self.stream.observed[client.client_id][t],
+                modes=self.proto["modes"],
+                seed=self.seed,
+            )
+            pre = f"{side}." if side else ""
+            for c, items in protos.items():
+                for q, (p, n) in enumerate(items):
+                    update.tensors[f"{PROTO_PREFIX}{pre}{c}.{q}"] = p.detach().clone()
+                    update.scalars[f"{COUNT_PREFIX}{pre}{c}.{q}"] = float(n)
 
     @torch.no_grad()
     def stage_end_update(
@@ -219,3 +223,39 @@ class FedOGL(ContinualFedAvg):
             tensors=tensors,
             scalars={"basis_nodes": float(m.sum())},
         )
+
+
+class RetrievalFedOGL(ContinualRetrieval, FedOGL):
+    """FedOGL for class-incremental cross-modal retrieval (methods.md, retrieval task).
+
+    The same three modules on :class:`~fedlightning.models.retrieval.CrossModalGNN`:
+    Eq. (5) with InfoNCE and distillation of the teacher's similarity logits
+    (:class:`~fedlightning.clients.retrieval.ContinualRetrievalClient`); the protected
+    layer is the last GNN layer of each tower (Eqs. (7)-(9)); prototypes are per class and
+    per modality, the tower output ``g_m`` before the head (Eq. (11)), and the server
+    aligns the two modalities' class prototypes on their prototype graphs, updating the
+    projection heads (:class:`~fedlightning.server.fedogl.AlignmentMemory`). Rejection is
+    by a query's highest similarity to the known-class items.
+
+    Args:
+        score, temperature: as :class:`~fedlightning.algorithms.retrieval.ContinualRetrieval`.
+        **kw: as :class:`FedOGL`.
+    """
+
+    def descriptors(self, net: Any, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per modality ``m``: the tower output ``g_m`` and the stage's nodes that have ``m``."""
+        return {
+            m: (net.tower(batch, m), batch.sup_mask & net.availability(batch, m)) for m in net.sides
+        }
+
+    sides: tuple[str, str] | None = None  # (query, item), known once the net is
+
+    def client_module(self, net: Any, optimizer: Any) -> Any:
+        module = super().client_module(net, optimizer)
+        self.sides = tuple(net.sides)
+        return module
+
+    def prototype_memory(self) -> AlignmentMemory:
+        if self.sides is None:
+            raise RuntimeError("client_module(net, ...) names the modalities; call it first")
+        return AlignmentMemory(self.sides, self.temperature, **self.memory_kwargs())

@@ -87,3 +87,47 @@ def test_head_refinement_only_once_an_old_class_exists():
     assert not torch.equal(out["head.weight"], state["head.weight"])
     assert mem.last_refine["loss_after"] < mem.last_refine["loss_before"]
     assert len(mem.bank.prototypes()[0]) == 3  # three classes' prototypes in the bank
+
+
+@pytest.mark.parametrize("off", [None, "replay", "distill", "projection", "prototypes"])
+def test_retrieval_switches_turn_off_exactly_their_module(
+    tmp_env, shared_data, monkeypatch, compose, off
+):
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    over = [
+        "experiment=cir_fedogl_citeseer_mm",
+        "protocol.stream.stages=[2,1,1]",
+        "federation.rounds=1",
+        "logger=none",
+    ]
+    run = tmp_env / "run"
+    train(compose(over if off is None else [*over, f"algorithm.{off}=false"]), run)
+    seen, s = modules_seen(run)
+    assert seen == {m: m != off for m in ("replay", "distill", "projection", "prototypes")}
+    assert s["tags"]["method"] == "fedogl" and s["tags"]["task"] == "cir"
+    fields = s["comm"]["fields"]
+    # the last GNN layer of each tower is shielded; prototypes come per modality
+    expected = set()
+    if off != "projection":
+        expected |= {"basis.gnns.text.convs.1.lin.weight", "basis.gnns.bow.convs.1.lin.weight"}
+    assert {k for k in fields if k.startswith("basis.")} == expected
+    sides = {k.split(".")[1] for k in fields if k.startswith("proto.")}
+    assert sides == (set() if off == "prototypes" else {"text", "bow"})
+    for key in ("am", "fm", "fpr95", "val_am", "val_fpr95", "recall_at_1"):
+        assert key in s["metrics"]
+
+
+@pytest.mark.parametrize("task", ["cil", "cir"])
+def test_fedogl_with_its_own_modules_off_is_fedavg_with_replay(
+    tmp_env, shared_data, monkeypatch, compose, task
+):
+    """Replay alone left on, FedOGL computes exactly FedAvg + replay: same metrics, bitwise."""
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    common = ["protocol.stream.stages=[2,1,1]", "federation.rounds=1", "logger=none"]
+    if task == "cir":
+        common.append("experiment=cir_fedogl_citeseer_mm")
+    off = ["algorithm.distill=false", "algorithm.projection=false", "algorithm.prototypes=false"]
+    a = train(compose([*common, *off]), tmp_env / "a")
+    b = train(compose([*common, f"algorithm={task}_fedavg_replay"]), tmp_env / "b")
+    assert a["metrics"] == b["metrics"]
+    assert a["tags"]["variant"] == "no_distill_no_projection_no_prototypes"
