@@ -41,9 +41,9 @@ def cli_env(tmp_path, shared_data):
 
 def test_default_demo_logs_everything_to_mlflow(tmp_path, cli_env):
     env = {k: v for k, v in cli_env.items() if k != "MLFLOW_TRACKING_URI"}  # the default store
-    r = fl(["train", "federation.rounds=3"], tmp_path, env)
+    r = fl(["train", "federation.rounds=2"], tmp_path, env)  # per stage; stages [2, 1, 1]
     assert r.returncode == 0, r.stderr
-    assert "test_acc" in r.stdout and "uplink" in r.stdout  # the summary table
+    assert "test_acc" in r.stdout and "uplink" in r.stdout and "fpr95" in r.stdout  # summary
     (run,) = run_dirs(tmp_path, "demo")
     summary = json.loads((run / "summary.json").read_text())
     assert (run / "config.yaml").exists() and (run / "partition.json").exists()
@@ -59,22 +59,25 @@ def test_default_demo_logs_everything_to_mlflow(tmp_path, cli_env):
     mrun = client.get_run(run_id)
     tags = mrun.data.tags
     for key, value in {
-        "method": "fedavg",
+        "method": "fedogl",
         "dataset": "synthetic",
-        "task": "fl",
+        "task": "cil",
         "variant": "full",
         "backbone": "gcn",
         "seed": "0",
         "hash_partition": summary["hashes"]["partition"],
     }.items():
         assert tags[key] == value
-    assert mrun.data.params["federation.rounds"] == "3"
-    assert mrun.data.params["algorithm._target_"] == "fedlightning.algorithms.FedAvg"
+    assert mrun.data.params["federation.rounds"] == "2"
+    assert mrun.data.params["dataset.missing_rate"] == "0.2"  # some nodes lack a modality
+    assert mrun.data.params["algorithm._target_"] == "fedlightning.algorithms.fedogl.FedOGL"
     hist = client.get_metric_history(run_id, "test_acc")
-    assert [m.step for m in hist] == [1, 2, 3]
+    assert [m.step for m in hist] == [1, 2, 3, 4, 5, 6]
+    for key in ("am", "fm", "fpr95", "val_am", "d_sem"):
+        assert mrun.data.metrics[f"final_{key}"] == pytest.approx(summary["metrics"][key])
     assert hist[-1].value == pytest.approx(summary["metrics"]["test_acc"])
     arts = {a.path for a in client.list_artifacts(run_id)}
-    assert {"summary.json", "config.yaml", "curves.png", "partition.json"} <= arts
+    assert {"summary.json", "config.yaml", "curves.png", "partition.json", "stream.json"} <= arts
     assert mrun.info.status == "FINISHED"
 
 
@@ -110,7 +113,7 @@ def test_python_m_and_multirun(tmp_path, cli_env):
             "client_fraction",
         ),
         (["experiment=cil_fedavg_cora", "algorithm=fedavg"], {}, "algorithm"),
-        (["algorithm=cil_fedavg"], {}, "protocol"),
+        (["experiment=fedavg_synthetic", "algorithm=cil_fedavg"], {}, "protocol"),
     ],
 )
 def test_bad_input_is_one_line_error(tmp_path, cli_env, args, env_change, needle):
