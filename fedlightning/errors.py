@@ -19,3 +19,7 @@ class DataError(FedLightningError):
     def __init__(self, path: object, message: str) -> None:
         super().__init__(f"data file {path}: {message}")
         self.path = path
+
+
+class RunStopped(Exception):
+    """A caller stopped a run on purpose (a pruned sweep trial); its checkpoint stays."""

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from fedlightning.config import build, validate
 from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
 from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
 from fedlightning.data.streams import ClassStream
-from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.errors import ConfigError, FedLightningError, RunStopped
 from fedlightning.federation.continual import ContinualLoop
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.tracking import MlflowTracker, NullTracker, flatten
@@ -203,8 +204,30 @@ def build_protocol(
     return partition, stream, hashes
 
 
-def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Run the experiment ``cfg`` in ``run_dir``; return the summary (also written to disk)."""
+Observer = Callable[[str, int, dict[str, float]], None]
+
+
+def _report(tracker: Any, observe: Observer | None, kind: str, step: int, m: dict) -> None:
+    """Log a round's metrics (or a stage's, as ``stage_<name>``), then show them to
+    ``observe``."""
+    if kind == "stage":
+        tracker.log_metrics({f"stage_{k}": v for k, v in m.items() if k != "stage"}, step=step)
+    else:
+        tracker.log_metrics(m, step=step)
+    if observe is not None:
+        observe(kind, step, m)
+
+
+def train(
+    cfg: DictConfig, run_dir: str | Path, observe: Observer | None = None, verbose: bool = True
+) -> dict[str, Any]:
+    """Run the experiment ``cfg`` in ``run_dir``; return the summary (also written to disk).
+
+    ``observe(kind, step, metrics)`` sees every round's (``"round"``) and stage's
+    (``"stage"``) metrics after they are checkpointed and logged; raising
+    :class:`~fedlightning.errors.RunStopped` there ends the run as ``KILLED`` (a pruned
+    sweep trial). ``verbose=False`` leaves out the summary table on stdout.
+    """
     t0 = time.perf_counter()
     validate(cfg)
     cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
@@ -231,7 +254,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         local_epochs=cfg.federation.local_epochs,
         seed=cfg.seed,
         checkpoint_path=run_dir / CHECKPOINT_FILE,
-        on_round_end=lambda r, m: tracker.log_metrics(m, step=r),
+        on_round_end=lambda r, m: _report(tracker, observe, "round", r, m),
     )
     if stream is None:
         loop = FederatedLoop(
@@ -249,9 +272,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             stream=stream,
             rounds_per_stage=cfg.federation.rounds,
             num_classes=graph.num_classes,
-            on_stage_end=lambda t, m: tracker.log_metrics(
-                {f"stage_{k}": v for k, v in m.items() if k != "stage"}, step=t
-            ),
+            on_stage_end=lambda t, m: _report(tracker, observe, "stage", t, m),
             **common,
         )
     run_id = None
@@ -262,7 +283,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
             run_id = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())["run_id"]
     tags = run_tags(cfg, graph, algorithm, hashes)
     params = flatten(OmegaConf.to_container(cfg, resolve=True))
-    run_id = tracker.start(f"{cfg.name}-{run_dir.name}", tags, params, run_id=run_id)
+    parent = cfg.logger.get("parent_run_id")  # a sweep trial's runs nest under the trial
+    mlflow_tags = {**tags, "mlflow.parentRunId": str(parent)} if parent else tags
+    run_id = tracker.start(f"{cfg.name}-{run_dir.name}", mlflow_tags, params, run_id=run_id)
     if run_id:
         write_json(
             run_dir / MLFLOW_RUN_FILE, {"run_id": run_id, "tracking_uri": cfg.logger.tracking_uri}
@@ -270,6 +293,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
 
     try:
         history = loop.run()
+    except RunStopped:
+        tracker.end("KILLED")
+        raise
     except BaseException:
         tracker.end("FAILED")
         raise
@@ -304,5 +330,6 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
         ]
     )
     tracker.end("FINISHED")
-    print(format_summary(summary), flush=True)
+    if verbose:
+        print(format_summary(summary), flush=True)
     return summary
