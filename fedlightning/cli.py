@@ -20,6 +20,11 @@ commands:
             multirun:          fedlightning train -m seed=0,1,2
             resume:            fedlightning train resume=outputs/<experiment>/<run>
             show the config:   fedlightning train --cfg job
+  sweep     run (or resume) an Optuna study: fedlightning sweep sweeps/fedprox_mu_cora.yaml
+            options: --trials N --storage URI --study NAME --out DIR, then Hydra overrides
+            for every run (e.g. federation.rounds=5)
+  report    tables and plots from MLflow runs: fedlightning report --task cil --out reports/
+            (fedlightning report --help for the layouts and filters)
 """
 
 
@@ -61,12 +66,75 @@ def _resume_run_dir(args: list[str]) -> list[str]:
     return args
 
 
+def compose(overrides: list[str]) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides``, as ``fedlightning train`` would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=overrides)
+
+
+def _sweep(rest: list[str]) -> int:
+    import argparse
+    import logging
+
+    from fedlightning.sweeps import Sweep, load_spec
+    from fedlightning.train import train
+
+    ap = argparse.ArgumentParser(prog="fedlightning sweep", description="Run an Optuna study.")
+    ap.add_argument("file", type=Path, help="a sweep file, e.g. sweeps/fedprox_mu_cora.yaml")
+    ap.add_argument("--trials", type=int, help="finished trials wanted (default: the file's)")
+    ap.add_argument("--storage", help="Optuna storage URL (default: the file's)")
+    ap.add_argument("--study", help="study name (default: the file's, or its stem)")
+    ap.add_argument("--out", type=Path, default=Path("outputs/sweeps"), help="trial runs")
+    args, overrides = ap.parse_known_args(rest)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    spec = load_spec(args.file)
+    if args.trials is not None:
+        spec.trials = args.trials
+    spec.storage = args.storage or spec.storage
+    spec.study_name = args.study or spec.study_name
+
+    def quiet_train(cfg, run_dir, observe):
+        return train(cfg, run_dir, observe, verbose=False)
+
+    study = Sweep(spec, args.out, overrides, compose, quiet_train).run()
+    done = [t for t in study.trials if t.state.name == "COMPLETE"]
+    print("-" * 55)
+    print(f"study            {study.study_name} ({spec.storage})")
+    states = {}
+    for t in study.trials:
+        states[t.state.name] = states.get(t.state.name, 0) + 1
+    print(f"trials           {', '.join(f'{n} {k.lower()}' for k, n in sorted(states.items()))}")
+    if done:
+        print(f"best {spec.metric:<11} {study.best_value:.4f} (trial {study.best_trial.number})")
+        for k, v in study.best_params.items():
+            print(f"  {k} = {v}")
+    return 0
+
+
+def _run_tool(command: str, rest: list[str]) -> int:
+    """``sweep`` and ``report``: user errors as one line, exit status 2."""
+    try:
+        if command == "sweep":
+            return _sweep(rest)
+        from fedlightning.report import main as report_main
+
+        return report_main(rest)
+    except FedLightningError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return
     command, rest = args[0], args[1:]
+    if command in ("sweep", "report"):
+        sys.exit(_run_tool(command, rest))
     if command != "train":
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)

@@ -1,14 +1,23 @@
-"""Plots of a run's per-round curves."""
+"""Plots of runs, sweeps and reports, as PNG files."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_curves(history: Sequence[dict[str, float]], path: str | Path, title: str = "") -> Path:
@@ -23,11 +32,7 @@ def plot_curves(history: Sequence[dict[str, float]], path: str | Path, title: st
     ax_loss.plot(rounds, [h["train_loss"] for h in history], marker=".", color="C3")
     ax_loss.set(xlabel="round", ylabel="train loss (weighted over clients)")
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_accuracy_matrix(matrix, path: str | Path, title: str = "") -> Path:
@@ -46,11 +51,7 @@ def plot_accuracy_matrix(matrix, path: str | Path, title: str = "") -> Path:
     ax.set_yticks(range(m.shape[0]), [f"{t + 1}" for t in range(m.shape[0])])
     ax.set(xlabel="classes of stage j", ylabel="after stage t", title=title or "accuracy matrix")
     fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_seen_accuracy(
@@ -63,8 +64,70 @@ def plot_seen_accuracy(
     ax.plot(stages, [r["fpr95"] for r in stage_results], marker="s", label="FPR95")
     ax.set(xlabel="stage", ylabel="fraction", ylim=(0, 1), xticks=stages, title=title)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
+
+
+def plot_optimization_history(
+    values: Sequence[float], path: str | Path, maximize: bool = True, metric: str = ""
+) -> Path:
+    """Objective of each finished trial (in trial order) and the best so far."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    xs = list(range(len(values)))
+    best, run = [], None
+    for v in values:
+        run = v if run is None else (max(run, v) if maximize else min(run, v))
+        best.append(run)
+    ax.plot(xs, values, "o", label="trial")
+    ax.step(xs, best, where="post", color="C3", label="best so far")
+    ax.set(xlabel="trial", ylabel=metric or "objective", title="optimization history")
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_importances(importances: dict[str, float], path: str | Path) -> Path:
+    """Horizontal bars of parameter importances (Optuna's fANOVA)."""
+    names = list(importances)[::-1]
+    fig, ax = plt.subplots(figsize=(5.5, 0.5 * len(names) + 1.5))
+    ax.barh(names, [importances[n] for n in names])
+    ax.set(xlabel="importance", title="parameter importance")
+    return _save(fig, path)
+
+
+def plot_sensitivity(
+    x: Sequence[float],
+    mean: Sequence[float],
+    std: Sequence[float],
+    path: str | Path,
+    xlabel: str,
+    ylabel: str,
+    log_x: bool = False,
+) -> Path:
+    """A metric against one parameter: mean with std error bars (over seeds), sorted by x."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    ax.errorbar(
+        [x[i] for i in order],
+        [mean[i] for i in order],
+        yerr=[std[i] for i in order],
+        marker="o",
+        capsize=3,
+    )
+    if log_x:
+        ax.set_xscale("log")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=f"sensitivity to {xlabel}")
+    return _save(fig, path)
+
+
+def plot_scatter(
+    points: dict[str, tuple[Sequence[float], Sequence[float]]],
+    path: str | Path,
+    xlabel: str,
+    ylabel: str,
+) -> Path:
+    """One marker series per label (e.g. method): uplink against a metric, run by run."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for i, (label, (xs, ys)) in enumerate(points.items()):
+        ax.scatter(xs, ys, label=label, marker="os^vD<>p*h"[i % 10])
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,0 +1,210 @@
+"""Optuna sweeps over the real configs: checks before any trial, pruning, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import FixedTrial, TrialState
+
+from fedlightning.cli import compose
+from fedlightning.errors import ConfigError
+from fedlightning.sweeps import Sweep, load_spec, suggest
+from fedlightning.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+FL = str(Path(sys.executable).parent / "fedlightning")
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+GOOD = """
+experiment: fedavg_synthetic
+space:
+  algorithm._target_: {type: categorical, choices: [fedlightning.algorithms.FedAvg]}
+objective: {metric: val_acc}
+trials: 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (("val_acc}", "test_acc}"), "objective.metric"),
+        (("val_acc}", "acc}"), "objective.metric"),
+        (("trials: 1", "trials: 0"), "trials"),
+        (("trials: 1", "trails: 1"), "trails"),
+        (("type: categorical, choices: [fedlightning.algorithms.FedAvg]", "type: float"), "low"),
+        (("experiment: fedavg_synthetic", "experiment: [1]"), "experiment"),
+    ],
+)
+def test_bad_sweep_files_name_file_and_field(tmp_path, change, field):
+    bad = write(tmp_path / "bad.yaml", GOOD.replace(*change))
+    with pytest.raises(ConfigError, match=rf"bad\.yaml: .*{field}"):
+        load_spec(bad)
+
+
+def test_log_range_and_grid_rules(tmp_path):
+    spec = GOOD.replace(
+        "type: categorical, choices: [fedlightning.algorithms.FedAvg]",
+        "type: float, low: 0.0, high: 1.0, log: true",
+    )
+    with pytest.raises(ConfigError, match="low > 0"):
+        load_spec(write(tmp_path / "a.yaml", spec))
+    grid = "experiment: x\nspace:\n  a: {type: categorical, choices: [1, 2]}\n"
+    grid += "objective: {metric: val_am}\nsampler: {name: grid}\n"
+    assert load_spec(write(tmp_path / "g.yaml", grid)).trials == 2  # the grid's size
+    with pytest.raises(ConfigError, match="exceed the grid"):
+        load_spec(write(tmp_path / "h.yaml", grid + "trials: 3\n"))
+    floaty = grid.replace("type: categorical, choices: [1, 2]", "type: float, low: 1, high: 2")
+    with pytest.raises(ConfigError, match="categorical"):
+        load_spec(write(tmp_path / "i.yaml", floaty))
+
+
+def test_suggest_types():
+    trial = FixedTrial({"a": 0.5, "b": 3, "c": "sage"})
+    assert suggest(trial, "a", {"type": "float", "low": 0.1, "high": 1.0, "log": True}) == 0.5
+    assert suggest(trial, "b", {"type": "int", "low": 1, "high": 4}) == 3
+    assert suggest(trial, "c", {"type": "categorical", "choices": ["gcn", "sage"]}) == "sage"
+
+
+def test_shipped_sweep_files_are_valid():
+    for f in sorted((REPO / "sweeps").glob("*.yaml")):
+        spec = load_spec(f)
+        assert spec.metric.startswith("val_"), f
+
+
+def test_test_objective_refused_before_any_trial(tmp_path):
+    bad = write(tmp_path / "bad.yaml", GOOD.replace("val_acc}", "test_acc}"))
+    r = subprocess.run([FL, "sweep", str(bad)], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert "bad.yaml" in line and "objective.metric" in line and "test_acc" in line
+    assert not (tmp_path / "optuna.db").exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_threshold_pruner_stops_a_trial_at_its_first_round(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec_file = write(
+        tmp_path / "p.yaml",
+        GOOD.replace("trials: 1", "trials: 1\npruner: {name: threshold, lower: 1.01}"),
+    )
+    spec = load_spec(spec_file)
+    spec.storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    seen = []
+
+    def run(cfg, run_dir, observe):
+        def spy(kind, step, metrics):
+            seen.append((kind, step))
+            observe(kind, step, metrics)
+
+        return train(cfg, run_dir, spy, verbose=False)
+
+    study = Sweep(
+        spec, tmp_path / "out", ["logger=none", "federation.rounds=3"], compose, run
+    ).run()
+    (trial,) = study.trials
+    assert trial.state == TrialState.PRUNED and trial.intermediate_values.keys() == {1}
+    assert seen == [("round", 1)]  # the run stopped after its first round
+    run_dir = tmp_path / "out" / "p" / "trial_0" / "seed_0"
+    assert (run_dir / "checkpoint.pt").exists() and not (run_dir / "summary.json").exists()
+
+
+def _complete(db: Path) -> int:
+    if not db.exists():
+        return 0
+    try:
+        with sqlite3.connect(db) as con:
+            return con.execute("select count(*) from trials where state = 'COMPLETE'").fetchone()[0]
+    except sqlite3.OperationalError:  # tables not created yet
+        return 0
+
+
+@pytest.mark.slow
+def test_fedprox_mu_sweep_killed_and_resumed(tmp_path, shared_data):
+    """The acceptance run: 6 trials on Cora, SIGKILLed after some, resumed from storage."""
+    env = {
+        **os.environ,
+        "FEDLIGHTNING_DATA": str(shared_data),
+        "FEDLIGHTNING_CACHE": str(tmp_path / "cache"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+    cmd = [
+        FL,
+        "sweep",
+        str(REPO / "sweeps" / "fedprox_mu_cora.yaml"),
+        "federation.rounds=2",
+        "federation.local_epochs=1",
+    ]
+    db = tmp_path / "optuna.db"
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    trials_dir = tmp_path / "outputs" / "sweeps" / "fedprox_mu_cora"
+
+    def mid_trial() -> bool:  # two trials done and the third one checkpointed its first round
+        n = _complete(db)
+        return n >= 2 and (trials_dir / f"trial_{n}" / "seed_0" / "checkpoint.pt").exists()
+
+    while not mid_trial() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_seed0 = trials_dir / f"trial_{_complete(db)}" / "seed_0"
+    seed0_was_done = (killed_seed0 / "summary.json").exists()
+    study = optuna.load_study(study_name="fedprox_mu_cora", storage=f"sqlite:///{db}")
+    before = {t.number: (t.params, t.value) for t in study.trials if t.state == TrialState.COMPLETE}
+    assert 2 <= len(before) < 6
+
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    study = optuna.load_study(study_name="fedprox_mu_cora", storage=f"sqlite:///{db}")
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(done) == 6
+    for t in done:  # trials finished before the kill are kept as they were
+        if t.number in before:
+            assert (t.params, t.value) == before[t.number]
+    failed = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert len(failed) == 1  # the trial killed mid-run
+    retries = [t for t in done if "retry_of" in t.user_attrs]
+    # a trial killed mid-run is failed and its parameters run once more, in its own directory
+    assert sorted(t.user_attrs["retry_of"] for t in retries) == sorted(t.number for t in failed)
+    for t in retries:
+        assert t.params == next(f.params for f in failed if f.number == t.user_attrs["retry_of"])
+    # no training run twice: one finished run per (trial, seed), 6 trials x 2 seeds
+    summaries = sorted(trials_dir.rglob("summary.json"))
+    assert len(summaries) == 12
+    values = {
+        p.parent.parent.name: json.loads(p.read_text())["metrics"]["val_acc"] for p in summaries
+    }
+    assert len(values) == 6
+    assert killed_seed0.parent.name == f"trial_{failed[0].number}"
+    if not seed0_was_done:  # its checkpointed run went on, not started over
+        assert json.loads((killed_seed0 / "summary.json").read_text())["resumed"] is True
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    (parent,) = client.search_runs(["1"], "tags.task = 'sweep'")
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["best_value"] == pytest.approx(study.best_value)
+    trials = client.search_runs(["1"], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    finished = [t for t in trials if t.info.status == "FINISHED"]
+    assert len(finished) == 6
+    assert {float(t.data.params["algorithm.mu"]) for t in finished} == {
+        t.params["algorithm.mu"] for t in done
+    }
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"trials.csv", "best_params.json", "optimization_history.png"} <= arts
+    assert "param_importance.png" in arts and "sensitivity_algorithm.mu.png" in arts
