@@ -1,0 +1,275 @@
+"""Paper-style tables and plots from finished runs: ``fedlightning report``.
+
+Runs come from MLflow, selected by the tags every run carries (``task``, ``dataset``,
+``method``, ``variant``, ``experiment``; DESIGN.md), or from ``summary.json`` files under
+directories (``--dirs multirun/``). Each run's numbers are its ``summary.json`` (in MLflow,
+the run's artifact), so a table cell is exactly the mean and the sample standard deviation
+(n - 1) over the seeds of the runs' ``summary.json`` values. When the same configuration
+and seed ran more than once, the newest run counts.
+
+Layouts:
+
+- ``main`` (FedOGL Table 1): one row per method (baselines with their variant, e.g.
+  ``fedavg+replay``; ablations left out), for each dataset the columns AM, FM, FPR95.
+- ``ablation`` (FedOGL Table 2): one row per variant of ``--method`` (default ``fedogl``).
+
+``--metrics`` picks the columns (any ``summary.json`` metric, and ``s_per_round``: wall time
+per round). The best mean of each column is bold (highest AM, lowest FM and FPR95). Files written to
+``--out``: ``<name>.md``, ``<name>.tex``, ``<name>.json`` (exact means and stds),
+``uplink_vs_<metric>.png`` (every run: whole-run uplink against the first metric) and
+``acc_matrix_<row>_<dataset>.png`` (the accuracy matrix averaged over seeds). ``--log``
+logs them to a new MLflow run tagged ``task=report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from fedlightning.errors import ConfigError
+from fedlightning.tracking.plots import plot_accuracy_matrix, plot_scatter
+
+LOWER_IS_BETTER = {"fm", "fm_diag", "fpr95", "val_fm", "val_fpr95", "train_loss", "s_per_round"}
+LABELS = {"am": "AM", "fm": "FM", "fpr95": "FPR95", "auroc_ood": "AUROC", "open_acc": "OpenAcc"}
+LABELS["s_per_round"] = "s/round"
+SWEEP_TASKS = ("sweep", "sweep_trial", "report")
+
+
+def runs_from_dirs(dirs: list[Path]) -> list[dict[str, Any]]:
+    """Every ``summary.json`` below ``dirs``."""
+    out = []
+    for root in dirs:
+        if not root.exists():
+            raise ConfigError("--dirs", f"{root} does not exist")
+        for f in sorted(root.rglob("summary.json")):
+            out.append(json.loads(f.read_text()))
+    return out
+
+
+def runs_from_mlflow(tracking_uri: str, experiment_name: str, tags: dict[str, str]) -> list[dict]:
+    """The ``summary.json`` of every finished MLflow run whose tags match ``tags``."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment_name)
+    if exp is None:
+        raise ConfigError(
+            "--experiment-name", f"no MLflow experiment {experiment_name!r} at {tracking_uri}"
+        )
+    query = " and ".join(
+        [f"tags.{k} = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"]
+    )
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in client.search_runs([exp.experiment_id], query, max_results=50000):
+            if run.data.tags.get("task") in SWEEP_TASKS:
+                continue
+            try:
+                path = client.download_artifacts(run.info.run_id, "summary.json", tmp)
+            except Exception:  # a run without its summary (e.g. logged by another tool)
+                continue
+            s = json.loads(Path(path).read_text())
+            s["start_time"] = run.info.start_time
+            out.append(s)
+    return out
+
+
+def row_label(tags: dict[str, str], layout: str) -> str:
+    """``method`` or ``method+variant`` (main); the variant alone (ablation)."""
+    method, variant = tags.get("method", "?"), tags.get("variant", "full")
+    if layout == "ablation":
+        return variant
+    return method if variant == "full" else f"{method}+{variant}"
+
+
+def select(runs: list[dict], layout: str, method: str | None) -> list[dict]:
+    """Keep the runs of the layout; of repeated (experiment, variant, seed), the newest."""
+    keep = []
+    for s in runs:
+        t = s.get("tags", {})
+        ablation = t.get("variant", "full").startswith("no_")
+        if layout == "main" and ablation:
+            continue
+        if layout == "ablation" and t.get("method") != (method or "fedogl"):
+            continue
+        keep.append(s)
+    newest: dict[tuple, dict] = {}
+    for s in sorted(keep, key=lambda s: s.get("start_time", 0)):
+        t = s.get("tags", {})
+        key = (s.get("experiment"), t.get("method"), t.get("variant"), t.get("dataset"), s["seed"])
+        newest[key] = s
+    return list(newest.values())
+
+
+def aggregate(runs: list[dict], metrics: list[str], layout: str) -> dict[str, dict[str, dict]]:
+    """``table[row][dataset][metric] = {"mean", "std", "n", "values"}``."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for s in runs:
+        groups[(row_label(s["tags"], layout), s["tags"].get("dataset", "?"))].append(s)
+    table: dict[str, dict[str, dict]] = defaultdict(dict)
+    for (row, dataset), group in sorted(groups.items()):
+        cells = {}
+        for m in metrics:
+            values = [v for v in (value(s, m) for s in group) if _finite(v)]
+            cells[m] = {
+                "mean": statistics.fmean(values) if values else math.nan,
+                "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "n": len(values),
+                "values": values,
+            }
+        table[row][dataset] = cells
+    return dict(table)
+
+
+def value(summary: dict, metric: str) -> float | None:
+    """A run's metric; ``s_per_round`` is its wall time divided by its rounds."""
+    if metric == "s_per_round":
+        return summary["wall_time_s"] / max(summary["rounds"], 1)
+    return summary["metrics"].get(metric)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def best_rows(table: dict, datasets: list[str], metrics: list[str]) -> dict[tuple, str]:
+    """The row with the best mean in each (dataset, metric) column."""
+    best = {}
+    for d in datasets:
+        for m in metrics:
+            scored = [(r, c[d][m]["mean"]) for r, c in table.items() if d in c]
+            scored = [(r, v) for r, v in scored if math.isfinite(v)]
+            if scored:
+                pick = min if m in LOWER_IS_BETTER else max
+                best[(d, m)] = pick(scored, key=lambda x: x[1])[0]
+    return best
+
+
+def render(table: dict, metrics: list[str], digits: int, fmt: str) -> str:
+    """The table as Markdown (``fmt="md"``) or a LaTeX ``tabular`` (``fmt="tex"``)."""
+    datasets = sorted({d for cells in table.values() for d in cells})
+    best = best_rows(table, datasets, metrics)
+    names = [LABELS.get(m, m) for m in metrics]
+
+    def cell(row: str, d: str, m: str) -> str:
+        c = table[row].get(d, {}).get(m)
+        if c is None or not c["n"]:
+            return "-"
+        pm = "±" if fmt == "md" else r"$\pm$"
+        text = f"{c['mean']:.{digits}f} {pm} {c['std']:.{digits}f}"
+        if best.get((d, m)) == row:
+            text = f"**{text}**" if fmt == "md" else rf"\textbf{{{text}}}"
+        return text
+
+    if fmt == "md":
+        head = "| method | " + " | ".join(f"{d} {n}" for d in datasets for n in names) + " |"
+        lines = [head, "|---" * (1 + len(datasets) * len(metrics)) + "|"]
+        for row in table:
+            cells = [cell(row, d, m) for d in datasets for m in metrics]
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
+    cols = "l" + "c" * len(datasets) * len(metrics)
+    lines = [rf"\begin{{tabular}}{{{cols}}}", r"\toprule"]
+    groups = " & ".join(rf"\multicolumn{{{len(metrics)}}}{{c}}{{{_tex(d)}}}" for d in datasets)
+    lines += [f" & {groups} \\\\", "method & " + " & ".join(names * len(datasets)) + r" \\"]
+    lines.append(r"\midrule")
+    for row in table:
+        cells = [cell(row, d, m) for d in datasets for m in metrics]
+        lines.append(f"{_tex(row)} & " + " & ".join(cells) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def _tex(text: str) -> str:
+    return text.replace("_", r"\_")
+
+
+def plots(runs: list[dict], layout: str, metric: str, out: Path) -> list[Path]:
+    """Uplink against ``metric`` for every run, and seed-mean accuracy matrices."""
+    points: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
+    mats: dict[tuple[str, str], list] = defaultdict(list)
+    for s in runs:
+        row, d = row_label(s["tags"], layout), s["tags"].get("dataset", "?")
+        if _finite(s["metrics"].get(metric)):
+            points[f"{row} ({d})"][0].append(s["comm"]["uplink_mib"])
+            points[f"{row} ({d})"][1].append(s["metrics"][metric])
+        if s.get("acc_matrix"):
+            mats[(row, d)].append(s["acc_matrix"])
+    paths = []
+    if points:
+        paths.append(
+            plot_scatter(dict(points), out / f"uplink_vs_{metric}.png", "uplink (MiB)", metric)
+        )
+    for (row, d), ms in sorted(mats.items()):
+        mean = [
+            [_mean_or_nan([m[t][j] for m in ms]) for j in range(len(ms[0][t]))]
+            for t in range(len(ms[0]))
+        ]
+        name = f"acc_matrix_{row}_{d}".replace("+", "_").replace("/", "_")
+        paths.append(plot_accuracy_matrix(mean, out / f"{name}.png", f"{row}, {d}"))
+    return paths
+
+
+def _mean_or_nan(values: list) -> float:
+    vals = [v for v in values if _finite(v)]
+    return statistics.fmean(vals) if vals else math.nan
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="fedlightning report", description=__doc__.splitlines()[0])
+    ap.add_argument("--dirs", nargs="+", type=Path, help="read summary.json below these")
+    ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: as train)")
+    ap.add_argument("--experiment-name", default="fedlightning")
+    ap.add_argument("--task", default="cil", help="runs with this task tag (cil, cir, ...)")
+    ap.add_argument("--dataset", nargs="*", default=[], help="only these datasets")
+    ap.add_argument("--layout", choices=["main", "ablation"], default="main")
+    ap.add_argument("--method", default=None, help="the ablated method (ablation layout)")
+    ap.add_argument("--metrics", default="am,fm,fpr95")
+    ap.add_argument("--digits", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("reports"))
+    ap.add_argument("--name", default=None, help="file stem (default: <task>_<layout>)")
+    ap.add_argument("--log", action="store_true", help="log the files to an MLflow run")
+    args = ap.parse_args(argv)
+    import os
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    if args.dirs:
+        runs = runs_from_dirs(args.dirs)
+    else:
+        runs = runs_from_mlflow(uri, args.experiment_name, {"task": args.task})
+    runs = [s for s in runs if s.get("tags", {}).get("task") == args.task]
+    if args.dataset:
+        runs = [s for s in runs if s["tags"].get("dataset") in args.dataset]
+    runs = select(runs, args.layout, args.method)
+    if not runs:
+        raise ConfigError("--task", f"no finished runs with task {args.task!r} match")
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    table = aggregate(runs, metrics, args.layout)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"{args.task}_{args.layout}"
+    md = render(table, metrics, args.digits, "md")
+    files = [args.out / f"{stem}.md", args.out / f"{stem}.tex", args.out / f"{stem}.json"]
+    files[0].write_text(md)
+    files[1].write_text(render(table, metrics, args.digits, "tex"))
+    files[2].write_text(json.dumps(table, indent=2))
+    files += plots(runs, args.layout, metrics[0], args.out)
+    print(md)
+    print(f"{len(runs)} runs; wrote {', '.join(str(f) for f in files)}")
+    if args.log:
+        from fedlightning.tracking import MlflowTracker
+
+        tracker = MlflowTracker(uri, args.experiment_name)
+        tracker.start(f"report-{stem}", {"task": "report", "layout": args.layout}, vars_(args))
+        tracker.log_artifacts(files)
+        tracker.end()
+    return 0
+
+
+def vars_(args: argparse.Namespace) -> dict[str, str]:
+    return {k: str(v) for k, v in vars(args).items()}

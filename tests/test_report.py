@@ -1,0 +1,107 @@
+"""`fedlightning report`: tables from MLflow equal the mean and std of the runs' summaries."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from fedlightning.report import render
+
+FL = str(Path(sys.executable).parent / "fedlightning")
+METRICS = ("am", "fm", "fpr95")
+
+
+def test_render_bolds_the_best_of_each_column():
+    cell = lambda m, s: {"mean": m, "std": s, "n": 2, "values": []}  # noqa: E731
+    table = {
+        "a": {"d": {"am": cell(0.5, 0.1), "fm": cell(0.2, 0.0)}},
+        "b": {"d": {"am": cell(0.7, 0.05), "fm": cell(0.3, 0.01)}},
+    }
+    md = render(table, ["am", "fm"], 2, "md")
+    assert "| a | 0.50 ± 0.10 | **0.20 ± 0.00** |" in md  # lower FM is better
+    assert "| b | **0.70 ± 0.05** | 0.30 ± 0.01 |" in md  # higher AM is better
+    tex = render(table, ["am", "fm"], 2, "tex")
+    assert r"\textbf{0.70 $\pm$ 0.05}" in tex and r"\multicolumn{2}{c}{d}" in tex
+
+
+def parse(md: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in md.splitlines()[2:]:
+        cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+@pytest.mark.slow
+def test_report_of_a_three_seed_multirun_equals_the_summaries(tmp_path):
+    env = {
+        **os.environ,
+        "FEDLIGHTNING_CACHE": str(tmp_path / "cache"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+
+    def fl(*args: str) -> subprocess.CompletedProcess:
+        r = subprocess.run([FL, *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r
+
+    # the default demo (FedOGL, class-incremental, synthetic) against FedAvg + replay
+    fl("train", "-m", "algorithm=fedogl,cil_fedavg_replay", "seed=0,1,2", "federation.rounds=1")
+    fl("train", "algorithm.replay=false", "federation.rounds=1", "hydra.run.dir=ablation")
+    fl("report", "--task", "cil", "--out", "rep")
+    md = (tmp_path / "rep" / "cil_main.md").read_text()
+
+    groups = defaultdict(list)
+    for p in (tmp_path / "multirun").rglob("summary.json"):
+        s = json.loads(p.read_text())
+        t = s["tags"]
+        groups[t["method"] if t["variant"] == "full" else f"{t['method']}+{t['variant']}"].append(s)
+    assert {k: len(v) for k, v in groups.items()} == {"fedogl": 3, "fedavg+replay": 3}
+    rows = parse(md)
+    assert set(rows) == set(groups)  # the ablation run is not a row of the main table
+    exact = json.loads((tmp_path / "rep" / "cil_main.json").read_text())
+    for row, runs in groups.items():
+        for i, m in enumerate(METRICS):
+            values = [s["metrics"][m] for s in runs]
+            mean, std = statistics.fmean(values), statistics.stdev(values)
+            assert rows[row][i] == f"{mean:.3f} ± {std:.3f}"
+            assert exact[row]["synthetic"][m]["mean"] == mean
+            assert exact[row]["synthetic"][m]["std"] == std
+    for i in range(len(METRICS)):  # one bold cell per column
+        assert (
+            sum(line.split("|")[2 + i].strip().startswith("**") for line in md.splitlines()[2:])
+            == 1
+        )
+    assert (tmp_path / "rep" / "cil_main.tex").exists()
+    assert (tmp_path / "rep" / "uplink_vs_am.png").exists()
+    assert (tmp_path / "rep" / "acc_matrix_fedogl_synthetic.png").exists()
+
+    # the same table from the run directories
+    fl("report", "--dirs", "multirun", "--task", "cil", "--out", "rep_dirs")
+    assert (tmp_path / "rep_dirs" / "cil_main.md").read_text() == md
+
+    # the ablation layout: variants of fedogl, the ablation run included
+    fl("report", "--task", "cil", "--layout", "ablation", "--out", "rep", "--log")
+    ablation = parse((tmp_path / "rep" / "cil_ablation.md").read_text())
+    assert set(ablation) == {"full", "no_replay"}
+    assert re.fullmatch(r"\d\.\d{3} ± 0\.000", ablation["no_replay"][0])  # one seed
+
+
+def test_no_matching_runs_is_a_one_line_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run(
+        [FL, "report", "--dirs", "empty", "--task", "cil"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "no finished runs" in r.stderr
