@@ -5,7 +5,8 @@ Runs come from MLflow, selected by the tags every run carries (``task``, ``datas
 directories (``--dirs multirun/``). Each run's numbers are its ``summary.json`` (in MLflow,
 the run's artifact), so a table cell is exactly the mean and the sample standard deviation
 (n - 1) over the seeds of the runs' ``summary.json`` values. When the same configuration
-and seed ran more than once, the newest run counts.
+and seed ran more than once, the newest run counts. ``--tag k=v`` narrows the selection
+(e.g. ``--tag experiment=cil_fedogl_cora``).
 
 Layouts:
 
@@ -17,7 +18,10 @@ Layouts:
 per round). The best mean of each column is bold (highest AM, lowest FM and FPR95). Files written to
 ``--out``: ``<name>.md``, ``<name>.tex``, ``<name>.json`` (exact means and stds),
 ``uplink_vs_<metric>.png`` (every run: whole-run uplink against the first metric) and
-``acc_matrix_<row>_<dataset>.png`` (the accuracy matrix averaged over seeds). ``--log``
+``acc_matrix_<row>_<dataset>.png`` (the accuracy matrix averaged over seeds), and with
+``--sensitivity KEY`` one ``sensitivity_<KEY>_<row>_<dataset>.png`` (the first metric
+against a config value, mean and std over seeds, e.g. after
+``train -m algorithm.basis.rank=4,8,16 seed=0,1,2``). ``--log``
 logs them to a new MLflow run tagged ``task=report``.
 """
 
@@ -32,8 +36,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from fedlightning.errors import ConfigError
-from fedlightning.tracking.plots import plot_accuracy_matrix, plot_scatter
+from fedlightning.tracking import flatten
+from fedlightning.tracking.plots import plot_accuracy_matrix, plot_scatter, plot_sensitivity
 
 LOWER_IS_BETTER = {"fm", "fm_diag", "fpr95", "val_fm", "val_fpr95", "train_loss", "s_per_round"}
 LABELS = {"am": "AM", "fm": "FM", "fpr95": "FPR95", "auroc_ood": "AUROC", "open_acc": "OpenAcc"}
@@ -48,7 +55,16 @@ def runs_from_dirs(dirs: list[Path]) -> list[dict[str, Any]]:
         if not root.exists():
             raise ConfigError("--dirs", f"{root} does not exist")
         for f in sorted(root.rglob("summary.json")):
-            out.append(json.loads(f.read_text()))
+            s = json.loads(f.read_text())
+            config = f.parent / "config.yaml"
+            if config.exists():
+                s["params"] = {
+                    k: str(v)
+                    for k, v in flatten(
+                        OmegaConf.to_container(OmegaConf.load(config), resolve=False)
+                    ).items()
+                }
+            out.append(s)
     return out
 
 
@@ -76,6 +92,7 @@ def runs_from_mlflow(tracking_uri: str, experiment_name: str, tags: dict[str, st
                 continue
             s = json.loads(Path(path).read_text())
             s["start_time"] = run.info.start_time
+            s["params"] = dict(run.data.params)
             out.append(s)
     return out
 
@@ -89,7 +106,7 @@ def row_label(tags: dict[str, str], layout: str) -> str:
 
 
 def select(runs: list[dict], layout: str, method: str | None) -> list[dict]:
-    """Keep the runs of the layout; of repeated (experiment, variant, seed), the newest."""
+    """Keep the runs of the layout; of runs with the same config and seed, the newest."""
     keep = []
     for s in runs:
         t = s.get("tags", {})
@@ -102,9 +119,15 @@ def select(runs: list[dict], layout: str, method: str | None) -> list[dict]:
     newest: dict[tuple, dict] = {}
     for s in sorted(keep, key=lambda s: s.get("start_time", 0)):
         t = s.get("tags", {})
-        key = (s.get("experiment"), t.get("method"), t.get("variant"), t.get("dataset"), s["seed"])
-        newest[key] = s
+        newest[(s.get("experiment"), t.get("variant"), s["seed"], _config_key(s))] = s
     return list(newest.values())
+
+
+def _config_key(summary: dict) -> str:
+    """What makes two runs the same configuration: their params but where they logged."""
+    params = summary.get("params", {})
+    kept = {k: v for k, v in params.items() if not k.startswith(("logger.", "resume", "runner."))}
+    return json.dumps(kept, sort_keys=True)
 
 
 def aggregate(runs: list[dict], metrics: list[str], layout: str) -> dict[str, dict[str, dict]]:
@@ -216,6 +239,32 @@ def plots(runs: list[dict], layout: str, metric: str, out: Path) -> list[Path]:
     return paths
 
 
+def sensitivity(runs: list[dict], key: str, metric: str, layout: str, out: Path) -> list[Path]:
+    """``metric`` against the config value ``key``: mean and std over seeds, one plot per
+    row and dataset (a grid run with ``train -m key=a,b,c seed=0,1,2``)."""
+    groups: dict[tuple[str, str], dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for s in runs:
+        raw, v = s.get("params", {}).get(key), value(s, metric)
+        try:
+            x = float(raw)
+        except (TypeError, ValueError):
+            continue
+        if _finite(v):
+            groups[(row_label(s["tags"], layout), s["tags"].get("dataset", "?"))][x].append(v)
+    paths = []
+    for (row, d), points in sorted(groups.items()):
+        if len(points) < 2:
+            continue
+        xs = sorted(points)
+        means = [statistics.fmean(points[x]) for x in xs]
+        stds = [statistics.stdev(points[x]) if len(points[x]) > 1 else 0.0 for x in xs]
+        name = f"sensitivity_{key}_{row}_{d}".replace("+", "_").replace("/", "_")
+        paths.append(plot_sensitivity(xs, means, stds, out / f"{name}.png", key, metric))
+    if not paths:
+        raise ConfigError("--sensitivity", f"no two runs of a method differ in {key!r}")
+    return paths
+
+
 def _mean_or_nan(values: list) -> float:
     vals = [v for v in values if _finite(v)]
     return statistics.fmean(vals) if vals else math.nan
@@ -228,6 +277,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--experiment-name", default="fedlightning")
     ap.add_argument("--task", default="cil", help="runs with this task tag (cil, cir, ...)")
     ap.add_argument("--dataset", nargs="*", default=[], help="only these datasets")
+    ap.add_argument("--tag", action="append", default=[], help="only runs with tag k=v")
     ap.add_argument("--layout", choices=["main", "ablation"], default="main")
     ap.add_argument("--method", default=None, help="the ablated method (ablation layout)")
     ap.add_argument("--metrics", default="am,fm,fpr95")
@@ -235,6 +285,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=Path("reports"))
     ap.add_argument("--name", default=None, help="file stem (default: <task>_<layout>)")
     ap.add_argument("--log", action="store_true", help="log the files to an MLflow run")
+    ap.add_argument(
+        "--sensitivity", metavar="KEY", help="also plot the first metric against config KEY"
+    )
     args = ap.parse_args(argv)
     import os
 
@@ -243,7 +296,9 @@ def main(argv: list[str]) -> int:
         runs = runs_from_dirs(args.dirs)
     else:
         runs = runs_from_mlflow(uri, args.experiment_name, {"task": args.task})
-    runs = [s for s in runs if s.get("tags", {}).get("task") == args.task]
+    wanted = dict(t.split("=", 1) for t in args.tag if "=" in t)
+    wanted["task"] = args.task
+    runs = [s for s in runs if all(s.get("tags", {}).get(k) == v for k, v in wanted.items())]
     if args.dataset:
         runs = [s for s in runs if s["tags"].get("dataset") in args.dataset]
     runs = select(runs, args.layout, args.method)
@@ -259,6 +314,8 @@ def main(argv: list[str]) -> int:
     files[1].write_text(render(table, metrics, args.digits, "tex"))
     files[2].write_text(json.dumps(table, indent=2))
     files += plots(runs, args.layout, metrics[0], args.out)
+    if args.sensitivity:
+        files += sensitivity(runs, args.sensitivity, metrics[0], args.layout, args.out)
     print(md)
     print(f"{len(runs)} runs; wrote {', '.join(str(f) for f in files)}")
     if args.log:

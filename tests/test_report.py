@@ -105,3 +105,34 @@ def test_no_matching_runs_is_a_one_line_error(tmp_path):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "no finished runs" in r.stderr
+
+
+def _summary(seed, rank, am, start=0, method="fedogl", variant="full"):
+    return {
+        "experiment": "x",
+        "seed": seed,
+        "metrics": {"am": am},
+        "tags": {"method": method, "variant": variant, "dataset": "d", "task": "cil"},
+        "params": {"algorithm.basis.rank": str(rank), "seed": str(seed), "logger.enabled": "x"},
+        "start_time": start,
+        "comm": {"uplink_mib": 1.0},
+        "wall_time_s": 10.0,
+        "rounds": 4,
+    }
+
+
+def test_repeated_runs_count_once_and_sensitivity_over_a_config_value(tmp_path):
+    from fedlightning.errors import ConfigError
+    from fedlightning.report import aggregate, select, sensitivity
+
+    runs = [_summary(s, r, 0.1 * r + 0.01 * s) for r in (4, 8) for s in (0, 1)]
+    rerun = {**_summary(0, 4, 0.9, start=5), "params": {**runs[0]["params"], "logger.x": "y"}}
+    kept = select([*runs, rerun], "main", None)
+    assert len(kept) == 4 and rerun in kept and runs[0] not in kept  # the newest of a config
+    table = aggregate(kept, ["am", "s_per_round"], "main")
+    assert table["fedogl"]["d"]["am"]["n"] == 4
+    assert table["fedogl"]["d"]["s_per_round"]["mean"] == 2.5
+    (path,) = sensitivity(kept, "algorithm.basis.rank", "am", "main", tmp_path)
+    assert path.name == "sensitivity_algorithm.basis.rank_fedogl_d.png" and path.exists()
+    with pytest.raises(ConfigError, match="differ"):
+        sensitivity(kept, "seedless.key", "am", "main", tmp_path)
