@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedlightning.objectives import symmetric_info_nce
-from fedlightning.server.prototypes import sgd_refine
+from fedlightning.server.prototypes import normalized_weights, sgd_refine
 
 __all__ = ["alignment_loss", "class_descriptors", "refine_heads", "similarity_consensus"]
 
@@ -89,12 +89,7 @@ def similarity_consensus(
         - **input:** ``A``, ``B`` :math:`(n, d)`
         - **output:** two :math:`(n, n)` tensors whose rows sum to 1
     """
-    if len(heads) != len(weights) or not heads:
-        raise ValueError(f"need one weight per head pair, got {len(heads)}, {len(weights)}")
-    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
-    if (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights must be non-negative and not all zero, got {list(weights)}")
-    w = w / w.sum()
+    w = normalized_weights(heads, weights)
     a, b = A.detach().double(), B.detach().double()
     rows = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64)
     cols = torch.zeros(b.shape[0], a.shape[0], dtype=torch.float64)
