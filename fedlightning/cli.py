@@ -25,6 +25,9 @@ commands:
             for every run (e.g. federation.rounds=5)
   report    tables and plots from MLflow runs: fedlightning report --task cil --out reports/
             (fedlightning report --help for the layouts and filters)
+  data features RAW --out DIR
+            encode raw node texts and images into a dataset folder (dataset=folder):
+            fedlightning data features my_raw_graph --out my_graph (--help for options)
 """
 
 
@@ -114,11 +117,68 @@ def _sweep(rest: list[str]) -> int:
     return 0
 
 
+def _data(rest: list[str]) -> int:
+    import argparse
+    import logging
+
+    from fedlightning.data.features import extract
+
+    ap = argparse.ArgumentParser(
+        prog="fedlightning data features",
+        description="Encode raw node texts and images into a dataset folder (docs/datasets.md).",
+    )
+    ap.add_argument("action", choices=["features"])
+    ap.add_argument("raw", help="folder with nodes.csv|nodes.jsonl, edges.csv, images/")
+    ap.add_argument("--out", required=True, help="the dataset folder to write (new or empty)")
+    ap.add_argument("--nodes", help="the node table (default: RAW/nodes.csv or nodes.jsonl)")
+    ap.add_argument("--id-column", default="id")
+    ap.add_argument("--text-column", default="text")
+    ap.add_argument("--label-column", default="label")
+    ap.add_argument(
+        "--images", help="image folder, files named <node id>.<ext> (default RAW/images)"
+    )
+    ap.add_argument("--text-model", help="sentence-transformers folder (default: all-MiniLM-L6-v2)")
+    ap.add_argument("--image-model", default="efficientnet-lite0", help="or module:factory")
+    ap.add_argument("--image-weights", help="state-dict file for a module:factory backbone")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--name", help="dataset name (default: the raw folder's name)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(rest)
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    record = extract(
+        args.raw,
+        args.out,
+        nodes=args.nodes,
+        id_column=args.id_column,
+        text_column=args.text_column,
+        label_column=args.label_column,
+        images=args.images,
+        text_model=args.text_model,
+        image_model=args.image_model,
+        image_weights=args.image_weights,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+        name=args.name,
+    )
+    print("-" * 55)
+    print(f"nodes            {record['nodes']}")
+    for m, rec in record["modalities"].items():
+        extra = f", {len(rec['unreadable'])} unreadable" if rec.get("unreadable") else ""
+        print(
+            f"{m:<16} {rec['dim']}-d by {rec.get('model_name', rec.get('encoder'))}, "
+            f"{rec['missing']} missing{extra}, {rec['seconds']:.1f} s"
+        )
+    print(f"written          {args.out} (train: dataset=folder dataset.path={args.out})")
+    return 0
+
+
 def _run_tool(command: str, rest: list[str]) -> int:
     """``sweep`` and ``report``: user errors as one line, exit status 2."""
     try:
         if command == "sweep":
             return _sweep(rest)
+        if command == "data":
+            return _data(rest)
         from fedlightning.report import main as report_main
 
         return report_main(rest)
@@ -133,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     command, rest = args[0], args[1:]
-    if command in ("sweep", "report"):
+    if command in ("sweep", "report", "data"):
         sys.exit(_run_tool(command, rest))
     if command != "train":
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
 from fedlightning.data.graphs.citeseer_mm import load_citeseer_mm
 from fedlightning.data.graphs.folder import load_folder, save_folder
+from fedlightning.data.graphs.magb import load_magb
 from fedlightning.data.graphs.planetoid import data_root, load_planetoid
 from fedlightning.data.graphs.synthetic import make_synthetic
 
@@ -13,6 +14,7 @@ __all__ = [
     "load_planetoid",
     "load_citeseer_mm",
     "load_folder",
+    "load_magb",
     "save_folder",
     "make_synthetic",
 ]

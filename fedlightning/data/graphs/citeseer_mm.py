@@ -56,6 +56,11 @@ def _read_embeddings(path: Path, n: int) -> np.ndarray:
 
 def _read_texts(path: Path) -> dict[str, str]:
     """Paper id -> class name from the TAPE records (id line, text line, class line)."""
+    return {pid: label for pid, (_, label) in read_tape_records(path).items()}
+
+
+def read_tape_records(path: Path) -> dict[str, tuple[str, str]]:
+    """Paper id -> (title and abstract, class name) from the TAPE records (three lines each)."""
     require_file(path, "the TAPE records: paper id, title and abstract, class name")
     try:
         text = path.read_text(encoding="utf-8")
@@ -71,7 +76,7 @@ def _read_texts(path: Path) -> dict[str, str]:
             f"expected records of three lines (id, text, class), got "
             f"{len(lines)} lines, not a multiple of 3",
         )
-    classes: dict[str, str] = {}
+    records: dict[str, tuple[str, str]] = {}
     for start in range(0, len(lines), 3):
         pid, label = lines[start], lines[start + 2]
         # Ids and class names are single tokens; a text line in either slot means the
@@ -82,12 +87,12 @@ def _read_texts(path: Path) -> dict[str, str]:
                     path,
                     f"line {start + offset + 1}: expected a {what} (one token), got {value[:60]!r}",
                 )
-        if classes.setdefault(pid, label) != label:
+        old = records.setdefault(pid, (lines[start + 1], label))[1]
+        if old != label:
             raise DataError(
-                path,
-                f"line {start + 1}: paper {pid!r} has two classes, {classes[pid]!r} and {label!r}",
+                path, f"line {start + 1}: paper {pid!r} has two classes, {old!r} and {label!r}"
             )
-    return classes
+    return records
 
 
 def _read_cites(path: Path, index: dict[str, int]) -> torch.Tensor:

@@ -1,0 +1,182 @@
+"""MAGB / OpenMAG-style dataset folders (Grocery, Ele-Fashion, Movies, Toys, RedditS, ...).
+
+Such a folder, as published, holds::
+
+    <Name>.csv                  one row per node, in node order: `label`, `neighbors` (a
+                                list of node indices such as "[3, 17, 42]"), texts, ...
+    TextFeature/<Name>_<encoder>_....npy     float [N, d] per text encoder
+    ImageFeature/<Name>_<encoder>.npy        float [N, d] per image encoder
+    <Name>Graph.pt              the same graph as a DGL file (not read: no DGL needed)
+
+The loader takes the edges from the `neighbors` column (or, if the CSV has none, from an
+``edges.csv`` / ``edge_index.npy`` written beside it in the folder format), the labels from
+`label`, and one feature file per modality: ``text`` from ``TextFeature/``, ``image`` from
+``ImageFeature/``. A row that is all zeros or not finite is a node without that modality
+(masked, zeroed). See ``docs/datasets.md``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedlightning.data.graphs.base import MultimodalGraph, clean_edges
+from fedlightning.errors import DataError
+
+__all__ = ["load_magb"]
+
+MODALITY_DIRS = {"text": "TextFeature", "image": "ImageFeature"}
+_INT = re.compile(r"-?\d+")
+
+
+def _node_csv(folder: Path) -> Path:
+    named = folder / f"{folder.resolve().name}.csv"
+    if named.is_file():
+        return named
+    tables = sorted(p for p in folder.glob("*.csv") if p.name != "edges.csv")
+    if len(tables) != 1:
+        raise DataError(
+            folder,
+            f"expected one node table <Name>.csv (e.g. {folder.resolve().name}.csv), "
+            f"found {[p.name for p in tables]}",
+        )
+    return tables[0]
+
+
+def _read_table(path: Path, label_col: str, neighbors_col: str):
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # node texts can be long
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        columns = reader.fieldnames or []
+    if not rows:
+        raise DataError(path, "no node rows")
+    if label_col not in columns:
+        raise DataError(path, f"field `{label_col}`: column missing; the columns are {columns}")
+    labels = []
+    for i, r in enumerate(rows, 2):
+        value = (r.get(label_col) or "").strip()
+        if not value.lstrip("-").isdigit() or int(value) < 0:
+            raise DataError(
+                path, f"line {i}: field `{label_col}`: expected an integer >= 0, got {value!r}"
+            )
+        labels.append(int(value))
+    neighbors = None
+    if neighbors_col in columns:
+        neighbors = [[int(x) for x in _INT.findall(r.get(neighbors_col) or "")] for r in rows]
+    return np.array(labels, dtype=np.int64), neighbors
+
+
+def _edges(folder: Path, table: Path, neighbors: list[list[int]] | None, n: int) -> torch.Tensor:
+    if neighbors is not None:
+        src = [i for i, ns in enumerate(neighbors) for _ in ns]
+        dst = [j for ns in neighbors for j in ns]
+        bad = [(i, j) for i, j in zip(src, dst, strict=True) if not 0 <= j < n]
+        if bad:
+            i, j = bad[0]
+            raise DataError(
+                table, f"line {i + 2}: field `neighbors`: node {j} is not in 0..{n - 1}"
+            )
+        return clean_edges(torch.tensor([src, dst], dtype=torch.long), n)
+    if (folder / "edge_index.npy").is_file() or (folder / "edges.csv").is_file():
+        from fedlightning.data.graphs.folder import _read_edges
+
+        return _read_edges(folder, n, table.name)
+    raise DataError(
+        table,
+        "no `neighbors` column and no edges.csv / edge_index.npy beside it; the graph's "
+        "DGL file (<Name>Graph.pt) is not read here: export its edges as edges.csv (src,dst)",
+    )
+
+
+def _feature(folder: Path, modality: str, choice: str | None, n: int, config_key: str):
+    """One modality's matrix and availability, or ``None`` when the folder has none."""
+    sub = folder / MODALITY_DIRS[modality]
+    if not sub.is_dir():
+        if choice:
+            raise DataError(sub, f"directory missing, but `{config_key}` names {choice!r}")
+        return None
+    files = sorted(p.name for p in sub.glob("*.npy"))
+    if choice is None:
+        if len(files) > 1:
+            raise DataError(
+                sub, f"several feature files {files}: choose one with `{config_key}=<file>`"
+            )
+        if not files:
+            return None
+        choice = files[0]
+    path = sub / choice
+    if not path.is_file():
+        raise DataError(path, f"not found; `{config_key}` must be one of {files}")
+    x = np.load(path, allow_pickle=False)
+    if x.ndim != 2 or x.shape[0] != n:
+        raise DataError(path, f"expected a matrix [{n}, d] (one row per node), got {x.shape}")
+    x = x.astype(np.float32)
+    available = np.isfinite(x).all(axis=1) & (x != 0).any(axis=1)
+    x[~available] = 0.0
+    return torch.from_numpy(x), torch.from_numpy(available), path.name
+
+
+def load_magb(
+    path: str | os.PathLike[str],
+    text_feature: str | None = None,
+    image_feature: str | None = None,
+    label_column: str = "label",
+    neighbors_column: str = "neighbors",
+    name: str | None = None,
+) -> MultimodalGraph:
+    r"""Load a MAGB / OpenMAG-style folder (see the module docstring and docs/datasets.md).
+
+    Args:
+        path: the dataset folder, e.g. ``Data/Grocery``.
+        text_feature: file in ``TextFeature/`` (required when there are several).
+        image_feature: file in ``ImageFeature/`` (likewise).
+        label_column: integer class column of the node table (default ``"label"``).
+        neighbors_column: adjacency-list column (default ``"neighbors"``).
+        name: dataset name (default: the folder's name).
+
+    Returns:
+        a :class:`MultimodalGraph` with modalities ``text`` and/or ``image``; a
+        ``class_names.json`` list in the folder names the classes.
+    """
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise DataError(folder, "dataset folder does not exist (see docs/datasets.md, MAGB)")
+    table = _node_csv(folder)
+    y, neighbors = _read_table(table, label_column, neighbors_column)
+    n = len(y)
+    features, masks = {}, []
+    for m, choice, key in (
+        ("text", text_feature, "dataset.text_feature"),
+        ("image", image_feature, "dataset.image_feature"),
+    ):
+        got = _feature(folder, m, choice, n, key)
+        if got is not None:
+            features[m], mask, _ = got
+            masks.append(mask)
+    if not features:
+        raise DataError(folder, "no TextFeature/ or ImageFeature/ .npy file")
+    names_file = folder / "class_names.json"
+    num_classes = int(y.max()) + 1
+    class_names = [str(c) for c in range(num_classes)]
+    if names_file.is_file():
+        class_names = json.loads(names_file.read_text(encoding="utf-8"))
+        if len(class_names) < num_classes:
+            raise DataError(
+                names_file, f"expected {num_classes} class names, got {len(class_names)}"
+            )
+    return MultimodalGraph(
+        name=name or folder.resolve().name,
+        features=features,
+        mask=torch.stack(masks, dim=1),
+        edge_index=_edges(folder, table, neighbors, n),
+        y=torch.from_numpy(y),
+        class_names=list(class_names),
+    )
