@@ -28,6 +28,9 @@ commands:
   data features RAW --out DIR
             encode raw node texts and images into a dataset folder (dataset=folder):
             fedlightning data features my_raw_graph --out my_graph (--help for options)
+  data manifest [--out DIR] [hydra overrides]
+            materialize FedTIP's protocol objects and print the manifest table:
+            fedlightning data manifest experiment=temporal_wikipedia
 """
 
 
@@ -117,10 +120,28 @@ def _sweep(rest: list[str]) -> int:
     return 0
 
 
+def _manifest(rest: list[str]) -> int:
+    import argparse
+
+    from fedlightning.data.temporal.protocol import run_manifest
+
+    ap = argparse.ArgumentParser(
+        prog="fedlightning data manifest",
+        description="Materialize the chronological manifest, ownership, tasks and negatives.",
+    )
+    ap.add_argument("--out", type=Path, help="default: outputs/<experiment>/protocol")
+    args, overrides = ap.parse_known_args(rest)
+    cfg = compose(overrides)
+    run_manifest(cfg, args.out or Path("outputs") / str(cfg.name) / "protocol")
+    return 0
+
+
 def _data(rest: list[str]) -> int:
     import argparse
     import logging
 
+    if rest[:1] == ["manifest"]:
+        return _manifest(rest[1:])
     from fedlightning.data.features import extract
 
     ap = argparse.ArgumentParser(
@@ -184,6 +205,14 @@ def _run_tool(command: str, rest: list[str]) -> int:
         return report_main(rest)
     except FedLightningError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:  # Hydra's composition errors (an unknown override, group, key)
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(e, (HydraException, OmegaConfBaseException)):
+            raise
+        print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
         return 2
 
 

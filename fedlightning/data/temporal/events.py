@@ -1,0 +1,98 @@
+"""One typed stream of timestamped interactions: what every temporal loader returns."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class EventStream:
+    """Interactions ``(src_n, dst_n, t_n, y_n, x_n)`` in chronological order (FedTIP Sec. 3).
+
+    Node ids are ``0..num_nodes-1``. For a bipartite stream (users interact with items),
+    sources are users and destinations items, and ``node_type`` marks each node (``0`` user,
+    ``1`` item); a non-bipartite stream (Bitcoin's who-rates-whom) has one node type.
+
+    Attributes:
+        name: dataset name, e.g. ``"wikipedia"``.
+        src, dst: int64 ``[E]``.
+        t: int64 or float64 ``[E]``, non-decreasing.
+        label: optional int64 ``[E]`` state label of the event's source at ``t`` (0/1).
+        msg: optional float32 ``[E, d]`` edge features.
+        num_nodes: number of nodes.
+        bipartite: whether sources and destinations are two node types.
+        node_type: int64 ``[num_nodes]`` (all zeros when not bipartite).
+        source: the file the stream was read from (for messages and records).
+        node_names: optional original id of each node (e.g. the raw user id).
+    """
+
+    name: str
+    src: np.ndarray
+    dst: np.ndarray
+    t: np.ndarray
+    num_nodes: int
+    bipartite: bool
+    node_type: np.ndarray
+    label: np.ndarray | None = None
+    msg: np.ndarray | None = None
+    source: str = ""
+    node_names: list[str] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.src)
+        for key in ("dst", "t"):
+            if len(getattr(self, key)) != n:
+                raise ValueError(f"EventStream.{key} has {len(getattr(self, key))} rows, src {n}")
+        if self.label is not None and len(self.label) != n:
+            raise ValueError(f"EventStream.label has {len(self.label)} rows, src {n}")
+        if self.msg is not None and (self.msg.ndim != 2 or len(self.msg) != n):
+            raise ValueError(f"EventStream.msg must be [E, d] with E = {n}, got {self.msg.shape}")
+        if n and np.any(np.diff(self.t) < 0):
+            raise ValueError("EventStream timestamps must be non-decreasing")
+
+    @property
+    def num_events(self) -> int:
+        return len(self.src)
+
+    @property
+    def users(self) -> np.ndarray:
+        """The source-side node ids (sorted, distinct)."""
+        return np.unique(self.src)
+
+    @property
+    def fingerprint(self) -> str:
+        """Content hash of the events (ids, times, labels, features): the manifest's input."""
+        h = hashlib.sha256(f"{self.name}|{self.num_nodes}|{self.bipartite}".encode())
+        for part in (self.src, self.dst, self.t, self.label, self.msg):
+            arr = np.zeros(0) if part is None else np.ascontiguousarray(part)
+            h.update(str(arr.dtype).encode() + str(arr.shape).encode() + arr.tobytes())
+        return h.hexdigest()[:16]
+
+    def to_temporal_data(self):
+        """The stream as PyG :class:`~torch_geometric.data.TemporalData`."""
+        from torch_geometric.data import TemporalData
+
+        kw = {}
+        if self.msg is not None:
+            kw["msg"] = torch.from_numpy(self.msg.astype(np.float32))
+        if self.label is not None:
+            kw["y"] = torch.from_numpy(self.label.astype(np.int64))
+        return TemporalData(
+            src=torch.from_numpy(self.src.astype(np.int64)),
+            dst=torch.from_numpy(self.dst.astype(np.int64)),
+            t=torch.from_numpy(self.t.astype(np.int64)),
+            **kw,
+        )
+
+    def __repr__(self) -> str:
+        kind = "bipartite" if self.bipartite else "one node type"
+        extra = f", labels {int(self.label.sum())}+" if self.label is not None else ""
+        feats = f", features {self.msg.shape[1]}" if self.msg is not None else ""
+        return (
+            f"EventStream({self.name}, events={self.num_events}, nodes={self.num_nodes}, "
+            f"{kind}{extra}{feats})"
+        )

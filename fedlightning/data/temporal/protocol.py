@@ -1,0 +1,190 @@
+"""The FedTIP protocol objects, materialized together: manifest, ownership, tasks, negatives.
+
+Built from ``protocol.*`` (``conf/protocol/temporal.yaml``) and the stream, cached under
+``protocol.cache_dir`` by a hash of the stream's content and every parameter, reused when
+both are the same, and written into the run directory as JSON with their hashes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlightning.data.temporal.events import EventStream
+from fedlightning.data.temporal.manifest import (
+    DOWN_VAL,
+    SUP_POOL,
+    TEST,
+    Manifest,
+    build_manifest,
+    manifest_table,
+)
+from fedlightning.data.temporal.negatives import materialize_negatives
+from fedlightning.data.temporal.ownership import Ownership, build_ownership
+from fedlightning.data.temporal.tasks import Task, TaskSet, build_tasks
+from fedlightning.utils.io import content_hash, write_json
+
+FILES = ("manifest", "ownership", "tasks", "negatives")
+
+
+@dataclass
+class TemporalProtocol:
+    stream: EventStream
+    manifest: Manifest
+    ownership: Ownership
+    tasks: TaskSet
+    negatives: dict[str, Any]
+
+    @property
+    def hashes(self) -> dict[str, str]:
+        return {
+            "manifest": self.manifest.hash,
+            "ownership": self.ownership.hash,
+            "tasks": self.tasks.hash,
+            "negatives": content_hash(self.negatives),
+        }
+
+    def table(self) -> dict[str, Any]:
+        return manifest_table(self.stream, self.manifest)
+
+    def write(self, folder: Path) -> list[Path]:
+        """The four objects as JSON files (each with its hash) and ``protocol.json``."""
+        bodies = {
+            "manifest": self.manifest.to_json(),
+            "ownership": self.ownership.to_json(),
+            "tasks": self.tasks.to_json(),
+            "negatives": self.negatives,
+        }
+        paths = []
+        for name, body in bodies.items():
+            path = folder / f"{name}.json"
+            write_json(path, {"hash": self.hashes[name], **body})
+            paths.append(path)
+        summary = {
+            "hashes": self.hashes,
+            "table": self.table(),
+            "tasks": self.tasks.stats(self.stream),
+            "collisions": self.negatives["checks"],
+        }
+        write_json(folder / "protocol.json", summary)
+        return [*paths, folder / "protocol.json"]
+
+
+def build_temporal_protocol(stream: EventStream, protocol: dict[str, Any]) -> TemporalProtocol:
+    """Every protocol object from ``protocol`` (a plain dict of ``protocol.*``)."""
+    seed = int(protocol.get("seed", 2026))
+    manifest = build_manifest(stream, seed=seed, **protocol.get("manifest", {}))
+    ownership = build_ownership(
+        stream, manifest.indices(SUP_POOL), seed=seed, **protocol.get("ownership", {})
+    )
+    tasks = build_tasks(stream, manifest, ownership, seed=seed, **protocol.get("tasks", {}))
+    negatives = materialize_negatives(
+        stream,
+        manifest,
+        {t.task: t.events for t in tasks.tasks},
+        {"down_val": manifest.indices(DOWN_VAL), "test": manifest.indices(TEST)},
+        seed=seed,
+        **protocol.get("negatives", {}),
+    )
+    return TemporalProtocol(stream, manifest, ownership, tasks, negatives)
+
+
+def cached_protocol(
+    stream: EventStream, protocol: dict[str, Any], cache_dir: Path
+) -> tuple[TemporalProtocol | None, Path]:
+    """A previously materialized protocol for the same stream and parameters, if any."""
+    params = {k: v for k, v in protocol.items() if k != "cache_dir"}
+    key = content_hash({"stream": stream.fingerprint, "protocol": params})
+    folder = Path(cache_dir) / "temporal" / f"{stream.name}-{key}"
+    if not all((folder / f"{n}.json").is_file() for n in FILES):
+        return None, folder
+    loaded = {n: json.loads((folder / f"{n}.json").read_text()) for n in FILES}
+    for body in loaded.values():
+        body.pop("hash")
+    m = loaded["manifest"]
+    inductive = np.zeros(stream.num_events, dtype=bool)
+    inductive[m["inductive"]] = True
+    manifest = Manifest(
+        np.array(m["outcome"], dtype=np.int8),
+        inductive,
+        np.array(m["inductive_nodes"], dtype=np.int64),
+        m["bounds"],
+        m["params"],
+    )
+    o = loaded["ownership"]
+    ownership = Ownership(np.array(o["owner"], dtype=np.int64), o["clients"], o["params"])
+
+    t = loaded["tasks"]
+    tasks = TaskSet(
+        [Task(x["task"], {int(k): v for k, v in x["support"].items()}) for x in t["tasks"]],
+        t["params"],
+    )
+    return TemporalProtocol(stream, manifest, ownership, tasks, loaded["negatives"]), folder
+
+
+def materialize(
+    stream: EventStream, protocol: dict[str, Any], cache_dir: Path
+) -> tuple[TemporalProtocol, bool]:
+    """Load the protocol from the cache or build and cache it; ``True`` when reused."""
+    got, folder = cached_protocol(stream, protocol, cache_dir)
+    if got is not None:
+        return got, True
+    built = build_temporal_protocol(stream, protocol)
+    built.write(folder)
+    return built, False
+
+
+def format_table(row: dict[str, Any]) -> str:
+    """The Table 1 row as aligned text."""
+    lines = []
+    for k, v in row.items():
+        shown = f"{v:.6f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else v
+        lines.append(f"{k:<12} {shown}")
+    return "\n".join(lines)
+
+
+def run_manifest(cfg: Any, out: Path) -> TemporalProtocol:
+    """``fedlightning data manifest``: materialize (or reuse) the protocol of ``cfg``, write it
+    to ``out``, print the Table 1 row and the checks, log them to MLflow."""
+    from omegaconf import OmegaConf
+
+    from fedlightning.config import build
+    from fedlightning.errors import ConfigError
+    from fedlightning.tracking import flatten
+    from fedlightning.train import make_tracker
+
+    if "manifest" not in cfg.protocol:
+        raise ConfigError("protocol", "use protocol=temporal (or an experiment=temporal_* )")
+    stream = build(cfg.dataset, "dataset")
+    if not isinstance(stream, EventStream):
+        raise ConfigError("dataset", f"{type(stream).__name__} is not a temporal event stream")
+    params = OmegaConf.to_container(cfg.protocol, resolve=True)
+    try:
+        proto, reused = materialize(stream, params, Path(params["cache_dir"]))
+    except ValueError as e:  # a protocol parameter that cannot work on this stream
+        raise ConfigError("protocol", str(e)) from None
+    existing = out / "protocol.json"
+    if existing.exists() and json.loads(existing.read_text())["hashes"] != proto.hashes:
+        raise ConfigError(
+            "--out", f"{out} holds a different protocol; refusing to overwrite, choose another"
+        )
+    files = proto.write(out)
+    print(format_table(proto.table()))
+    print("tasks        " + json.dumps(proto.tasks.stats(stream)))
+    for name, check in proto.negatives["checks"].items():
+        print(f"collisions   {name}: " + ", ".join(f"{k} {v}" for k, v in check.items()))
+    print("hashes       " + json.dumps(proto.hashes) + ("  (reused)" if reused else ""))
+    print(f"written      {out}")
+    tracker = make_tracker(cfg)
+    tags = {"task": "protocol", "dataset": stream.name, "experiment": str(cfg.name)}
+    tags.update({f"hash_{k}": v for k, v in proto.hashes.items()})
+    tracker.start(f"manifest-{stream.name}", tags, flatten({"protocol": params}))
+    row = {k: v for k, v in proto.table().items() if isinstance(v, (int, float))}
+    tracker.log_metrics(row, step=0)
+    tracker.log_artifacts(files)
+    tracker.end()
+    return proto
