@@ -228,6 +228,10 @@ def train(
     :class:`~fedlightning.errors.RunStopped` there ends the run as ``KILLED`` (a pruned
     sweep trial). ``verbose=False`` leaves out the summary table on stdout.
     """
+    if cfg.get("task") == "bank":  # FedTIP's temporal bank: no federation, its own runner
+        from fedlightning.temporal.run import train_bank
+
+        return train_bank(cfg, Path(run_dir), verbose=verbose)
     t0 = time.perf_counter()
     validate(cfg)
     cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))

@@ -1,0 +1,1 @@
+"""FedTIP's temporal models: the encoders and the frozen knowledge bank."""
