@@ -73,7 +73,9 @@ class PretrainNegatives:
         neg = rng.choice(self.pool, size=len(idx))
         if not self.filtered:
             return neg
-        batch = {(int(s.src[e]), int(s.dst[e])): s.t[e] for e in idx}
+        batch: dict[tuple[int, int], Any] = {}  # each pair's first time in the batch
+        for e in idx.tolist():
+            batch.setdefault((int(s.src[e]), int(s.dst[e])), s.t[e])
         for n, e in enumerate(idx.tolist()):
             u, t = int(s.src[e]), s.t[e]
             for _ in range(32):
@@ -132,7 +134,8 @@ def make_encoder(stream: EventStream, cfg: BankConfig):
         embedding_dim=cfg.embedding_dim,
         neighbors=cfg.neighbors,
     )
-    enc.state.attach(torch.from_numpy(stream.t.astype(np.float64)), msg)
+    # Times from the stream's start: unix seconds do not fit float32 to the second.
+    enc.state.attach(torch.from_numpy((stream.t - stream.t[0]).astype(np.float64)), msg)
     return enc
 
 
@@ -140,7 +143,7 @@ def _tensors(enc, stream: EventStream, idx: np.ndarray):
     return (
         torch.from_numpy(stream.src[idx]),
         torch.from_numpy(stream.dst[idx]),
-        torch.from_numpy(stream.t[idx].astype(np.int64)),
+        enc.state.event_t[torch.from_numpy(idx)].long(),
         enc.state.event_msg[torch.from_numpy(idx)],
     )
 

@@ -16,6 +16,7 @@ from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
 from fedlightning.data.temporal.protocol import format_table, materialize
 from fedlightning.errors import ConfigError
 from fedlightning.temporal.bank import (
+    BANK_VERSION,
     BankConfig,
     bank_state,
     build_snapshot,
@@ -79,6 +80,7 @@ def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str
 
     key = content_hash(
         {
+            "version": BANK_VERSION,
             "stream": stream.fingerprint,
             "manifest": proto.manifest.hash,
             "bank": bank_cfg.key(),

@@ -1,0 +1,160 @@
+"""The temporal knowledge bank: Eq. (10) by hand, Eq. (9)'s filter, pre-training that learns,
+the frozen state it keeps, and reuse of a built bank."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedlightning.data.temporal import make_synthetic_stream
+from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL, build_manifest
+from fedlightning.temporal.bank import (
+    BankConfig,
+    PretrainNegatives,
+    bank_state,
+    build_snapshot,
+    link_metrics,
+    pretrain,
+    pretraining_loss,
+)
+from fedlightning.train import train
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_pretraining_loss_by_hand():
+    hu = torch.tensor([[1.0, 0.0]])
+    hi = torch.tensor([[1.0, 0.0]])  # cos = 1
+    hj = torch.tensor([[0.0, 1.0]])  # cos = 0
+    # -log(e^{1/tau} / (e^{1/tau} + e^{0})) at tau = 0.5
+    expected = -math.log(math.exp(2) / (math.exp(2) + 1))
+    assert pretraining_loss(hu, hi, hj, 0.5).item() == pytest.approx(expected)
+    assert pretraining_loss(hu, hi, hi, 1.0).item() == pytest.approx(math.log(2))
+
+
+def test_link_metrics_by_hand():
+    m = link_metrics(torch.tensor([0.9, 0.4]), torch.tensor([0.5, 0.1]))
+    assert m["auc"] == pytest.approx(0.75)  # 3 of the 4 (pos, neg) pairs ordered right
+    assert m["ap"] == pytest.approx((1 + 2 / 3) / 2)
+
+
+def test_filtered_negatives_avoid_every_seen_pair():
+    s = make_synthetic_stream(num_users=20, num_items=6, num_events=600, seed=1)
+    neg = PretrainNegatives(s, filtered=True)
+    rng = np.random.default_rng(0)
+    idx = np.arange(600)
+    for start in range(0, 600, 50):
+        b = idx[start : start + 50]
+        j = neg.sample(b, rng)
+        assert (s.node_type[j] == 1).all()  # destination-side nodes only
+        for e, jj in zip(b.tolist(), j.tolist(), strict=True):
+            later = (s.src[b] == s.src[e]) & (s.dst[b] == jj) & (s.t[b] <= s.t[e])
+            if (int(s.src[e]), jj) not in neg.seen and not later.any():
+                continue
+            # a collision is only possible when every item was already seen with that user
+            seen_items = {d for (u, d) in neg.seen if u == s.src[e]}
+            assert len(seen_items | set(s.dst[b][s.src[b] == s.src[e]].tolist())) == 6
+        neg.observe(b)
+    unfiltered = PretrainNegatives(s, filtered=False)
+    unfiltered.observe(idx)
+    drawn = unfiltered.sample(idx[:200], np.random.default_rng(0))
+    hits = sum((int(u), int(j)) in unfiltered.seen for u, j in zip(s.src[:200], drawn, strict=True))
+    assert hits > 0  # without the filter, seen pairs come back as negatives
+
+
+@pytest.fixture(scope="module")
+def small():
+    s = make_synthetic_stream(num_users=80, num_items=20, num_events=4000, seed=0)
+    m = build_manifest(s, seed=1)
+    return s, m.indices(PRETRAIN), m.indices(PREVAL)
+
+
+@pytest.mark.parametrize("encoder", ["tgn", "tgat"])
+def test_pretraining_learns_and_the_frozen_state_is_the_stream_history(small, encoder):
+    s, pre, val = small
+    cfg = BankConfig(
+        encoder=encoder, epochs=3, patience=3, lr=3e-3, memory_dim=32, time_dim=16, embedding_dim=32
+    )
+    torch.set_num_threads(1)
+    enc, history = pretrain(s, pre, val, cfg, seed=0)
+    assert len(history) == 3 and history[-1]["loss"] < history[0]["loss"]
+    trained, negatives = build_snapshot(enc, s, pre, val, cfg, seed=0)
+    untrained_enc, _ = pretrain(
+        s, pre, val, BankConfig(**{**cfg.key(), "pretrained": False}), seed=0
+    )
+    untrained, _ = build_snapshot(untrained_enc, s, pre, val, cfg, seed=0)
+    assert trained["auc"] > untrained["auc"] + 0.05  # pre-training is what the bank adds
+    assert not any(p.requires_grad for p in enc.parameters())  # frozen
+    state = bank_state(enc, negatives)
+    seen = np.r_[pre, val]
+    freq = np.bincount(np.r_[s.src[seen], s.dst[seen]], minlength=s.num_nodes)
+    assert np.array_equal(state["frequency"].numpy(), freq)
+    last = np.zeros(s.num_nodes)  # times count from the stream's first event
+    np.maximum.at(last, s.src[seen], s.t[seen] - s.t[0])
+    np.maximum.at(last, s.dst[seen], s.t[seen] - s.t[0])
+    assert np.array_equal(state["last_time"].numpy(), last)
+    assert state["cur_e_id"] == len(seen)  # every pre-training and pre-validation event ingested
+    assert int(state["neighbor_e_id"].max()) == len(seen) - 1
+    assert len(state["historical_pairs"]) == len(
+        {(int(u), int(v)) for u, v in zip(s.src[seen], s.dst[seen], strict=True)}
+    )
+
+
+def test_bank_runs_from_the_config_and_are_reused(tmp_env, compose):
+    over = ["experiment=bank_tgn_synthetic", "bank.epochs=1", "bank.max_events=2000", "logger=none"]
+    a = train(compose(over), tmp_env / "a", verbose=False)
+    assert not a["bank"]["reused"] and set(a["hashes"]) == {
+        "manifest",
+        "ownership",
+        "tasks",
+        "negatives",
+        "bank",
+    }
+    assert 0.0 <= a["metrics"]["bank_val_auc"] <= 1.0 and 0.0 <= a["metrics"]["bank_val_ap"] <= 1.0
+    b = train(compose(over), tmp_env / "b", verbose=False)
+    assert b["bank"]["reused"] and b["hashes"] == a["hashes"] and b["metrics"] == a["metrics"]
+    c = train(compose([*over, "seed=1"]), tmp_env / "c", verbose=False)
+    assert c["hashes"]["bank"] != a["hashes"]["bank"]
+    assert {k: c["hashes"][k] for k in ("manifest", "ownership", "tasks", "negatives")} == {
+        k: a["hashes"][k] for k in ("manifest", "ownership", "tasks", "negatives")
+    }  # the training seed changes the bank, never a protocol object
+    d = train(compose([*over, "bank.pretrained=false"]), tmp_env / "d", verbose=False)
+    assert d["tags"]["variant"] == "untrained" and d["bank"]["history"] == []
+    saved = torch.load(a["bank"]["path"], weights_only=False)
+    assert saved["hash"] == a["hashes"]["bank"] and saved["meta"]["encoder"] == "tgn"
+
+
+@pytest.mark.slow
+def test_bitcoin_prefix_bank_from_real_data(tmp_env, compose, shared_data, monkeypatch):
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    over = [
+        "experiment=bank_tgat_bitcoin_alpha",
+        "bank.epochs=1",
+        "bank.max_events=3000",
+        "logger=none",
+    ]
+    s = train(compose(over), tmp_env / "btc", verbose=False)
+    assert s["table"]["events"] == 24_186 and s["tags"]["method"] == "tgat"
+    # round(0.7 N) = 16,930 falls inside a day of equal timestamps: snapped to its end
+    assert s["table"]["pre_train"] == 16_940
+    assert (
+        sum(
+            s["table"][k]
+            for k in ("pre_train", "pre_val", "sup_pool", "nn_excl", "down_val", "test")
+        )
+        == 24_186
+    )
+    assert 0.0 <= s["metrics"]["bank_val_auc"] <= 1.0
+
+
+def test_cosine_score_is_what_eq10_uses():
+    torch.manual_seed(0)
+    hu, hi, hj = torch.randn(5, 4), torch.randn(5, 4), torch.randn(5, 4)
+    pos = F.cosine_similarity(hu, hi, dim=-1) / 0.1
+    neg = F.cosine_similarity(hu, hj, dim=-1) / 0.1
+    ref = F.cross_entropy(torch.stack([pos, neg], 1), torch.zeros(5, dtype=torch.long))
+    assert pretraining_loss(hu, hi, hj, 0.1).item() == pytest.approx(ref.item(), rel=1e-6)
