@@ -44,7 +44,7 @@ from fedlightning.utils.seeding import derive_seed
 
 log = logging.getLogger(__name__)
 
-BANK_VERSION = 1
+BANK_VERSION = 2  # 2: the neighbour loader's event numbers map to stream indices
 
 
 def pretraining_loss(hu: Tensor, hi: Tensor, hj: Tensor, tau: float) -> Tensor:
@@ -176,7 +176,7 @@ def stream_segment(
         pos_all.append(F.cosine_similarity(hu, hi, dim=-1).detach())
         neg_all.append(F.cosine_similarity(hu, hj, dim=-1).detach())
         losses.append(float(loss.detach()))
-        enc.ingest(src, dst, t, msg)
+        enc.ingest(src, dst, t, msg, torch.from_numpy(b))
         negatives.observe(b)
         enc.detach()
     return torch.cat(pos_all), torch.cat(neg_all), float(np.mean(losses)) if losses else math.nan
@@ -291,6 +291,7 @@ def bank_state(enc, negatives: PretrainNegatives) -> dict[str, Any]:
         "neighbors": loader.neighbors.clone(),
         "neighbor_e_id": loader.e_id.clone(),
         "cur_e_id": int(loader.cur_e_id),
+        "event_ids": enc.state.ids.clone(),
         "frequency": enc.state.frequency.clone(),
         "last_time": enc.state.last_time.clone(),
         "negative_pool": torch.from_numpy(negatives.pool.copy()),

@@ -38,6 +38,9 @@ class StreamState(nn.Module):
         self.loader = LastNeighborLoader(num_nodes, size=neighbors)
         self.register_buffer("frequency", torch.zeros(num_nodes))
         self.register_buffer("last_time", torch.zeros(num_nodes))
+        # The neighbour loader numbers events in the order it sees them; this maps its
+        # numbers to stream indices (a client ingests its own, non-contiguous events).
+        self.ids = torch.zeros(0, dtype=torch.long)
         self.event_t = torch.zeros(0)
         self.event_msg = torch.zeros(0, 0)
 
@@ -49,8 +52,16 @@ class StreamState(nn.Module):
         self.loader.reset_state()
         self.frequency.zero_()
         self.last_time.zero_()
+        self.ids = torch.zeros(0, dtype=torch.long)
 
-    def ingest(self, src: Tensor, dst: Tensor, t: Tensor) -> None:
+    def events(self, e_id: Tensor) -> tuple[Tensor, Tensor]:
+        """Times and features of the loader's events ``e_id`` (any shape)."""
+        # An empty slot (clamped to 0 by the caller, masked later) may precede any event.
+        idx = self.ids[e_id] if len(self.ids) else torch.zeros_like(e_id)
+        return self.event_t[idx], self.event_msg[idx]
+
+    def ingest(self, src: Tensor, dst: Tensor, t: Tensor, idx: Tensor) -> None:
+        self.ids = torch.cat([self.ids, idx])
         self.loader.insert(src, dst)
         nodes = torch.cat([src, dst])
         self.frequency.index_add_(0, nodes, torch.ones(len(nodes)))
@@ -90,6 +101,7 @@ class TGNEncoder(nn.Module):
             aggregator_module=LastAggregator(),
         )
         self.state = StreamState(num_nodes, neighbors)
+        self.out_dim = (embedding_dim // 2) * 2
         self.conv = TransformerConv(
             memory_dim, embedding_dim // 2, heads=2, dropout=0.1, edge_dim=msg_dim + time_dim
         )
@@ -103,18 +115,17 @@ class TGNEncoder(nn.Module):
         del t  # TGN reads time through the memory's last-update times
         nodes, edge_index, e_id = self.state.loader(n_id)
         memory, last_update = self.memory(nodes)
-        rel = last_update[edge_index[1]] - self.state.event_t[e_id]
-        edge_attr = torch.cat(
-            [self.memory.time_enc(rel.to(memory.dtype)), self.state.event_msg[e_id]], -1
-        )
+        t_e, msg_e = self.state.events(e_id)
+        rel = last_update[edge_index[1]] - t_e
+        edge_attr = torch.cat([self.memory.time_enc(rel.to(memory.dtype)), msg_e], -1)
         z = self.conv(memory, edge_index, edge_attr)
         pos = torch.empty(self.state.num_nodes, dtype=torch.long)
         pos[nodes] = torch.arange(len(nodes))
         return z[pos[n_id]]
 
-    def ingest(self, src: Tensor, dst: Tensor, t: Tensor, msg: Tensor) -> None:
+    def ingest(self, src: Tensor, dst: Tensor, t: Tensor, msg: Tensor, idx: Tensor) -> None:
         self.memory.update_state(src, dst, t, msg)
-        self.state.ingest(src, dst, t)
+        self.state.ingest(src, dst, t, idx)
 
     def detach(self) -> None:
         self.memory.detach()
@@ -143,6 +154,7 @@ class TGATEncoder(nn.Module):
     ) -> None:
         super().__init__()
         self.state = StreamState(num_nodes, neighbors)
+        self.out_dim = embedding_dim
         self.time_enc = TimeEncoder(time_dim)
         self.query = nn.Linear(self.STATS + time_dim, embedding_dim)
         self.key = nn.Linear(self.STATS + msg_dim + time_dim, embedding_dim)
@@ -162,12 +174,12 @@ class TGATEncoder(nn.Module):
         e_id = s.loader.e_id[n_id]  # [n, k]; -1 marks an empty slot
         valid = e_id >= 0
         nbr = s.loader.neighbors[n_id].masked_fill(~valid, 0)  # empty slots hold garbage
-        safe = e_id.clamp(min=0)
-        dt = (t.float().unsqueeze(1) - s.event_t[safe]).clamp(min=0)
+        t_e, msg_e = s.events(e_id.clamp(min=0))
+        dt = (t.float().unsqueeze(1) - t_e).clamp(min=0)
         keys = torch.cat(
             [
                 s.stats(nbr.flatten(), t.repeat_interleave(nbr.size(1))).view(*nbr.shape, -1),
-                s.event_msg[safe],
+                msg_e,
                 self.time_enc(dt.flatten()).view(*nbr.shape, -1),
             ],
             -1,
@@ -182,9 +194,9 @@ class TGATEncoder(nn.Module):
         h = h.squeeze(1).masked_fill(empty.unsqueeze(1), 0.0)
         return self.out(torch.cat([h, own], -1))
 
-    def ingest(self, src: Tensor, dst: Tensor, t: Tensor, msg: Tensor) -> None:
+    def ingest(self, src: Tensor, dst: Tensor, t: Tensor, msg: Tensor, idx: Tensor) -> None:
         del msg  # features are read by event id
-        self.state.ingest(src, dst, t)
+        self.state.ingest(src, dst, t, idx)
 
     def detach(self) -> None:
         pass

@@ -23,6 +23,7 @@ from fedlightning.temporal.bank import (
     pretrain,
     save_bank,
 )
+from fedlightning.temporal.contexts import cached_contexts
 from fedlightning.tracking import flatten
 from fedlightning.utils.io import content_hash, write_json
 
@@ -125,12 +126,14 @@ def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str
             "history": history,
         }
         digest, reused = save_bank(path, bank_state(enc, negatives), meta), False
+    ctx_path, ctx_hash, ctx_reused = cached_contexts(path, digest, proto, params["cache_dir"])
     summary = {
         "experiment": str(cfg.name),
         "seed": int(cfg.seed),
         "metrics": {"bank_val_auc": metrics["auc"], "bank_val_ap": metrics["ap"]},
         "comm": {"uplink_mib": 0.0, "downlink_mib": 0.0, "fields": {}},
-        "hashes": {**proto.hashes, "bank": digest},
+        "hashes": {**proto.hashes, "bank": digest, "contexts": ctx_hash},
+        "contexts": {"path": str(ctx_path), "reused": ctx_reused},
         "bank": {"path": str(path), "reused": reused, "variant": variant, "history": history},
         "table": proto.table(),
         "tasks": proto.tasks.stats(stream),

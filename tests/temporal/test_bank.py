@@ -113,6 +113,7 @@ def test_bank_runs_from_the_config_and_are_reused(tmp_env, compose):
         "tasks",
         "negatives",
         "bank",
+        "contexts",
     }
     assert 0.0 <= a["metrics"]["bank_val_auc"] <= 1.0 and 0.0 <= a["metrics"]["bank_val_ap"] <= 1.0
     b = train(compose(over), tmp_env / "b", verbose=False)
@@ -158,3 +159,36 @@ def test_cosine_score_is_what_eq10_uses():
     neg = F.cosine_similarity(hu, hj, dim=-1) / 0.1
     ref = F.cross_entropy(torch.stack([pos, neg], 1), torch.zeros(5, dtype=torch.long))
     assert pretraining_loss(hu, hi, hj, 0.1).item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
+    """Server contexts: the first batch of validation is scored from the bank snapshot itself;
+    a client's first support event sees only the snapshot, its later ones its own support."""
+    from fedlightning.data.temporal.manifest import DOWN_VAL
+    from fedlightning.temporal.contexts import group_batches, load_bank
+
+    assert [b.tolist() for b in group_batches(np.array([0, 1, 1, 1, 2, 3]), np.arange(6), 2)] == [
+        [0, 1, 2, 3],
+        [4, 5],
+    ]  # never splits the three events at t=1
+    over = ["experiment=bank_tgn_synthetic", "bank.epochs=1", "bank.max_events=2000", "logger=none"]
+    summary = train(compose(over), tmp_env / "a", verbose=False)
+    ctx = torch.load(summary["contexts"]["path"], weights_only=False)
+    s = make_synthetic_stream(num_users=200, num_items=50, num_events=20000, seed=2026)
+    m = build_manifest(s, seed=2026)
+    val = m.indices(DOWN_VAL)
+    assert torch.equal(ctx["down_val"]["events"], torch.from_numpy(val))
+    enc = load_bank(summary["bank"]["path"], s)
+    first = group_batches(s.t, val, 200)[0]
+    with torch.no_grad():
+        h = enc.embed(torch.from_numpy(s.src[first]), torch.from_numpy(s.t[first] - s.t[0]))
+    assert torch.allclose(ctx["down_val"]["src"][: len(first)], h, atol=1e-6)
+    assert ctx["test"]["src"].shape == (len(m.indices(5)), enc.out_dim)
+    tau, clients = next(iter(ctx["tasks"].items()))
+    k, c = next(iter(clients.items()))
+    e0 = int(c["events"][0])
+    with torch.no_grad():  # a fresh snapshot scores the client's first event alike
+        h0 = load_bank(summary["bank"]["path"], s).embed(
+            torch.tensor([s.src[e0]]), torch.tensor([s.t[e0] - s.t[0]])
+        )
+    assert torch.allclose(c["src"][0], h0[0], atol=1e-6)

@@ -1,0 +1,154 @@
+r"""Event contexts from the frozen bank (FedTIP Sec. 4.2, Eq. (12); methods.md, state
+construction).
+
+The bank's parameters stay frozen and only its memory streams. The server starts from the
+bank snapshot (pre-training and pre-validation ingested) and goes through the downstream
+validation and then the test segment in time order, in batches that never split a group of
+equal timestamps: each batch is scored (source, destination and its materialized negative)
+from the state before it, then ingested. The candidate window is never ingested by the
+server. A client's states (Eq. (12)) add only its own preceding support events to the
+snapshot: each client of each task streams its support the same way from its own copy.
+
+None of this depends on an adapter, so the contexts of a (bank, protocol) pair are computed
+once, saved, and read by every task and round.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedlightning.data.temporal.events import EventStream
+from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
+from fedlightning.data.temporal.protocol import TemporalProtocol
+from fedlightning.temporal.bank import BankConfig, _tensors, make_encoder
+from fedlightning.utils.io import content_hash, save_torch
+
+CONTEXT_VERSION = 1
+
+
+def group_batches(t: np.ndarray, idx: np.ndarray, size: int) -> list[np.ndarray]:
+    """Consecutive slices of ``idx`` (time order) of about ``size`` events that never split
+    a group of equal timestamps."""
+    out, start = [], 0
+    while start < len(idx):
+        end = min(start + size, len(idx))
+        while end < len(idx) and t[idx[end]] == t[idx[end - 1]]:
+            end += 1
+        out.append(idx[start:end])
+        start = end
+    return out
+
+
+def load_bank(path: str | Path, stream: EventStream):
+    """The frozen encoder with the bank's streaming state, in evaluation mode."""
+    saved = torch.load(path, weights_only=False)
+    if saved["meta"]["stream"] != stream.fingerprint:
+        raise ValueError(f"bank {path} was built on another stream")
+    enc = make_encoder(stream, BankConfig(**saved["meta"]["config"]))
+    for p in enc.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        enc.eval()  # TGN's memory flushes its (empty) message store here, before the state
+    enc.load_state_dict(saved["weights"])
+    loader = enc.state.loader
+    loader.neighbors.copy_(saved["neighbors"])
+    loader.e_id.copy_(saved["neighbor_e_id"])
+    loader.cur_e_id = saved["cur_e_id"]
+    enc.state.ids = saved["event_ids"].clone()
+    enc.state.frequency.copy_(saved["frequency"])
+    enc.state.last_time.copy_(saved["last_time"])
+    if hasattr(enc, "memory"):
+        enc.memory.msg_s_store = dict(saved["msg_s_store"])
+        enc.memory.msg_d_store = dict(saved["msg_d_store"])
+    return enc
+
+
+@torch.no_grad()
+def stream_contexts(
+    enc, stream: EventStream, idx: np.ndarray, negatives: np.ndarray, batch_size: int = 200
+) -> dict[str, Tensor]:
+    """States of each event's source, destination and negative destination, scored before
+    the event's timestamp group is ingested; a failed negative (``-1``) gets zeros."""
+    neg_of = dict(zip(idx.tolist(), negatives.tolist(), strict=True))
+    hs, hd, hn = [], [], []
+    for b in group_batches(stream.t, idx, batch_size):
+        src, dst, t, msg = _tensors(enc, stream, b)
+        j = torch.tensor([neg_of[e] for e in b.tolist()])
+        h = enc.embed(torch.cat([src, dst, j.clamp(min=0)]), torch.cat([t, t, t]))
+        u, i, n = h.split(len(b))
+        hs.append(u)
+        hd.append(i)
+        hn.append(n.masked_fill((j < 0).unsqueeze(1), 0.0))
+        enc.ingest(src, dst, t, msg, torch.from_numpy(b))
+
+    def cat(xs: list[Tensor]) -> Tensor:
+        return torch.cat(xs) if xs else torch.zeros(0, enc.out_dim)
+
+    return {"events": torch.from_numpy(idx), "src": cat(hs), "dst": cat(hd), "neg": cat(hn)}
+
+
+def fork(enc):
+    """An independent copy of an encoder's state that shares what streaming never mutates:
+    the stream's event arrays and the TGN message-store entries (replaced, not changed)."""
+    t, m = enc.state.event_t, enc.state.event_msg
+    memory = getattr(enc, "memory", None)
+    stores = (memory.msg_s_store, memory.msg_d_store) if memory is not None else None
+    enc.state.event_t = enc.state.event_msg = None
+    if memory is not None:
+        memory.msg_s_store, memory.msg_d_store = {}, {}
+    try:
+        twin = copy.deepcopy(enc)
+    finally:
+        enc.state.attach(t, m)
+        if memory is not None:
+            memory.msg_s_store, memory.msg_d_store = stores
+    twin.state.attach(t, m)
+    if memory is not None:
+        twin.memory.msg_s_store, twin.memory.msg_d_store = dict(stores[0]), dict(stores[1])
+    return twin
+
+
+def compute_contexts(
+    bank_path: str | Path, protocol: TemporalProtocol, batch_size: int = 200
+) -> dict[str, Any]:
+    """Server contexts of the validation and test segments, and every task client's support
+    contexts (module docstring)."""
+    stream, manifest = protocol.stream, protocol.manifest
+    snapshot = load_bank(bank_path, stream)
+    neg = protocol.negatives
+    mode = neg["mode"]
+    server = fork(snapshot)
+    out: dict[str, Any] = {"mode": mode}
+    for name, outcome in (("down_val", DOWN_VAL), ("test", TEST)):
+        idx = manifest.indices(outcome)
+        out[name] = stream_contexts(server, stream, idx, np.array(neg["eval"][name]), batch_size)
+    tasks: dict[int, dict[int, dict[str, Tensor]]] = {}
+    for task in protocol.tasks.tasks:
+        negs = dict(zip(task.events.tolist(), neg["tasks"][mode][str(task.task)], strict=True))
+        tasks[task.task] = {}
+        for k, events in task.support.items():
+            idx = np.asarray(events, dtype=np.int64)
+            local = fork(snapshot)
+            j = np.array([negs[e] for e in events])
+            tasks[task.task][k] = stream_contexts(local, stream, idx, j, batch_size)
+    out["tasks"] = tasks
+    return out
+
+
+def cached_contexts(
+    bank_path: str | Path, bank_hash: str, protocol: TemporalProtocol, cache_dir: str | Path
+) -> tuple[Path, str, bool]:
+    """Compute the contexts once per (bank, protocol); return their file, hash and whether
+    they were reused."""
+    key = content_hash({"version": CONTEXT_VERSION, "bank": bank_hash, **protocol.hashes})
+    path = Path(cache_dir) / "contexts" / f"{protocol.stream.name}-{key}.pt"
+    if path.exists():
+        return path, key, True
+    save_torch(path, compute_contexts(bank_path, protocol))
+    return path, key, False
