@@ -146,7 +146,7 @@ def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str
     write_json(run_dir / SUMMARY_FILE, summary)
     tracker.log_metrics({f"final_{k}": v for k, v in summary["metrics"].items()}, step=len(history))
     tracker.set_tags({"hash_bank": digest})
-    tracker.log_artifacts([*files, run_dir / SUMMARY_FILE, run_dir / "config.yaml"])
+    tracker.log_artifacts([*files, run_dir / SUMMARY_FILE, run_dir / "config.yaml", path])
     tracker.end()
     if verbose:
         print(format_table(proto.table()))
