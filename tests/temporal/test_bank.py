@@ -4,6 +4,7 @@ the frozen state it keeps, and reuse of a built bank."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -192,3 +193,19 @@ def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
             torch.tensor([s.src[e0]]), torch.tensor([s.t[e0] - s.t[0]])
         )
     assert torch.allclose(c["src"][0], h0[0], atol=1e-6)
+
+
+def test_bank_run_logs_metrics_hashes_and_the_bank_to_mlflow(tmp_env, compose):
+    from mlflow.tracking import MlflowClient
+
+    over = ["experiment=bank_tgn_synthetic", "bank.epochs=1", "bank.max_events=1500"]
+    s = train(compose([*over, "bank.encoder=tgat"]), tmp_env / "run", verbose=False)
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    (run,) = client.search_runs(["1"], "tags.task = 'bank'")
+    assert run.data.tags["method"] == "tgat" and run.data.tags["hash_bank"] == s["hashes"]["bank"]
+    assert run.data.tags["hash_manifest"] == s["hashes"]["manifest"]
+    assert run.data.metrics["final_bank_val_auc"] == pytest.approx(s["metrics"]["bank_val_auc"])
+    assert "bank_val_ap" in run.data.metrics  # the per-epoch curve
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"manifest.json", "protocol.json", "summary.json"} <= arts
+    assert any(a.endswith(".pt") for a in arts)
