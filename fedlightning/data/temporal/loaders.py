@@ -30,15 +30,20 @@ _BITCOIN_COLUMNS = ("source", "target", "rating", "time")
 # parsing helpers
 
 
-def _read_rows(path: Path, what: str) -> list[tuple[int, str]]:
-    """The non-blank lines of ``path`` as ``(line number, text)``."""
+def _read_text(path: Path, what: str) -> str:
+    """The file's text; a missing or undecodable file is a DataError naming ``what``."""
     if not path.is_file():
         raise DataError(path, f"file missing or not a regular file: expected {what}")
     try:
         # utf-8-sig: spreadsheet programs often prepend a byte-order mark.
-        text = path.read_text(encoding="utf-8-sig")
+        return path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(path, f"not readable UTF-8 text ({type(e).__name__}: {e})") from e
+
+
+def _read_rows(path: Path, what: str) -> list[tuple[int, str]]:
+    """The non-blank lines of ``path`` as ``(line number, text)``."""
+    text = _read_text(path, what)
     return [(i, ln) for i, ln in enumerate(text.splitlines(), start=1) if ln.strip()]
 
 
@@ -156,13 +161,7 @@ def load_jodie_csv(path: str | Path, name: str | None = None) -> EventStream:
     """
     path = Path(path)
     what = "JODIE CSV `user_id,item_id,timestamp,state_label,f1..fd` with one header line"
-    if not path.is_file():
-        raise DataError(path, f"file missing or not a regular file: expected {what}")
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(path, f"not readable UTF-8 text ({type(e).__name__}: {e})") from e
-    lines = text.splitlines()
+    lines = _read_text(path, what).splitlines()
     if not any(ln.strip() for ln in lines):
         raise DataError(path, f"empty file: expected {what}")
     if not lines[0].strip():
