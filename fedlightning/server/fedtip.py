@@ -1,0 +1,189 @@
+r"""FedTIP's server mathematics (paper 001, Sec. 3.5 and 4.3-4.4), Lightning-free.
+
+One equation, one function: label coverage (Eq. 27), the median update norm (Eq. 28),
+reliability (Eq. 29) and weights (Eq. 30); the additive sufficient statistics of Eq. (6),
+through which the prompt update (Eq. 31) and the anchor prototypes (Eqs. 23-24) are
+computed, so that a secure-summation transport can replace the plain sums
+(:func:`pairwise_masks` shows the sums survive masking); and the clipped, Gaussian
+prototype release of Eqs. (4), (5), (7). The client side (adapter, losses) comes with the
+FedTIP client module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+EPS = 1e-8
+
+
+def label_coverage(counts: Mapping[int, int], classes: Sequence[int]) -> float:
+    r"""Eq. (27): :math:`b_k = 1 - \frac12 \sum_{c \in \mathcal{Y}} |p_{k,c} - 1/|\mathcal{Y}||`.
+
+    ``counts`` are the client's support events per class (absent classes count 0);
+    ``classes`` is the task's label set :math:`\mathcal{Y}`. One for a balanced support,
+    smaller as it concentrates on fewer labels.
+    """
+    n = sum(counts.get(c, 0) for c in classes)
+    if n <= 0 or not classes:
+        raise ValueError(f"label_coverage needs a non-empty support over {list(classes)}")
+    u = 1.0 / len(classes)
+    return 1.0 - 0.5 * sum(abs(counts.get(c, 0) / n - u) for c in classes)
+
+
+def median_norm(deltas: Sequence[Tensor]) -> float:
+    r"""Eq. (28): :math:`\gamma^{(r)} = \mathrm{median}_k \lVert \Delta\Omega_k \rVert_2`
+    (the mean of the two middle norms for an even count)."""
+    norms = torch.tensor([float(d.double().norm()) for d in deltas], dtype=torch.float64)
+    return float(norms.quantile(0.5))
+
+
+def reliability(coverage: float, norm: float, gamma: float, eps: float = EPS) -> float:
+    r"""Eq. (29): :math:`r_k = b_k \min(1, \gamma / (\lVert\Delta\Omega_k\rVert_2 + \epsilon))`."""
+    return coverage * min(1.0, gamma / (norm + eps))
+
+
+def aggregation_weights(sizes: Sequence[float], reliabilities: Sequence[float]) -> Tensor:
+    r"""Eq. (30): :math:`w_k = n_k r_k / \sum_j n_j r_j` (float64)."""
+    a = torch.tensor(sizes, dtype=torch.float64) * torch.tensor(reliabilities, dtype=torch.float64)
+    if a.sum() <= 0:
+        raise ValueError(f"aggregation weights need some n_k r_k > 0, got {a.tolist()}")
+    return a / a.sum()
+
+
+@dataclass
+class ClientSummary:
+    """What a client's uplink message of Eq. (2) carries, as the server reads it.
+
+    Attributes:
+        delta: the adapter update :math:`\\Delta\\Omega_k` (flattened).
+        prototypes: class -> local prototype :math:`\\mathbf{q}_{k,c}`.
+        counts: class -> support count :math:`n_{k,c}`.
+        coverage: :math:`b_k` (Eq. 27). norm: :math:`\\lVert\\Delta\\Omega_k\\rVert_2`.
+    """
+
+    delta: Tensor
+    prototypes: dict[int, Tensor]
+    counts: dict[int, int]
+    coverage: float
+    norm: float
+
+    @property
+    def size(self) -> int:
+        return sum(self.counts.values())
+
+
+@dataclass
+class SufficientStatistics:
+    r"""Eq. (6): :math:`S_\Omega = \sum n_k r_k \Delta\Omega_k`, :math:`Z_\Omega = \sum n_k r_k`,
+    :math:`S_c = \sum n_{k,c} r_k \mathbf{q}_{k,c}`, :math:`Z_c = \sum n_{k,c} r_k`."""
+
+    s_omega: Tensor
+    z_omega: Tensor
+    s_class: dict[int, Tensor]
+    z_class: dict[int, Tensor]
+
+    def __add__(self, other: SufficientStatistics) -> SufficientStatistics:
+        classes = set(self.s_class) | set(other.s_class)
+
+        def add(a: dict, b: dict, c: int) -> Tensor:
+            if c not in a:
+                return b[c]
+            return a[c] if c not in b else a[c] + b[c]
+
+        return SufficientStatistics(
+            self.s_omega + other.s_omega,
+            self.z_omega + other.z_omega,
+            {c: add(self.s_class, other.s_class, c) for c in classes},
+            {c: add(self.z_class, other.z_class, c) for c in classes},
+        )
+
+
+def client_statistics(m: ClientSummary, r: float) -> SufficientStatistics:
+    """One client's additive share of Eq. (6), given its reliability :math:`r_k`."""
+    nr = torch.tensor(m.size * r, dtype=torch.float64)
+    return SufficientStatistics(
+        nr * m.delta.double(),
+        nr,
+        {c: m.counts[c] * r * q.double() for c, q in m.prototypes.items()},
+        {c: torch.tensor(m.counts[c] * r, dtype=torch.float64) for c in m.prototypes},
+    )
+
+
+def prompt_update(omega: Tensor, stats: SufficientStatistics, eta_s: float = 1.0) -> Tensor:
+    r"""Eq. (31) through Eq. (6): :math:`\Omega^{(r+1)} = \Omega^{(r)} + \eta_s S_\Omega / Z_\Omega`,
+    i.e. :math:`\Omega^{(r)} + \eta_s \sum_k w_k \Delta\Omega_k` with the weights of Eq. (30)."""
+    return (omega.double() + eta_s * stats.s_omega / stats.z_omega).to(omega.dtype)
+
+
+def anchor_update(
+    anchors: Mapping[int, Tensor], stats: SufficientStatistics, beta: float = 0.1, eps: float = EPS
+) -> dict[int, Tensor]:
+    r"""Eqs. (23)-(24): :math:`\hat{\mathbf{q}}_c = S_c / (Z_c + \epsilon)` and
+    :math:`\bar{\mathbf{q}}_c \leftarrow \mathrm{norm}((1-\beta)\bar{\mathbf{q}}_c + \beta\hat{\mathbf{q}}_c)`.
+
+    A class without an anchor yet takes :math:`\mathrm{norm}(\hat{\mathbf{q}}_c)` (the first
+    aggregate initialises it, methods.md); classes nobody uploaded keep their anchor.
+    """
+    out = {c: a.clone() for c, a in anchors.items()}
+    for c, s in stats.s_class.items():
+        q_hat = s / (stats.z_class[c] + eps)
+        prev = anchors.get(c)
+        mixed = q_hat if prev is None else (1 - beta) * prev.double() + beta * q_hat
+        dtype = prev.dtype if prev is not None else torch.float32
+        out[c] = torch.nn.functional.normalize(mixed, dim=0).to(dtype)
+    return out
+
+
+def aggregate(
+    omega: Tensor,
+    anchors: Mapping[int, Tensor],
+    messages: Sequence[ClientSummary],
+    eta_s: float = 1.0,
+    beta: float = 0.1,
+    reliability_weights: bool = True,
+) -> tuple[Tensor, dict[int, Tensor], list[float]]:
+    """One round on the server: Eqs. (28)-(31) and (23)-(24) through Eq. (6).
+
+    ``reliability_weights=False`` gives support-weighted FedAvg (every :math:`r_k = 1`),
+    the ablation of paper Table 4. Returns the new adapter, anchors and the :math:`r_k`.
+    """
+    gamma = median_norm([m.delta for m in messages])
+    r = [reliability(m.coverage, m.norm, gamma) if reliability_weights else 1.0 for m in messages]
+    total = client_statistics(messages[0], r[0])
+    for m, rk in zip(messages[1:], r[1:], strict=True):
+        total = total + client_statistics(m, rk)
+    return prompt_update(omega, total, eta_s), anchor_update(anchors, total, beta), r
+
+
+def pairwise_masks(num_clients: int, shape: tuple[int, ...], seed: int) -> list[Tensor]:
+    """Masks that sum to zero over the clients (client ``i`` adds ``m_ij``, ``j`` subtracts
+    it): what a secure-summation transport adds to each share of Eq. (6)."""
+    g = torch.Generator().manual_seed(seed)
+    masks = [torch.zeros(shape, dtype=torch.float64) for _ in range(num_clients)]
+    for i in range(num_clients):
+        for j in range(i + 1, num_clients):
+            m = torch.randn(shape, generator=g, dtype=torch.float64)
+            masks[i] += m
+            masks[j] -= m
+    return masks
+
+
+def clip_embeddings(h: Tensor, c_emb: float) -> Tensor:
+    r"""Rows scaled to norm at most :math:`C_{emb}` (the premise of Eq. (5))."""
+    norms = h.norm(dim=-1, keepdim=True).clamp(min=EPS)
+    return h * (c_emb / norms).clamp(max=1.0)
+
+
+def private_prototype(
+    h: Tensor, c_emb: float, sigma: float, generator: torch.Generator | None = None
+) -> Tensor:
+    r"""Eqs. (4), (5), (7): the mean of the clipped representations plus
+    :math:`\mathcal{N}(0, \sigma^2 \Delta_2^2 I)` with :math:`\Delta_2 = 2 C_{emb} / n_{k,c}`."""
+    q = clip_embeddings(h, c_emb).mean(0)
+    delta = 2.0 * c_emb / h.size(0)
+    noise = torch.randn(q.shape, generator=generator, dtype=q.dtype)
+    return q + sigma * delta * noise

@@ -1,0 +1,121 @@
+"""FedTIP's server equations against hand computations (paper 001, Eqs. 6, 7, 22-24, 27-31)."""
+
+import math
+
+import pytest
+import torch
+
+from fedlightning.objectives import anchor_loss
+from fedlightning.server.fedtip import (
+    ClientSummary,
+    aggregate,
+    aggregation_weights,
+    anchor_update,
+    client_statistics,
+    clip_embeddings,
+    label_coverage,
+    median_norm,
+    pairwise_masks,
+    private_prototype,
+    prompt_update,
+    reliability,
+)
+
+
+def test_label_coverage_eq27():
+    assert label_coverage({0: 3, 1: 3}, [0, 1]) == 1.0  # balanced
+    assert label_coverage({0: 3, 1: 1}, [0, 1]) == pytest.approx(0.75)  # p = (.75, .25)
+    assert label_coverage({0: 2}, [0, 1]) == pytest.approx(0.5)  # one label of two
+    assert label_coverage({0: 2}, [0, 1, 2]) == pytest.approx(1 / 3)  # 1 - (2/3 + 1/3 + 1/3)/2
+    with pytest.raises(ValueError):
+        label_coverage({}, [0, 1])
+
+
+def test_median_norm_reliability_and_weights_eqs28_30():
+    deltas = [torch.tensor([1.0, 0.0]), torch.tensor([3.0, 4.0]), torch.tensor([0.0, 2.0])]
+    assert median_norm(deltas) == pytest.approx(2.0)  # norms 1, 5, 2
+    assert median_norm([*deltas, torch.tensor([0.0, 3.0])]) == pytest.approx(2.5)  # 1, 2, 3, 5
+    assert reliability(0.5, norm=4.0, gamma=2.0) == pytest.approx(0.25)  # clipped: 2 / 4
+    assert reliability(0.5, norm=1.0, gamma=2.0) == pytest.approx(0.5)  # below the median
+    w = aggregation_weights([6, 4], [0.5, 1.0])  # n r = 3, 4
+    assert w.tolist() == pytest.approx([3 / 7, 4 / 7])
+
+
+def msg(delta, protos, counts, coverage):
+    d = torch.tensor(delta)
+    return ClientSummary(
+        d, {c: torch.tensor(q) for c, q in protos.items()}, counts, coverage, float(d.norm())
+    )
+
+
+def test_round_update_and_anchors_by_hand_eqs23_24_31():
+    a = msg([2.0, 0.0], {0: [1.0, 0.0], 1: [0.0, 1.0]}, {0: 2, 1: 2}, 1.0)  # n 4, norm 2
+    b = msg([0.0, 6.0], {0: [0.0, 1.0]}, {0: 2}, 0.5)  # n 2, norm 6, one label
+    omega = torch.tensor([1.0, 1.0])
+    anchors = {0: torch.tensor([1.0, 0.0])}
+    new, new_anchors, r = aggregate(omega, anchors, [a, b], eta_s=0.5, beta=0.1)
+    # gamma = median(2, 6) = 4; r_a = 1 * min(1, 4/2) = 1; r_b = 0.5 * 4/6 = 1/3
+    assert r == pytest.approx([1.0, 1 / 3])
+    w = torch.tensor([4 * 1.0, 2 / 3]) / (4 + 2 / 3)
+    expected = omega + 0.5 * (w[0] * a.delta + w[1] * b.delta)
+    assert torch.allclose(new, expected)
+    # class 0: q_hat = (2*1*[1,0] + 2*(1/3)*[0,1]) / (2 + 2/3); anchor 0.9*[1,0] + 0.1*q_hat
+    q_hat = (2 * torch.tensor([1.0, 0.0]) + 2 / 3 * torch.tensor([0.0, 1.0])) / (8 / 3)
+    mixed = 0.9 * torch.tensor([1.0, 0.0]) + 0.1 * q_hat
+    assert torch.allclose(new_anchors[0], mixed / mixed.norm(), atol=1e-6)
+    # class 1 had no anchor: the first aggregate initialises it, normalised
+    assert torch.allclose(new_anchors[1], torch.tensor([0.0, 1.0]), atol=1e-6)
+    # support-weighted FedAvg (the ablation): w = n / sum n
+    fed, _, r1 = aggregate(omega, anchors, [a, b], eta_s=1.0, reliability_weights=False)
+    assert r1 == [1.0, 1.0]
+    assert torch.allclose(fed, omega + (4 * a.delta + 2 * b.delta) / 6)
+
+
+def test_masked_shares_sum_to_the_same_update_eq6():
+    torch.manual_seed(0)
+    msgs = [
+        msg(torch.randn(5).tolist(), {0: torch.randn(3).tolist()}, {0: k + 1, 1: 1}, 0.8)
+        for k in range(4)
+    ]
+    r = [0.9, 0.5, 1.0, 0.3]
+    shares = [client_statistics(m, rk) for m, rk in zip(msgs, r, strict=True)]
+    plain = shares[0]
+    for s in shares[1:]:
+        plain = plain + s
+    masks = pairwise_masks(4, (5,), seed=7)
+    masked = [s.s_omega + mk for s, mk in zip(shares, masks, strict=True)]
+    assert not torch.allclose(masked[0], shares[0].s_omega)  # a share alone reveals nothing
+    assert torch.allclose(sum(masked), plain.s_omega, atol=1e-12)
+    omega = torch.zeros(5)
+    by_sum = prompt_update(omega, plain, 1.0)
+    w = aggregation_weights([m.size for m in msgs], r)
+    direct = sum(wk * m.delta.double() for wk, m in zip(w, msgs, strict=True))
+    assert torch.allclose(by_sum.double(), direct, atol=1e-6)
+
+
+def test_anchor_loss_eq22_by_hand():
+    protos = {0: torch.tensor([1.0, 0.0]), 1: torch.tensor([1.0, 1.0]), 2: torch.tensor([0.0, 1.0])}
+    counts = {0: 2, 1: 1, 2: 1}
+    anchors = {0: torch.tensor([0.0, 1.0]), 1: torch.tensor([1.0, 0.0])}  # class 2: no anchor
+    # rho = 2/4, 1/4; cos = 0 and 1/sqrt(2)
+    expected = 0.5 * (1 - 0) + 0.25 * (1 - 1 / math.sqrt(2))
+    assert anchor_loss(protos, counts, anchors).item() == pytest.approx(expected)
+    assert anchor_loss(protos, counts, {}).item() == 0.0
+
+
+def test_clipped_gaussian_prototype_eqs4_7():
+    h = torch.tensor([[3.0, 4.0], [0.3, 0.4]])
+    assert torch.allclose(clip_embeddings(h, 1.0), torch.tensor([[0.6, 0.8], [0.3, 0.4]]))
+    q = private_prototype(h, 1.0, sigma=0.0)
+    assert torch.allclose(q, torch.tensor([0.45, 0.6]))
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([private_prototype(h, 1.0, 2.0, g) for _ in range(4000)])
+    # Delta_2 = 2 C / n = 1, so the noise std is sigma = 2 per coordinate
+    assert draws.std(0).tolist() == pytest.approx([2.0, 2.0], rel=0.05)
+
+
+def test_anchor_update_leaves_silent_classes():
+    anchors = {3: torch.tensor([0.0, 1.0])}
+    stats = client_statistics(msg([0.0, 0.0], {0: [2.0, 0.0]}, {0: 1}, 1.0), 1.0)
+    out = anchor_update(anchors, stats, beta=0.5)
+    assert torch.equal(out[3], anchors[3]) and torch.allclose(out[0], torch.tensor([1.0, 0.0]))
