@@ -1,0 +1,87 @@
+"""FedTIP's prompt adapter and task losses (paper 001, Eqs. 13-21, 26) by hand."""
+
+import math
+
+import pytest
+import torch
+
+from fedlightning.temporal.adapter import (
+    PromptAdapter,
+    class_prototypes,
+    event_context,
+    link_loss,
+    message_values,
+    prototypical_loss,
+    proximal_adapter,
+)
+
+
+def inputs(n=3, d_h=4, d_t=3, d_e=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return r(n, d_h), r(n, d_h), r(n, d_t), r(n, d_e), r(n), r(n)
+
+
+def test_event_context_eq13_order():
+    h_u, h_i, te, x, du, di = inputs()
+    z = event_context(h_u, h_i, te, x, du, di)
+    assert z.shape == (3, 4 + 4 + 3 + 2 + 2)
+    assert torch.equal(z[:, :4], h_u) and torch.equal(z[:, 8:11], te)
+    assert torch.equal(z[:, -2], du) and torch.equal(z[:, -1], di)
+
+
+def test_adapter_size_and_message_count_by_hand():
+    a = PromptAdapter(d_h=4, d_t=3, d_e=2, bottleneck=2, rank=2)
+    # d_z = 15: phi_f, phi_t 15*2+2 each; W_f 2*8+8; W_t 2*3+3; psi (8+3+2)*2 + 2*4+4
+    assert a.num_values() == 32 + 32 + 24 + 9 + 26 + 12
+    # + a 4-d prototype and a count per class (2 classes), coverage and norm
+    assert message_values(a, classes=2) == 135 + 2 * 5 + 2
+
+
+def test_gates_decide_what_reaches_the_template():
+    torch.manual_seed(0)
+    a = PromptAdapter(d_h=4, d_t=3, d_e=2)
+    h_u, h_i, te, x, du, di = inputs()
+    with torch.no_grad():
+        # TE(t) enters the context, so it also modulates the feature gate (by design, the
+        # gates read the same context): hold that gate constant to isolate the temporal one
+        a.gate_f.weight.zero_()
+        a.gate_f.bias.zero_()  # alpha_f = 0.5 for every event
+        a.gate_t.weight.zero_()
+        a.gate_t.bias.fill_(-50.0)  # temporal gate shut: TE(t) no longer matters
+        out = a(h_u, h_i, te, x, du, di)
+        assert torch.allclose(a(h_u, h_i, te * 7 + 1, x, du, di), out, atol=1e-6)
+        assert not torch.allclose(a(h_u * 3, h_i, te, x, du, di), out)  # the states do
+        a.gate_f.weight.zero_()
+        a.gate_f.bias.fill_(-50.0)  # feature gate shut too: the states no longer matter
+        out = a(h_u, h_i, te, x, du, di)
+        assert torch.allclose(a(h_u * 3, h_i - 1, te, x, du, di), out, atol=1e-6)
+        assert not torch.allclose(a(h_u, h_i, te, x + 1, du, di), out)  # x always enters psi
+    static = PromptAdapter(d_h=4, d_t=3, d_e=2, static=True)
+    g1 = static.gates(event_context(*inputs(seed=1)))
+    g2 = static.gates(event_context(*inputs(seed=2)))
+    assert all(torch.equal(p, q) for p, q in zip(g1, g2, strict=True))  # the event is ignored
+    assert a(*inputs()).shape == (3, 4)  # d_p = d_h
+
+
+def test_prototypes_and_prototypical_loss_eqs18_19():
+    h = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0]])
+    y = torch.tensor([1, 1, 4])
+    classes, q = class_prototypes(h, y)
+    assert classes.tolist() == [1, 4] and torch.equal(q, torch.tensor([[2.0, 0.0], [0.0, 2.0]]))
+    # every event has cos 1 with its own prototype and 0 with the other: tau = 1
+    assert prototypical_loss(h, y, tau=1.0).item() == pytest.approx(3 * math.log(1 + math.exp(-1)))
+
+
+def test_link_loss_and_proximal_eqs20_21_26():
+    h = torch.tensor([[1.0, 0.0]])
+    hi = torch.tensor([[1.0, 0.0]])  # cos 1
+    hj = torch.tensor([[0.0, 1.0]])  # cos 0 with h
+    expected = -math.log(math.exp(2) / (math.exp(2) + 1))  # tau = 0.5
+    assert link_loss(h, hi, h, hj, tau=0.5).item() == pytest.approx(expected)
+    a = PromptAdapter(d_h=2, d_t=1, d_e=0)
+    anchor = {n: p.detach().clone() for n, p in a.named_parameters()}
+    assert proximal_adapter(a, anchor).item() == 0.0
+    with torch.no_grad():
+        a.gate_t.bias.add_(0.5)
+    assert proximal_adapter(a, anchor).item() == pytest.approx(0.25)  # one 1-d bias moved 0.5
