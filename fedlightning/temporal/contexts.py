@@ -29,7 +29,7 @@ from fedlightning.data.temporal.protocol import TemporalProtocol
 from fedlightning.temporal.bank import BankConfig, _tensors, make_encoder
 from fedlightning.utils.io import content_hash, save_torch
 
-CONTEXT_VERSION = 1
+CONTEXT_VERSION = 2  # 2: recencies and times
 
 
 def group_batches(t: np.ndarray, idx: np.ndarray, size: int) -> list[np.ndarray]:
@@ -73,24 +73,35 @@ def load_bank(path: str | Path, stream: EventStream):
 def stream_contexts(
     enc, stream: EventStream, idx: np.ndarray, negatives: np.ndarray, batch_size: int = 200
 ) -> dict[str, Tensor]:
-    """States of each event's source, destination and negative destination, scored before
-    the event's timestamp group is ingested; a failed negative (``-1``) gets zeros."""
+    r"""States of each event's source, destination and negative destination, and their
+    recencies :math:`\Delta_v(t) = t - t_{last}(v)` (Eq. (13)), all read from the state
+    before the event's timestamp group is ingested; a failed negative (``-1``) gets zeros.
+
+    Returns ``events`` ``[n]``, ``t`` ``[n]`` (from the stream's start), ``src``, ``dst``,
+    ``neg`` ``[n, d_h]`` and ``dt_src``, ``dt_dst``, ``dt_neg`` ``[n]``.
+    """
     neg_of = dict(zip(idx.tolist(), negatives.tolist(), strict=True))
-    hs, hd, hn = [], [], []
+    parts: dict[str, list[Tensor]] = {
+        k: [] for k in ("t", "src", "dst", "neg", "dt_src", "dt_dst", "dt_neg")
+    }
     for b in group_batches(stream.t, idx, batch_size):
         src, dst, t, msg = _tensors(enc, stream, b)
         j = torch.tensor([neg_of[e] for e in b.tolist()])
-        h = enc.embed(torch.cat([src, dst, j.clamp(min=0)]), torch.cat([t, t, t]))
-        u, i, n = h.split(len(b))
-        hs.append(u)
-        hd.append(i)
-        hn.append(n.masked_fill((j < 0).unsqueeze(1), 0.0))
+        failed = j < 0
+        nodes = torch.cat([src, dst, j.clamp(min=0)])
+        h = enc.embed(nodes, torch.cat([t, t, t]))
+        dt = (torch.cat([t, t, t]).float() - enc.state.last_time[nodes]).clamp(min=0)
+        for key, part in zip(("src", "dst", "neg"), h.split(len(b)), strict=True):
+            parts[key].append(part.masked_fill(failed.unsqueeze(1), 0.0) if key == "neg" else part)
+        for key, part in zip(("dt_src", "dt_dst", "dt_neg"), dt.split(len(b)), strict=True):
+            parts[key].append(part.masked_fill(failed, 0.0) if key == "dt_neg" else part)
+        parts["t"].append(t.float())
         enc.ingest(src, dst, t, msg, torch.from_numpy(b))
-
-    def cat(xs: list[Tensor]) -> Tensor:
-        return torch.cat(xs) if xs else torch.zeros(0, enc.out_dim)
-
-    return {"events": torch.from_numpy(idx), "src": cat(hs), "dst": cat(hd), "neg": cat(hn)}
+    out = {"events": torch.from_numpy(idx)}
+    for key, xs in parts.items():
+        empty = torch.zeros(0, enc.out_dim) if key in ("src", "dst", "neg") else torch.zeros(0)
+        out[key] = torch.cat(xs) if xs else empty
+    return out
 
 
 def fork(enc):

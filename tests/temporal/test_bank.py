@@ -193,6 +193,14 @@ def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
             torch.tensor([s.src[e0]]), torch.tensor([s.t[e0] - s.t[0]])
         )
     assert torch.allclose(c["src"][0], h0[0], atol=1e-6)
+    # recency at scoring time: the time since the node's last event in the bank's history
+    e = int(ctx["down_val"]["events"][0])
+    last = s.t[: m.bounds[1]][
+        (s.src[: m.bounds[1]] == s.src[e]) | (s.dst[: m.bounds[1]] == s.src[e])
+    ]
+    expected = (s.t[e] - last.max()) if len(last) else s.t[e] - s.t[0]
+    assert ctx["down_val"]["dt_src"][0].item() == pytest.approx(float(expected))
+    assert ctx["down_val"]["t"][0].item() == pytest.approx(float(s.t[e] - s.t[0]))
 
 
 def test_bank_run_logs_metrics_hashes_and_the_bank_to_mlflow(tmp_env, compose):
