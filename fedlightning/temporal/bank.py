@@ -139,7 +139,8 @@ def make_encoder(stream: EventStream, cfg: BankConfig):
     return enc
 
 
-def _tensors(enc, stream: EventStream, idx: np.ndarray):
+def event_tensors(enc, stream: EventStream, idx: np.ndarray):
+    """Sources, destinations, times (from the stream start) and features of events ``idx``."""
     return (
         torch.from_numpy(stream.src[idx]),
         torch.from_numpy(stream.dst[idx]),
@@ -166,7 +167,7 @@ def stream_segment(
     for start in range(0, len(idx), batch_size):
         b = idx[start : start + batch_size]
         j = torch.from_numpy(negatives.sample(b, rng))
-        src, dst, t, msg = _tensors(enc, stream, b)
+        src, dst, t, msg = event_tensors(enc, stream, b)
         with torch.set_grad_enabled(step is not None):
             h = enc.embed(torch.cat([src, dst, j]), torch.cat([t, t, t]))
             hu, hi, hj = h.split(len(b))

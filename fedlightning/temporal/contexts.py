@@ -26,7 +26,7 @@ from torch import Tensor
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
 from fedlightning.data.temporal.protocol import TemporalProtocol
-from fedlightning.temporal.bank import BankConfig, _tensors, make_encoder
+from fedlightning.temporal.bank import BankConfig, event_tensors, make_encoder
 from fedlightning.utils.io import content_hash, save_torch
 
 CONTEXT_VERSION = 2  # 2: recencies and times
@@ -85,7 +85,7 @@ def stream_contexts(
         k: [] for k in ("t", "src", "dst", "neg", "dt_src", "dt_dst", "dt_neg")
     }
     for b in group_batches(stream.t, idx, batch_size):
-        src, dst, t, msg = _tensors(enc, stream, b)
+        src, dst, t, msg = event_tensors(enc, stream, b)
         j = torch.tensor([neg_of[e] for e in b.tolist()])
         failed = j < 0
         nodes = torch.cat([src, dst, j.clamp(min=0)])
