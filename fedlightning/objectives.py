@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["anchor_loss", "symmetric_info_nce"]
+__all__ = ["symmetric_info_nce"]
 
 
 def symmetric_info_nce(q: Tensor, k: Tensor, temperature: float = 0.1) -> Tensor:
@@ -38,23 +38,3 @@ def symmetric_info_nce(q: Tensor, k: Tensor, temperature: float = 0.1) -> Tensor
     logits = q @ k.T / temperature
     target = torch.arange(q.size(0), device=q.device)
     return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
-
-
-def anchor_loss(
-    prototypes: dict[int, Tensor], counts: dict[int, int], anchors: dict[int, Tensor]
-) -> Tensor:
-    r"""FedTIP Eq. (22): :math:`\sum_{c \in \mathcal{Y}_k} \rho_{k,c} (1 - \cos(\mathbf{q}_{k,c},
-    \bar{\mathbf{q}}_c))` with :math:`\rho_{k,c} = n_{k,c} / n_k`.
-
-    A class the server has no anchor for yet is skipped (methods.md); :math:`n_k` still
-    counts all of the client's support.
-    """
-    n = sum(counts.values())
-    terms = [
-        counts[c] / n * (1 - F.cosine_similarity(q, anchors[c].to(q), dim=0))
-        for c, q in prototypes.items()
-        if c in anchors
-    ]
-    if not terms:
-        return sum(q.sum() for q in prototypes.values()) * 0.0
-    return torch.stack(terms).sum()

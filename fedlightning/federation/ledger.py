@@ -36,6 +36,14 @@ class CommLedger:
             self.entries.append((direction, message.round, client_id, name, values, nbytes))
             self._totals[direction] += values
 
+    def record_values(self, direction: str, client_id: int, name: str, values: int) -> None:
+        """Count ``values`` float32 values of one field that is not a :class:`Message`
+        (the bank a client is provisioned with, say), at round 0."""
+        if direction not in (UP, DOWN):
+            raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
+        self.entries.append((direction, 0, client_id, name, values, 4 * values))
+        self._totals[direction] += values
+
     def total(self, direction: str, *, round: int | None = None, client: int | None = None) -> int:
         """Values sent in ``direction``, optionally only in one round / for one client."""
         if round is None and client is None:

@@ -153,9 +153,7 @@ def aggregate(
     """
     gamma = median_norm([m.delta for m in messages])
     r = [reliability(m.coverage, m.norm, gamma) if reliability_weights else 1.0 for m in messages]
-    total = client_statistics(messages[0], r[0])
-    for m, rk in zip(messages[1:], r[1:], strict=True):
-        total = total + client_statistics(m, rk)
+    total = _sum_statistics(messages, r)
     return prompt_update(omega, total, eta_s), anchor_update(anchors, total, beta), r
 
 
@@ -187,3 +185,74 @@ def private_prototype(
     delta = 2.0 * c_emb / h.size(0)
     noise = torch.randn(q.shape, generator=generator, dtype=q.dtype)
     return q + sigma * delta * noise
+
+
+class FedTIPServer:
+    r"""One task's server: the global adapter :math:`\Omega^{(r)}` (flat) and the anchors.
+
+    Each round (:meth:`step`) applies :func:`aggregate`. ``anchors=False`` (the ablation
+    without prototype anchoring, and the FedAvg prompt) keeps no anchors and broadcasts
+    none; node classification is then scored against the count-weighted mean of the last
+    round's uploaded prototypes (methods.md), which :meth:`class_prototypes` returns.
+
+    Args:
+        omega: the initial adapter as ``name -> tensor``.
+        eta_s: the server step of Eq. (31). beta: the anchor momentum of Eq. (24).
+        reliability_weights: Eqs. (27)-(30) (``False``: support-weighted FedAvg).
+        anchors: keep and broadcast anchor prototypes.
+    """
+
+    def __init__(
+        self,
+        omega: Mapping[str, Tensor],
+        eta_s: float = 1.0,
+        beta: float = 0.1,
+        reliability_weights: bool = True,
+        anchors: bool = True,
+    ) -> None:
+        self.shapes = {k: v.shape for k, v in omega.items()}
+        self.omega = torch.cat([v.detach().reshape(-1) for v in omega.values()]).clone()
+        self.eta_s, self.beta = eta_s, beta
+        self.reliability_weights, self.use_anchors = reliability_weights, anchors
+        self.anchors: dict[int, Tensor] = {}
+        self.uploaded: dict[int, Tensor] = {}
+        self.reliabilities: list[list[float]] = []
+
+    def state(self) -> dict[str, Tensor]:
+        """:math:`\\Omega^{(r)}` as a state dict."""
+        out, start = {}, 0
+        for k, shape in self.shapes.items():
+            n = shape.numel()
+            out[k] = self.omega[start : start + n].view(shape)
+            start += n
+        return out
+
+    def broadcast(self) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
+        """What every active client receives: the adapter and the anchors."""
+        return self.state(), dict(self.anchors) if self.use_anchors else {}
+
+    def step(self, messages: Sequence[ClientSummary]) -> list[float]:
+        """Aggregate one round's messages; return the clients' reliabilities :math:`r_k`."""
+        omega, anchors, r = aggregate(
+            self.omega, self.anchors, messages, self.eta_s, self.beta, self.reliability_weights
+        )
+        self.omega = omega
+        if self.use_anchors:
+            self.anchors = anchors
+        else:
+            counted = [m for m in messages if m.prototypes]
+            if counted:
+                self.uploaded = anchor_update({}, _sum_statistics(counted, [1.0] * len(counted)))
+        self.reliabilities.append(r)
+        return r
+
+    def class_prototypes(self) -> dict[int, Tensor]:
+        """The prototypes the server scores node classification against."""
+        return dict(self.anchors) if self.use_anchors else dict(self.uploaded)
+
+
+def _sum_statistics(messages: Sequence[ClientSummary], r: Sequence[float]) -> SufficientStatistics:
+    total = client_statistics(messages[0], r[0])
+    for m, rk in zip(messages[1:], r[1:], strict=True):
+        total = total + client_statistics(m, rk)
+    return total

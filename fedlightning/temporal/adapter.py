@@ -3,11 +3,20 @@ r"""FedTIP's interaction-conditioned prompt adapter and its task losses (paper 0
 The adapter :math:`\Omega` of Eq. (17) is all that trains and travels: two parallel
 bottleneck gates on the event context (Eqs. 13-15) and a low-rank task template (Eq. 16).
 The losses are functions of the prompted representations: prototypical node
-classification (Eqs. 18-19), two-way link prediction (Eqs. 20-21), and the proximal term of
-Eq. (26) (the anchor term, Eq. (22), is :func:`fedlightning.objectives.anchor_loss`).
+classification (Eqs. 18-19), two-way link prediction (Eqs. 20-21), the anchor term (Eq. 22)
+and the proximal term of Eq. (26).
+
+Everything is *stacked*: an adapter holds ``copies`` independent sets of parameters (one
+per client of a round) and every input carries a leading client axis ``[K, N, ...]`` with
+a mask ``[K, N]`` of real (not padded) events. The losses are sums over clients, so each
+client's gradient is its own and Adam's element-wise steps keep the clients independent:
+one stacked fit is K local fits in one pass. ``copies=1`` with 2-D inputs is the plain
+single-client form.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +27,30 @@ def event_context(
     h_u: Tensor, h_i: Tensor, te: Tensor, x: Tensor, delta_u: Tensor, delta_i: Tensor
 ) -> Tensor:
     r"""Eq. (13): :math:`\mathbf{z} = [\mathbf{h}_u \| \mathbf{h}_i \| \mathrm{TE}(t) \|
-    \mathbf{x} \| \Delta_u(t) \| \Delta_i(t)]`, one row per event (recencies ``[n]`` or
-    ``[n, 1]``)."""
-    return torch.cat(
-        [h_u, h_i, te, x, delta_u.reshape(len(h_u), -1), delta_i.reshape(len(h_u), -1)], dim=-1
-    )
+    \mathbf{x} \| \Delta_u(t) \| \Delta_i(t)]`, one row per event (recencies without the
+    feature axis)."""
+    return torch.cat([h_u, h_i, te, x, delta_u.unsqueeze(-1), delta_i.unsqueeze(-1)], dim=-1)
+
+
+class StackedLinear(nn.Module):
+    """``copies`` independent linear maps applied to ``[copies, N, d_in]`` (each one
+    initialised as :class:`torch.nn.Linear`; one copy also takes ``[N, d_in]``)."""
+
+    def __init__(self, copies: int, d_in: int, d_out: int, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(copies, d_out, d_in))
+        self.bias = nn.Parameter(torch.empty(copies, d_out)) if bias else None
+        bound = 1 / math.sqrt(d_in) if d_in else 0.0
+        for k in range(copies):
+            nn.init.kaiming_uniform_(self.weight.data[k], a=math.sqrt(5))
+            if self.bias is not None:
+                nn.init.uniform_(self.bias.data[k], -bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 2:  # a single copy's [N, d_in]
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        out = torch.bmm(x, self.weight.transpose(1, 2))
+        return out if self.bias is None else out + self.bias.unsqueeze(1)
 
 
 class PromptAdapter(nn.Module):
@@ -43,24 +71,42 @@ class PromptAdapter(nn.Module):
         d_h: bank state width. d_t: time-encoding width. d_e: edge-feature width.
         bottleneck: gate bottleneck width (default ``2``). rank: template rank (default ``2``).
         static: the static-prompt ablation (default ``False``).
+        dropout: dropout on the bottleneck activations (default ``0``; the paper's ``0.1``
+            is set in config).
+        copies: independent parameter sets (clients) stacked on a leading axis.
     """
 
     def __init__(
-        self, d_h: int, d_t: int, d_e: int, bottleneck: int = 2, rank: int = 2, static: bool = False
+        self,
+        d_h: int,
+        d_t: int,
+        d_e: int,
+        bottleneck: int = 2,
+        rank: int = 2,
+        static: bool = False,
+        dropout: float = 0.0,
+        copies: int = 1,
     ) -> None:
         super().__init__()
-        self.d_h, self.d_t, self.d_e, self.static = d_h, d_t, d_e, static
+        self.d_h, self.d_t, self.d_e, self.static, self.copies = d_h, d_t, d_e, static, copies
+        self.config = dict(d_h=d_h, d_t=d_t, d_e=d_e, bottleneck=bottleneck, rank=rank)
+        self.config.update(static=static, dropout=dropout)
         d_z = 2 * d_h + d_t + d_e + 2
-        self.phi_f = nn.Sequential(nn.Linear(d_z, bottleneck), nn.ReLU())
-        self.phi_t = nn.Sequential(nn.Linear(d_z, bottleneck), nn.ReLU())
-        self.gate_f = nn.Linear(bottleneck, 2 * d_h)  # W_f, b_f
-        self.gate_t = nn.Linear(bottleneck, d_t)  # W_t, b_t
+        k = copies
+        self.phi_f = nn.Sequential(
+            StackedLinear(k, d_z, bottleneck), nn.ReLU(), nn.Dropout(dropout)
+        )
+        self.phi_t = nn.Sequential(
+            StackedLinear(k, d_z, bottleneck), nn.ReLU(), nn.Dropout(dropout)
+        )
+        self.gate_f = StackedLinear(k, bottleneck, 2 * d_h)  # W_f, b_f
+        self.gate_t = StackedLinear(k, bottleneck, d_t)  # W_t, b_t
         self.psi = nn.Sequential(
-            nn.Linear(2 * d_h + d_t + d_e, rank, bias=False), nn.Linear(rank, d_h)
+            StackedLinear(k, 2 * d_h + d_t + d_e, rank, bias=False), StackedLinear(k, rank, d_h)
         )
 
     def gates(self, z: Tensor) -> tuple[Tensor, Tensor]:
-        """Eqs. (14)-(15), computed in parallel from the same context."""
+        """Eqs. (14)-(15), computed in parallel from the same context ``[K, N, d_z]``."""
         if self.static:
             z = torch.zeros_like(z)
         return torch.sigmoid(self.gate_f(self.phi_f(z))), torch.sigmoid(self.gate_t(self.phi_t(z)))
@@ -68,44 +114,85 @@ class PromptAdapter(nn.Module):
     def forward(
         self, h_u: Tensor, h_i: Tensor, te: Tensor, x: Tensor, delta_u: Tensor, delta_i: Tensor
     ) -> Tensor:
-        """The prompted representation :math:`\\tilde{\\mathbf{h}}` of Eq. (16), ``[n, d_h]``."""
+        """The prompted representation :math:`\\tilde{\\mathbf{h}}` of Eq. (16),
+        ``[K, N, d_h]`` (``[N, d_h]`` for 2-D inputs of a single copy)."""
+        flat = h_u.dim() == 2
+        if flat:
+            h_u, h_i, te, x = (v.unsqueeze(0) for v in (h_u, h_i, te, x))
+            delta_u, delta_i = delta_u.reshape(1, -1), delta_i.reshape(1, -1)
         a_f, a_t = self.gates(event_context(h_u, h_i, te, x, delta_u, delta_i))
-        return self.psi(torch.cat([a_f * torch.cat([h_u, h_i], -1), a_t * te, x], -1))
+        out = self.psi(torch.cat([a_f * torch.cat([h_u, h_i], -1), a_t * te, x], -1))
+        return out.squeeze(0) if flat else out
 
     def num_values(self) -> int:
-        """Float32 values of :math:`\\Delta\\Omega` in a message."""
-        return sum(p.numel() for p in self.parameters())
+        """Float32 values of one copy's :math:`\\Delta\\Omega` (one client's message)."""
+        return sum(p.numel() for p in self.parameters()) // self.copies
+
+    def stacked(self, copies: int) -> PromptAdapter:
+        """An adapter of ``copies`` stacked parameter sets (initialised from copy 0)."""
+        out = PromptAdapter(**self.config, copies=copies)
+        out.load_copies(self.state_dict())
+        return out
+
+    def load_copies(self, state: dict[str, Tensor]) -> None:
+        """Set every copy to the single-copy ``state`` (the server's :math:`\\Omega^{(r)}`)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(state[name][:1].expand_as(p))
+
+    def copy_state(self, k: int) -> dict[str, Tensor]:
+        """Copy ``k`` as a single-copy state dict."""
+        return {n: p.detach()[k : k + 1].clone() for n, p in self.named_parameters()}
 
 
-def message_values(adapter: PromptAdapter, classes: int) -> int:
-    r"""Float32 values of one uplink message of Eq. (2): :math:`\Delta\Omega`, a prototype of
-    width :math:`d_p` and a count per observed class, :math:`b_k` and the update norm."""
-    return adapter.num_values() + classes * (adapter.d_h + 1) + 2
+def class_prototypes(h: Tensor, y: Tensor, mask: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Eq. (18) per client: the mean prompted representation of each class, ``[K, C, d]``,
+    and the support counts ``[K, C]`` (a class a client has no event of: zeros, count 0)."""
+    onehot = F.one_hot(y.clamp(min=0), num_classes).to(h.dtype) * mask.unsqueeze(-1).to(h.dtype)
+    counts = onehot.sum(1)
+    q = torch.bmm(onehot.transpose(1, 2), h) / counts.clamp(min=1).unsqueeze(-1)
+    return q, counts
 
 
-def class_prototypes(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """Eq. (18): the mean prompted representation of each class present; ``(classes, [C, d])``."""
-    classes = y.unique(sorted=True)
-    return classes, torch.stack([h[y == c].mean(0) for c in classes])
-
-
-def prototypical_loss(h: Tensor, y: Tensor, tau: float = 0.1) -> Tensor:
+def prototypical_loss(
+    h: Tensor, y: Tensor, mask: Tensor, num_classes: int, tau: float = 0.1
+) -> Tensor:
     r"""Eq. (19): :math:`-\sum_{(e, y)} \log \mathrm{softmax}_c(s(\tilde{\mathbf{h}}_e,
-    \mathbf{q}_c)/\tau)_y` over the client's local classes (a sum over its support)."""
-    classes, q = class_prototypes(h, y)
-    logits = F.cosine_similarity(h.unsqueeze(1), q.unsqueeze(0), dim=-1) / tau
-    target = torch.searchsorted(classes, y)
-    return F.cross_entropy(logits, target, reduction="sum")
+    \mathbf{q}_c)/\tau)_y` over each client's local classes, summed over supports and clients."""
+    q, counts = class_prototypes(h, y, mask, num_classes)
+    logits = F.cosine_similarity(h.unsqueeze(2), q.unsqueeze(1), dim=-1) / tau  # [K, N, C]
+    logits = logits.masked_fill((counts == 0).unsqueeze(1), float("-inf"))
+    logp = logits.log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return -torch.where(mask, logp, torch.zeros_like(logp)).sum()
 
 
-def link_loss(h_pos: Tensor, h_i: Tensor, h_neg: Tensor, h_j: Tensor, tau: float = 0.1) -> Tensor:
+def link_loss(
+    h_pos: Tensor, h_i: Tensor, h_neg: Tensor, h_j: Tensor, mask: Tensor, tau: float = 0.1
+) -> Tensor:
     r"""Eqs. (20)-(21): :math:`-\sum \log \frac{e^{s(\tilde{\mathbf{h}}_{u,i}, \mathbf{h}_i)/\tau}}
-    {e^{s(\tilde{\mathbf{h}}_{u,i}, \mathbf{h}_i)/\tau} + e^{s(\tilde{\mathbf{h}}_{u,j}, \mathbf{h}_j)/\tau}}`."""
+    {e^{s(\tilde{\mathbf{h}}_{u,i}, \mathbf{h}_i)/\tau} + e^{s(\tilde{\mathbf{h}}_{u,j}, \mathbf{h}_j)/\tau}}`
+    over the masked events."""
     pos = F.cosine_similarity(h_pos, h_i, dim=-1) / tau
     neg = F.cosine_similarity(h_neg, h_j, dim=-1) / tau
-    return -(pos - torch.logaddexp(pos, neg)).sum()
+    nll = torch.logaddexp(pos, neg) - pos
+    return torch.where(mask, nll, torch.zeros_like(nll)).sum()
 
 
-def proximal_adapter(adapter: nn.Module, anchor: dict[str, Tensor]) -> Tensor:
-    r"""The proximal term of Eq. (26) without its weight: :math:`\lVert\Omega_k - \Omega^{(r)}\rVert_2^2`."""
-    return sum(((p - anchor[n]) ** 2).sum() for n, p in adapter.named_parameters())
+def anchor_loss(q: Tensor, counts: Tensor, anchors: Tensor, has_anchor: Tensor) -> Tensor:
+    r"""Eq. (22): :math:`\sum_{c \in \mathcal{Y}_k} \rho_{k,c} (1 - s(\mathbf{q}_{k,c},
+    \bar{\mathbf{q}}_c))` with :math:`\rho_{k,c} = n_{k,c} / n_k`, summed over clients.
+
+    ``q``, ``counts``: :func:`class_prototypes`; ``anchors`` ``[C, d]`` with ``has_anchor``
+    ``[C]``: a class the server has no anchor for yet is skipped (methods.md), while
+    :math:`n_k` still counts all of the client's support.
+    """
+    rho = counts / counts.sum(1, keepdim=True).clamp(min=1)
+    cos = F.cosine_similarity(q, anchors.unsqueeze(0).to(q), dim=-1)
+    keep = (counts > 0) & has_anchor.unsqueeze(0)
+    return (rho * (1 - cos) * keep).sum()
+
+
+def proximal_adapter(adapter: nn.Module, start: dict[str, Tensor]) -> Tensor:
+    r"""The proximal term of Eq. (26) without its weight: :math:`\lVert\Omega_k - \Omega^{(r)}\rVert_2^2`,
+    summed over the copies (``start`` broadcasts over them)."""
+    return sum(((p - start[n]) ** 2).sum() for n, p in adapter.named_parameters())

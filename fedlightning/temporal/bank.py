@@ -326,3 +326,21 @@ def save_bank(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> str:
     )
     save_torch(path, {"version": BANK_VERSION, "hash": digest, "meta": meta, **state})
     return digest
+
+
+def bank_values(path: str | Path) -> int:
+    r"""Values of the bank :math:`|\mathcal{B}_0|` (Eq. 11) a client is provisioned with:
+    the encoder with its time encoding and memory, the neighbour store, the recency and
+    frequency statistics and the negative index (every tensor of the bank file)."""
+    saved = torch.load(path, weights_only=False)
+
+    def count(x: Any) -> int:
+        if isinstance(x, Tensor):
+            return x.numel()
+        if isinstance(x, dict):
+            return sum(count(v) for v in x.values())
+        if isinstance(x, (tuple, list)):
+            return sum(count(v) for v in x)
+        return 0
+
+    return count({k: v for k, v in saved.items() if k not in ("meta", "hash", "version")})

@@ -126,14 +126,18 @@ def fork(enc):
 
 
 def compute_contexts(
-    bank_path: str | Path, protocol: TemporalProtocol, batch_size: int = 200
+    bank_path: str | Path,
+    protocol: TemporalProtocol,
+    batch_size: int = 200,
+    train_mode: str | None = None,
 ) -> dict[str, Any]:
     """Server contexts of the validation and test segments, and every task client's support
-    contexts (module docstring)."""
+    contexts (module docstring), with the supports' negatives of ``train_mode`` (default:
+    the protocol's mode; ``"unfiltered"`` for the ablation)."""
     stream, manifest = protocol.stream, protocol.manifest
     snapshot = load_bank(bank_path, stream)
     neg = protocol.negatives
-    mode = neg["mode"]
+    mode = train_mode or neg["mode"]
     server = fork(snapshot)
     out: dict[str, Any] = {"mode": mode}
     for name, outcome in (("down_val", DOWN_VAL), ("test", TEST)):
@@ -153,13 +157,59 @@ def compute_contexts(
 
 
 def cached_contexts(
-    bank_path: str | Path, bank_hash: str, protocol: TemporalProtocol, cache_dir: str | Path
+    bank_path: str | Path,
+    bank_hash: str,
+    protocol: TemporalProtocol,
+    cache_dir: str | Path,
+    train_mode: str | None = None,
 ) -> tuple[Path, str, bool]:
-    """Compute the contexts once per (bank, protocol); return their file, hash and whether
-    they were reused."""
-    key = content_hash({"version": CONTEXT_VERSION, "bank": bank_hash, **protocol.hashes})
+    """Compute the contexts once per (bank, protocol, training negatives); return their
+    file, hash and whether they were reused."""
+    mode = train_mode or protocol.negatives["mode"]
+    key = content_hash(
+        {"version": CONTEXT_VERSION, "bank": bank_hash, "train_mode": mode, **protocol.hashes}
+    )
     path = Path(cache_dir) / "contexts" / f"{protocol.stream.name}-{key}.pt"
     if path.exists():
         return path, key, True
-    save_torch(path, compute_contexts(bank_path, protocol))
+    save_torch(path, compute_contexts(bank_path, protocol, train_mode=mode))
     return path, key, False
+
+
+@torch.no_grad()
+def event_batch(
+    ctx: dict[str, Tensor],
+    stream: EventStream,
+    te: torch.nn.Module,
+    negatives: np.ndarray,
+    inductive: np.ndarray | None = None,
+) -> dict[str, Tensor]:
+    r"""The adapter's inputs for the events of one context block (Eq. (13)).
+
+    ``h_u``, ``h_i``, ``h_j``: the source's, destination's and negative's states;
+    ``te``: :math:`\mathrm{TE}(t - t_{last}(u))` from the frozen bank; ``x``: the event
+    features (width 0 when the stream has none, Bitcoin's label-encoding rating excluded);
+    ``r_u``, ``r_i``, ``r_j``: recencies as :math:`\log(1 + \Delta)` (raw seconds would
+    swamp the context); ``y``: state labels (``-1`` without); ``neg_ok``: a negative exists;
+    ``inductive``: the test event touches an inductive node (all false when not given).
+    """
+    idx = ctx["events"].numpy()
+    n = len(idx)
+    msg = stream.msg
+    return {
+        "h_u": ctx["src"],
+        "h_i": ctx["dst"],
+        "h_j": ctx["neg"],
+        "te": te(ctx["dt_src"]).float(),
+        "x": torch.from_numpy(msg[idx]) if msg is not None else torch.zeros(n, 0),
+        "r_u": ctx["dt_src"].log1p(),
+        "r_i": ctx["dt_dst"].log1p(),
+        "r_j": ctx["dt_neg"].log1p(),
+        "y": torch.from_numpy(stream.label[idx])
+        if stream.label is not None
+        else torch.full((n,), -1),
+        "neg_ok": torch.from_numpy(np.asarray(negatives) >= 0),
+        "inductive": torch.from_numpy(inductive[idx])
+        if inductive is not None
+        else torch.zeros(n, dtype=torch.bool),
+    }

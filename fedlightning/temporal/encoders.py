@@ -203,3 +203,8 @@ class TGATEncoder(nn.Module):
 
 
 ENCODERS = {"tgn": TGNEncoder, "tgat": TGATEncoder}
+
+
+def time_encoder(enc: nn.Module) -> TimeEncoder:
+    """The bank's time encoding TE (Eq. (11)): TGN's memory encoder, or TGAT's own."""
+    return enc.memory.time_enc if hasattr(enc, "memory") else enc.time_enc

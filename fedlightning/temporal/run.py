@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedlightning.config import build
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
-from fedlightning.data.temporal.protocol import format_table, materialize
+from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize
 from fedlightning.errors import ConfigError
 from fedlightning.temporal.bank import (
     BANK_VERSION,
@@ -36,33 +36,48 @@ def bank_variant(cfg: BankConfig) -> str:
     return "unfiltered" if cfg.negatives == "unfiltered" else "full"
 
 
-def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str, Any]:
-    """Materialize the protocol, build (or reuse) the bank, write ``summary.json``."""
-    from fedlightning.train import SUMMARY_FILE, make_tracker, prepare_run_dir
+def temporal_setup(cfg: DictConfig, run_dir: Path):
+    """The run directory, the stream, the bank config and the materialized protocol
+    (written into the run directory), with every input checked before any training.
 
-    t0 = time.perf_counter()
-    if cfg.get("resume"):
-        raise ConfigError("resume", "bank runs restart from scratch (a built bank is reused)")
+    Returns ``(cfg, run_dir, resuming, stream, bank_cfg, protocol, protocol_files)``.
+    """
+    from fedlightning.train import prepare_run_dir
+
     if "bank" not in cfg or "manifest" not in cfg.protocol:
-        raise ConfigError("task", "task=bank needs a bank group and protocol=temporal")
-    cfg, run_dir, _ = prepare_run_dir(cfg, Path(run_dir))
-    stream = build(cfg.dataset, "dataset")
-    if not isinstance(stream, EventStream):
-        raise ConfigError("dataset", f"{type(stream).__name__} is not a temporal event stream")
-    params = OmegaConf.to_container(cfg.protocol, resolve=True)
+        raise ConfigError(
+            "task",
+            f"task={cfg.task} needs a bank group and protocol=temporal (see conf/experiment)",
+        )
     try:
         bank_cfg = BankConfig(**OmegaConf.to_container(cfg.bank, resolve=True))
     except TypeError as e:
         raise ConfigError("bank", str(e)) from None
     if bank_cfg.negatives not in ("filtered", "unfiltered"):
         raise ConfigError("bank.negatives", f"filtered or unfiltered, got {bank_cfg.negatives!r}")
+    cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
+    stream = build(cfg.dataset, "dataset")
+    if not isinstance(stream, EventStream):
+        raise ConfigError("dataset", f"{type(stream).__name__} is not a temporal event stream")
+    params = OmegaConf.to_container(cfg.protocol, resolve=True)
     try:
         proto, _ = materialize(stream, params, Path(params["cache_dir"]))
     except ValueError as e:
         raise ConfigError("protocol", str(e)) from None
     files = proto.write(run_dir)
     log.info("%s\n%s", stream, format_table(proto.table()))
+    return cfg, run_dir, resuming, stream, bank_cfg, proto, files
 
+
+def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str, Any]:
+    """Materialize the protocol, build (or reuse) the bank, write ``summary.json``."""
+    from fedlightning.train import SUMMARY_FILE, make_tracker
+
+    t0 = time.perf_counter()
+    if cfg.get("resume"):
+        raise ConfigError("resume", "bank runs restart from scratch (a built bank is reused)")
+    cfg, run_dir, _, stream, bank_cfg, proto, files = temporal_setup(cfg, run_dir)
+    params = OmegaConf.to_container(cfg.protocol, resolve=True)
     tracker = make_tracker(cfg)
     variant = bank_variant(bank_cfg)
     tags = {
@@ -79,53 +94,13 @@ def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str
         f"{cfg.name}-{run_dir.name}", tags, flatten(OmegaConf.to_container(cfg, resolve=True))
     )
 
-    key = content_hash(
-        {
-            "version": BANK_VERSION,
-            "stream": stream.fingerprint,
-            "manifest": proto.manifest.hash,
-            "bank": bank_cfg.key(),
-            "seed": int(cfg.seed),
-        }
-    )
-    path = (
-        Path(params["cache_dir"]) / "banks" / f"{stream.name}-{bank_cfg.encoder}-{variant}-{key}.pt"
-    )
-    pre_idx, val_idx = proto.manifest.indices(PRETRAIN), proto.manifest.indices(PREVAL)
-    history: list[dict[str, float]] = []
-    if path.exists():
-        saved = torch.load(path, weights_only=False)
-        metrics, digest, reused = saved["meta"]["metrics"], saved["hash"], True
-        history = saved["meta"]["history"]
-        log.info("bank %s reused", path)
-    else:
-        try:
-            enc, history = pretrain(
-                stream,
-                pre_idx,
-                val_idx,
-                bank_cfg,
-                int(cfg.seed),
-                on_epoch=lambda e, row: tracker.log_metrics(
-                    {f"bank_{k}": v for k, v in row.items()}, step=e
-                ),
-            )
-            metrics, negatives = build_snapshot(
-                enc, stream, pre_idx, val_idx, bank_cfg, int(cfg.seed)
-            )
-        except BaseException:
-            tracker.end("FAILED")
-            raise
-        meta = {
-            "encoder": bank_cfg.encoder,
-            "config": bank_cfg.key(),
-            "variant": variant,
-            "stream": stream.fingerprint,
-            "manifest": proto.manifest.hash,
-            "metrics": metrics,
-            "history": history,
-        }
-        digest, reused = save_bank(path, bank_state(enc, negatives), meta), False
+    try:
+        bank = ensure_bank(stream, proto, bank_cfg, int(cfg.seed), params["cache_dir"], tracker)
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    path, digest, metrics = bank["path"], bank["hash"], bank["metrics"]
+    reused, history = bank["reused"], bank["history"]
     ctx_path, ctx_hash, ctx_reused = cached_contexts(path, digest, proto, params["cache_dir"])
     summary = {
         "experiment": str(cfg.name),
@@ -156,3 +131,58 @@ def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str
         print(f"bank_val_auc     {metrics['auc']:.4f}\nbank_val_ap      {metrics['ap']:.4f}")
         print(f"hash[bank]       {digest}\nwall time        {summary['wall_time_s']:.1f} s")
     return summary
+
+
+def ensure_bank(
+    stream: EventStream,
+    proto: TemporalProtocol,
+    bank_cfg: BankConfig,
+    seed: int,
+    cache_dir: str | Path,
+    tracker: Any,
+) -> dict[str, Any]:
+    """The bank of (stream, manifest, bank config, seed): reused from the cache, or
+    pre-trained (per-epoch metrics to ``tracker``), snapshotted and saved.
+
+    Returns ``path``, ``hash``, ``metrics`` (pre-validation AUC/AP), ``history``, ``reused``.
+    """
+    key = content_hash(
+        {
+            "version": BANK_VERSION,
+            "stream": stream.fingerprint,
+            "manifest": proto.manifest.hash,
+            "bank": bank_cfg.key(),
+            "seed": seed,
+        }
+    )
+    variant = bank_variant(bank_cfg)
+    path = Path(cache_dir) / "banks" / f"{stream.name}-{bank_cfg.encoder}-{variant}-{key}.pt"
+    if path.exists():
+        saved = torch.load(path, weights_only=False)
+        log.info("bank %s reused", path)
+        meta = saved["meta"]
+        return dict(
+            path=path, hash=saved["hash"], metrics=meta["metrics"], history=meta["history"],
+            reused=True,
+        )  # fmt: skip
+    pre_idx, val_idx = proto.manifest.indices(PRETRAIN), proto.manifest.indices(PREVAL)
+    enc, history = pretrain(
+        stream,
+        pre_idx,
+        val_idx,
+        bank_cfg,
+        seed,
+        on_epoch=lambda e, row: tracker.log_metrics({f"bank_{k}": v for k, v in row.items()}, e),
+    )
+    metrics, negatives = build_snapshot(enc, stream, pre_idx, val_idx, bank_cfg, seed)
+    meta = {
+        "encoder": bank_cfg.encoder,
+        "config": bank_cfg.key(),
+        "variant": variant,
+        "stream": stream.fingerprint,
+        "manifest": proto.manifest.hash,
+        "metrics": metrics,
+        "history": history,
+    }
+    digest = save_bank(path, bank_state(enc, negatives), meta)
+    return dict(path=path, hash=digest, metrics=metrics, history=history, reused=False)

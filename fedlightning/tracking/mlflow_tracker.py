@@ -36,6 +36,11 @@ class NullTracker:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         pass
 
+    def log_metric_rows(self, rows: Iterable[tuple[int, Mapping[str, float]]]) -> None:
+        """Several steps' metrics at once (one request per 500 values)."""
+        for step, metrics in rows:
+            self.log_metrics(metrics, step)
+
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         pass
 
@@ -95,6 +100,9 @@ class MlflowTracker(NullTracker):
         return self.run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.log_metric_rows([(step, metrics)])
+
+    def log_metric_rows(self, rows: Iterable[tuple[int, Mapping[str, float]]]) -> None:
         import time
 
         from mlflow.entities import Metric
@@ -102,6 +110,7 @@ class MlflowTracker(NullTracker):
         now = int(time.time() * 1000)
         items = [
             Metric(k, float(v), now, step)
+            for step, metrics in rows
             for k, v in metrics.items()
             if isinstance(v, (int, float)) and math.isfinite(float(v))
         ]

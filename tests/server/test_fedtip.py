@@ -1,11 +1,8 @@
 """FedTIP's server equations against hand computations (paper 001, Eqs. 6, 7, 22-24, 27-31)."""
 
-import math
-
 import pytest
 import torch
 
-from fedlightning.objectives import anchor_loss
 from fedlightning.server.fedtip import (
     ClientSummary,
     aggregate,
@@ -91,16 +88,6 @@ def test_masked_shares_sum_to_the_same_update_eq6():
     w = aggregation_weights([m.size for m in msgs], r)
     direct = sum(wk * m.delta.double() for wk, m in zip(w, msgs, strict=True))
     assert torch.allclose(by_sum.double(), direct, atol=1e-6)
-
-
-def test_anchor_loss_eq22_by_hand():
-    protos = {0: torch.tensor([1.0, 0.0]), 1: torch.tensor([1.0, 1.0]), 2: torch.tensor([0.0, 1.0])}
-    counts = {0: 2, 1: 1, 2: 1}
-    anchors = {0: torch.tensor([0.0, 1.0]), 1: torch.tensor([1.0, 0.0])}  # class 2: no anchor
-    # rho = 2/4, 1/4; cos = 0 and 1/sqrt(2)
-    expected = 0.5 * (1 - 0) + 0.25 * (1 - 1 / math.sqrt(2))
-    assert anchor_loss(protos, counts, anchors).item() == pytest.approx(expected)
-    assert anchor_loss(protos, counts, {}).item() == 0.0
 
 
 def test_clipped_gaussian_prototype_eqs4_7():

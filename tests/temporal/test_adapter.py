@@ -7,10 +7,10 @@ import torch
 
 from fedlightning.temporal.adapter import (
     PromptAdapter,
+    anchor_loss,
     class_prototypes,
     event_context,
     link_loss,
-    message_values,
     prototypical_loss,
     proximal_adapter,
 )
@@ -35,7 +35,13 @@ def test_adapter_size_and_message_count_by_hand():
     # d_z = 15: phi_f, phi_t 15*2+2 each; W_f 2*8+8; W_t 2*3+3; psi (8+3+2)*2 + 2*4+4
     assert a.num_values() == 32 + 32 + 24 + 9 + 26 + 12
     # + a 4-d prototype and a count per class (2 classes), coverage and norm
-    assert message_values(a, classes=2) == 135 + 2 * 5 + 2
+    from fedlightning.algorithms.fedtip import FedTIP
+
+    assert FedTIP().message_size(a, "nc", classes=2) == 135 + 2 * 5 + 2
+    # without reliability weights no coverage or norm; the FedAvg prompt sends no
+    # prototypes for link prediction (nothing on the server reads them)
+    assert FedTIP(aggregation="fedavg").message_size(a, "lp") == 135 + 2 * 5
+    assert FedTIP(aggregation="fedavg", anchors=False).message_size(a, "lp") == 135 + 2
 
 
 def test_gates_decide_what_reaches_the_template():
@@ -65,12 +71,23 @@ def test_gates_decide_what_reaches_the_template():
 
 
 def test_prototypes_and_prototypical_loss_eqs18_19():
-    h = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0]])
-    y = torch.tensor([1, 1, 4])
-    classes, q = class_prototypes(h, y)
-    assert classes.tolist() == [1, 4] and torch.equal(q, torch.tensor([[2.0, 0.0], [0.0, 2.0]]))
-    # every event has cos 1 with its own prototype and 0 with the other: tau = 1
-    assert prototypical_loss(h, y, tau=1.0).item() == pytest.approx(3 * math.log(1 + math.exp(-1)))
+    # client 0: three real events of classes 1, 1, 4 (and a padded row); client 1: one of
+    # class 0 (its other classes absent: they take no part in its softmax)
+    h = torch.tensor(
+        [[[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [9.0, 9.0]], [[0.0, 5.0], [0, 0], [0, 0], [0, 0]]]
+    )
+    y = torch.tensor([[1, 1, 4, 4], [0, 0, 0, 0]])
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    q, counts = class_prototypes(h, y, mask, num_classes=5)
+    assert counts.tolist() == [[0, 2, 0, 0, 1], [1, 0, 0, 0, 0]]
+    assert torch.equal(q[0, 1], torch.tensor([2.0, 0.0])) and torch.equal(
+        q[0, 4], torch.tensor([0.0, 2.0])
+    )
+    assert torch.equal(q[1, 0], torch.tensor([0.0, 5.0]))
+    # client 0: every event has cos 1 with its own prototype and 0 with the other (tau = 1);
+    # client 1: one class, log-softmax 0
+    loss = prototypical_loss(h, y, mask, num_classes=5, tau=1.0)
+    assert loss.item() == pytest.approx(3 * math.log(1 + math.exp(-1)))
 
 
 def test_link_loss_and_proximal_eqs20_21_26():
@@ -78,10 +95,42 @@ def test_link_loss_and_proximal_eqs20_21_26():
     hi = torch.tensor([[1.0, 0.0]])  # cos 1
     hj = torch.tensor([[0.0, 1.0]])  # cos 0 with h
     expected = -math.log(math.exp(2) / (math.exp(2) + 1))  # tau = 0.5
-    assert link_loss(h, hi, h, hj, tau=0.5).item() == pytest.approx(expected)
+    on = torch.tensor([True])
+    assert link_loss(h, hi, h, hj, on, tau=0.5).item() == pytest.approx(expected)
+    assert link_loss(h, hi, h, hj, ~on, tau=0.5).item() == 0.0  # a masked event adds nothing
     a = PromptAdapter(d_h=2, d_t=1, d_e=0)
     anchor = {n: p.detach().clone() for n, p in a.named_parameters()}
     assert proximal_adapter(a, anchor).item() == 0.0
     with torch.no_grad():
         a.gate_t.bias.add_(0.5)
     assert proximal_adapter(a, anchor).item() == pytest.approx(0.25)  # one 1-d bias moved 0.5
+
+
+def test_anchor_loss_eq22_by_hand():
+    q = torch.tensor([[[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]]])  # one client, classes 0, 1, 2
+    counts = torch.tensor([[2.0, 1.0, 1.0]])
+    anchors = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+    has = torch.tensor([True, True, False])  # class 2: no anchor yet
+    # rho = 2/4, 1/4 (n_k counts class 2 too); cos = 0 and 1/sqrt(2)
+    expected = 0.5 * (1 - 0) + 0.25 * (1 - 1 / math.sqrt(2))
+    assert anchor_loss(q, counts, anchors, has).item() == pytest.approx(expected)
+    assert anchor_loss(q, counts, anchors, torch.zeros(3, dtype=torch.bool)).item() == 0.0
+    # a second stacked client adds its own term; one without class 0 skips it
+    q2 = torch.cat([q, torch.tensor([[[5.0, 0.0], [0.0, 3.0], [0.0, 0.0]]])])
+    c2 = torch.cat([counts, torch.tensor([[0.0, 4.0, 0.0]])])
+    assert anchor_loss(q2, c2, anchors, has).item() == pytest.approx(expected + 1.0)
+
+
+def test_stacked_copies_are_independent_linear_maps():
+    torch.manual_seed(0)
+    a = PromptAdapter(d_h=4, d_t=3, d_e=2, copies=3)
+    single = PromptAdapter(d_h=4, d_t=3, d_e=2)
+    assert a.num_values() == single.num_values()  # per copy
+    inputs_k = [inputs(seed=s) for s in range(3)]
+    stacked = [torch.stack(v) for v in zip(*inputs_k, strict=True)]
+    out = a(*stacked)
+    for k in range(3):
+        single.load_state_dict(a.copy_state(k))
+        assert torch.allclose(out[k], single(*inputs_k[k]), atol=1e-6)
+    b = single.stacked(2)
+    assert all(torch.equal(p[0], p[1]) for p in b.parameters())

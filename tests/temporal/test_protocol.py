@@ -195,8 +195,10 @@ def test_same_protocol_seed_same_bytes_and_cache_reuse(tmp_path):
         assert (tmp_path / "x" / f"{name}.json").read_bytes() == (
             tmp_path / "y" / f"{name}.json"
         ).read_bytes()
-    for check in a.negatives["checks"].values():
-        assert check["positive"] == check["same_time"] == check["failures"] == 0
+    for name, check in a.negatives["checks"].items():
+        assert check["positive"] == check["failures"] == 0
+        if name != "support_unfiltered":  # the ablation may hit a same-time true edge
+            assert check["same_time"] == 0
     assert a.negatives["checks"]["support_strict"]["historical"] == 0
 
 

@@ -5,7 +5,9 @@ candidate pool, the destinations observed in the pre-training segment, and valid
 
 - ``same_time``: it is not :math:`i` and not a true destination of :math:`u` at time
   :math:`t` (any event :math:`(u, j, t)` of the stream);
-- ``strict``: additionally, :math:`(u, j)` never occurred strictly before :math:`t`.
+- ``strict``: additionally, :math:`(u, j)` never occurred strictly before :math:`t`;
+- ``unfiltered`` (task supports only, the ablation without filtered negatives, paper
+  Table 4): any pool destination but :math:`i` itself.
 
 Draws are deterministic per ``protocol.seed``, mode, set (a task, or an evaluation
 segment) and event. After a bounded number of rejected draws the sampler scans a seeded
@@ -27,6 +29,7 @@ from fedlightning.data.temporal.manifest import PRETRAIN, Manifest
 from fedlightning.utils.seeding import derive_seed
 
 MODES = ("same_time", "strict")
+TASK_MODES = (*MODES, "unfiltered")
 TRIES = 64
 
 
@@ -45,6 +48,8 @@ class NegativeSampler:
             self.first.setdefault((u, j), t)
 
     def valid(self, e: int, j: int, mode: str) -> bool:
+        if mode == "unfiltered":
+            return j != int(self.stream.dst[e])
         u, t = int(self.stream.src[e]), self.stream.t[e].item()
         if j in self.same_time[(u, t)]:  # includes the positive destination itself
             return False
@@ -83,14 +88,14 @@ def materialize_negatives(
     seed: int = 2026,
     mode: str = "same_time",
 ) -> dict[str, Any]:
-    """Negatives of every task support in both modes, and of the evaluation segments in
+    """Negatives of every task support in every mode of ``TASK_MODES``, and of the evaluation segments in
     ``mode``, with the collision check of each set."""
     if mode not in MODES:
         raise ValueError(f"protocol.negatives.mode must be one of {MODES}, got {mode!r}")
     sampler = NegativeSampler(stream, manifest)
     out: dict[str, Any] = {"mode": mode, "pool": len(sampler.pool), "tasks": {}, "eval": {}}
     checks: dict[str, dict[str, int]] = {}
-    for m in MODES:
+    for m in TASK_MODES:
         per_task, total = {}, defaultdict(int)
         for tau, events in task_events.items():
             neg = np.array(

@@ -28,6 +28,7 @@ from fedlightning.data.temporal.ownership import Ownership, build_ownership
 from fedlightning.data.temporal.tasks import Task, TaskSet, build_tasks
 from fedlightning.utils.io import content_hash, write_json
 
+PROTOCOL_VERSION = 2  # 2: unfiltered task negatives (an ablation's)
 FILES = ("manifest", "ownership", "tasks", "negatives")
 
 
@@ -98,7 +99,9 @@ def cached_protocol(
 ) -> tuple[TemporalProtocol | None, Path]:
     """A previously materialized protocol for the same stream and parameters, if any."""
     params = {k: v for k, v in protocol.items() if k != "cache_dir"}
-    key = content_hash({"stream": stream.fingerprint, "protocol": params})
+    key = content_hash(
+        {"version": PROTOCOL_VERSION, "stream": stream.fingerprint, "protocol": params}
+    )
     folder = Path(cache_dir) / "temporal" / f"{stream.name}-{key}"
     if not all((folder / f"{n}.json").is_file() for n in FILES):
         return None, folder

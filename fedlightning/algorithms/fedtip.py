@@ -1,0 +1,212 @@
+r"""FedTIP (paper 001) and its comparators and ablations, each one config of :class:`FedTIP`.
+
+=====================  ==================================================================
+``name``               what changes (``conf/algorithm/*.yaml``)
+=====================  ==================================================================
+``fedtip``             the method: reliability weights, anchors, interaction prompt
+``prompt_fedavg``      the same adapter, plain support-weighted averaging, no anchors,
+                       no proximal term (paper Table 3, "FedAvg")
+``prompt_central``     the same adapter trained on the pooled support of the task's
+                       clients for R x E steps (Table 3, centralized)
+=====================  ==================================================================
+
+Ablations (Table 4) are switches of ``fedtip``: ``prompt=static`` (ICP),
+``anchors=false`` (PA: :math:`\lambda_a = 0`, no anchor exchange), ``aggregation=fedavg``
+(RWA: :math:`r_k = 1`), both together, and two bank switches (``bank.pretrained=false``,
+TKB; ``bank.negatives=unfiltered`` with ``algorithm.negatives=unfiltered``, FTN).
+
+The uplink message (Eq. 2) carries only the fields a configuration uses: the adapter delta,
+per-class prototypes and counts, and, with reliability weights, the label coverage and the
+update norm (:meth:`FedTIP.message_fields`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedlightning.clients.fedtip import (
+    FedTIPClient,
+    class_members,
+    family_prototypes,
+    family_views,
+)
+from fedlightning.federation.messages import ClientUpdate
+from fedlightning.server.fedtip import (
+    ClientSummary,
+    FedTIPServer,
+    label_coverage,
+    private_prototype,
+)
+from fedlightning.temporal.adapter import PromptAdapter
+
+MODES = ("federated", "central")
+AGGREGATIONS = ("reliability", "fedavg")
+PROMPTS = ("interaction", "static")
+NEGATIVES = ("protocol", "unfiltered")
+
+
+@dataclass
+class FedTIP:
+    """One FedTIP configuration (defaults: paper Sec. 5.1.4; methods.md).
+
+    Args:
+        name: the method's name in reports (``fedtip``, ``prompt_fedavg``, ``prompt_central``).
+        mode: ``federated`` or ``central`` (pooled support, no messages).
+        aggregation: ``reliability`` (Eqs. 27-30) or ``fedavg`` (:math:`r_k = 1`).
+        anchors: server anchor prototypes and the anchor term (Eqs. 22-24).
+        prompt: ``interaction`` (Eqs. 14-15) or ``static`` gates.
+        negatives: the support's training negatives: ``protocol`` (the protocol's
+            stage-valid mode, Eq. 25) or ``unfiltered`` (only the positive excluded; FTN).
+        tau, lambda_p, lambda_a, beta, eta_s: Eqs. (19)-(31).
+        bottleneck, rank, dropout: the adapter (``d_p = d_h``).
+        lr, weight_decay: Adam's.
+        clip, sigma: the prototype release of Eq. (7) (``clip=None``: off).
+    """
+
+    name: str = "fedtip"
+    mode: str = "federated"
+    aggregation: str = "reliability"
+    anchors: bool = True
+    prompt: str = "interaction"
+    negatives: str = "protocol"
+    tau: float = 0.1
+    lambda_p: float = 1e-2
+    lambda_a: float = 1e-1
+    beta: float = 0.1
+    eta_s: float = 1.0
+    bottleneck: int = 2
+    rank: int = 2
+    dropout: float = 0.1
+    lr: float = 1e-3
+    weight_decay: float = 1e-5
+    clip: float | None = None
+    sigma: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key, value, allowed in (
+            ("mode", self.mode, MODES),
+            ("aggregation", self.aggregation, AGGREGATIONS),
+            ("prompt", self.prompt, PROMPTS),
+            ("negatives", self.negatives, NEGATIVES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"algorithm.{key} must be one of {allowed}, got {value!r}")
+
+    def variant(self, pretrained_bank: bool = True, filtered_bank: bool = True) -> str:
+        """The Table 4 ablation this run is: ``no_`` and the removed components in the
+        paper's order (``tkb``, ``icp``, ``pa``, ``rwa``, ``ftn``), or ``full``. FTN counts as
+        removed when either the bank's or the supports' negatives are unfiltered."""
+        on = {
+            "tkb": pretrained_bank,
+            "icp": self.prompt == "interaction",
+            "pa": self.anchors or self.name != "fedtip",
+            "rwa": self.aggregation == "reliability" or self.name != "fedtip",
+            "ftn": filtered_bank and self.negatives == "protocol",
+        }
+        off = [k for k, v in on.items() if not v]
+        return "no_" + "_".join(off) if off else "full"
+
+    def adapter(self, d_h: int, d_t: int, d_e: int) -> PromptAdapter:
+        return PromptAdapter(
+            d_h, d_t, d_e, self.bottleneck, self.rank, self.prompt == "static", self.dropout
+        )
+
+    def client_module(self, adapter: PromptAdapter, family: str) -> FedTIPClient:
+        central = self.mode == "central"
+        return FedTIPClient(
+            adapter,
+            family,
+            tau=self.tau,
+            lambda_p=0.0 if central else self.lambda_p,
+            lambda_a=self.lambda_a if self.anchors and not central else 0.0,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+        )
+
+    def server(self, omega: dict[str, Tensor]) -> FedTIPServer:
+        return FedTIPServer(
+            omega, self.eta_s, self.beta, self.aggregation == "reliability", self.anchors
+        )
+
+    def message_fields(self, family: str) -> tuple[str, ...]:
+        """The uplink fields this configuration needs: the delta and the class counts
+        always; prototypes for anchors or for scoring node classification; coverage and
+        norm for reliability weights."""
+        fields = ["delta", "counts"]
+        if self.anchors or family == "nc":
+            fields.append("prototypes")
+        if self.aggregation == "reliability":
+            fields += ["coverage", "norm"]
+        return tuple(fields)
+
+    def message_size(self, adapter: PromptAdapter, family: str, classes: int = 2) -> int:
+        r"""Float32 values of one uplink message (Eq. 2) with :meth:`message_fields`:
+        :math:`|\Delta\Omega|`, a count and (if sent) a :math:`d_p`-wide prototype per
+        observed class, and (if sent) :math:`b_k` and the update norm."""
+        fields = self.message_fields(family)
+        n = adapter.num_values() + classes
+        n += classes * adapter.d_h if "prototypes" in fields else 0
+        return n + (2 if "coverage" in fields else 0)
+
+    def make_updates(
+        self,
+        module: FedTIPClient,
+        batch: dict[str, Tensor],
+        start: dict[str, Tensor],
+        round: int,
+        client_ids: Sequence[int],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> list[ClientUpdate]:
+        """The messages of Eq. (2) of the stacked clients after a local fit, from the
+        trained adapter in eval mode: ``delta``, ``proto.<c>`` and ``count.<c>`` per
+        observed class, ``coverage``, ``norm`` (only the :meth:`message_fields`)."""
+        module.eval()
+        family, fields = module.family, self.message_fields(module.family)
+        with torch.no_grad():
+            views = family_views(module.adapter, batch, family)
+            q, counts = family_prototypes(views, family)
+            deltas = torch.cat(
+                [(p - start[n]).flatten(1) for n, p in module.adapter.named_parameters()], 1
+            )
+        out = []
+        for k, client in enumerate(client_ids):
+            observed = {c: int(n) for c, n in enumerate(counts[k].tolist()) if n > 0}
+            tensors = {"delta": deltas[k].clone()}
+            scalars = {f"count.{c}": float(n) for c, n in observed.items()}
+            if "prototypes" in fields:
+                for c in observed:
+                    tensors[f"proto.{c}"] = (
+                        q[k, c].clone()
+                        if self.clip is None
+                        else private_prototype(
+                            class_members(views, family, k, c),
+                            self.clip,
+                            self.sigma,
+                            generators[k] if generators else None,
+                        )
+                    )
+            if "coverage" in fields:
+                scalars["coverage"] = label_coverage(observed, [0, 1]) if observed else 0.0
+                scalars["norm"] = float(deltas[k].norm())
+            out.append(
+                ClientUpdate(round=round, client_id=client, tensors=tensors, scalars=scalars)
+            )
+        return out
+
+
+def read_update(update: ClientUpdate) -> ClientSummary:
+    """The server's view of a message (absent coverage/norm: unused by the server)."""
+    counts = {int(k[6:]): int(v) for k, v in update.scalars.items() if k.startswith("count.")}
+    protos = {int(k[6:]): v for k, v in update.tensors.items() if k.startswith("proto.")}
+    delta = update.tensors["delta"]
+    return ClientSummary(
+        delta,
+        protos,
+        counts,
+        update.scalars.get("coverage", 1.0),
+        update.scalars.get("norm", float(delta.norm())),
+    )

@@ -1,0 +1,174 @@
+r"""FedTIP's client: the prompt adapter's local fit (paper 001, Sec. 4.3, Eq. (26)).
+
+Only the adapter :math:`\Omega` of Eq. (17) trains; the bank's states, recencies and time
+encoding arrive precomputed in the batch (:func:`fedlightning.temporal.contexts.event_batch`),
+so a local fit touches nothing but the adapter. The module computes
+
+.. math::
+    \mathcal{L}_k = \mathcal{L}_k^{task} + \lambda_p \lVert \Omega_k - \Omega^{(r)} \rVert_2^2
+    + \lambda_a \mathcal{L}_k^{anchor}
+
+with the prototypical loss (Eqs. 18-19) for node classification (``family="nc"``) or the
+two-way softmax over the positive and the client-visible negative destination (Eqs. 20-21,
+25) for link prediction (``family="lp"``), whose "classes" are the negative (0) and the
+positive pair (1) (methods.md). The anchor term (Eq. 22) skips classes the server has no
+anchor for yet.
+
+The active clients of a round train together: their batches are stacked on a leading axis
+(:func:`stack_batches`) and the adapter holds one parameter set per client (see
+:mod:`fedlightning.temporal.adapter`); the loss is the sum of the clients' losses, so each
+client's parameters follow exactly their own gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from fedlightning.temporal.adapter import (
+    PromptAdapter,
+    anchor_loss,
+    class_prototypes,
+    link_loss,
+    prototypical_loss,
+    proximal_adapter,
+)
+
+FAMILIES = ("nc", "lp")
+NUM_CLASSES = 2  # state labels are binary; link prediction: negative (0), positive (1)
+
+Batch = dict[str, Tensor]
+
+
+def stack_batches(batches: Sequence[Batch]) -> Batch:
+    """Client batches ``[n_k, ...]`` stacked to ``[K, N, ...]`` (zero-padded to the largest
+    ``N``) with ``mask`` ``[K, N]`` marking the real events."""
+    n = max(len(b["h_u"]) for b in batches)
+    out: Batch = {}
+    for key in batches[0]:
+        first = batches[0][key]
+        full = torch.zeros((len(batches), n, *first.shape[1:]), dtype=first.dtype)
+        for k, b in enumerate(batches):
+            full[k, : len(b[key])] = b[key]
+        out[key] = full
+    out["mask"] = torch.zeros(len(batches), n, dtype=torch.bool)
+    for k, b in enumerate(batches):
+        out["mask"][k, : len(b["h_u"])] = True
+    return out
+
+
+def family_views(adapter: PromptAdapter, batch: Batch, family: str) -> tuple[Tensor, ...]:
+    r"""The prompted representations a family's loss and prototypes read.
+
+    ``"nc"``: :math:`(\tilde{\mathbf{h}}_e, y, \mathrm{mask})` (Eq. 16).
+    ``"lp"``: :math:`(\tilde{\mathbf{h}}_{u,i,t}, \mathbf{h}_i, \tilde{\mathbf{h}}_{u,j,t},
+    \mathbf{h}_j, \mathrm{mask})` (Eq. 16 with the pre-event states of the positive and the
+    negative destination; both share TE and the event's features), masked to the events
+    whose negative exists: the argument order of
+    :func:`~fedlightning.temporal.adapter.link_loss`.
+    """
+    b = batch
+
+    def prompt(side: str) -> Tensor:
+        return adapter(b["h_u"], b[f"h_{side}"], b["te"], b["x"], b["r_u"], b[f"r_{side}"])
+
+    if family == "nc":
+        return prompt("i"), b["y"], b["mask"]
+    return prompt("i"), b["h_i"], prompt("j"), b["h_j"], b["mask"] & b["neg_ok"]
+
+
+def family_prototypes(views: tuple[Tensor, ...], family: str) -> tuple[Tensor, Tensor]:
+    """Eq. (18) per client and class from :func:`family_views`: ``([K, C, d], [K, C])``."""
+    if family == "nc":
+        h, y, mask = views
+        return class_prototypes(h, y, mask, NUM_CLASSES)
+    h_pos, _, h_neg, _, mask = views
+    y = torch.cat(
+        [torch.zeros_like(mask, dtype=torch.long), torch.ones_like(mask, dtype=torch.long)], 1
+    )
+    return class_prototypes(
+        torch.cat([h_neg, h_pos], 1), y, torch.cat([mask, mask], 1), NUM_CLASSES
+    )
+
+
+def class_members(views: tuple[Tensor, ...], family: str, k: int, c: int) -> Tensor:
+    """Client ``k``'s prompted representations of class ``c`` (for the release of Eq. 7)."""
+    if family == "nc":
+        h, y, mask = views
+        return h[k][mask[k] & (y[k] == c)]
+    h_pos, _, h_neg, _, mask = views
+    return (h_pos if c == 1 else h_neg)[k][mask[k]]
+
+
+def task_loss(views: tuple[Tensor, ...], family: str, tau: float) -> Tensor:
+    """Eq. (19) (``nc``) or Eqs. (20)-(21) (``lp``) from :func:`family_views`, summed over
+    the supports of all stacked clients."""
+    if family == "nc":
+        h, y, mask = views
+        return prototypical_loss(h, y, mask, NUM_CLASSES, tau)
+    return link_loss(*views, tau=tau)
+
+
+class FedTIPClient(pl.LightningModule):
+    """The local objective of Eq. (26) over the stacked supports of a round's clients.
+
+    Args:
+        adapter: the prompt adapter :math:`\\Omega` (the only trainable part).
+        family: ``"nc"`` or ``"lp"``.
+        tau: the temperature of Eqs. (19)-(21) (default ``0.1``).
+        lambda_p: the proximal weight :math:`\\lambda_p` (default ``1e-2``).
+        lambda_a: the anchor weight :math:`\\lambda_a` (default ``1e-1``).
+        lr, weight_decay: Adam's (defaults ``1e-3``, ``1e-5``).
+    """
+
+    def __init__(
+        self,
+        adapter: PromptAdapter,
+        family: str,
+        tau: float = 0.1,
+        lambda_p: float = 1e-2,
+        lambda_a: float = 1e-1,
+        lr: float = 1e-3,
+        weight_decay: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        if family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+        self.adapter, self.family = adapter, family
+        self.tau, self.lambda_p, self.lambda_a = tau, lambda_p, lambda_a
+        self.lr, self.weight_decay = lr, weight_decay
+        self.start: dict[str, Tensor] = {}
+        self.anchors = torch.zeros(NUM_CLASSES, adapter.d_h)
+        self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)
+        self.last_loss = float("nan")
+
+    def receive(self, omega: dict[str, Tensor], anchors: dict[int, Tensor], copies: int) -> None:
+        r"""Start a round of ``copies`` clients from the server's :math:`\Omega^{(r)}` and
+        anchors :math:`\bar{\mathbf{q}}_c^{(r)}`."""
+        if self.adapter.copies != copies:
+            self.adapter = self.adapter.stacked(copies)
+        self.adapter.load_copies(omega)
+        self.start = {k: v.detach().clone() for k, v in omega.items()}
+        self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)
+        self.anchors = torch.zeros(NUM_CLASSES, self.adapter.d_h)
+        for c, a in anchors.items():
+            self.anchors[c], self.has_anchor[c] = a, True
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        views = family_views(self.adapter, batch, self.family)
+        loss = task_loss(views, self.family, self.tau)
+        if self.lambda_p:
+            loss = loss + self.lambda_p * proximal_adapter(self.adapter, self.start)
+        if self.lambda_a and bool(self.has_anchor.any()):
+            q, counts = family_prototypes(views, self.family)
+            loss = loss + self.lambda_a * anchor_loss(q, counts, self.anchors, self.has_anchor)
+        self.last_loss = float(loss.detach())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(
+            self.adapter.parameters(), lr=self.lr, weight_decay=self.weight_decay, foreach=True
+        )

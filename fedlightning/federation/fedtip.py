@@ -1,0 +1,270 @@
+r"""FedTIP's per-task protocol loop (paper 001, Sec. 3.2-3.3, 4.4 and 5.1).
+
+For every task of the manifest and every task family (``nc``, ``lp``), a fresh adapter is
+federated over the task's active clients for ``rounds`` rounds of ``epochs`` local steps
+(the client LightningModule's fit, through the runner's executor), then the server scores
+the global validation and test segments with the global adapter. Everything a fit reads
+is precomputed (cached contexts), so a fit costs only the adapter's own arithmetic.
+
+The ledger counts each message per field (Eq. 32) and the downlink of Eq. (33): the bank
+once per newly provisioned client, then the adapter and the anchors to every active
+client in every round. After each task the loop's state is checkpointed, so a long
+protocol resumes at the next task.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from fedlightning.algorithms.fedtip import FedTIP, read_update
+from fedlightning.clients.fedtip import family_prototypes, family_views, stack_batches
+from fedlightning.federation.ledger import DOWN, UP, CommLedger, values_to_mib
+from fedlightning.federation.messages import Message, ServerBroadcast
+from fedlightning.metrics.temporal import auroc, class_score, link_auroc
+from fedlightning.temporal.adapter import PromptAdapter
+from fedlightning.utils.io import save_torch
+from fedlightning.utils.seeding import derive_seed, torch_generator
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, Tensor]
+
+
+@dataclass
+class TaskBatches:
+    """One task: its id and each active client's support batch (client order)."""
+
+    task: int
+    clients: dict[int, Batch]
+
+
+def pool(batches: Sequence[Batch]) -> Batch:
+    """The union of several supports (pooled training)."""
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
+def as_single(batch: Batch) -> Batch:
+    """One segment as a one-client stack (the server's evaluation batches)."""
+    return stack_batches([batch])
+
+
+@torch.no_grad()
+def evaluate(
+    adapter: PromptAdapter, prototypes: dict[int, Tensor], batch: Batch, family: str
+) -> dict[str, float]:
+    """Server-side AUC-ROC of one segment (a one-client stack): ``auc_nc`` against the
+    class prototypes, or ``auc_tlp`` and ``auc_ilp`` (the events flagged inductive)."""
+    adapter.eval()
+    views = family_views(adapter, batch, family)
+    if family == "nc":
+        h, y, mask = views
+        if not {0, 1} <= set(prototypes):
+            return {"auc_nc": math.nan}
+        return {"auc_nc": auroc(class_score(h[mask], prototypes), y[mask])}
+    h_pos, h_i, h_neg, h_j, mask = views
+    out = {"auc_tlp": link_auroc(h_pos[mask], h_i[mask], h_neg[mask], h_j[mask])}
+    ind = mask & batch["inductive"]
+    out["auc_ilp"] = link_auroc(h_pos[ind], h_i[ind], h_neg[ind], h_j[ind])
+    return out
+
+
+class TaskLoop:
+    """Runs the task manifest (module docstring).
+
+    Args:
+        algorithm: the :class:`~fedlightning.algorithms.fedtip.FedTIP` configuration.
+        tasks: every task's client batches, in task order.
+        eval_batches: ``{"val": batch, "test": batch}``, the server's segments.
+        families: task families to run (``nc`` needs state labels).
+        dims: ``(d_h, d_t, d_e)`` of the adapter.
+        runner: runs a round's clients (its ``executor`` runs the local fits).
+        rounds, epochs: R and E.
+        seed: every draw is keyed by ``(seed, task, family, round, client)``.
+        bank_values: :math:`|\\mathcal{B}_0|`, float32 values of the bank (Eq. 33).
+        checkpoint_path: the state after each task (``None``: nowhere).
+        on_task_end: ``(task_index, metrics) -> None`` after the checkpoint.
+    """
+
+    def __init__(
+        self,
+        algorithm: FedTIP,
+        tasks: Sequence[TaskBatches],
+        eval_batches: dict[str, Batch],
+        families: Sequence[str],
+        dims: tuple[int, int, int],
+        runner: Any,
+        *,
+        rounds: int,
+        epochs: int,
+        seed: int,
+        bank_values: int = 0,
+        checkpoint_path: str | Path | None = None,
+        on_task_end: Callable[[int, dict[str, float]], None] | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.algorithm, self.tasks, self.eval_batches = algorithm, list(tasks), eval_batches
+        self.families, self.dims, self.runner = list(families), dims, runner
+        self.rounds, self.epochs, self.seed = rounds, epochs, seed
+        self.bank_values = bank_values
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.on_task_end, self.progress = on_task_end, progress
+        self.results: list[dict[str, float]] = []
+        self.fields: dict[str, dict[str, int]] = {}
+        self.provisioned: set[int] = set()
+        self.message_values: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ one family
+    def federate(
+        self, task: TaskBatches, family: str, ledger: CommLedger
+    ) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        """The task's global adapter after ``rounds`` rounds, and its class prototypes."""
+        alg = self.algorithm
+        torch.manual_seed(derive_seed(self.seed, "init", task.task, family))
+        adapter = alg.adapter(*self.dims)
+        module = alg.client_module(adapter, family)
+        executor = self.runner.executor
+        ids = list(task.clients)
+        if alg.mode == "central":
+            pooled = stack_batches([pool([task.clients[k] for k in ids])])
+            module.receive(adapter.state_dict(), {}, 1)
+            torch.manual_seed(derive_seed(self.seed, "fit", task.task, family))
+            executor.fit(module, pooled, self.rounds * self.epochs)
+            module.eval()
+            with torch.no_grad():
+                q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
+            adapter.load_state_dict(module.adapter.state_dict())
+            return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
+        stack = stack_batches([task.clients[k] for k in ids])
+        server = alg.server(adapter.state_dict())
+        for r in range(1, self.rounds + 1):
+            omega, anchors = server.broadcast()
+            down = ServerBroadcast(
+                round=r,
+                tensors={"adapter": server.omega, **{f"anchor.{c}": a for c, a in anchors.items()}},
+            )
+            for k in ids:
+                ledger.record(DOWN, k, _prefixed(down, family))
+            module.receive(omega, anchors, len(ids))
+            torch.manual_seed(derive_seed(self.seed, "fit", task.task, family, r))
+            executor.fit(module, stack, self.epochs)
+            gens = [torch_generator(self.seed, "release", task.task, family, r, k) for k in ids]
+            updates = alg.make_updates(module, stack, omega, r, ids, gens)
+            for u in updates:
+                ledger.record(UP, u.client_id, _prefixed(u, family))
+            self.message_values[family] = updates[0].num_values()
+            server.step([read_update(u) for u in updates])
+        adapter.load_state_dict(server.state())
+        return adapter, server.class_prototypes()
+
+    # ------------------------------------------------------------------ one task
+    def run_task(self, task: TaskBatches) -> dict[str, float]:
+        t0 = time.perf_counter()
+        ledger = CommLedger()
+        for k in task.clients:
+            if k not in self.provisioned and self.algorithm.mode == "federated":
+                self.provisioned.add(k)
+                ledger.record_values(DOWN, k, "bank", self.bank_values)
+        metrics: dict[str, float] = {"task": task.task}
+        for family in self.families:
+            adapter, protos = self.federate(task, family, ledger)
+            for split, batch in self.eval_batches.items():
+                prefix = "val_" if split == "val" else ""
+                for k, v in evaluate(adapter, protos, batch, family).items():
+                    if not (split == "val" and k == "auc_ilp"):  # inductive flags: test only
+                        metrics[prefix + k] = v
+        for name, sizes in ledger.by_field().items():
+            total = self.fields.setdefault(name, {UP: 0, DOWN: 0})
+            total[UP] += sizes[UP]
+            total[DOWN] += sizes[DOWN]
+        metrics["uplink_mib"] = ledger.mib(UP)
+        metrics["downlink_mib"] = ledger.mib(DOWN)
+        metrics["task_time_s"] = time.perf_counter() - t0
+        return metrics
+
+    def run(self) -> list[dict[str, float]]:
+        """Every task not done yet; returns the per-task metrics."""
+        todo = self.tasks[len(self.results) :]
+        bar = tqdm(todo, desc="tasks", unit="task", disable=None if self.progress else True)
+        for task in bar:
+            metrics = self.run_task(task)
+            self.results.append(metrics)
+            n = len(self.results)
+            if self.checkpoint_path:
+                save_torch(self.checkpoint_path, self.state_dict())
+            running = {k: v for k, v in self.final_metrics().items() if k.startswith("auc")}
+            bar.set_postfix({k: f"{v:.3f}" for k, v in running.items() if not k.endswith("std")})
+            log.info(
+                "task %d/%d (%s): %s  up %.3f MiB  (%.1fs)",
+                n,
+                len(self.tasks),
+                task.task,
+                "  ".join(f"{k} {metrics[k]:.3f}" for k in sorted(metrics) if k.startswith("auc")),
+                metrics["uplink_mib"],
+                metrics["task_time_s"],
+            )
+            if self.on_task_end:
+                self.on_task_end(n, metrics)
+        return self.results
+
+    def final_metrics(self) -> dict[str, float]:
+        """Mean and std over the tasks of every AUC, and the uplink/downlink per task."""
+        out: dict[str, float] = {}
+        keys = [k for k in self.results[0] if k not in ("task", "task_time_s")]
+        for k in keys:
+            vals = np.array([r[k] for r in self.results], dtype=np.float64)
+            ok = vals[~np.isnan(vals)]
+            name = f"{k}_per_task" if k.endswith("_mib") else k
+            out[name] = float(ok.mean()) if len(ok) else math.nan
+            if not k.endswith("_mib"):
+                out[f"{k}_std"] = float(ok.std()) if len(ok) else math.nan
+        return out
+
+    def comm(self) -> dict[str, Any]:
+        """The ``comm`` block of ``summary.json``: totals and per-field values."""
+        up = sum(f[UP] for f in self.fields.values())
+        down = sum(f[DOWN] for f in self.fields.values())
+        return {
+            "uplink_mib": values_to_mib(up),
+            "downlink_mib": values_to_mib(down),
+            "uplink_values": up,
+            "downlink_values": down,
+            "uplink_mib_per_task": values_to_mib(up) / max(1, len(self.results)),
+            "message_values": dict(self.message_values),
+            "bank_values": self.bank_values,
+            "clients_provisioned": len(self.provisioned),
+            "fields": {k: dict(v) for k, v in sorted(self.fields.items())},
+        }
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "results": self.results,
+            "fields": self.fields,
+            "provisioned": sorted(self.provisioned),
+            "message_values": self.message_values,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.results = list(state["results"])
+        self.fields = {k: dict(v) for k, v in state["fields"].items()}
+        self.provisioned = set(state["provisioned"])
+        self.message_values = dict(state["message_values"])
+
+
+def _prefixed(message: Message, family: str) -> Message:
+    """The message with its fields named ``<family>/<field>`` for the per-field ledger."""
+    out = Message(round=message.round)
+    out.tensors = {f"{family}/{k}": v for k, v in message.tensors.items()}
+    out.scalars = {f"{family}/{k}": v for k, v in message.scalars.items()}
+    return out
