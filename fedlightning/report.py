@@ -14,6 +14,13 @@ Layouts:
   ``fedavg+replay``; ablations left out), for each dataset the columns AM, FM, FPR95.
 - ``ablation`` (FedOGL Table 2): one row per variant of ``--method`` (default ``fedogl``).
 
+With ``--task temporal`` (FedTIP) the same layouts give paper 001's tables: ``main`` is
+Table 2/3 (one row per method and backbone, columns AUC-ROC of node classification,
+transductive and inductive link prediction and the uplink MiB per task), ``ablation
+--method fedtip`` is Table 4. A FedTIP run already averages its tasks, so a cell of a
+single run shows the mean and standard deviation over its tasks (``<metric>_std``); over
+several seeds, the std is over the seeds' task means.
+
 ``--metrics`` picks the columns (any ``summary.json`` metric, and ``s_per_round``: wall time
 per round). The best mean of each column is bold (highest AM, lowest FM and FPR95). Files written to
 ``--out``: ``<name>.md``, ``<name>.tex``, ``<name>.json`` (exact means and stds),
@@ -43,8 +50,11 @@ from fedlightning.tracking import flatten
 from fedlightning.tracking.plots import plot_accuracy_matrix, plot_scatter, plot_sensitivity
 
 LOWER_IS_BETTER = {"fm", "fm_diag", "fpr95", "val_fm", "val_fpr95", "train_loss", "s_per_round"}
+LOWER_IS_BETTER |= {"uplink_mib_per_task", "downlink_mib_per_task"}
+DEFAULT_METRICS = {"temporal": "auc_nc,auc_tlp,auc_ilp,uplink_mib_per_task"}
 LABELS = {"am": "AM", "fm": "FM", "fpr95": "FPR95", "auroc_ood": "AUROC", "open_acc": "OpenAcc"}
 LABELS["s_per_round"] = "s/round"
+LABELS.update(auc_nc="NC", auc_tlp="T-LP", auc_ilp="I-LP", uplink_mib_per_task="MiB/task")
 SWEEP_TASKS = ("sweep", "sweep_trial", "report")
 
 
@@ -100,6 +110,9 @@ def runs_from_mlflow(tracking_uri: str, experiment_name: str, tags: dict[str, st
 def row_label(tags: dict[str, str], layout: str) -> str:
     """``method`` or ``method+variant`` (main); the variant alone (ablation)."""
     method, variant = tags.get("method", "?"), tags.get("variant", "full")
+    if tags.get("task") == "temporal":  # FedTIP's tables compare backbones too
+        method = f"{method} ({tags.get('backbone', '?')})"
+        variant = variant if layout != "ablation" else f"{variant} ({tags.get('backbone', '?')})"
     if layout == "ablation":
         return variant
     return method if variant == "full" else f"{method}+{variant}"
@@ -140,9 +153,12 @@ def aggregate(runs: list[dict], metrics: list[str], layout: str) -> dict[str, di
         cells = {}
         for m in metrics:
             values = [v for v in (value(s, m) for s in group) if _finite(v)]
+            within = group[0]["metrics"].get(f"{m}_std") if len(group) == 1 else None
             cells[m] = {
                 "mean": statistics.fmean(values) if values else math.nan,
-                "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "std": statistics.stdev(values)
+                if len(values) > 1
+                else (within if _finite(within) else 0.0),
                 "n": len(values),
                 "values": values,
             }
@@ -280,7 +296,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tag", action="append", default=[], help="only runs with tag k=v")
     ap.add_argument("--layout", choices=["main", "ablation"], default="main")
     ap.add_argument("--method", default=None, help="the ablated method (ablation layout)")
-    ap.add_argument("--metrics", default="am,fm,fpr95")
+    ap.add_argument("--metrics", default=None, help="default: am,fm,fpr95 (temporal: AUCs)")
     ap.add_argument("--digits", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("reports"))
     ap.add_argument("--name", default=None, help="file stem (default: <task>_<layout>)")
@@ -301,10 +317,12 @@ def main(argv: list[str]) -> int:
     runs = [s for s in runs if all(s.get("tags", {}).get(k) == v for k, v in wanted.items())]
     if args.dataset:
         runs = [s for s in runs if s["tags"].get("dataset") in args.dataset]
-    runs = select(runs, args.layout, args.method)
+    method = args.method or ("fedtip" if args.task == "temporal" else None)
+    runs = select(runs, args.layout, method)
     if not runs:
         raise ConfigError("--task", f"no finished runs with task {args.task!r} match")
-    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    chosen = args.metrics or DEFAULT_METRICS.get(args.task, "am,fm,fpr95")
+    metrics = [m.strip() for m in chosen.split(",") if m.strip()]
     table = aggregate(runs, metrics, args.layout)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{args.task}_{args.layout}"

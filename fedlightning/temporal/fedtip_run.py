@@ -220,12 +220,12 @@ def train_fedtip(
             "resumed": resuming,
         }
     )
-    write_json(run_dir / "tasks.json", json_safe(results))
+    write_json(run_dir / "task_metrics.json", json_safe(results))
     write_json(run_dir / SUMMARY_FILE, summary)
     tracker.log_metrics({f"final_{k}": v for k, v in metrics.items()}, step=len(results))
     tracker.set_tags({"hash_bank": bank["hash"], "hash_contexts": ctx_hash})
     tracker.log_artifacts(
-        [*files, run_dir / SUMMARY_FILE, run_dir / "tasks.json", run_dir / "config.yaml"]
+        [*files, run_dir / SUMMARY_FILE, run_dir / "task_metrics.json", run_dir / "config.yaml"]
     )
     tracker.end("FINISHED")
     if verbose:

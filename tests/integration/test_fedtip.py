@@ -1,0 +1,135 @@
+"""FedTIP end to end from the real configs: the synthetic stream (fast) and Bitcoin-Alpha."""
+
+import json
+
+import pytest
+import torch
+
+from fedlightning.data.temporal import make_synthetic_stream
+from fedlightning.errors import ConfigError, RunStopped
+from fedlightning.temporal.adapter import PromptAdapter
+from fedlightning.train import train
+
+SMALL = [
+    "protocol.tasks.num_tasks=3",
+    "federation.rounds=2",
+    "federation.local_epochs=2",
+    "bank.epochs=1",
+    "bank.max_events=2000",
+    "logger=none",
+]
+
+
+def hand_uplink(run_dir, rounds, d_h, p, families, labels):
+    """Float32 values sent up in a run, counted from its tasks.json and the stream labels:
+    per client and round, the delta, and per observed class a d_h prototype and a count,
+    plus coverage and norm."""
+    tasks = json.loads((run_dir / "tasks.json").read_text())["tasks"]
+    total = 0
+    for t in tasks:
+        for events in t["support"].values():
+            for fam in families:
+                classes = len(set(labels[events].tolist())) if fam == "nc" else 2
+                total += rounds * (p + classes * (d_h + 1) + 2)
+    return total
+
+
+def test_fedtip_synthetic_end_to_end_with_the_hand_counted_uplink(tmp_env, compose):
+    s = train(compose(["experiment=fedtip_synthetic", *SMALL]), tmp_env / "a", verbose=False)
+    m = s["metrics"]
+    for k in ("auc_nc", "auc_tlp", "auc_ilp", "val_auc_nc", "val_auc_tlp"):
+        assert 0.0 <= m[k] <= 1.0 and m[f"{k}_std"] >= 0.0
+    assert s["tasks_done"] == 3 and s["tags"]["task"] == "temporal"
+    assert s["tags"]["method"] == "fedtip" and s["tags"]["variant"] == "full"
+    per_task = json.loads((tmp_env / "a" / "task_metrics.json").read_text())
+    assert [r["task"] for r in per_task] == [0, 1, 2]
+    assert m["auc_tlp"] == pytest.approx(sum(r["auc_tlp"] for r in per_task) / 3)
+    # the adapter of the stream's widths: d_h = 64, TE 64, 8 edge features
+    p = PromptAdapter(64, 64, 8, bottleneck=2, rank=2).num_values()
+    stream = make_synthetic_stream(num_events=20000, seed=2026)
+    proto_dir = tmp_env / "a"
+    expected = hand_uplink(proto_dir, 2, 64, p, ["nc", "lp"], stream.label)
+    assert s["comm"]["uplink_values"] == expected
+    assert m["uplink_mib_per_task"] == pytest.approx(4 * expected / 1024**2 / 3)
+    assert s["comm"]["message_values_by_hand"]["lp"] == p + 2 * 65 + 2
+
+
+def test_a_stopped_protocol_resumes_at_the_next_task(tmp_env, compose):
+    cfg = compose(["experiment=fedtip_synthetic", *SMALL])
+    straight = train(cfg, tmp_env / "straight", verbose=False)
+
+    def stop_after_first(kind, step, metrics):
+        assert kind == "task" and "auc_tlp" in metrics
+        if step == 1:
+            raise RunStopped("stopped after task 1")
+
+    with pytest.raises(RunStopped):
+        train(cfg, tmp_env / "cut", observe=stop_after_first, verbose=False)
+    assert (tmp_env / "cut" / "checkpoint.pt").exists()
+    resumed = train(
+        compose(["experiment=fedtip_synthetic", *SMALL, f"resume={tmp_env / 'cut'}"]),
+        tmp_env / "x",
+        verbose=False,
+    )
+    assert resumed["resumed"] and resumed["metrics"] == straight["metrics"]
+    assert resumed["comm"]["uplink_values"] == straight["comm"]["uplink_values"]
+
+
+def test_comparators_and_ablation_switches_run(tmp_env, compose):
+    one = [*SMALL, "protocol.tasks.num_tasks=1"]
+    central = train(
+        compose(["experiment=prompt_central_synthetic", *one]), tmp_env / "c", verbose=False
+    )
+    assert central["tags"]["method"] == "prompt_central" and central["comm"]["uplink_values"] == 0
+    fedavg = train(
+        compose(["experiment=prompt_fedavg_synthetic", *one]), tmp_env / "f", verbose=False
+    )
+    fields = fedavg["comm"]["fields"]
+    assert "lp/proto.1" not in fields and "lp/coverage" not in fields and "nc/proto.1" in fields
+    ab = train(
+        compose(["experiment=fedtip_synthetic", *one, "+ablation=no_pa_rwa"]),
+        tmp_env / "a",
+        verbose=False,
+    )
+    assert ab["tags"]["variant"] == "no_pa_rwa"
+    assert not any(k.startswith(("nc/anchor", "lp/anchor")) for k in ab["comm"]["fields"])
+
+
+def test_bad_fedtip_input_fails_before_training(tmp_env, compose):
+    with pytest.raises(ConfigError, match="families"):
+        train(compose(["experiment=fedtip_synthetic", *SMALL, "families=[nc,xx]"]), tmp_env / "a")
+    with pytest.raises(ConfigError, match="algorithm.aggregation"):
+        train(
+            compose(["experiment=fedtip_synthetic", *SMALL, "algorithm.aggregation=mean"]),
+            tmp_env / "b",
+        )
+    assert not (tmp_env / "cache" / "banks").exists()  # nothing was trained
+
+
+def test_fedtip_logs_every_task_to_mlflow(tmp_env, compose):
+    from mlflow.tracking import MlflowClient
+
+    cfg = compose(["experiment=fedtip_synthetic", *[o for o in SMALL if o != "logger=none"]])
+    s = train(cfg, tmp_env / "a", verbose=False)
+    client = MlflowClient(cfg.logger.tracking_uri)
+    run_id = json.loads((tmp_env / "a" / "mlflow_run.json").read_text())["run_id"]
+    history = client.get_metric_history(run_id, "auc_tlp")
+    assert [h.step for h in history] == [1, 2, 3]
+    run = client.get_run(run_id)
+    assert run.data.metrics["final_auc_tlp"] == pytest.approx(s["metrics"]["auc_tlp"])
+    assert run.data.tags["hash_tasks"] == s["hashes"]["tasks"]
+
+
+@pytest.mark.slow
+def test_fedtip_on_bitcoin_alpha(tmp_env, compose, shared_data, monkeypatch):
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    over = ["experiment=fedtip_bitcoin_alpha", *SMALL[:-2], "bank.max_events=3000", "logger=none"]
+    s = train(compose(over), tmp_env / "btc", verbose=False)
+    assert s["table"]["events"] == 24_186 and s["families"] == ["nc", "lp"]
+    m = s["metrics"]
+    assert all(0.0 <= m[k] <= 1.0 for k in ("auc_nc", "auc_tlp", "auc_ilp"))
+    # no edge features reach the adapter: the rating would give the label away
+    p = PromptAdapter(64, 64, 0).num_values()
+    assert s["comm"]["adapter_values"] == p
+    saved = torch.load(s["bank"]["path"], weights_only=False)
+    assert saved["hash"] == s["hashes"]["bank"]
