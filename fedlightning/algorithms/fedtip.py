@@ -8,6 +8,8 @@ r"""FedTIP (paper 001) and its comparators and ablations, each one config of :cl
                        no proximal term (paper Table 3, "FedAvg")
 ``prompt_central``     the same adapter trained on the pooled support of the task's
                        clients for R x E steps (Table 3, centralized)
+``fulltune_fedavg``    the encoder fine-tuned with the adapter, the whole model averaged
+                       (FedAvg), for the uplink comparison (Sec. 5.4)
 =====================  ==================================================================
 
 Ablations (Table 4) are switches of ``fedtip``: ``prompt=static`` (ICP),
@@ -43,7 +45,7 @@ from fedlightning.server.fedtip import (
 )
 from fedlightning.temporal.adapter import PromptAdapter
 
-MODES = ("federated", "central")
+MODES = ("federated", "central", "fulltune")
 AGGREGATIONS = ("reliability", "fedavg")
 PROMPTS = ("interaction", "static")
 NEGATIVES = ("protocol", "unfiltered")
@@ -55,7 +57,8 @@ class FedTIP:
 
     Args:
         name: the method's name in reports (``fedtip``, ``prompt_fedavg``, ``prompt_central``).
-        mode: ``federated`` or ``central`` (pooled support, no messages).
+        mode: ``federated``, ``central`` (pooled support, no messages) or ``fulltune``
+            (the encoder fine-tuned with the adapter and averaged, FedAvg).
         aggregation: ``reliability`` (Eqs. 27-30) or ``fedavg`` (:math:`r_k = 1`).
         anchors: server anchor prototypes and the anchor term (Eqs. 22-24).
         prompt: ``interaction`` (Eqs. 14-15) or ``static`` gates.
@@ -63,7 +66,7 @@ class FedTIP:
             stage-valid mode, Eq. 25) or ``unfiltered`` (only the positive excluded; FTN).
         tau, lambda_p, lambda_a, beta, eta_s: Eqs. (19)-(31).
         bottleneck, rank, dropout: the adapter (``d_p = d_h``).
-        lr, weight_decay: Adam's.
+        lr, weight_decay: Adam's. encoder_lr: the encoder's (``fulltune`` only).
         clip, sigma: the prototype release of Eq. (7) (``clip=None``: off).
     """
 
@@ -82,6 +85,7 @@ class FedTIP:
     rank: int = 2
     dropout: float = 0.1
     lr: float = 1e-3
+    encoder_lr: float = 1e-4
     weight_decay: float = 1e-5
     clip: float | None = None
     sigma: float = 0.0

@@ -172,13 +172,13 @@ class TaskLoop:
         t0 = time.perf_counter()
         ledger = CommLedger()
         for k in task.clients:
-            if k not in self.provisioned and self.algorithm.mode == "federated":
+            if k not in self.provisioned and self.algorithm.mode != "central":
                 self.provisioned.add(k)
                 ledger.record_values(DOWN, k, "bank", self.bank_values)
         metrics: dict[str, float] = {"task": task.task}
         for family in self.families:
             adapter, protos = self.federate(task, family, ledger)
-            for split, batch in self.eval_batches.items():
+            for split, batch in self.segments().items():
                 prefix = "val_" if split == "val" else ""
                 for k, v in evaluate(adapter, protos, batch, family).items():
                     if not (split == "val" and k == "auc_ilp"):  # inductive flags: test only
@@ -191,6 +191,10 @@ class TaskLoop:
         metrics["downlink_mib"] = ledger.mib(DOWN)
         metrics["task_time_s"] = time.perf_counter() - t0
         return metrics
+
+    def segments(self) -> dict[str, Batch]:
+        """The server's validation and test batches for the task just federated."""
+        return self.eval_batches
 
     def run(self) -> list[dict[str, float]]:
         """Every task not done yet; returns the per-task metrics."""

@@ -191,7 +191,8 @@ def event_batch(
     features (width 0 when the stream has none, Bitcoin's label-encoding rating excluded);
     ``r_u``, ``r_i``, ``r_j``: recencies as :math:`\log(1 + \Delta)` (raw seconds would
     swamp the context); ``y``: state labels (``-1`` without); ``neg_ok``: a negative exists;
-    ``inductive``: the test event touches an inductive node (all false when not given).
+    ``inductive``: the test event touches an inductive node (all false when not given);
+    ``events``, ``neg_id``: the stream indices of the events and their negatives.
     """
     idx = ctx["events"].numpy()
     n = len(idx)
@@ -209,7 +210,26 @@ def event_batch(
         if stream.label is not None
         else torch.full((n,), -1),
         "neg_ok": torch.from_numpy(np.asarray(negatives) >= 0),
+        "events": torch.from_numpy(idx),
+        "neg_id": torch.from_numpy(np.asarray(negatives, dtype=np.int64)),
         "inductive": torch.from_numpy(inductive[idx])
         if inductive is not None
         else torch.zeros(n, dtype=torch.bool),
     }
+
+
+@torch.no_grad()
+def restore_state(enc, snapshot) -> None:
+    """Reset ``enc``'s streaming state (memory, neighbours, statistics) to ``snapshot``'s,
+    keeping ``enc``'s own parameters (a fine-tuned encoder restarting from the bank)."""
+    enc.detach()
+    for buf, ref in zip(enc.buffers(), snapshot.buffers(), strict=True):
+        buf.copy_(ref)
+    mine, theirs = enc.state.loader, snapshot.state.loader
+    mine.neighbors.copy_(theirs.neighbors)
+    mine.e_id.copy_(theirs.e_id)
+    mine.cur_e_id = theirs.cur_e_id
+    enc.state.ids = snapshot.state.ids.clone()
+    if hasattr(enc, "memory"):
+        enc.memory.msg_s_store = dict(snapshot.memory.msg_s_store)
+        enc.memory.msg_d_store = dict(snapshot.memory.msg_d_store)

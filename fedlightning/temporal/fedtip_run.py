@@ -22,6 +22,7 @@ from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.protocol import TemporalProtocol
 from fedlightning.errors import ConfigError
 from fedlightning.federation.fedtip import TaskBatches, TaskLoop, as_single
+from fedlightning.federation.fulltune import FullTuneLoop
 from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
@@ -173,13 +174,7 @@ def train_fedtip(
             if observe is not None:
                 observe("task", n, loop.final_metrics())
 
-        loop = TaskLoop(
-            algorithm,
-            tasks,
-            evals,
-            families,
-            dims,
-            runner,
+        common = dict(
             rounds=int(cfg.federation.rounds),
             epochs=int(cfg.federation.local_epochs),
             seed=int(cfg.seed),
@@ -188,6 +183,11 @@ def train_fedtip(
             on_task_end=on_task_end,
             progress=bool(cfg.runner.get("progress", True)),
         )
+        args = (algorithm, tasks, evals, families, dims, runner)
+        if algorithm.mode == "fulltune":
+            loop = FullTuneLoop(*args, snapshot=enc, protocol=proto, **common)
+        else:
+            loop = TaskLoop(*args, **common)
         if resuming and (run_dir / CHECKPOINT_FILE).exists():
             loop.load_state_dict(torch.load(run_dir / CHECKPOINT_FILE, weights_only=False))
             log.info("resuming %s after task %d", run_dir, len(loop.results))

@@ -133,3 +133,28 @@ def test_fedtip_on_bitcoin_alpha(tmp_env, compose, shared_data, monkeypatch):
     assert s["comm"]["adapter_values"] == p
     saved = torch.load(s["bank"]["path"], weights_only=False)
     assert saved["hash"] == s["hashes"]["bank"]
+
+
+def test_fulltune_fedavg_sends_the_whole_model_and_tunes_the_encoder(tmp_env, compose):
+    from fedlightning.temporal.contexts import fork, load_bank, restore_state
+
+    over = ["experiment=fulltune_fedavg_synthetic", *SMALL, "protocol.tasks.num_tasks=1"]
+    s = train(compose([*over, "families=[lp]"]), tmp_env / "f", verbose=False)
+    stream = make_synthetic_stream(num_events=20000, seed=2026)
+    enc = load_bank(s["bank"]["path"], stream)
+    encoder_values = sum(p.numel() for p in enc.parameters())
+    p = PromptAdapter(64, 64, 8).num_values()
+    # link prediction: the whole model's delta and the two counts, nothing else
+    assert s["comm"]["message_values"]["lp"] == encoder_values + p + 2
+    fields = s["comm"]["fields"]
+    assert fields["lp/count.1"]["up"] * (encoder_values + p) == fields["lp/delta"]["up"]
+    assert set(s["comm"]["fields"]) == {"bank", "lp/count.0", "lp/count.1", "lp/delta", "lp/model"}
+    assert s["tags"]["method"] == "fulltune_fedavg" and 0.0 <= s["metrics"]["auc_tlp"] <= 1.0
+    # restoring a streamed copy gives back the snapshot's state exactly
+    twin = fork(enc)
+    twin.ingest(*(torch.tensor([0, 1]), torch.tensor([200, 201]), torch.tensor([10**6] * 2)),
+                torch.zeros(2, 8), torch.tensor([0, 1]))  # fmt: skip
+    assert not torch.equal(twin.state.last_time, enc.state.last_time)
+    restore_state(twin, enc)
+    assert all(torch.equal(a, b) for a, b in zip(twin.buffers(), enc.buffers(), strict=True))
+    assert torch.equal(twin.state.loader.e_id, enc.state.loader.e_id)

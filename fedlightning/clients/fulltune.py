@@ -1,0 +1,124 @@
+r"""The full-model FedAvg comparator's client: the bank's encoder fine-tuned with the adapter.
+
+FedTIP freezes the bank and federates only the adapter; this comparator (paper 001, Table 3
+and Sec. 5.4, "full-model FedAvg") trains the encoder too, so its message is the whole
+model. A local fit restarts from the bank's snapshot state every epoch and streams the
+client's support in time order (Eq. 12): each group of equal timestamps is embedded with
+the encoder's current weights (gradients flow through the states, TGN's memory updates and
+the time encoding), then ingested. The task loss is the family's (Eqs. 19 or 20-21) over
+the prompted representations, as for FedTIP, without proximal or anchor terms.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedlightning.clients.fedtip import FAMILIES, family_prototypes, family_views, task_loss
+from fedlightning.data.temporal.events import EventStream
+from fedlightning.temporal.adapter import PromptAdapter
+from fedlightning.temporal.bank import event_tensors
+from fedlightning.temporal.contexts import group_batches, restore_state
+from fedlightning.temporal.encoders import time_encoder
+
+Batch = dict[str, Tensor]
+
+
+def stream_support(enc, stream: EventStream, batch: Batch) -> Batch:
+    """The client's support streamed through ``enc`` from its current state: the adapter's
+    inputs (as :func:`~fedlightning.temporal.contexts.event_batch`, one client stacked),
+    with gradients to the encoder."""
+    idx = batch["events"].numpy()
+    order = {int(e): n for n, e in enumerate(idx.tolist())}
+    te_fn = time_encoder(enc)
+    rows: dict[str, list[Tensor]] = {
+        k: [] for k in ("h_u", "h_i", "h_j", "te", "r_u", "r_i", "r_j")
+    }
+    for g in group_batches(stream.t, idx, len(idx)):
+        pos = torch.tensor([order[int(e)] for e in g.tolist()])
+        src, dst, t, msg = event_tensors(enc, stream, g)
+        j = batch["neg_id"][pos].clamp(min=0)
+        nodes = torch.cat([src, dst, j])
+        h = enc.embed(nodes, torch.cat([t, t, t]))
+        dt = (torch.cat([t, t, t]).float() - enc.state.last_time[nodes]).clamp(min=0)
+        for key, part in zip(("h_u", "h_i", "h_j"), h.split(len(g)), strict=True):
+            rows[key].append(part)
+        for key, part in zip(("r_u", "r_i", "r_j"), dt.log1p().split(len(g)), strict=True):
+            rows[key].append(part)
+        rows["te"].append(te_fn(dt[: len(g)]).float())
+        enc.ingest(src, dst, t, msg, torch.from_numpy(np.ascontiguousarray(g)))
+    out = {k: torch.cat(v).unsqueeze(0) for k, v in rows.items()}
+    for key in ("x", "y", "neg_ok"):
+        out[key] = batch[key].unsqueeze(0)
+    out["mask"] = torch.ones(1, len(idx), dtype=torch.bool)
+    return out
+
+
+class FullTuneClient(pl.LightningModule):
+    """Encoder and adapter trained together on one client's support (module docstring).
+
+    Args:
+        encoder: a copy of the bank's encoder with its snapshot state (trainable).
+        snapshot: the bank's frozen snapshot (each epoch restarts from its state).
+        adapter: the prompt adapter (one copy).
+        stream: the event stream. family: ``"nc"`` or ``"lp"``. tau: as FedTIP's.
+        lr: Adam's for the adapter; encoder_lr: for the encoder. weight_decay: Adam's.
+    """
+
+    def __init__(
+        self,
+        encoder: torch.nn.Module,
+        snapshot: torch.nn.Module,
+        adapter: PromptAdapter,
+        stream: EventStream,
+        family: str,
+        tau: float = 0.1,
+        lr: float = 1e-3,
+        encoder_lr: float = 1e-4,
+        weight_decay: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        if family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+        self.encoder, self.adapter = encoder, adapter
+        object.__setattr__(self, "_snapshot", snapshot)  # read-only: not a submodule
+        self.stream, self.family = stream, family
+        self.tau, self.lr, self.encoder_lr, self.weight_decay = tau, lr, encoder_lr, weight_decay
+        for p in self.encoder.parameters():
+            p.requires_grad_(True)
+        self.last_loss = float("nan")
+
+    def receive(self, state: dict[str, Tensor]) -> None:
+        """Start a round from the global encoder and adapter (``encoder.*``, ``adapter.*``)."""
+        self.load_state_dict(state, strict=False)
+
+    def streamed(self, batch: Batch) -> Batch:
+        """The support streamed from the bank's snapshot with the current weights."""
+        restore_state(self.encoder, self._snapshot)
+        return stream_support(self.encoder, self.stream, batch)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        views = family_views(self.adapter, self.streamed(batch), self.family)
+        loss = task_loss(views, self.family, self.tau)
+        self.last_loss = float(loss.detach())
+        return loss
+
+    @torch.no_grad()
+    def prototypes(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """Eq. (18) after the fit: ``([C, d], [C])``."""
+        self.eval()
+        q, counts = family_prototypes(
+            family_views(self.adapter, self.streamed(batch), self.family), self.family
+        )
+        return q[0], counts[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(
+            [
+                {"params": list(self.adapter.parameters()), "lr": self.lr},
+                {"params": list(self.encoder.parameters()), "lr": self.encoder_lr},
+            ],
+            weight_decay=self.weight_decay,
+        )
