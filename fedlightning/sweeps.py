@@ -152,10 +152,19 @@ def load_spec(path: str | Path) -> SweepSpec:
     return spec
 
 
+class AskTellGridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler for our ask-and-tell loop, which counts the trials itself: the
+    stock sampler calls ``study.stop()`` after the last grid point, which Optuna refuses
+    outside ``study.optimize`` (a ``RuntimeError`` on the last ``tell``)."""
+
+    def after_trial(self, study, trial, state, values) -> None:  # noqa: ANN001
+        pass
+
+
 def make_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
     s = spec.sampler
     if s["name"] == "grid":
-        return optuna.samplers.GridSampler(spec.grid(), seed=s.get("seed", 0))
+        return AskTellGridSampler(spec.grid(), seed=s.get("seed", 0))
     if s["name"] == "random":
         return optuna.samplers.RandomSampler(seed=s.get("seed", 0))
     return optuna.samplers.TPESampler(seed=s.get("seed", 0), n_startup_trials=s.get("startup", 5))

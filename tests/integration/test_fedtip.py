@@ -158,3 +158,29 @@ def test_fulltune_fedavg_sends_the_whole_model_and_tunes_the_encoder(tmp_env, co
     restore_state(twin, enc)
     assert all(torch.equal(a, b) for a, b in zip(twin.buffers(), enc.buffers(), strict=True))
     assert torch.equal(twin.state.loader.e_id, enc.state.loader.e_id)
+
+
+def test_a_fedtip_grid_sweep_reads_the_task_mean(tmp_path, monkeypatch):
+    from fedlightning.sweeps import Sweep, load_spec
+    from tests.conftest import compose_cfg
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(tmp_path / "cache"))
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(
+        "experiment: fedtip_synthetic\n"
+        "space:\n  algorithm.lambda_a: {type: categorical, choices: [0.0, 1.0]}\n"
+        "objective: {metric: val_auc_tlp, direction: maximize}\n"
+        "seeds: [2026]\nsampler: {name: grid, seed: 0}\n"
+    )
+    spec = load_spec(spec_file)
+    spec.storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = Sweep(
+        spec, tmp_path / "out", SMALL, compose_cfg, lambda c, d, o: train(c, d, o, verbose=False)
+    ).run()
+    values = {t.params["algorithm.lambda_a"]: t.value for t in study.trials}
+    assert set(values) == {0.0, 1.0}
+    for t in study.trials:  # each trial's value is its run's validation task mean
+        run = tmp_path / "out" / "s" / f"trial_{t.number}" / "seed_2026" / "summary.json"
+        assert t.value == pytest.approx(json.loads(run.read_text())["metrics"]["val_auc_tlp"])
+        assert sorted(t.intermediate_values) == [1, 2, 3]  # reported after every task
