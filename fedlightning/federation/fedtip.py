@@ -222,9 +222,12 @@ class TaskLoop:
         return self.results
 
     def final_metrics(self) -> dict[str, float]:
-        """Mean and std over the tasks of every AUC, and the uplink/downlink per task."""
+        """Mean and std over the tasks of every AUC, and the uplink/downlink per task (not
+        for pooled training, whose support moves raw to the server)."""
         out: dict[str, float] = {}
         keys = [k for k in self.results[0] if k not in ("task", "task_time_s")]
+        if self.algorithm.mode == "central":  # raw support pooled: no federated uplink
+            keys = [k for k in keys if not k.endswith("_mib")]
         for k in keys:
             vals = np.array([r[k] for r in self.results], dtype=np.float64)
             ok = vals[~np.isnan(vals)]

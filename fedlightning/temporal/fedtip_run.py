@@ -86,7 +86,8 @@ def format_temporal_summary(summary: dict[str, Any]) -> str:
     for k in ("auc_nc", "auc_tlp", "auc_ilp", "val_auc_nc", "val_auc_tlp"):
         if k in m:
             rows.append((k, f"{m[k]:.4f} +- {m[k + '_std']:.4f}"))
-    rows.append(("uplink per task", f"{m.get('uplink_mib_per_task', 0.0):.4f} MiB"))
+    if "uplink_mib_per_task" in m:
+        rows.append(("uplink per task", f"{m['uplink_mib_per_task']:.4f} MiB"))
     for fam, n in c["message_values"].items():
         rows.append((f"message [{fam}]", f"{n} float32 values (paper: ~{PAPER_MESSAGE_VALUES})"))
     rows += [(f"hash[{k}]", v) for k, v in summary["hashes"].items()]

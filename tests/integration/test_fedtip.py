@@ -81,6 +81,7 @@ def test_comparators_and_ablation_switches_run(tmp_env, compose):
         compose(["experiment=prompt_central_synthetic", *one]), tmp_env / "c", verbose=False
     )
     assert central["tags"]["method"] == "prompt_central" and central["comm"]["uplink_values"] == 0
+    assert "uplink_mib_per_task" not in central["metrics"]  # raw support, not a federation
     fedavg = train(
         compose(["experiment=prompt_fedavg_synthetic", *one]), tmp_env / "f", verbose=False
     )
