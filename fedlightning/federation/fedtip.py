@@ -125,13 +125,17 @@ class TaskLoop:
         self.message_values: dict[str, int] = {}
 
     # ------------------------------------------------------------------ one family
+    def new_adapter(self, task: TaskBatches, family: str) -> PromptAdapter:
+        r"""The task's initial adapter :math:`\Omega^{(0)}`, seeded by (seed, task, family)."""
+        torch.manual_seed(derive_seed(self.seed, "init", task.task, family))
+        return self.algorithm.adapter(*self.dims)
+
     def federate(
         self, task: TaskBatches, family: str, ledger: CommLedger
     ) -> tuple[PromptAdapter, dict[int, Tensor]]:
         """The task's global adapter after ``rounds`` rounds, and its class prototypes."""
         alg = self.algorithm
-        torch.manual_seed(derive_seed(self.seed, "init", task.task, family))
-        adapter = alg.adapter(*self.dims)
+        adapter = self.new_adapter(task, family)
         module = alg.client_module(adapter, family)
         executor = self.runner.executor
         ids = list(task.clients)

@@ -46,8 +46,7 @@ class FullTuneLoop(TaskLoop):
         self, task: TaskBatches, family: str, ledger: CommLedger
     ) -> tuple[PromptAdapter, dict[int, Tensor]]:
         alg = self.algorithm
-        torch.manual_seed(derive_seed(self.seed, "init", task.task, family))
-        adapter = alg.adapter(*self.dims)
+        adapter = self.new_adapter(task, family)
         module = FullTuneClient(
             fork(self.snapshot), self.snapshot, adapter, self.protocol.stream, family,
             tau=alg.tau, lr=alg.lr, encoder_lr=alg.encoder_lr, weight_decay=alg.weight_decay,

@@ -90,11 +90,9 @@ def format_temporal_summary(summary: dict[str, Any]) -> str:
         rows.append(("uplink per task", f"{m['uplink_mib_per_task']:.4f} MiB"))
     for fam, n in c["message_values"].items():
         rows.append((f"message [{fam}]", f"{n} float32 values (paper: ~{PAPER_MESSAGE_VALUES})"))
-    rows += [(f"hash[{k}]", v) for k, v in summary["hashes"].items()]
-    rows += [("wall time", f"{summary['wall_time_s']:.1f} s"), ("run dir", summary["run_dir"])]
-    width = max(len(k) for k, _ in rows)
-    line = "-" * (width + 40)
-    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
+    from fedlightning.train import summary_table
+
+    return summary_table(rows, summary)
 
 
 def train_fedtip(
