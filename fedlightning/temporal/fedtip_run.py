@@ -28,6 +28,7 @@ from fedlightning.temporal.contexts import cached_contexts, event_batch, load_ba
 from fedlightning.temporal.encoders import time_encoder
 from fedlightning.temporal.run import ensure_bank, temporal_setup
 from fedlightning.tracking import flatten
+from fedlightning.tracking.plots import plot_task_metrics
 from fedlightning.utils.io import write_json
 
 log = logging.getLogger(__name__)
@@ -223,8 +224,15 @@ def train_fedtip(
     write_json(run_dir / SUMMARY_FILE, summary)
     tracker.log_metrics({f"final_{k}": v for k, v in metrics.items()}, step=len(results))
     tracker.set_tags({"hash_bank": bank["hash"], "hash_contexts": ctx_hash})
+    plot = plot_task_metrics(results, run_dir / "task_auc.png", f"{cfg.name} ({variant})")
     tracker.log_artifacts(
-        [*files, run_dir / SUMMARY_FILE, run_dir / "task_metrics.json", run_dir / "config.yaml"]
+        [
+            *files,
+            run_dir / SUMMARY_FILE,
+            run_dir / "task_metrics.json",
+            run_dir / "config.yaml",
+            plot,
+        ]
     )
     tracker.end("FINISHED")
     if verbose:

@@ -131,3 +131,21 @@ def plot_scatter(
     ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_task_metrics(rows: Sequence[dict[str, float]], path: str | Path, title: str = "") -> Path:
+    """FedTIP's AUC-ROCs per task (test, solid; validation, dashed) and their spread."""
+    keys = [k for k in ("auc_nc", "auc_tlp", "auc_ilp") if rows and k in rows[0]]
+    fig, (ax_line, ax_box) = plt.subplots(1, 2, figsize=(11, 3.6), width_ratios=[3, 1])
+    x = list(range(1, len(rows) + 1))
+    for n, key in enumerate(keys):
+        ax_line.plot(x, [r[key] for r in rows], color=f"C{n}", lw=1, label=key)
+        if f"val_{key}" in rows[0]:
+            ax_line.plot(x, [r[f"val_{key}"] for r in rows], color=f"C{n}", lw=1, ls="--")
+    ax_line.set(xlabel="task", ylabel="AUC-ROC", ylim=(0, 1))
+    ax_line.legend(loc="lower right")
+    values = [[r[k] for r in rows if r[k] == r[k]] for k in keys]
+    ax_box.boxplot(values, tick_labels=keys)
+    ax_box.set(ylim=(0, 1), title="over tasks")
+    fig.suptitle(title)
+    return _save(fig, path)

@@ -119,6 +119,8 @@ def test_fedtip_logs_every_task_to_mlflow(tmp_env, compose):
     run = client.get_run(run_id)
     assert run.data.metrics["final_auc_tlp"] == pytest.approx(s["metrics"]["auc_tlp"])
     assert run.data.tags["hash_tasks"] == s["hashes"]["tasks"]
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"summary.json", "task_metrics.json", "task_auc.png", "tasks.json"} <= artifacts
 
 
 @pytest.mark.slow
