@@ -263,3 +263,32 @@ def test_evaluate_reads_the_inductive_flags():
     assert out["auc_tlp"] == pytest.approx(link_auroc(h_pos[ok], h_i[ok], h_neg[ok], h_j[ok]))
     assert out["auc_ilp"] == pytest.approx(link_auroc(h_pos[ind], h_i[ind], h_neg[ind], h_j[ind]))
     assert out["auc_ilp"] != out["auc_tlp"]
+
+
+def test_clipped_prototype_release_eq7_in_the_message():
+    torch.manual_seed(0)
+    omega = FedTIP(dropout=0.0).adapter(D_H, D_T, D_E).state_dict()
+    batch = stack_batches([client_batch(6, 1, [1, 1, 1, 0, 0, 0])])
+    plain, clipped = FedTIP(dropout=0.0), FedTIP(dropout=0.0, clip=0.05, sigma=0.0)
+    out = {}
+    for name, alg in (("plain", plain), ("clipped", clipped)):
+        module = alg.client_module(alg.adapter(D_H, D_T, D_E), "nc")
+        module.receive(omega, {}, copies=1)
+        (u,) = alg.make_updates(module, batch, omega, 1, [0])
+        out[name] = u
+    views = family_views(module.adapter, batch, "nc")
+    h1 = views[0][0][:3]
+    scale = (0.05 / h1.norm(dim=-1, keepdim=True)).clamp(max=1.0)
+    assert torch.allclose(out["clipped"].tensors["proto.1"], (h1 * scale).mean(0), atol=1e-6)
+    assert out["clipped"].tensors["proto.1"].norm() <= 0.05 + 1e-6
+    assert torch.allclose(out["plain"].tensors["proto.1"], h1.mean(0), atol=1e-6)
+    noisy = FedTIP(dropout=0.0, clip=0.05, sigma=1.0)
+    module = noisy.client_module(noisy.adapter(D_H, D_T, D_E), "nc")
+    module.receive(omega, {}, copies=1)
+    g = torch.Generator().manual_seed(0)
+    (u,) = noisy.make_updates(module, batch, omega, 1, [0], [g])
+    # Delta_2 = 2 C / n = 0.1 / 3: N(0, (sigma Delta_2)^2) per coordinate, class 0 drawn first
+    ref = torch.Generator().manual_seed(0)
+    torch.randn(D_H, generator=ref)
+    expected = (h1 * scale).mean(0) + 0.1 / 3 * torch.randn(D_H, generator=ref)
+    assert torch.allclose(u.tensors["proto.1"], expected.detach(), atol=1e-6)
