@@ -65,7 +65,8 @@ class FedTIP:
         negatives: the support's training negatives: ``protocol`` (the protocol's
             stage-valid mode, Eq. 25) or ``unfiltered`` (only the positive excluded; FTN).
         tau, lambda_p, lambda_a, beta, eta_s: Eqs. (19)-(31).
-        bottleneck, rank, dropout: the adapter (``d_p = d_h``).
+        bottleneck, rank, dropout: the adapter (``d_p = d_h``). residual: the template
+            adds the gated source state (the pre-training similarity, Sec. 4.3).
         lr, weight_decay: Adam's. encoder_lr: the encoder's (``fulltune`` only).
         clip, sigma: the prototype release of Eq. (7) (``clip=None``: off).
     """
@@ -83,6 +84,7 @@ class FedTIP:
     eta_s: float = 1.0
     bottleneck: int = 2
     rank: int = 2
+    residual: bool = True
     dropout: float = 0.1
     lr: float = 1e-3
     encoder_lr: float = 1e-4
@@ -116,7 +118,14 @@ class FedTIP:
 
     def adapter(self, d_h: int, d_t: int, d_e: int) -> PromptAdapter:
         return PromptAdapter(
-            d_h, d_t, d_e, self.bottleneck, self.rank, self.prompt == "static", self.dropout
+            d_h,
+            d_t,
+            d_e,
+            self.bottleneck,
+            self.rank,
+            self.prompt == "static",
+            self.dropout,
+            residual=self.residual,
         )
 
     def client_module(self, adapter: PromptAdapter, family: str) -> FedTIPClient:

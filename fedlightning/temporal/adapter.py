@@ -64,8 +64,14 @@ class PromptAdapter(nn.Module):
 
     :math:`\varphi_f, \varphi_t` are one-layer ReLU bottlenecks of width ``bottleneck``;
     :math:`\psi` is a low-rank linear template (``rank``) to :math:`d_p = d_h`, so that the
-    cosine of Eq. (20) with a bank state is defined (methods.md). ``static=True`` gives the
-    static-prompt ablation: gates that ignore the event (learned constants).
+    cosine of Eq. (20) with a bank state is defined (methods.md). With ``residual=True``
+    (default) :math:`\psi` adds the gated source state :math:`\alpha^f_u \odot
+    \mathbf{h}_u` to its low-rank map: "FedTIP uses the same similarity template as
+    pre-training" (Sec. 4.3), whose score is :math:`s(\mathbf{h}_u, \mathbf{h}_i)`
+    (Eq. 10), and a rank-2 map alone cannot express it (it discards the bank's similarity:
+    docs/fedtip.md). It adds no parameter; the map's output layer starts at zero, so
+    training starts from the bank's similarity. ``static=True`` gives the static-prompt
+    ablation: gates that ignore the event (learned constants).
 
     Args:
         d_h: bank state width. d_t: time-encoding width. d_e: edge-feature width.
@@ -74,6 +80,7 @@ class PromptAdapter(nn.Module):
         dropout: dropout on the bottleneck activations (default ``0``; the paper's ``0.1``
             is set in config).
         copies: independent parameter sets (clients) stacked on a leading axis.
+        residual: add the gated source state to the template's output (default ``True``).
     """
 
     def __init__(
@@ -86,11 +93,13 @@ class PromptAdapter(nn.Module):
         static: bool = False,
         dropout: float = 0.0,
         copies: int = 1,
+        residual: bool = True,
     ) -> None:
         super().__init__()
         self.d_h, self.d_t, self.d_e, self.static, self.copies = d_h, d_t, d_e, static, copies
+        self.residual = residual
         self.config = dict(d_h=d_h, d_t=d_t, d_e=d_e, bottleneck=bottleneck, rank=rank)
-        self.config.update(static=static, dropout=dropout)
+        self.config.update(static=static, dropout=dropout, residual=residual)
         d_z = 2 * d_h + d_t + d_e + 2
         k = copies
         self.phi_f = nn.Sequential(
@@ -104,6 +113,9 @@ class PromptAdapter(nn.Module):
         self.psi = nn.Sequential(
             StackedLinear(k, 2 * d_h + d_t + d_e, rank, bias=False), StackedLinear(k, rank, d_h)
         )
+        if residual:  # start from the pre-training template (LoRA's zero-initialised B)
+            nn.init.zeros_(self.psi[1].weight)
+            nn.init.zeros_(self.psi[1].bias)
 
     def gates(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """Eqs. (14)-(15), computed in parallel from the same context ``[K, N, d_z]``."""
@@ -121,7 +133,10 @@ class PromptAdapter(nn.Module):
             h_u, h_i, te, x = (v.unsqueeze(0) for v in (h_u, h_i, te, x))
             delta_u, delta_i = delta_u.reshape(1, -1), delta_i.reshape(1, -1)
         a_f, a_t = self.gates(event_context(h_u, h_i, te, x, delta_u, delta_i))
-        out = self.psi(torch.cat([a_f * torch.cat([h_u, h_i], -1), a_t * te, x], -1))
+        gated = a_f * torch.cat([h_u, h_i], -1)
+        out = self.psi(torch.cat([gated, a_t * te, x], -1))
+        if self.residual:  # the pre-training similarity template: the gated source state
+            out = out + gated[..., : self.d_h]
         return out.squeeze(0) if flat else out
 
     def num_values(self) -> int:

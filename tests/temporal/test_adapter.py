@@ -46,7 +46,7 @@ def test_adapter_size_and_message_count_by_hand():
 
 def test_gates_decide_what_reaches_the_template():
     torch.manual_seed(0)
-    a = PromptAdapter(d_h=4, d_t=3, d_e=2)
+    a = PromptAdapter(d_h=4, d_t=3, d_e=2, residual=False)  # the template alone
     h_u, h_i, te, x, du, di = inputs()
     with torch.no_grad():
         # TE(t) enters the context, so it also modulates the feature gate (by design, the
@@ -134,3 +134,19 @@ def test_stacked_copies_are_independent_linear_maps():
         assert torch.allclose(out[k], single(*inputs_k[k]), atol=1e-6)
     b = single.stacked(2)
     assert all(torch.equal(p[0], p[1]) for p in b.parameters())
+
+
+def test_template_carries_the_pretraining_similarity_residual():
+    """With psi's low-rank map at zero, the prompted state is the gated source state: the
+    score s(h~, h_i) of Eq. (20) is the bank's s(h_u, h_i) of Eq. (10)."""
+    h_u, h_i, te, x, du, di = inputs()
+    for residual in (True, False):
+        a = PromptAdapter(d_h=4, d_t=3, d_e=2, residual=residual)
+        with torch.no_grad():
+            for p in a.psi.parameters():
+                p.zero_()
+            a.gate_f.weight.zero_()
+            a.gate_f.bias.zero_()  # alpha_f = 1/2
+        out = a(h_u, h_i, te, x, du, di)
+        assert torch.allclose(out, 0.5 * h_u if residual else torch.zeros_like(h_u))
+    assert a.num_values() == PromptAdapter(d_h=4, d_t=3, d_e=2).num_values()  # no parameter
