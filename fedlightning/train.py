@@ -106,6 +106,17 @@ def check_algorithm_fits_protocol(algorithm: Any, stream: ClassStream | None) ->
         )
 
 
+def check_runner_fits_task(cfg: DictConfig) -> None:
+    """``runner=distributed`` spreads the round loop of :func:`train`; the bank pre-training and
+    FedTIP's loop (``task=bank``, ``task=temporal``) do not run through it yet."""
+    target = str(OmegaConf.select(cfg, "runner._target_", default=""))
+    if target.endswith(".DistributedRunner") and cfg.get("task") in ("bank", "temporal"):
+        raise ConfigError(
+            "runner",
+            f"runner=distributed does not support task={cfg.task} yet; use runner=sequential",
+        )
+
+
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
     """The config and directory to run in; on ``resume`` the earlier run's own.
 
@@ -172,7 +183,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     keys = ("recall_at_1", "am", "fm", "fm_diag", "fpr95", "auroc_ood", "open_acc")
     rows += [(k, f"{m[k]:.4f}") for k in keys if m.get(k) is not None]
     rows += [("uplink", f"{c['uplink_mib']:.3f} MiB"), ("downlink", f"{c['downlink_mib']:.3f} MiB")]
-    rows += [(f"hash[{k}]", v) for k, v in summary["hashes"].items()]
+    return summary_table(rows, summary)
+
+
+def summary_table(rows: list[tuple[str, Any]], summary: dict[str, Any]) -> str:
+    """``rows`` then the hashes, wall time and run directory, as an aligned table."""
+    rows = rows + [(f"hash[{k}]", v) for k, v in summary["hashes"].items()]
     rows += [("wall time", f"{summary['wall_time_s']:.1f} s"), ("run dir", summary["run_dir"])]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 40)
@@ -228,17 +244,25 @@ def train(
     :class:`~fedlightning.errors.RunStopped` there ends the run as ``KILLED`` (a pruned
     sweep trial). ``verbose=False`` leaves out the summary table on stdout.
     """
+    check_runner_fits_task(cfg)
     if cfg.get("task") == "bank":  # FedTIP's temporal bank: no federation, its own runner
         from fedlightning.temporal.run import train_bank
 
         return train_bank(cfg, Path(run_dir), verbose=verbose)
+    if cfg.get("task") == "temporal":  # FedTIP and its comparators over the task manifest
+        from fedlightning.temporal.fedtip_run import train_fedtip
+
+        return train_fedtip(cfg, Path(run_dir), observe=observe, verbose=verbose)
     t0 = time.perf_counter()
     validate(cfg)
-    cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
+    runner = build(cfg.runner, "runner")  # first: a distributed runner joins its ranks here
+    world = runner.world  # only rank 0 writes files; the others get its results
+    cfg, run_dir, resuming = world.on_main(prepare_run_dir, cfg, Path(run_dir))
+    world.run_dir = run_dir
     seed_everything(cfg.seed)
 
     graph = load_graph(cfg)
-    partition, stream, hashes = build_protocol(cfg, graph, run_dir, resuming)
+    partition, stream, hashes = world.on_main(build_protocol, cfg, graph, run_dir, resuming)
     clients = build_clients(graph, partition)
     log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
 
@@ -250,14 +274,13 @@ def train(
     check_algorithm_fits_protocol(algorithm, stream)
     module = algorithm.client_module(net, optimizer)
     server = algorithm.server(net.state_dict())
-    runner = build(cfg.runner, "runner")
-    tracker = make_tracker(cfg)
+    tracker = make_tracker(cfg) if world.is_main else NullTracker()
 
     common = dict(
         participation=cfg.federation.participation,
         local_epochs=cfg.federation.local_epochs,
         seed=cfg.seed,
-        checkpoint_path=run_dir / CHECKPOINT_FILE,
+        checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
         on_round_end=lambda r, m: _report(tracker, observe, "round", r, m),
     )
     if stream is None:
@@ -281,7 +304,9 @@ def train(
         )
     run_id = None
     if resuming:
-        loop.load_state_dict(torch.load(run_dir / CHECKPOINT_FILE, weights_only=False))
+        loop.load_state_dict(
+            world.on_main(torch.load, run_dir / CHECKPOINT_FILE, weights_only=False)
+        )
         log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
         if (run_dir / MLFLOW_RUN_FILE).exists():
             run_id = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())["run_id"]
@@ -317,6 +342,8 @@ def train(
         **loop.summary_extras(),
     }
     summary = json_safe(summary)
+    if not world.is_main:  # the same state on every rank; rank 0 writes and logs it
+        return summary
     write_json(run_dir / "history.json", json_safe(history))
     write_json(run_dir / SUMMARY_FILE, summary)
     artifacts = loop.write_artifacts(run_dir, f"{cfg.name} ({algorithm.name}, {graph.name})")

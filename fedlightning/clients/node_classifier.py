@@ -47,6 +47,10 @@ class NodeClassifier(pl.LightningModule):
         if self.prox_mu > 0:
             self.anchor = {k: v.detach().clone() for k, v in self.net.named_parameters()}
 
+    def on_fit_start(self) -> None:
+        """Move FedProx's anchor to the device the fit runs on (a GPU, say)."""
+        self.anchor = {k: v.to(self.device) for k, v in self.anchor.items()}
+
     def forward(self, data: Data) -> Tensor:
         return self.net(data)
 

@@ -12,10 +12,17 @@ Both call ``configure_optimizers`` afresh, run ``epochs`` full-batch steps, and 
 ``on_fit_start``, ``on_train_epoch_start``, ``training_step``, ``on_before_backward``,
 ``on_after_backward``, ``on_before_optimizer_step``, ``on_train_epoch_end``,
 ``on_fit_end`` on the module and on every callback.
+
+Both take a ``device`` (``None``: where the module is, i.e. the CPU). A fit on another
+device moves the module and a shallow copy of the batch there and the module back to the
+CPU afterwards, so that updates, evaluation and the server stay on the CPU; the client's own
+data is never moved. Tensors a module keeps outside its parameters move in its
+``on_fit_start`` (e.g. a teacher, FedProx's anchor).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Sequence
@@ -24,6 +31,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader
 
 for _name in (
@@ -59,10 +67,21 @@ def _single_optimizer(conf: Any) -> torch.optim.Optimizer:
     )
 
 
+def _as_device(device: str | torch.device | None) -> torch.device | None:
+    return None if device is None else torch.device(device)
+
+
 class LeanExecutor:
-    """Run ``epochs`` full-batch steps with Lightning's hook order, without a Trainer."""
+    """Run ``epochs`` full-batch steps with Lightning's hook order, without a Trainer.
+
+    Args:
+        device: where the fit runs (default ``None``: where the module is).
+    """
 
     name = "lean"
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self.device = _as_device(device)
 
     def fit(
         self,
@@ -70,6 +89,21 @@ class LeanExecutor:
         batch: Any,
         epochs: int,
         callbacks: Sequence[pl.Callback] = (),
+    ) -> None:
+        if self.device is None:
+            return self._fit(module, batch, epochs, callbacks)
+        module.to(self.device)
+        try:  # a PyG Data moves in place: move a shallow copy, never the client's data
+            self._fit(module, move_data_to_device(copy.copy(batch), self.device), epochs, callbacks)
+        finally:
+            module.cpu()
+
+    def _fit(
+        self,
+        module: pl.LightningModule,
+        batch: Any,
+        epochs: int,
+        callbacks: Sequence[pl.Callback],
     ) -> None:
         state = LoopState(max_epochs=epochs, lightning_module=module, callbacks=callbacks)
         opt = _single_optimizer(module.configure_optimizers())
@@ -119,7 +153,7 @@ class _OneBatch(torch.utils.data.Dataset):
         return 1
 
     def __getitem__(self, i: int) -> Any:
-        return self.batch
+        return copy.copy(self.batch)  # Lightning moves a PyG Data in place: move a copy
 
 
 def _first(items: list[Any]) -> Any:
@@ -133,14 +167,26 @@ class TrainerExecutor:
         accelerator: passed to the Trainer (default ``"cpu"``).
         devices: passed to the Trainer (default ``1``).
         precision: passed to the Trainer (default ``"32-true"``).
+        strategy: passed to the Trainer (default ``"auto"``; ``"ddp"`` with ``devices > 1``
+            spreads one client's fit over several GPUs, see docs/scaling.md).
+        device: one device for the fit (default ``None``: ``accelerator`` and ``devices``
+            decide); a CUDA device overrides them with that one GPU (set by
+            ``runner=distributed``). Lightning moves the module back to the CPU after the fit.
     """
 
     name = "trainer"
 
     def __init__(
-        self, accelerator: str = "cpu", devices: int | str = 1, precision: str = "32-true"
+        self,
+        accelerator: str = "cpu",
+        devices: int | str | list[int] = 1,
+        precision: str = "32-true",
+        strategy: str = "auto",
+        device: str | torch.device | None = None,
     ) -> None:
         self.accelerator, self.devices, self.precision = accelerator, devices, precision
+        self.strategy = strategy
+        self.device = _as_device(device)
 
     def fit(
         self,
@@ -149,10 +195,14 @@ class TrainerExecutor:
         epochs: int,
         callbacks: Sequence[pl.Callback] = (),
     ) -> None:
+        accelerator, devices = self.accelerator, self.devices
+        if self.device is not None and self.device.type == "cuda":
+            accelerator, devices = "gpu", [self.device.index or 0]
         trainer = pl.Trainer(
             max_epochs=epochs,
-            accelerator=self.accelerator,
-            devices=self.devices,
+            accelerator=accelerator,
+            devices=devices,
+            strategy=self.strategy,
             precision=self.precision,
             logger=False,
             enable_checkpointing=False,

@@ -98,17 +98,18 @@ class FederatedLoop:
         broadcast = self.server.broadcast(round)
 
         def fit(client: FederatedClient) -> ClientUpdate:
-            self.ledger.record(DOWN, client.client_id, broadcast)
             torch.manual_seed(derive_seed(self.seed, "fit", round, client.client_id))
-            update = self.algorithm.local_fit(
+            return self.algorithm.local_fit(
                 self.module, client, broadcast, self.runner.executor, self.local_epochs
             )
-            self.ledger.record(UP, client.client_id, update)
-            return update
 
         updates = self.runner.run_round(
             round, [self.clients[k] for k in sampled], fit, desc=f"round {round}/{self.rounds}"
         )
+        # Counted here, in client order, whichever process fitted each client.
+        for k, update in zip(sampled, updates, strict=True):
+            self.ledger.record(DOWN, self.clients[k].client_id, broadcast)
+            self.ledger.record(UP, self.clients[k].client_id, update)
         self.server.aggregate(round, updates)
         metrics = self.evaluate(round)
         weights = [u.num_examples for u in updates]

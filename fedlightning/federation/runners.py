@@ -1,4 +1,9 @@
-"""Runners decide where clients run. Same seed, same result, whichever runner."""
+"""Runners decide where clients run. Same seed, same result, whichever runner.
+
+Every runner has an ``executor`` (how one local fit runs), a ``world``
+(:class:`~fedlightning.federation.world.World`: which process writes files) and
+``run_round(round, clients, fit)``, which returns the clients' updates in the order given.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,18 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fedlightning.federation.messages import ClientUpdate
+from fedlightning.federation.world import World, join_world, quiet_other_ranks
+from fedlightning.utils.seeding import rng_state, set_rng_state
 
 FitFn = Callable[[Any], ClientUpdate]
+
+
+def parse_kill_at(kill_at: str | None) -> tuple[int, int] | None:
+    """``"ROUND:N"`` -> ``(ROUND, N)`` (``None`` stays ``None``)."""
+    if not kill_at:
+        return None
+    round_, n = (int(x) for x in str(kill_at).split(":"))
+    return round_, n
 
 
 class SequentialRunner:
@@ -29,8 +44,9 @@ class SequentialRunner:
 
     def __init__(self, executor: Any, progress: bool = True, kill_at: str | None = None) -> None:
         self.executor = executor
+        self.world = World()
         self.progress = progress
-        self.kill_at = tuple(int(x) for x in str(kill_at).split(":")) if kill_at else None
+        self.kill_at = parse_kill_at(kill_at)
 
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
@@ -48,4 +64,88 @@ class SequentialRunner:
             updates.append(fit(client))
             if self.kill_at == (round, n):
                 os.kill(os.getpid(), signal.SIGKILL)
+        return updates
+
+
+def contiguous_shares(n: int, size: int) -> list[range]:
+    """Positions ``0..n-1`` cut into ``size`` contiguous shares, in rank order, whose lengths
+    differ by at most one: rank ``r`` gets ``range(r n // size, (r + 1) n // size)``."""
+    return [range(r * n // size, (r + 1) * n // size) for r in range(size)]
+
+
+class DistributedRunner:
+    """Spreads each round's clients over the processes of a ``torchrun`` job.
+
+    Every rank holds the whole federated state (server, clients' data and state, ledger,
+    history) and runs the same loop. In a round, rank ``r`` fits its contiguous share of the
+    sampled clients (:func:`contiguous_shares`); then every rank gathers all shares' updates
+    and the fitted clients' persistent ``state`` (replay memory, teacher, ...) in client
+    order, so each rank runs the server step, the evaluation and any stage-end exchange on
+    exactly the inputs the sequential runner would give, and stays in sync. The global RNG
+    is then set on every rank to its state after the round's last fit, as in a sequential
+    run. Local fits are seeded by ``(seed, "fit", round, client)``, so results do not depend
+    on which rank fits a client: on CPU a run is bitwise equal to the sequential one.
+
+    Only rank 0 logs, prints and writes (run directory, checkpoints, MLflow); see
+    :func:`~fedlightning.federation.world.quiet_other_ranks`. Without ``torchrun`` the
+    runner is a world of one process and behaves like :class:`SequentialRunner`.
+
+    Args:
+        executor: the local-fit executor; its ``device`` is set to this rank's device.
+        backend: ``auto`` (NCCL on GPUs, Gloo on CPU), ``gloo`` or ``nccl``.
+        device: ``auto`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``cpu``
+            or ``cuda``.
+        timeout_s: seconds a rank waits for the others in a collective before it fails with
+            :class:`~fedlightning.federation.world.RankLost` (default ``600``): longer than
+            one rank's share of a round.
+        progress: a progress bar over rank 0's share, when the terminal is interactive.
+        kill_at: fault injection, ``"ROUND:N"``: the rank that fits the N-th sampled client of
+            ROUND kills itself with SIGKILL right after that fit.
+    """
+
+    name = "distributed"
+
+    def __init__(
+        self,
+        executor: Any,
+        backend: str = "auto",
+        device: str = "auto",
+        timeout_s: float = 600.0,
+        progress: bool = True,
+        kill_at: str | None = None,
+    ) -> None:
+        self.executor = executor
+        self.world = join_world(backend, device, float(timeout_s))
+        self.executor.device = self.world.device
+        self.progress = progress and self.world.is_main
+        self.kill_at = parse_kill_at(kill_at)
+        if self.world.size > 1:
+            quiet_other_ranks(self.world)
+            self.world.stop_on_sigterm()
+
+    def run_round(
+        self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
+    ) -> list[ClientUpdate]:
+        """Fit this rank's share, gather every share, return all updates in the order given."""
+        share = contiguous_shares(len(clients), self.world.size)[self.world.rank]
+        bar = tqdm(
+            share,
+            desc=desc or f"round {round}",
+            unit="client",
+            leave=False,
+            disable=None if self.progress else True,
+        )
+        mine = []
+        for i in bar:
+            mine.append((fit(clients[i]), clients[i].state))
+            if self.kill_at == (round, i + 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+        last_rng = rng_state() if mine else None
+        parts = self.world.all_gather((mine, last_rng), f"gathering round {round}")
+        results = [r for part, _ in parts for r in part]
+        updates = []
+        for client, (update, state) in zip(clients, results, strict=True):
+            client.state = state  # the fitting rank's state, now on every rank
+            updates.append(update)
+        set_rng_state(next(rng for _, rng in reversed(parts) if rng is not None))
         return updates
