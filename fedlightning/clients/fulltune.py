@@ -90,6 +90,15 @@ class FullTuneClient(pl.LightningModule):
             p.requires_grad_(True)
         self.last_loss = float("nan")
 
+    def train(self, mode: bool = True) -> FullTuneClient:
+        """The adapter follows ``mode``; the encoder always streams as the bank's contexts
+        were built (evaluation mode: no attention dropout, TGN's memory read as stored), so
+        that training and the server's scoring see the same kind of states. Gradients
+        still reach every encoder parameter through the states and the memory updates."""
+        super().train(mode)
+        self.encoder.eval()
+        return self
+
     def receive(self, state: dict[str, Tensor]) -> None:
         """Start a round from the global encoder and adapter (``encoder.*``, ``adapter.*``)."""
         self.load_state_dict(state, strict=False)

@@ -161,6 +161,24 @@ def test_fulltune_fedavg_sends_the_whole_model_and_tunes_the_encoder(tmp_env, co
     restore_state(twin, enc)
     assert all(torch.equal(a, b) for a, b in zip(twin.buffers(), enc.buffers(), strict=True))
     assert torch.equal(twin.state.loader.e_id, enc.state.loader.e_id)
+    # a local fit streams in evaluation mode (the kind of states the server scores) and
+    # still sends gradients into the encoder
+    from fedlightning.clients.fulltune import FullTuneClient
+
+    client = FullTuneClient(fork(enc), enc, PromptAdapter(64, 64, 8), stream, "lp")
+    client.train()
+    assert client.adapter.training and not client.encoder.training
+    ev = torch.arange(15000, 15006)
+    batch = {
+        "events": ev,
+        "neg_id": torch.from_numpy(stream.dst[(ev + 7).numpy()]),
+        "x": torch.from_numpy(stream.msg[ev.numpy()]),
+        "y": torch.from_numpy(stream.label[ev.numpy()]),
+        "neg_ok": torch.ones(6, dtype=torch.bool),
+    }
+    client.training_step(batch, 0).backward()
+    grads = [p.grad for p in client.encoder.parameters() if p.grad is not None]
+    assert grads and any(float(g.abs().sum()) > 0 for g in grads)
 
 
 def test_a_fedtip_grid_sweep_reads_the_task_mean(tmp_path, monkeypatch):
