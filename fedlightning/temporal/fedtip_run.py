@@ -68,12 +68,27 @@ def eval_batches(
     return {"val": as_single(val), "test": as_single(test)}
 
 
-def check_families(families: Any, stream: EventStream) -> list[str]:
+def make_algorithm(cfg: DictConfig) -> FedTIP:
+    try:
+        algorithm = build(cfg.algorithm, "algorithm")
+    except ValueError as e:
+        raise ConfigError("algorithm", str(e)) from None
+    if not isinstance(algorithm, FedTIP):
+        raise ConfigError(
+            "algorithm",
+            f"task=temporal needs a FedTIP algorithm (fedtip, prompt_fedavg, prompt_central, "
+            f"fulltune_fedavg), got {type(algorithm).__name__}",
+        )
+    return algorithm
+
+
+def check_families(families: Any, stream: EventStream | None) -> list[str]:
+    """The task families to run; node classification needs the stream's state labels."""
     fams = list(families or [])
     bad = [f for f in fams if f not in FAMILIES]
     if not fams or bad:
         raise ConfigError("families", f"a non-empty list of {list(FAMILIES)}, got {fams}")
-    if "nc" in fams and stream.label is None:
+    if stream is not None and "nc" in fams and stream.label is None:
         raise ConfigError(
             "families", f"node classification needs state labels; {stream.name} has none"
         )
@@ -112,17 +127,10 @@ def train_fedtip(
     )
 
     t0 = time.perf_counter()
+    make_algorithm(cfg)  # the config first: a bad value fails before a run directory exists
+    check_families(cfg.get("families"), None)
     cfg, run_dir, resuming, stream, bank_cfg, proto, files = temporal_setup(cfg, run_dir)
-    try:
-        algorithm = build(cfg.algorithm, "algorithm")
-    except ValueError as e:
-        raise ConfigError("algorithm", str(e)) from None
-    if not isinstance(algorithm, FedTIP):
-        raise ConfigError(
-            "algorithm",
-            f"task=temporal needs a FedTIP algorithm (fedtip, prompt_fedavg, prompt_central), "
-            f"got {type(algorithm).__name__}",
-        )
+    algorithm = make_algorithm(cfg)  # a resumed run's own config
     families = check_families(cfg.get("families"), stream)
     limit = cfg.get("max_tasks")
     cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]

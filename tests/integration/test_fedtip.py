@@ -10,6 +10,20 @@ from fedlightning.errors import ConfigError, RunStopped
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.train import train
 
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One cache for the module: protocol objects, banks and contexts are keyed by their
+    content, so runs of the same stream share them, as a user's runs do."""
+    return tmp_path_factory.mktemp("fedtip-cache")
+
+
+@pytest.fixture
+def env(tmp_env, shared_cache, monkeypatch):
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
+    return tmp_env
+
+
 SMALL = [
     "protocol.tasks.num_tasks=3",
     "federation.rounds=2",
@@ -34,29 +48,29 @@ def hand_uplink(run_dir, rounds, d_h, p, families, labels):
     return total
 
 
-def test_fedtip_synthetic_end_to_end_with_the_hand_counted_uplink(tmp_env, compose):
-    s = train(compose(["experiment=fedtip_synthetic", *SMALL]), tmp_env / "a", verbose=False)
+def test_fedtip_synthetic_end_to_end_with_the_hand_counted_uplink(env, compose):
+    s = train(compose(["experiment=fedtip_synthetic", *SMALL]), env / "a", verbose=False)
     m = s["metrics"]
     for k in ("auc_nc", "auc_tlp", "auc_ilp", "val_auc_nc", "val_auc_tlp"):
         assert 0.0 <= m[k] <= 1.0 and m[f"{k}_std"] >= 0.0
     assert s["tasks_done"] == 3 and s["tags"]["task"] == "temporal"
     assert s["tags"]["method"] == "fedtip" and s["tags"]["variant"] == "full"
-    per_task = json.loads((tmp_env / "a" / "task_metrics.json").read_text())
+    per_task = json.loads((env / "a" / "task_metrics.json").read_text())
     assert [r["task"] for r in per_task] == [0, 1, 2]
     assert m["auc_tlp"] == pytest.approx(sum(r["auc_tlp"] for r in per_task) / 3)
     # the adapter of the stream's widths: d_h = 64, TE 64, 8 edge features
     p = PromptAdapter(64, 64, 8, bottleneck=2, rank=2).num_values()
     stream = make_synthetic_stream(num_events=20000, seed=2026)
-    proto_dir = tmp_env / "a"
+    proto_dir = env / "a"
     expected = hand_uplink(proto_dir, 2, 64, p, ["nc", "lp"], stream.label)
     assert s["comm"]["uplink_values"] == expected
     assert m["uplink_mib_per_task"] == pytest.approx(4 * expected / 1024**2 / 3)
     assert s["comm"]["message_values_by_hand"]["lp"] == p + 2 * 65 + 2
 
 
-def test_a_stopped_protocol_resumes_at_the_next_task(tmp_env, compose):
+def test_a_stopped_protocol_resumes_at_the_next_task(env, compose):
     cfg = compose(["experiment=fedtip_synthetic", *SMALL])
-    straight = train(cfg, tmp_env / "straight", verbose=False)
+    straight = train(cfg, env / "straight", verbose=False)
 
     def stop_after_first(kind, step, metrics):
         assert kind == "task" and "auc_tlp" in metrics
@@ -64,56 +78,54 @@ def test_a_stopped_protocol_resumes_at_the_next_task(tmp_env, compose):
             raise RunStopped("stopped after task 1")
 
     with pytest.raises(RunStopped):
-        train(cfg, tmp_env / "cut", observe=stop_after_first, verbose=False)
-    assert (tmp_env / "cut" / "checkpoint.pt").exists()
+        train(cfg, env / "cut", observe=stop_after_first, verbose=False)
+    assert (env / "cut" / "checkpoint.pt").exists()
     resumed = train(
-        compose(["experiment=fedtip_synthetic", *SMALL, f"resume={tmp_env / 'cut'}"]),
-        tmp_env / "x",
+        compose(["experiment=fedtip_synthetic", *SMALL, f"resume={env / 'cut'}"]),
+        env / "x",
         verbose=False,
     )
     assert resumed["resumed"] and resumed["metrics"] == straight["metrics"]
     assert resumed["comm"]["uplink_values"] == straight["comm"]["uplink_values"]
 
 
-def test_comparators_and_ablation_switches_run(tmp_env, compose):
+def test_comparators_and_ablation_switches_run(env, compose):
     one = [*SMALL, "protocol.tasks.num_tasks=1"]
     central = train(
-        compose(["experiment=prompt_central_synthetic", *one]), tmp_env / "c", verbose=False
+        compose(["experiment=prompt_central_synthetic", *one]), env / "c", verbose=False
     )
     assert central["tags"]["method"] == "prompt_central" and central["comm"]["uplink_values"] == 0
     assert "uplink_mib_per_task" not in central["metrics"]  # raw support, not a federation
-    fedavg = train(
-        compose(["experiment=prompt_fedavg_synthetic", *one]), tmp_env / "f", verbose=False
-    )
+    fedavg = train(compose(["experiment=prompt_fedavg_synthetic", *one]), env / "f", verbose=False)
     fields = fedavg["comm"]["fields"]
     assert "lp/proto.1" not in fields and "lp/coverage" not in fields and "nc/proto.1" in fields
     ab = train(
         compose(["experiment=fedtip_synthetic", *one, "+ablation=no_pa_rwa"]),
-        tmp_env / "a",
+        env / "a",
         verbose=False,
     )
     assert ab["tags"]["variant"] == "no_pa_rwa"
     assert not any(k.startswith(("nc/anchor", "lp/anchor")) for k in ab["comm"]["fields"])
 
 
-def test_bad_fedtip_input_fails_before_training(tmp_env, compose):
+def test_bad_fedtip_input_fails_before_training(env, compose):
     with pytest.raises(ConfigError, match="families"):
-        train(compose(["experiment=fedtip_synthetic", *SMALL, "families=[nc,xx]"]), tmp_env / "a")
+        train(compose(["experiment=fedtip_synthetic", *SMALL, "families=[nc,xx]"]), env / "a")
     with pytest.raises(ConfigError, match="algorithm.aggregation"):
         train(
             compose(["experiment=fedtip_synthetic", *SMALL, "algorithm.aggregation=mean"]),
-            tmp_env / "b",
+            env / "b",
         )
-    assert not (tmp_env / "cache" / "banks").exists()  # nothing was trained
+    assert not (env / "a" / "config.yaml").exists() and not (env / "b").exists()  # no run began
 
 
-def test_fedtip_logs_every_task_to_mlflow(tmp_env, compose):
+def test_fedtip_logs_every_task_to_mlflow(env, compose):
     from mlflow.tracking import MlflowClient
 
     cfg = compose(["experiment=fedtip_synthetic", *[o for o in SMALL if o != "logger=none"]])
-    s = train(cfg, tmp_env / "a", verbose=False)
+    s = train(cfg, env / "a", verbose=False)
     client = MlflowClient(cfg.logger.tracking_uri)
-    run_id = json.loads((tmp_env / "a" / "mlflow_run.json").read_text())["run_id"]
+    run_id = json.loads((env / "a" / "mlflow_run.json").read_text())["run_id"]
     history = client.get_metric_history(run_id, "auc_tlp")
     assert [h.step for h in history] == [1, 2, 3]
     run = client.get_run(run_id)
@@ -124,10 +136,10 @@ def test_fedtip_logs_every_task_to_mlflow(tmp_env, compose):
 
 
 @pytest.mark.slow
-def test_fedtip_on_bitcoin_alpha(tmp_env, compose, shared_data, monkeypatch):
+def test_fedtip_on_bitcoin_alpha(env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     over = ["experiment=fedtip_bitcoin_alpha", *SMALL[:-2], "bank.max_events=3000", "logger=none"]
-    s = train(compose(over), tmp_env / "btc", verbose=False)
+    s = train(compose(over), env / "btc", verbose=False)
     assert s["table"]["events"] == 24_186 and s["families"] == ["nc", "lp"]
     m = s["metrics"]
     assert all(0.0 <= m[k] <= 1.0 for k in ("auc_nc", "auc_tlp", "auc_ilp"))
@@ -138,11 +150,11 @@ def test_fedtip_on_bitcoin_alpha(tmp_env, compose, shared_data, monkeypatch):
     assert saved["hash"] == s["hashes"]["bank"]
 
 
-def test_fulltune_fedavg_sends_the_whole_model_and_tunes_the_encoder(tmp_env, compose):
+def test_fulltune_fedavg_sends_the_whole_model_and_tunes_the_encoder(env, compose):
     from fedlightning.temporal.contexts import fork, load_bank, restore_state
 
     over = ["experiment=fulltune_fedavg_synthetic", *SMALL, "protocol.tasks.num_tasks=1"]
-    s = train(compose([*over, "families=[lp]"]), tmp_env / "f", verbose=False)
+    s = train(compose([*over, "families=[lp]"]), env / "f", verbose=False)
     stream = make_synthetic_stream(num_events=20000, seed=2026)
     enc = load_bank(s["bank"]["path"], stream)
     encoder_values = sum(p.numel() for p in enc.parameters())
