@@ -158,14 +158,14 @@ class TaskLoop:
                 tensors={"adapter": server.omega, **{f"anchor.{c}": a for c, a in anchors.items()}},
             )
             for k in ids:
-                ledger.record(DOWN, k, _prefixed(down, family))
+                ledger.record(DOWN, k, prefixed(down, family))
             module.receive(omega, anchors, len(ids))
             torch.manual_seed(derive_seed(self.seed, "fit", task.task, family, r))
             executor.fit(module, stack, self.epochs)
             gens = [torch_generator(self.seed, "release", task.task, family, r, k) for k in ids]
             updates = alg.make_updates(module, stack, omega, r, ids, gens)
             for u in updates:
-                ledger.record(UP, u.client_id, _prefixed(u, family))
+                ledger.record(UP, u.client_id, prefixed(u, family))
             self.message_values[family] = updates[0].num_values()
             server.step([read_update(u) for u in updates])
         adapter.load_state_dict(server.state())
@@ -273,7 +273,7 @@ class TaskLoop:
         self.message_values = dict(state["message_values"])
 
 
-def _prefixed(message: Message, family: str) -> Message:
+def prefixed(message: Message, family: str) -> Message:
     """The message with its fields named ``<family>/<field>`` for the per-field ledger."""
     out = Message(round=message.round)
     out.tensors = {f"{family}/{k}": v for k, v in message.tensors.items()}

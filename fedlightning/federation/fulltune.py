@@ -19,7 +19,7 @@ from torch import Tensor
 from fedlightning.algorithms.fedtip import read_update
 from fedlightning.clients.fulltune import FullTuneClient
 from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
-from fedlightning.federation.fedtip import Batch, TaskBatches, TaskLoop, _prefixed, as_single
+from fedlightning.federation.fedtip import Batch, TaskBatches, TaskLoop, as_single, prefixed
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
 from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.fedtip import FedTIPServer
@@ -59,7 +59,7 @@ class FullTuneLoop(TaskLoop):
 
             def fit(k: int, r: int = r, omega: dict = omega) -> ClientUpdate:
                 ledger.record(
-                    DOWN, k, _prefixed(ServerBroadcast(r, {"model": server.omega}), family)
+                    DOWN, k, prefixed(ServerBroadcast(r, {"model": server.omega}), family)
                 )
                 module.receive(omega)
                 torch.manual_seed(derive_seed(self.seed, "fit", task.task, family, r, k))
@@ -76,7 +76,7 @@ class FullTuneLoop(TaskLoop):
                     round=r, client_id=k, tensors=tensors,
                     scalars={f"count.{c}": float(n) for c, n in observed.items()},
                 )  # fmt: skip
-                ledger.record(UP, k, _prefixed(update, family))
+                ledger.record(UP, k, prefixed(update, family))
                 self.message_values[family] = update.num_values()
                 return update
 

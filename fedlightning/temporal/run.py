@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from fedlightning.config import build
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
 from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize
-from fedlightning.errors import ConfigError
+from fedlightning.errors import ConfigError, FedLightningError
 from fedlightning.temporal.bank import (
     BANK_VERSION,
     BankConfig,
@@ -64,6 +65,14 @@ def temporal_setup(cfg: DictConfig, run_dir: Path):
         proto, _ = materialize(stream, params, Path(params["cache_dir"]))
     except ValueError as e:
         raise ConfigError("protocol", str(e)) from None
+    saved = run_dir / "protocol.json"
+    if resuming and saved.exists():
+        before = json.loads(saved.read_text())["hashes"]
+        if before != proto.hashes:
+            raise FedLightningError(
+                f"{saved}: the run was started with protocol hashes {before}, but the same "
+                f"config now gives {proto.hashes} (data or code changed); refusing to resume"
+            )
     files = proto.write(run_dir)
     log.info("%s\n%s", stream, format_table(proto.table()))
     return cfg, run_dir, resuming, stream, bank_cfg, proto, files

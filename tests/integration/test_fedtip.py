@@ -86,6 +86,17 @@ def test_a_stopped_protocol_resumes_at_the_next_task(env, compose):
         verbose=False,
     )
     assert resumed["resumed"] and resumed["metrics"] == straight["metrics"]
+    # a run whose protocol no longer matches (data or code changed) is not resumed
+    from fedlightning.errors import FedLightningError
+
+    again = env / "again"
+    with pytest.raises(RunStopped):
+        train(cfg, again, observe=stop_after_first, verbose=False)
+    saved = json.loads((again / "protocol.json").read_text())
+    saved["hashes"]["tasks"] = "0" * 16
+    (again / "protocol.json").write_text(json.dumps(saved))
+    with pytest.raises(FedLightningError, match="refusing to resume"):
+        train(compose(["experiment=fedtip_synthetic", *SMALL, f"resume={again}"]), env / "y")
     assert resumed["comm"]["uplink_values"] == straight["comm"]["uplink_values"]
 
 
