@@ -53,18 +53,27 @@ class SequentialRunner:
     ) -> list[ClientUpdate]:
         """Fit each client and return their updates in the order given."""
         updates = []
-        bar = tqdm(
-            clients,
-            desc=desc or f"round {round}",
-            unit="client",
-            leave=False,
-            disable=None if self.progress else True,
-        )
-        for n, client in enumerate(bar, start=1):
+        for n, client in enumerate(client_bar(clients, round, desc, self.progress), start=1):
             updates.append(fit(client))
-            if self.kill_at == (round, n):
-                os.kill(os.getpid(), signal.SIGKILL)
+            kill_if(self.kill_at, round, n)
         return updates
+
+
+def client_bar(items: Sequence[Any], round: int, desc: str, progress: bool) -> Any:
+    """A progress bar over a round's clients (shown only on an interactive terminal)."""
+    return tqdm(
+        items,
+        desc=desc or f"round {round}",
+        unit="client",
+        leave=False,
+        disable=None if progress else True,
+    )
+
+
+def kill_if(kill_at: tuple[int, int] | None, round: int, n: int) -> None:
+    """Fault injection: SIGKILL this process after the ``n``-th fit of ``round``."""
+    if kill_at == (round, n):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def contiguous_shares(n: int, size: int) -> list[range]:
@@ -128,18 +137,10 @@ class DistributedRunner:
     ) -> list[ClientUpdate]:
         """Fit this rank's share, gather every share, return all updates in the order given."""
         share = contiguous_shares(len(clients), self.world.size)[self.world.rank]
-        bar = tqdm(
-            share,
-            desc=desc or f"round {round}",
-            unit="client",
-            leave=False,
-            disable=None if self.progress else True,
-        )
         mine = []
-        for i in bar:
+        for i in client_bar(share, round, desc, self.progress):
             mine.append((fit(clients[i]), clients[i].state))
-            if self.kill_at == (round, i + 1):
-                os.kill(os.getpid(), signal.SIGKILL)
+            kill_if(self.kill_at, round, i + 1)
         last_rng = rng_state() if mine else None
         parts = self.world.all_gather((mine, last_rng), f"gathering round {round}")
         results = [r for part, _ in parts for r in part]
