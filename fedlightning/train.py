@@ -107,13 +107,14 @@ def check_algorithm_fits_protocol(algorithm: Any, stream: ClassStream | None) ->
 
 
 def check_runner_fits_task(cfg: DictConfig) -> None:
-    """``runner=distributed`` spreads the round loop of :func:`train`; the bank pre-training and
-    FedTIP's loop (``task=bank``, ``task=temporal``) do not run through it yet."""
+    """``runner=distributed`` spreads the clients of a round (:func:`train`, FedTIP's task
+    loop); the bank's pre-training (``task=bank``) is centralized and has none."""
     target = str(OmegaConf.select(cfg, "runner._target_", default=""))
-    if target.endswith(".DistributedRunner") and cfg.get("task") in ("bank", "temporal"):
+    if target.endswith(".DistributedRunner") and cfg.get("task") == "bank":
         raise ConfigError(
             "runner",
-            f"runner=distributed does not support task={cfg.task} yet; use runner=sequential",
+            "runner=distributed does not support task=bank: the bank is pre-trained "
+            "centrally, in one process; use runner=sequential",
         )
 
 

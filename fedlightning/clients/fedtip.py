@@ -43,10 +43,11 @@ NUM_CLASSES = 2  # state labels are binary; link prediction: negative (0), posit
 Batch = dict[str, Tensor]
 
 
-def stack_batches(batches: Sequence[Batch]) -> Batch:
+def stack_batches(batches: Sequence[Batch], length: int = 0) -> Batch:
     """Client batches ``[n_k, ...]`` stacked to ``[K, N, ...]`` (zero-padded to the largest
-    ``N``) with ``mask`` ``[K, N]`` marking the real events."""
-    n = max(len(b["h_u"]) for b in batches)
+    ``n_k``, or to ``length`` if larger: a share of a round padded as the round's stack) with
+    ``mask`` ``[K, N]`` marking the real events."""
+    n = max(length, *(len(b["h_u"]) for b in batches))
     out: Batch = {}
     for key in batches[0]:
         first = batches[0][key]
@@ -145,11 +146,21 @@ class FedTIPClient(pl.LightningModule):
         self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)
         self.last_loss = float("nan")
 
-    def receive(self, omega: dict[str, Tensor], anchors: dict[int, Tensor], copies: int) -> None:
+    def receive(
+        self,
+        omega: dict[str, Tensor],
+        anchors: dict[int, Tensor],
+        copies: int,
+        first: int = 0,
+        total: int | None = None,
+    ) -> None:
         r"""Start a round of ``copies`` clients from the server's :math:`\Omega^{(r)}` and
-        anchors :math:`\bar{\mathbf{q}}_c^{(r)}`."""
+        anchors :math:`\bar{\mathbf{q}}_c^{(r)}`: the round's clients ``first .. first +
+        copies - 1`` of ``total`` (default: all of them; see
+        :meth:`~fedlightning.temporal.adapter.PromptAdapter.place`)."""
         if self.adapter.copies != copies:
             self.adapter = self.adapter.stacked(copies)
+        self.adapter.place(first, copies if total is None else total)
         self.adapter.load_copies(omega)
         self.start = {k: v.detach().clone() for k, v in omega.items()}
         self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)

@@ -6,6 +6,11 @@ federated over the task's active clients for ``rounds`` rounds of ``epochs`` loc
 the global validation and test segments with the global adapter. Everything a fit reads
 is precomputed (cached contexts), so a fit costs only the adapter's own arithmetic.
 
+A round's clients train as one stack (:mod:`fedlightning.temporal.adapter`); under
+``runner=distributed`` each rank fits its contiguous share of them as a smaller stack
+(:func:`stacked_round`), which gives each client bitwise the update it gets in the whole
+round's stack on CPU.
+
 The ledger counts each message per field (Eq. 32) and the downlink of Eq. (33): the bank
 once per newly provisioned client, then the adapter and the anchors to every active
 client in every round. After each task the loop's state is checkpointed, so a long
@@ -19,6 +24,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +34,15 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from fedlightning.algorithms.fedtip import FedTIP, read_update
-from fedlightning.clients.fedtip import family_prototypes, family_views, stack_batches
+from fedlightning.clients.fedtip import (
+    FedTIPClient,
+    family_prototypes,
+    family_views,
+    stack_batches,
+)
 from fedlightning.federation.ledger import DOWN, UP, CommLedger, values_to_mib
-from fedlightning.federation.messages import Message, ServerBroadcast
+from fedlightning.federation.messages import ClientUpdate, Message, ServerBroadcast
+from fedlightning.federation.runners import contiguous_shares
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.utils.io import save_torch
@@ -137,19 +149,17 @@ class TaskLoop:
         alg = self.algorithm
         adapter = self.new_adapter(task, family)
         module = alg.client_module(adapter, family)
-        executor = self.runner.executor
         ids = list(task.clients)
-        if alg.mode == "central":
+        if alg.mode == "central":  # one pooled fit, the same on every rank
             pooled = stack_batches([pool([task.clients[k] for k in ids])])
             module.receive(adapter.state_dict(), {}, 1)
             torch.manual_seed(derive_seed(self.seed, "fit", task.task, family))
-            executor.fit(module, pooled, self.rounds * self.epochs)
+            self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
             module.eval()
             with torch.no_grad():
                 q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
             adapter.load_state_dict(module.adapter.state_dict())
             return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
-        stack = stack_batches([task.clients[k] for k in ids])
         server = alg.server(adapter.state_dict())
         for r in range(1, self.rounds + 1):
             omega, anchors = server.broadcast()
@@ -159,17 +169,43 @@ class TaskLoop:
             )
             for k in ids:
                 ledger.record(DOWN, k, prefixed(down, family))
-            module.receive(omega, anchors, len(ids))
-            torch.manual_seed(derive_seed(self.seed, "fit", task.task, family, r))
-            executor.fit(module, stack, self.epochs)
-            gens = [torch_generator(self.seed, "release", task.task, family, r, k) for k in ids]
-            updates = alg.make_updates(module, stack, omega, r, ids, gens)
-            for u in updates:
-                ledger.record(UP, u.client_id, prefixed(u, family))
+            fit = partial(self.fit_share, task, family, module, r, omega, anchors)
+            updates = stacked_round(self.runner, r, ids, fit)
             self.message_values[family] = updates[0].num_values()
-            server.step([read_update(u) for u in updates])
+            self.server_step(server, updates, family, ledger)
         adapter.load_state_dict(server.state())
         return adapter, server.class_prototypes()
+
+    def fit_share(
+        self,
+        task: TaskBatches,
+        family: str,
+        module: FedTIPClient,
+        round: int,
+        omega: dict[str, Tensor],
+        anchors: dict[int, Tensor],
+        share: range,
+    ) -> list[ClientUpdate]:
+        """The updates of the task's clients at positions ``share`` after one local fit of
+        them as one stack, padded as the whole round's and with its dropout draws, so each
+        client's update is the one it gets in the whole round's stack."""
+        ids = list(task.clients)
+        mine = [ids[i] for i in share]
+        module.receive(omega, anchors, len(mine), share.start, len(ids))
+        length = max(len(b["h_u"]) for b in task.clients.values())
+        stack = stack_batches([task.clients[k] for k in mine], length)
+        torch.manual_seed(derive_seed(self.seed, "fit", task.task, family, round))
+        self.runner.executor.fit(module, stack, self.epochs)
+        gens = [torch_generator(self.seed, "release", task.task, family, round, k) for k in mine]
+        return self.algorithm.make_updates(module, stack, omega, round, mine, gens)
+
+    def server_step(
+        self, server: Any, updates: list[ClientUpdate], family: str, ledger: CommLedger
+    ) -> None:
+        """The round's uplink: each message into the ledger, then the server's step."""
+        for u in updates:
+            ledger.record(UP, u.client_id, prefixed(u, family))
+        server.step([read_update(u) for u in updates])
 
     # ------------------------------------------------------------------ one task
     def run_task(self, task: TaskBatches) -> dict[str, float]:
@@ -271,6 +307,43 @@ class TaskLoop:
         self.fields = {k: dict(v) for k, v in state["fields"].items()}
         self.provisioned = set(state["provisioned"])
         self.message_values = dict(state["message_values"])
+
+
+@dataclass
+class Member:
+    """A task's client as a runner sees it: its id, and no state kept between rounds."""
+
+    client_id: int
+    state: None = None
+
+
+def members(ids: Sequence[int]) -> list[Member]:
+    """The clients ``ids`` as the runner's ``run_round`` takes them."""
+    return [Member(k) for k in ids]
+
+
+def stacked_round(
+    runner: Any, round: int, ids: Sequence[int], fit: Callable[[range], list[ClientUpdate]]
+) -> list[ClientUpdate]:
+    """The updates of the clients ``ids`` in a round, in client order, each rank's
+    contiguous share (:func:`~fedlightning.federation.runners.contiguous_shares`) fitted as
+    one stack by ``fit(positions)``.
+
+    The runner asks for the share's clients one by one (its progress bar, fault injection,
+    gathering and RNG hand-over stay its own); the first asks for the whole share's fit.
+    A sequential runner's (a world of one's) share is the whole round: one stack.
+    """
+    share = contiguous_shares(len(ids), runner.world.size)[runner.world.rank]
+    fitted: dict[int, ClientUpdate] = {}
+
+    def fit_client(client: Member) -> ClientUpdate:
+        if not fitted:
+            fitted.update((u.client_id, u) for u in fit(share))
+        if client.client_id not in fitted:
+            raise RuntimeError(f"client {client.client_id} is not in this rank's share")
+        return fitted[client.client_id]
+
+    return runner.run_round(round, members(ids), fit_client, desc=f"round {round}")
 
 
 def prefixed(message: Message, family: str) -> Message:

@@ -16,11 +16,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedlightning.algorithms.fedtip import read_update
 from fedlightning.clients.fulltune import FullTuneClient
 from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
-from fedlightning.federation.fedtip import Batch, TaskBatches, TaskLoop, as_single, prefixed
-from fedlightning.federation.ledger import DOWN, UP, CommLedger
+from fedlightning.federation.fedtip import (
+    Batch,
+    Member,
+    TaskBatches,
+    TaskLoop,
+    as_single,
+    members,
+    prefixed,
+)
+from fedlightning.federation.ledger import DOWN, CommLedger
 from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.fedtip import FedTIPServer
 from fedlightning.temporal.adapter import PromptAdapter
@@ -56,11 +63,12 @@ class FullTuneLoop(TaskLoop):
         executor = self.runner.executor
         for r in range(1, self.rounds + 1):
             omega, _ = server.broadcast()
+            down = prefixed(ServerBroadcast(r, {"model": server.omega}), family)
+            for k in task.clients:
+                ledger.record(DOWN, k, down)
 
-            def fit(k: int, r: int = r, omega: dict = omega) -> ClientUpdate:
-                ledger.record(
-                    DOWN, k, prefixed(ServerBroadcast(r, {"model": server.omega}), family)
-                )
+            def fit(client: Member, r: int = r, omega: dict = omega) -> ClientUpdate:
+                k = client.client_id
                 module.receive(omega)
                 torch.manual_seed(derive_seed(self.seed, "fit", task.task, family, r, k))
                 executor.fit(module, task.clients[k], self.epochs)
@@ -72,16 +80,14 @@ class FullTuneLoop(TaskLoop):
                 tensors = {"delta": delta}
                 if family == "nc":
                     tensors.update({f"proto.{c}": q[c].clone() for c in observed})
-                update = ClientUpdate(
+                return ClientUpdate(
                     round=r, client_id=k, tensors=tensors,
                     scalars={f"count.{c}": float(n) for c, n in observed.items()},
                 )  # fmt: skip
-                ledger.record(UP, k, prefixed(update, family))
-                self.message_values[family] = update.num_values()
-                return update
 
-            updates = self.runner.run_round(r, list(task.clients), fit, desc=f"round {r}")
-            server.step([read_update(u) for u in updates])
+            updates = self.runner.run_round(r, members(task.clients), fit, desc=f"round {r}")
+            self.message_values[family] = updates[-1].num_values()  # the round's last
+            self.server_step(server, updates, family, ledger)
         module.receive(server.state())
         self.tuned = module.encoder
         return module.adapter, server.class_prototypes()

@@ -11,7 +11,10 @@ per client of a round) and every input carries a leading client axis ``[K, N, ..
 a mask ``[K, N]`` of real (not padded) events. The losses are sums over clients, so each
 client's gradient is its own and Adam's element-wise steps keep the clients independent:
 one stacked fit is K local fits in one pass. ``copies=1`` with 2-D inputs is the plain
-single-client form.
+single-client form. Dropout draws its mask for the round's whole stack
+(:class:`StackDropout`), so a client's fit does not depend on which other clients share its
+stack: one stack or several (``runner=distributed`` fits a share of the clients per rank)
+give bitwise the same adapters on CPU.
 """
 
 from __future__ import annotations
@@ -53,6 +56,33 @@ class StackedLinear(nn.Module):
         return out if self.bias is None else out + self.bias.unsqueeze(1)
 
 
+class StackDropout(nn.Module):
+    """Dropout on ``[K, N, d]`` whose mask is drawn for a round of ``total`` stacked copies,
+    of which this stack holds copies ``first .. first + K - 1`` (:attr:`window`).
+
+    A copy's mask then depends only on its place in the round, not on how the round's
+    copies are split into stacks. For the whole round (``window=None``, the default) the
+    draws, the mask and the output are :func:`torch.nn.functional.dropout`'s on CPU.
+
+    Args:
+        p: the probability of dropping a value, in ``[0, 1)``.
+    """
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout must lie in [0, 1), got {p}")
+        self.p = p
+        self.window: tuple[int, int] | None = None  # (first, total); None: the whole round
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0:
+            return x
+        first, total = self.window or (0, x.size(0))
+        noise = x.new_empty((total, *x.shape[1:])).bernoulli_(1 - self.p)
+        return x * noise[first : first + x.size(0)].div_(1 - self.p)
+
+
 class PromptAdapter(nn.Module):
     r"""Eqs. (14)-(17): the gates and the template, the only trainable part of FedTIP.
 
@@ -78,7 +108,7 @@ class PromptAdapter(nn.Module):
         bottleneck: gate bottleneck width (default ``2``). rank: template rank (default ``2``).
         static: the static-prompt ablation (default ``False``).
         dropout: dropout on the bottleneck activations (default ``0``; the paper's ``0.1``
-            is set in config).
+            is set in config), a :class:`StackDropout`.
         copies: independent parameter sets (clients) stacked on a leading axis.
         residual: add the gated source state to the template's output (default ``True``).
     """
@@ -103,10 +133,10 @@ class PromptAdapter(nn.Module):
         d_z = 2 * d_h + d_t + d_e + 2
         k = copies
         self.phi_f = nn.Sequential(
-            StackedLinear(k, d_z, bottleneck), nn.ReLU(), nn.Dropout(dropout)
+            StackedLinear(k, d_z, bottleneck), nn.ReLU(), StackDropout(dropout)
         )
         self.phi_t = nn.Sequential(
-            StackedLinear(k, d_z, bottleneck), nn.ReLU(), nn.Dropout(dropout)
+            StackedLinear(k, d_z, bottleneck), nn.ReLU(), StackDropout(dropout)
         )
         self.gate_f = StackedLinear(k, bottleneck, 2 * d_h)  # W_f, b_f
         self.gate_t = StackedLinear(k, bottleneck, d_t)  # W_t, b_t
@@ -148,6 +178,15 @@ class PromptAdapter(nn.Module):
         out = PromptAdapter(**self.config, copies=copies)
         out.load_copies(self.state_dict())
         return out
+
+    def place(self, first: int, total: int) -> None:
+        """These copies are ``first .. first + copies - 1`` of a round of ``total``: dropout
+        draws the whole round's masks and keeps theirs (:class:`StackDropout`)."""
+        if not 0 <= first <= total - self.copies:
+            raise ValueError(f"copies {first}..{first + self.copies - 1} are not among {total}")
+        for m in self.modules():
+            if isinstance(m, StackDropout):
+                m.window = (first, total)
 
     def load_copies(self, state: dict[str, Tensor]) -> None:
         """Set every copy to the single-copy ``state`` (the server's :math:`\\Omega^{(r)}`)."""

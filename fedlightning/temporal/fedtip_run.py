@@ -1,6 +1,10 @@
 """``fedlightning train experiment=fedtip_*`` (``task=temporal``): protocol, bank, cached
 contexts, then every task of the manifest (:class:`~fedlightning.federation.fedtip.TaskLoop`),
-with MLflow logging, a checkpoint per task and ``summary.json``."""
+with MLflow logging, a checkpoint per task and ``summary.json``.
+
+Under ``runner=distributed`` rank 0 alone makes the run directory, the protocol, the bank and
+the contexts (in the cache), checkpoints, logs and writes; the other ranks get its results
+(:meth:`~fedlightning.federation.world.World.on_main`) and read the cached files."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
 from fedlightning.temporal.run import ensure_bank, temporal_setup
-from fedlightning.tracking import flatten
+from fedlightning.tracking import NullTracker, flatten
 from fedlightning.tracking.plots import plot_task_metrics
 from fedlightning.utils.io import write_json
 
@@ -95,6 +99,11 @@ def check_families(families: Any, stream: EventStream | None) -> list[str]:
     return fams
 
 
+def saved_state(path: Path) -> dict[str, Any] | None:
+    """The loop state checkpointed at ``path``; ``None`` before a first task ended."""
+    return torch.load(path, weights_only=False) if path.exists() else None
+
+
 def format_temporal_summary(summary: dict[str, Any]) -> str:
     m, c = summary["metrics"], summary["comm"]
     rows: list[tuple[str, str]] = [("experiment", summary["experiment"])]
@@ -129,12 +138,15 @@ def train_fedtip(
     t0 = time.perf_counter()
     make_algorithm(cfg)  # the config first: a bad value fails before a run directory exists
     check_families(cfg.get("families"), None)
-    cfg, run_dir, resuming, stream, bank_cfg, proto, files = temporal_setup(cfg, run_dir)
+    runner = build(cfg.runner, "runner")  # a distributed runner joins its ranks here
+    world = runner.world  # only rank 0 writes files; the others get its results
+    setup = world.on_main(temporal_setup, cfg, run_dir)
+    cfg, run_dir, resuming, stream, bank_cfg, proto, files = setup
+    world.run_dir = run_dir
     algorithm = make_algorithm(cfg)  # a resumed run's own config
     families = check_families(cfg.get("families"), stream)
     limit = cfg.get("max_tasks")
     cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]
-    runner = build(cfg.runner, "runner")
 
     variant = algorithm.variant(bank_cfg.pretrained, bank_cfg.negatives == "filtered")
     tags = {
@@ -147,9 +159,9 @@ def train_fedtip(
         "experiment": str(cfg.name),
         **{f"hash_{k}": v for k, v in proto.hashes.items()},
     }
-    tracker = make_tracker(cfg)
+    tracker = make_tracker(cfg) if world.is_main else NullTracker()
     run_id = None
-    if resuming and (run_dir / MLFLOW_RUN_FILE).exists():
+    if world.is_main and resuming and (run_dir / MLFLOW_RUN_FILE).exists():
         run_id = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())["run_id"]
     parent = cfg.logger.get("parent_run_id")
     mlflow_tags = {**tags, "mlflow.parentRunId": str(parent)} if parent else tags
@@ -160,10 +172,12 @@ def train_fedtip(
             run_dir / MLFLOW_RUN_FILE, {"run_id": run_id, "tracking_uri": cfg.logger.tracking_uri}
         )
     try:
-        bank = ensure_bank(stream, proto, bank_cfg, int(cfg.seed), cache_dir, tracker)
+        bank = world.on_main(
+            ensure_bank, stream, proto, bank_cfg, int(cfg.seed), cache_dir, tracker
+        )
         train_mode = "unfiltered" if algorithm.negatives == "unfiltered" else None
-        ctx_path, ctx_hash, _ = cached_contexts(
-            bank["path"], bank["hash"], proto, cache_dir, train_mode
+        ctx_path, ctx_hash, _ = world.on_main(
+            cached_contexts, bank["path"], bank["hash"], proto, cache_dir, train_mode
         )
         contexts = torch.load(ctx_path, weights_only=False)
         enc = load_bank(bank["path"], stream)
@@ -187,17 +201,18 @@ def train_fedtip(
             epochs=int(cfg.federation.local_epochs),
             seed=int(cfg.seed),
             bank_values=bank_values(bank["path"]),
-            checkpoint_path=run_dir / CHECKPOINT_FILE,
+            checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
             on_task_end=on_task_end,
-            progress=bool(cfg.runner.get("progress", True)),
+            progress=bool(cfg.runner.get("progress", True)) and world.is_main,
         )
         args = (algorithm, tasks, evals, families, dims, runner)
         if algorithm.mode == "fulltune":
             loop = FullTuneLoop(*args, snapshot=enc, protocol=proto, **common)
         else:
             loop = TaskLoop(*args, **common)
-        if resuming and (run_dir / CHECKPOINT_FILE).exists():
-            loop.load_state_dict(torch.load(run_dir / CHECKPOINT_FILE, weights_only=False))
+        state = world.on_main(saved_state, run_dir / CHECKPOINT_FILE) if resuming else None
+        if state is not None:
+            loop.load_state_dict(state)
             log.info("resuming %s after task %d", run_dir, len(loop.results))
         results = loop.run()
     except BaseException as e:
@@ -228,6 +243,8 @@ def train_fedtip(
             "resumed": resuming,
         }
     )
+    if not world.is_main:  # the same state on every rank; rank 0 writes and logs it
+        return summary
     write_json(run_dir / "task_metrics.json", json_safe(results))
     write_json(run_dir / SUMMARY_FILE, summary)
     tracker.log_metrics({f"final_{k}": v for k, v in metrics.items()}, step=len(results))

@@ -1,5 +1,6 @@
 """runner=distributed: contiguous shares, a world of one, and 2 Gloo ranks under torchrun that
-give bitwise the sequential run's metrics, fail fast when a rank dies and resume."""
+give bitwise the sequential run's metrics (FedTIP's stacked rounds too), fail fast when a
+rank dies and resume."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ CIL = [  # partial participation moves clients between ranks; the teacher is cli
     "federation.rounds=2",
     "federation.participation=0.6",
     "algorithm.lambda_dis=1.0",
+]
+FEDTIP = [  # 3 tasks of 5 clients: rank 0 fits 2 of a round's clients as one stack, rank 1 3
+    "experiment=fedtip_synthetic",
+    "dataset.num_events=5000",
+    "protocol.tasks.num_tasks=3",
+    "federation.rounds=2",
+    "federation.local_epochs=2",
+    "bank.epochs=1",
+    "bank.max_events=2000",
 ]
 
 
@@ -231,6 +241,24 @@ def test_client_state_follows_clients_across_ranks(tmp_env, dist_env, compose):
     seq = sequential(compose, CIL, tmp_env / "seq")
     assert dist["metrics"] == seq["metrics"] and dist["acc_matrix"] == seq["acc_matrix"]
     assert dist["comm"] == seq["comm"]
+
+
+@pytest.mark.slow
+def test_fedtip_shares_of_a_stack_equal_the_sequential_stack(tmp_env, dist_env, compose):
+    """FedTIP with dropout: each rank fits its share of a round's clients as a smaller stack,
+    with the whole round's padding and dropout draws, which gives bitwise the sequential
+    run's single stack. Rank 0 alone builds the bank and contexts (the cache) and writes."""
+    r, _ = torchrun(
+        [*FEDTIP, "runner=distributed", "logger=none", "hydra.run.dir=d"], tmp_env, dist_env
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    dist = json.loads((tmp_env / "d" / "summary.json").read_text())
+    seq = sequential(compose, FEDTIP, tmp_env / "seq")
+    assert not dist["bank"]["reused"] and seq["bank"]["reused"]  # the sequential run's cache
+    assert dist["metrics"] == seq["metrics"]  # bitwise: the same floats
+    assert dist["comm"] == seq["comm"] and dist["hashes"] == seq["hashes"]
+    assert dist["tasks_done"] == 3 and 0.0 < dist["metrics"]["auc_tlp"] < 1.0
+    assert r.stdout.count("uplink per task") == 1  # only rank 0 prints the summary
 
 
 @pytest.mark.slow
