@@ -7,9 +7,9 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fedlightning.errors import FedLightningError
+from fedlightning.errors import ConfigError, FedLightningError
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -34,19 +34,124 @@ commands:
 """
 
 
+# Lightning's DDP launcher (runner.executor.devices > 1, strategy ddp) re-executes
+# `sys.executable` + `sys.argv` for ranks 1..N-1 at the first local fit, appending
+# `hydra.run.dir=<this run's dir> hydra.job.name=train_ddp_process_<rank>
+# hydra.output_subdir=null`: the ranks share rank 0's (time-stamped) run directory.
+LIGHTNING_RANK_JOB = "train_ddp_process_"
+_relaunch_argv: list[str] = []  # the command line that starts `fedlightning train` again
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def _train(cfg: DictConfig) -> float:
+    from hydra.types import RunMode
+
     from fedlightning.train import train
 
-    run_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
     try:
-        summary = train(cfg, run_dir)
+        ranks = lightning_ranks(cfg)
+        check_lightning_ddp(cfg, "multirun (-m)" if hydra_cfg.mode == RunMode.MULTIRUN else None)
+        if hydra_cfg.job.name.startswith(LIGHTNING_RANK_JOB):
+            summary = _train_lightning_rank(cfg)
+        else:
+            if ranks > 1 and _relaunch_argv:
+                sys.argv = list(_relaunch_argv)
+            try:
+                summary = train(cfg, hydra_cfg.runtime.output_dir)
+            finally:
+                if ranks > 1:
+                    _wait_for_lightning_ranks()
     except FedLightningError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     metrics = summary["metrics"]
     objective = metrics.get("val_am", metrics.get("val_acc"))  # what a sweep optimizes
     return float("nan") if objective is None else float(objective)
+
+
+def lightning_ranks(cfg: DictConfig) -> int:
+    """How many processes Lightning's launcher runs each local fit in: ``runner.executor``'s
+    devices for a ``TrainerExecutor`` whose strategy re-executes the command (``ddp``,
+    ``auto``, ...; not ``ddp_spawn``/``ddp_fork``/``ddp_notebook``), else 1."""
+    executor = OmegaConf.select(cfg, "runner.executor") or {}
+    if not str(executor.get("_target_", "")).endswith(".TrainerExecutor"):
+        return 1
+    if any(s in str(executor.get("strategy", "auto")) for s in ("spawn", "fork", "notebook")):
+        return 1
+    devices = executor.get("devices", 1)
+    if isinstance(devices, (list, ListConfig)):
+        return len(devices)
+    text = str(devices).strip()
+    if "," in text:
+        return len([d for d in text.split(",") if d.strip()])
+    if text.isdigit():
+        return int(text)
+    if executor.get("accelerator", "cpu") == "cpu":  # "auto" or -1 on the CPU: one process
+        return 1
+    import torch
+
+    return torch.cuda.device_count()  # "auto" or -1: every visible GPU
+
+
+def check_lightning_ddp(cfg: DictConfig, context: str | None = None) -> None:
+    """Refuse a Lightning DDP fit (``runner.executor.devices`` > 1) that its launcher cannot
+    start again as the other ranks of this run: ``context`` names a caller that trains
+    several configs in one process (multirun, a sweep)."""
+    if lightning_ranks(cfg) <= 1:
+        return
+    field = "runner.executor.devices"
+    if context is not None:
+        raise ConfigError(field, f"> 1 (Lightning DDP) does not combine with {context}")
+    if str(OmegaConf.select(cfg, "runner._target_", default="")).endswith(".DistributedRunner"):
+        raise ConfigError(
+            field,
+            "> 1 (Lightning DDP) does not combine with runner=distributed, whose ranks fit "
+            "on one device each; use runner=sequential_trainer",
+        )
+
+
+def _train_lightning_rank(cfg: DictConfig) -> dict:
+    """A rank Lightning's DDP launcher started: the same federated loop, so that every local
+    fit has its partner, in a scratch directory (rank 0 alone writes the run directory,
+    logs and prints); with ``resume``, from a copy of the run's checkpoint."""
+    import logging
+    import shutil
+    import tempfile
+
+    from fedlightning.train import MLFLOW_RUN_FILE, train
+
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(h)  # Hydra's train_ddp_process_<rank>.log in rank 0's directory
+        h.close()
+        Path(h.baseFilename).unlink(missing_ok=True)
+    logging.getLogger("fedlightning").setLevel(logging.WARNING)
+    OmegaConf.update(cfg, "logger.enabled", False, force_add=True)
+    OmegaConf.update(cfg, "runner.progress", False, force_add=True)
+    with tempfile.TemporaryDirectory(prefix="fedlightning-rank-") as scratch:
+        run_dir = Path(scratch) / "run"
+        if cfg.get("resume"):
+            ignore = shutil.ignore_patterns(".resume", MLFLOW_RUN_FILE)
+            shutil.copytree(cfg.resume, run_dir, ignore=ignore)
+            cfg.resume = str(run_dir)
+        return train(cfg, run_dir, verbose=False)
+
+
+def _wait_for_lightning_ranks(timeout_s: float = 60.0) -> None:
+    """Wait for the ranks Lightning started (they end with the loop), so none outlives the
+    command; kill any still running after ``timeout_s``."""
+    import psutil  # a dependency of torch-geometric
+
+    ranks = [
+        p
+        for p in psutil.Process().children()
+        if any(a.startswith(f"hydra.job.name={LIGHTNING_RANK_JOB}") for a in p.cmdline())
+    ]
+    _, alive = psutil.wait_procs(ranks, timeout=timeout_s)
+    for p in alive:
+        print(f"warning: killing Lightning rank process {p.pid}", file=sys.stderr, flush=True)
+        p.kill()
 
 
 def _resume_run_dir(args: list[str]) -> list[str]:
@@ -103,6 +208,7 @@ def _sweep(rest: list[str]) -> int:
     spec.study_name = args.study or spec.study_name
 
     def quiet_train(cfg, run_dir, observe):
+        check_lightning_ddp(cfg, "fedlightning sweep")
         return train(cfg, run_dir, observe, verbose=False)
 
     study = Sweep(spec, args.out, overrides, compose, quiet_train).run()
@@ -227,5 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     if command != "train":
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)
-    sys.argv = [f"{Path(sys.argv[0]).name} train", *_resume_run_dir(rest)]
+    args = _resume_run_dir(rest)
+    # Hydra reads its overrides from sys.argv; Lightning's DDP launcher later re-executes
+    # the real program with `train` and the same overrides (see _train).
+    _relaunch_argv[:] = [sys.argv[0], "train", *args]
+    sys.argv = [f"{Path(sys.argv[0]).name} train", *args]
     _train()

@@ -114,6 +114,15 @@ def test_python_m_and_multirun(tmp_path, cli_env):
         ),
         (["experiment=cil_fedavg_cora", "algorithm=fedavg"], {}, "algorithm"),
         (["experiment=fedavg_synthetic", "algorithm=cil_fedavg"], {}, "protocol"),
+        (
+            [
+                "runner=distributed",
+                "runner.executor._target_=fedlightning.federation.executors.TrainerExecutor",
+                "+runner.executor.devices=2",
+            ],
+            {},
+            "runner.executor.devices",
+        ),
     ],
 )
 def test_bad_input_is_one_line_error(tmp_path, cli_env, args, env_change, needle):
@@ -122,6 +131,15 @@ def test_bad_input_is_one_line_error(tmp_path, cli_env, args, env_change, needle
     assert "Traceback" not in r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and needle in errors[0], r.stderr
+
+
+def test_lightning_ddp_refuses_multirun(tmp_path, cli_env):
+    """Lightning's launcher would start the whole sweep again as rank 1: one-line error."""
+    ddp = ["runner=sequential_trainer", "runner.executor.devices=2"]
+    r = fl(["train", "-m", "seed=0,1", *ddp, "logger=none"], tmp_path, cli_env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert "runner.executor.devices" in line and "multirun" in line
 
 
 def test_truncated_npz_is_named(tmp_path, cli_env, shared_data):
