@@ -1,16 +1,16 @@
-"""Speed-up of ``runner=distributed`` with 2 processes over 1, and round time per clients/rank.
+"""Speed-up of ``runner=distributed`` with 2 processes over 1, by clients per rank.
 
 Runs the real ``fedavg_cora`` experiment under ``torchrun`` (Gloo on CPU, one intra-op
-thread per process) with 1 and 2 processes and 2, 5 and 10 clients per rank, so that a round
-of 10 clients runs once on 1 process (10 per rank) and once on 2 (5 per rank). Settings are
-interleaved (every repeat runs each once, so machine noise hits them alike), and it prints,
-per setting, the median ``round_time_s`` over rounds 2..R (round 1 warms up) and repeats:
-the local fits, the gather, the server step and the evaluation of every client (which every
-rank runs, so it does not shrink with more processes), then the speed-up of 2 processes over
-1 at the same clients per round.
+thread per process) with 1 and 2 processes on the same rounds of 2, 4, 10 and 20 clients,
+i.e. 1, 2, 5 and 10 clients per rank on 2 processes; the round of 10 clients is the headline.
+Settings are interleaved (every repeat runs each once, so machine noise hits them alike),
+and it prints, per setting, the median ``round_time_s`` over rounds 2..R (round 1 warms up)
+and repeats: the local fits, the gather, the server step and the evaluation of every client
+(which every rank runs, so it does not shrink with more processes), then the speed-up of 2
+processes over 1 for each round size, i.e. how it grows with the clients per rank.
 
     FEDLIGHTNING_DATA=../shared/data python benchmarks/distributed_speedup.py \\
-        [--rounds 5] [--repeats 2] [--per-rank 2 5 10] [--epochs 5]
+        [--rounds 5] [--repeats 2] [--clients 2 4 10 20] [--epochs 5]
 """
 
 from __future__ import annotations
@@ -48,24 +48,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--per-rank", type=int, nargs="+", default=[2, 5, 10])
+    ap.add_argument("--clients", type=int, nargs="+", default=[2, 4, 10, 20], help="per round")
     ap.add_argument("--epochs", type=int, default=5, help="local epochs (fedavg_cora: 5)")
     args = ap.parse_args()
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (round 1 is the warm-up)")
+    if any(n < 2 for n in args.clients):
+        ap.error("--clients: every round needs at least one client per process (>= 2)")
     cores, load = os.cpu_count() or 1, os.getloadavg()[0]
     if cores < 2 or load > 0.5:
         print(f"warning: {cores} cores, load average {load:.1f}: 2 processes need 2 idle cores")
-    settings = [(p, k) for k in args.per_rank for p in (1, 2)]
+    settings = [(p, n) for n in args.clients for p in (1, 2)]
     times: dict[tuple[int, int], list[float]] = {s: [] for s in settings}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
-            for procs, per_rank in settings:
-                out = Path(tmp) / f"p{procs}_k{per_rank}_{r}"
-                rounds = run_once(procs, procs * per_rank, args.rounds, args.epochs, out)
-                times[(procs, per_rank)] += rounds
+            for procs, clients in settings:
+                out = Path(tmp) / f"p{procs}_n{clients}_{r}"
+                rounds = run_once(procs, clients, args.rounds, args.epochs, out)
+                times[(procs, clients)] += rounds
                 print(
-                    f"repeat {r + 1}/{args.repeats}  {procs} proc x {per_rank:>2} clients  "
+                    f"repeat {r + 1}/{args.repeats}  {procs} proc x {clients:>2} clients/round  "
                     f"{statistics.median(rounds):.3f} s/round",
                     flush=True,
                 )
@@ -75,17 +77,19 @@ def main() -> None:
         f"median s/round over rounds 2..{args.rounds} x {args.repeats} repeats; "
         f"{cores} cores, load average {load:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
-    print(f"{'procs':>5} {'clients/rank':>12} {'clients/round':>13} {'s/round':>8} {'s/client':>8}")
-    for (procs, k), t in sorted(med.items()):
-        print(f"{procs:>5} {k:>12} {procs * k:>13} {t:8.3f} {t / k:8.3f}")
-    per_round = {(p, p * k): t for (p, k), t in med.items()}
-    for n in sorted({n for _, n in per_round}):
-        if (1, n) in per_round and (2, n) in per_round:
-            one, two = per_round[(1, n)], per_round[(2, n)]
-            print(
-                f"speed-up of 2 processes over 1, {n} clients/round: {one / two:.2f}x "
-                f"({one:.3f} s -> {two:.3f} s)"
-            )
+    print(
+        f"{'clients/round':>13} {'clients/rank':>12} {'1 proc s/round':>14} "
+        f"{'2 procs s/round':>15} {'speed-up':>8}"
+    )
+    for n in args.clients:
+        one, two = med[(1, n)], med[(2, n)]
+        print(f"{n:>13} {n / 2:>12g} {one:14.3f} {two:15.3f} {one / two:7.2f}x")
+    if 10 in args.clients:
+        one, two = med[(1, 10)], med[(2, 10)]
+        print(
+            f"speed-up of 2 processes over 1, 10 clients/round: {one / two:.2f}x "
+            f"({one:.3f} s -> {two:.3f} s)"
+        )
 
 
 if __name__ == "__main__":
