@@ -25,6 +25,10 @@ commands:
             for every run (e.g. federation.rounds=5)
   report    tables and plots from MLflow runs: fedlightning report --task cil --out reports/
             (fedlightning report --help for the layouts and filters)
+  flower-sim  the experiment as a Flower app in Flower's simulation engine (runner=flower):
+            fedlightning flower-sim experiment=fedavg_cora [--run-dir DIR]
+            resume:  fedlightning flower-sim resume=outputs/<experiment>/<run>
+            a real deployment: flwr run tools/flower (docs/scaling.md)
   data features RAW --out DIR
             encode raw node texts and images into a dataset folder (dataset=folder):
             fedlightning data features my_raw_graph --out my_graph (--help for options)
@@ -226,6 +230,29 @@ def _sweep(rest: list[str]) -> int:
     return 0
 
 
+def _flower_sim(rest: list[str]) -> int:
+    import argparse
+    import logging
+
+    ap = argparse.ArgumentParser(
+        prog="fedlightning flower-sim",
+        description="Run an experiment as a Flower app in Flower's simulation engine, one "
+        "virtual node per client (runner=flower; docs/scaling.md).",
+    )
+    ap.add_argument("--run-dir", type=Path, help="run directory (default outputs/<name>/<time>)")
+    args, overrides = ap.parse_known_args(rest)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    try:
+        from fedlightning.flower.apps import simulate
+    except ImportError as e:
+        raise FedLightningError(
+            f"fedlightning flower-sim needs Flower ({e}): pip install 'fedlightning[flower]'"
+        ) from None
+    simulate(overrides, args.run_dir)
+    return 0
+
+
 def _manifest(rest: list[str]) -> int:
     import argparse
 
@@ -306,6 +333,8 @@ def _run_tool(command: str, rest: list[str]) -> int:
             return _sweep(rest)
         if command == "data":
             return _data(rest)
+        if command == "flower-sim":
+            return _flower_sim(rest)
         from fedlightning.report import main as report_main
 
         return report_main(rest)
@@ -328,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     command, rest = args[0], args[1:]
-    if command in ("sweep", "report", "data"):
+    if command in ("sweep", "report", "data", "flower-sim"):
         sys.exit(_run_tool(command, rest))
     if command != "train":
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

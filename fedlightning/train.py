@@ -32,17 +32,29 @@ CONFIG_FILE, CHECKPOINT_FILE, SUMMARY_FILE = "config.yaml", "checkpoint.pt", "su
 MLFLOW_RUN_FILE = "mlflow_run.json"
 
 
+def build_client(graph: MultimodalGraph, partition: Partition, k: int) -> FederatedClient:
+    """Client ``k``: its induced subgraph with its train/val/test masks."""
+    nodes = partition.client_nodes(k)
+    data: Data = graph.subgraph(nodes).to_data()
+    split = partition.split[nodes]
+    data.train_mask, data.val_mask, data.test_mask = split == TRAIN, split == VAL, split == TEST
+    data.node_id = nodes  # index in the whole graph, for per-node artifacts
+    return FederatedClient(k, data)
+
+
 def build_clients(graph: MultimodalGraph, partition: Partition) -> list[FederatedClient]:
-    """Each client's induced subgraph with its train/val/test masks."""
-    clients = []
-    for k in range(partition.num_clients):
-        nodes = partition.client_nodes(k)
-        data: Data = graph.subgraph(nodes).to_data()
-        split = partition.split[nodes]
-        data.train_mask, data.val_mask, data.test_mask = split == TRAIN, split == VAL, split == TEST
-        data.node_id = nodes  # index in the whole graph, for per-node artifacts
-        clients.append(FederatedClient(k, data))
-    return clients
+    """Every client's induced subgraph with its train/val/test masks."""
+    return [build_client(graph, partition, k) for k in range(partition.num_clients)]
+
+
+def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> tuple[Any, Any, Any]:
+    """``(net, algorithm, client module)``; the net's initial weights are seeded by
+    ``(seed, "init")``, so every process that builds them gets the same."""
+    torch.manual_seed(derive_seed(cfg.seed, "init"))
+    net = build(cfg.model.net, "model.net")(in_dims=in_dims, num_classes=num_classes)
+    optimizer = build(cfg.model.optimizer, "model.optimizer")
+    algorithm = build(cfg.algorithm, "algorithm")
+    return net, algorithm, algorithm.client_module(net, optimizer)
 
 
 def load_graph(cfg: DictConfig) -> MultimodalGraph:
@@ -236,14 +248,19 @@ def _report(tracker: Any, observe: Observer | None, kind: str, step: int, m: dic
 
 
 def train(
-    cfg: DictConfig, run_dir: str | Path, observe: Observer | None = None, verbose: bool = True
+    cfg: DictConfig,
+    run_dir: str | Path,
+    observe: Observer | None = None,
+    verbose: bool = True,
+    runner: Any = None,
 ) -> dict[str, Any]:
     """Run the experiment ``cfg`` in ``run_dir``; return the summary (also written to disk).
 
     ``observe(kind, step, metrics)`` sees every round's (``"round"``) and stage's
     (``"stage"``) metrics after they are checkpointed and logged; raising
     :class:`~fedlightning.errors.RunStopped` there ends the run as ``KILLED`` (a pruned
-    sweep trial). ``verbose=False`` leaves out the summary table on stdout.
+    sweep trial). ``verbose=False`` leaves out the summary table on stdout. ``runner``, when
+    given, replaces the one ``cfg.runner`` builds (a Flower ServerApp passes its own).
     """
     check_runner_fits_task(cfg)
     if cfg.get("task") == "bank":  # FedTIP's temporal bank: no federation, its own runner
@@ -256,7 +273,8 @@ def train(
         return train_fedtip(cfg, Path(run_dir), observe=observe, verbose=verbose)
     t0 = time.perf_counter()
     validate(cfg)
-    runner = build(cfg.runner, "runner")  # first: a distributed runner joins its ranks here
+    if runner is None:  # first: a distributed runner joins its ranks here
+        runner = build(cfg.runner, "runner")
     world = runner.world  # only rank 0 writes files; the others get its results
     cfg, run_dir, resuming = world.on_main(prepare_run_dir, cfg, Path(run_dir))
     world.run_dir = run_dir
@@ -267,13 +285,10 @@ def train(
     clients = build_clients(graph, partition)
     log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
 
-    torch.manual_seed(derive_seed(cfg.seed, "init"))
     in_dims = {m: x.size(1) for m, x in graph.features.items()}
-    net = build(cfg.model.net, "model.net")(in_dims=in_dims, num_classes=graph.num_classes)
-    optimizer = build(cfg.model.optimizer, "model.optimizer")
-    algorithm = build(cfg.algorithm, "algorithm")
+    net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
     check_algorithm_fits_protocol(algorithm, stream)
-    module = algorithm.client_module(net, optimizer)
+    runner.begin(cfg, run_dir, hashes)
     server = algorithm.server(net.state_dict())
     tracker = make_tracker(cfg) if world.is_main else NullTracker()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from fedlightning.algorithms.base import Algorithm, FederatedClient
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
-from fedlightning.federation.messages import ClientUpdate
+from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
 from fedlightning.utils.io import save_torch
 from fedlightning.utils.seeding import derive_seed, rng_state, set_rng_state
 
@@ -46,6 +47,41 @@ def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
             r["test_correct"] / r["test_total"] if r["test_total"] else float("nan")
         )
     return out
+
+
+@dataclass
+class LocalFit:
+    """One client's part of a round: receive the broadcast, fit locally, return the update.
+
+    The same call runs wherever a client runs: in this process, on another rank, or in a
+    Flower ClientApp on the client's own node (which builds its own module and executor).
+    It is seeded by ``(seed, "fit", round, client)``, so the result does not depend on where.
+    """
+
+    algorithm: Algorithm
+    module: pl.LightningModule
+    broadcast: ServerBroadcast
+    executor: Any
+    epochs: int
+    seed: int
+
+    def __call__(self, client: FederatedClient) -> ClientUpdate:
+        torch.manual_seed(derive_seed(self.seed, "fit", self.broadcast.round, client.client_id))
+        return self.algorithm.local_fit(
+            self.module, client, self.broadcast, self.executor, self.epochs
+        )
+
+
+@dataclass
+class LocalEvaluate:
+    """The global model on one client's whole subgraph: correct and total nodes per split."""
+
+    module: pl.LightningModule
+    global_state: dict[str, torch.Tensor]
+
+    def __call__(self, client: FederatedClient) -> dict[str, int]:
+        self.module.receive(self.global_state)
+        return self.module.evaluate(client.data)
 
 
 class FederatedLoop:
@@ -97,12 +133,14 @@ class FederatedLoop:
         sampled = sample_clients(self.seed, round, len(self.clients), self.participation)
         broadcast = self.server.broadcast(round)
 
-        def fit(client: FederatedClient) -> ClientUpdate:
-            torch.manual_seed(derive_seed(self.seed, "fit", round, client.client_id))
-            return self.algorithm.local_fit(
-                self.module, client, broadcast, self.runner.executor, self.local_epochs
-            )
-
+        fit = LocalFit(
+            self.algorithm,
+            self.module,
+            broadcast,
+            self.runner.executor,
+            self.local_epochs,
+            self.seed,
+        )
         updates = self.runner.run_round(
             round, [self.clients[k] for k in sampled], fit, desc=f"round {round}/{self.rounds}"
         )
@@ -127,8 +165,8 @@ class FederatedLoop:
     def evaluate(self, round: int) -> dict[str, float]:
         """The global model on every client's whole subgraph (a simulator measurement,
         not a protocol message: it is not counted in the ledger)."""
-        self.module.receive(self.server.global_state)
-        return pooled_metrics({c.client_id: self.module.evaluate(c.data) for c in self.clients})
+        evaluate = LocalEvaluate(self.module, self.server.global_state)
+        return pooled_metrics(self.runner.evaluate(round, self.clients, evaluate))
 
     def run(self) -> list[dict[str, float]]:
         for r in range(self.completed_rounds + 1, self.rounds + 1):

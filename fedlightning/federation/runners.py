@@ -1,8 +1,10 @@
 """Runners decide where clients run. Same seed, same result, whichever runner.
 
-Every runner has an ``executor`` (how one local fit runs), a ``world``
-(:class:`~fedlightning.federation.world.World`: which process writes files) and
-``run_round(round, clients, fit)``, which returns the clients' updates in the order given.
+Every runner is a :class:`Runner`: it has an ``executor`` (how one local fit runs), a ``world``
+(:class:`~fedlightning.federation.world.World`: which process writes files),
+``run_round(round, clients, fit)``, which returns the clients' updates in the order given, and
+``evaluate(round, clients, evaluate)``, which returns each client's evaluation counts.
+Flower's runner (:mod:`fedlightning.flower`) is one too: its clients run on Flower nodes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,32 @@ def parse_kill_at(kill_at: str | None) -> tuple[int, int] | None:
     return round_, n
 
 
-class SequentialRunner:
+class Runner:
+    """Where a round's clients run. Subclasses implement :meth:`run_round`."""
+
+    name = "runner"
+    executor: Any
+    world: World
+
+    def begin(self, cfg: Any, run_dir: Any, hashes: dict[str, str]) -> None:
+        """Called once the run's config, directory and protocol hashes are known, before the
+        first round (a Flower runner sets its nodes up here)."""
+
+    def run_round(
+        self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
+    ) -> list[ClientUpdate]:
+        """Run ``fit`` for each client; return the updates in the order given."""
+        raise NotImplementedError
+
+    def evaluate(
+        self, round: int, clients: Sequence[Any], evaluate: Callable[[Any], dict[str, int]]
+    ) -> dict[int, dict[str, int]]:
+        """Client id -> ``evaluate(client)``, for every client (here: in this process, which
+        holds every client's data, as every rank of a distributed run does)."""
+        return {c.client_id: evaluate(c) for c in clients}
+
+
+class SequentialRunner(Runner):
     """Runs the sampled clients one after another in this process.
 
     Args:
@@ -82,7 +109,7 @@ def contiguous_shares(n: int, size: int) -> list[range]:
     return [range(r * n // size, (r + 1) * n // size) for r in range(size)]
 
 
-class DistributedRunner:
+class DistributedRunner(Runner):
     """Spreads each round's clients over the processes of a ``torchrun`` job.
 
     Every rank holds the whole federated state (server, clients' data and state, ledger,

@@ -1,0 +1,230 @@
+"""The Flower ``ServerApp`` and ``ClientApp`` of fedlightning, and its Flower simulation.
+
+- ``server_app`` runs :func:`fedlightning.train.train` with ``runner=flower``
+  (:class:`~fedlightning.flower.runner.FlowerRunner`): our round loop, server, ledger,
+  checkpoints and MLflow logging, with the clients' work sent to the nodes. Its run config
+  (``flwr run ... --run-config``) takes ``overrides`` (Hydra overrides, as for
+  ``fedlightning train``), ``run-dir`` and ``resume``.
+- ``client_app`` answers the three message types on a node: ``query`` (set up: build the
+  client's data, check the partition hash), ``train`` (the local fit of our client
+  LightningModule through our executor) and ``evaluate`` (counts of the global model on
+  the client's data). Its node config takes ``partition-id`` (the client it holds),
+  ``state-dir`` (where the client's folder lives, default ``~/.cache/fedlightning/flower``)
+  and ``data-root`` (default ``$FEDLIGHTNING_DATA`` or the server's).
+- :func:`simulate` runs both in Flower's simulation engine on this machine
+  (``fedlightning flower-sim``), one virtual node per client.
+
+``tools/flower/pyproject.toml`` is the Flower app project that ``flwr run`` deploys.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from omegaconf import DictConfig, OmegaConf
+
+from fedlightning.config import build
+from fedlightning.errors import ConfigError
+from fedlightning.federation.messages import ServerBroadcast
+from fedlightning.flower.node import node_folder, open_node, setup_node
+from fedlightning.flower.records import (
+    COUNTS,
+    SCALARS,
+    TASK,
+    TENSORS,
+    message_records,
+    record_tensors,
+)
+from fedlightning.server.aggregate import model_state
+
+log = logging.getLogger("fedlightning")
+DEFAULT_STATE_DIR = "~/.cache/fedlightning/flower"
+
+
+# ---------------------------------------------------------------------------- server
+def flower_configs(overrides: list[str]) -> tuple[DictConfig, DictConfig]:
+    """This invocation's config (with ``runner=flower``) and the config the run trains: the
+    same, or on ``resume=DIR`` the saved one."""
+    from fedlightning.cli import compose
+
+    cfg = compose([*overrides, "runner=flower"])
+    if not cfg.get("resume"):
+        return cfg, cfg
+    saved = Path(cfg.resume) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError("resume", f"{cfg.resume} holds no config.yaml; pass a run directory")
+    return cfg, OmegaConf.load(saved)
+
+
+def check_flower_task(cfg: DictConfig) -> None:
+    """``runner=flower`` runs the round loop of ``task=fl`` (FedAvg, FedProx and the other
+    node-classification algorithms without a class stream)."""
+    if cfg.get("task") != "fl" or cfg.protocol.get("stream") is not None:
+        raise ConfigError(
+            "runner",
+            f"runner=flower runs the federated round loop of task=fl; "
+            f"task={cfg.get('task')} (experiment {cfg.get('name')}) runs with "
+            "runner=sequential or runner=distributed",
+        )
+
+
+def default_run_dir(cfg: DictConfig) -> Path:
+    """``outputs/<name>/<time>``, as ``fedlightning train`` names its runs."""
+    return Path("outputs") / str(cfg.name) / datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
+
+
+def serve(grid: Grid, overrides: list[str], run_dir: Path | None = None) -> dict[str, Any]:
+    """Train the experiment ``overrides`` with its clients on ``grid``'s nodes."""
+    from fedlightning.train import train
+
+    cfg, trained = flower_configs(overrides)
+    check_flower_task(trained)
+    runner = build(cfg.runner, "runner", grid=grid)
+    return train(cfg, run_dir or default_run_dir(cfg), runner=runner)
+
+
+def run_config_overrides(run_config: dict[str, Any]) -> tuple[list[str], Path | None]:
+    """``flwr run --run-config`` keys -> Hydra overrides and run directory."""
+    overrides = shlex.split(str(run_config.get("overrides", "")))
+    if run_config.get("resume"):
+        overrides.append(f"resume={run_config['resume']}")
+    run_dir = run_config.get("run-dir")
+    return overrides, Path(str(run_dir)) if run_dir else None
+
+
+def make_server_app(
+    overrides: list[str] | None = None,
+    run_dir: Path | None = None,
+    result: dict[str, Any] | None = None,
+) -> ServerApp:
+    """A ``ServerApp`` that runs ``overrides`` (``None``: from the run config) and puts the
+    summary (or the exception) into ``result``."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        args, folder = (
+            run_config_overrides(dict(context.run_config))
+            if overrides is None
+            else (overrides, run_dir)
+        )
+        try:
+            summary = serve(grid, args, folder)
+        except BaseException as e:
+            if result is None:
+                raise
+            result["error"] = e
+            return
+        if result is not None:
+            result["summary"] = summary
+
+    return app
+
+
+# ---------------------------------------------------------------------------- client
+def make_client_app(state_dir: Path | None = None) -> ClientApp:
+    """A ``ClientApp`` whose client folders live under the node config's ``state-dir``,
+    else ``state_dir``, else ``~/.cache/fedlightning/flower``."""
+    app = ClientApp()
+
+    def folder(context: Context, task: Any) -> tuple[Path, int]:
+        k = partition_id(context)
+        root = context.node_config.get("state-dir") or state_dir or DEFAULT_STATE_DIR
+        return node_folder(str(root), str(task["run"]), k), k
+
+    @app.query()
+    def setup(msg: Message, context: Context) -> Message:
+        task = msg.content[TASK]
+        where, k = folder(context, task)
+        parts = context.node_config.get("num-partitions")
+        if parts is not None and int(parts) != int(task["clients"]):
+            raise ConfigError(
+                "federation.clients",
+                f"the run has {task['clients']} clients, this node's num-partitions is {parts}",
+            )
+        torch.set_num_threads(int(task["threads"]))
+        data_root = context.node_config.get("data-root") or os.environ.get("FEDLIGHTNING_DATA")
+        setup_node(where, k, str(task["config"]), str(task["partition"]), data_root)
+        return Message(RecordDict({TASK: ConfigRecord({"client": k})}), reply_to=msg)
+
+    def answer(kind: str, work: Callable[[Any, Any], RecordDict]) -> Callable:
+        def handler(msg: Message, context: Context) -> Message:
+            task = msg.content[TASK]
+            where, k = folder(context, task)
+            node = open_node(where, k)
+            torch.set_num_threads(int(task["threads"]))
+            content = work(node, msg)
+            node.audit(kind, int(task["round"]), content)
+            return Message(content, reply_to=msg)
+
+        return handler
+
+    def train(node: Any, msg: Message) -> RecordDict:
+        task = msg.content[TASK]
+        broadcast = ServerBroadcast(
+            round=int(task["round"]),
+            tensors=record_tensors(msg.content[TENSORS]),
+            scalars=dict(msg.content[SCALARS]),
+        )
+        return message_records(node.fit(broadcast, int(task["epochs"])))
+
+    def evaluate(node: Any, msg: Message) -> RecordDict:
+        counts = node.evaluate(model_state(record_tensors(msg.content[TENSORS])))
+        return RecordDict({COUNTS: MetricRecord(counts)})
+
+    app.train()(answer("train", train))
+    app.evaluate()(answer("evaluate", evaluate))
+    return app
+
+
+def partition_id(context: Context) -> int:
+    if "partition-id" not in context.node_config:
+        raise ConfigError(
+            "partition-id",
+            "this SuperNode has no client: start it with --node-config 'partition-id=K'",
+        )
+    return int(context.node_config["partition-id"])
+
+
+server_app = make_server_app()
+client_app = make_client_app()
+
+
+# ---------------------------------------------------------------------------- simulation
+def simulate(overrides: list[str], run_dir: Path | None = None) -> dict[str, Any]:
+    """Run ``overrides`` in Flower's simulation engine, one virtual node per client; each
+    node's folder lives in the run directory's ``nodes/``. Returns the run's summary."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray: no usage reports
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # and no warning about it
+    from flwr.simulation import run_simulation
+
+    cfg, trained = flower_configs(overrides)
+    check_flower_task(trained)
+    if cfg.get("resume"):
+        run_dir = Path(cfg.resume)
+    run_dir = Path(run_dir or default_run_dir(cfg)).resolve()
+    result: dict[str, Any] = {}
+    run_simulation(
+        make_server_app(overrides, run_dir, result),
+        make_client_app(run_dir / "nodes"),
+        num_supernodes=int(trained.federation.clients),
+        backend_config={
+            "client_resources": {"num_cpus": float(cfg.runner.client_cpus), "num_gpus": 0.0},
+            "init_args": {"include_dashboard": False, "log_to_driver": False},
+        },
+    )
+    if "error" in result:
+        raise result["error"]
+    if "summary" not in result:
+        raise RuntimeError("the Flower simulation ended without running the ServerApp")
+    return result["summary"]

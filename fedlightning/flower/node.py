@@ -1,0 +1,162 @@
+"""A Flower node's side of a run: its client's data, model and persisted state.
+
+Each node keeps one folder per run and client, ``<root>/<run key>/client_<k>/``, on its own
+disk (the server never sees it):
+
+- ``config.yaml``: the run's resolved config, as the server sent it at set-up;
+- ``client.pt``: the client's subgraph (train/val/test masks) and the model's input sizes,
+  built once at set-up from the node's data, whose partition hash must equal the server's;
+- ``state_<round>.pt``: the client's persistent :attr:`FederatedClient.state` (replay memory,
+  teacher, bases, prompt adapters, ...) after its fit in ``round``; a fit in round ``r``
+  starts from the newest one before ``r``, so a resumed run that repeats a round starts that
+  round's fit from the same state as the first time;
+- ``sent.jsonl``: an audit log of every reply the node sent: its records, fields and sizes.
+
+Flower starts a fresh ClientApp process for each message in a deployment, so everything a
+fit needs is read from this folder; a simulation reuses its processes and the in-memory
+cache of :func:`open_node`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import RecordDict
+from omegaconf import DictConfig, OmegaConf
+
+from fedlightning.algorithms.base import FederatedClient
+from fedlightning.config import build
+from fedlightning.errors import DataError
+from fedlightning.federation.loop import LocalEvaluate, LocalFit
+from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
+from fedlightning.flower.records import content_fields
+from fedlightning.utils.io import save_torch
+
+CONFIG, CLIENT, AUDIT = "config.yaml", "client.pt", "sent.jsonl"
+
+
+def node_folder(root: str | Path, run: str, client_id: int) -> Path:
+    return Path(root).expanduser() / run / f"client_{client_id}"
+
+
+def remap_data_root(cfg: DictConfig, data_root: str | None) -> DictConfig:
+    """The server's resolved config with its ``data_root`` prefix in ``dataset.*`` paths
+    replaced by this node's (``None``: keep the server's)."""
+    server_root = str(cfg.get("data_root") or "")
+    if not data_root or not server_root or data_root == server_root:
+        return cfg
+    cfg = cfg.copy()
+    for key, value in cfg.dataset.items():
+        if isinstance(value, str) and value.startswith(server_root):
+            cfg.dataset[key] = data_root + value[len(server_root) :]
+    cfg.data_root = data_root
+    return cfg
+
+
+def setup_node(
+    folder: Path, client_id: int, config_yaml: str, partition_hash: str, data_root: str | None
+) -> None:
+    """Build client ``client_id``'s data from this node's copy of the dataset and save it."""
+    from fedlightning.train import build_client
+
+    cfg, graph, partition = _protocol(config_yaml, data_root)
+    if partition.hash != partition_hash:
+        raise DataError(
+            cfg.dataset.get("root") or cfg.dataset.get("path") or cfg.dataset.get("name"),
+            f"this node's data gives partition hash {partition.hash}, the server's run has "
+            f"{partition_hash}: the node holds other data (or code) than the server",
+        )
+    client = build_client(graph, partition, client_id)
+    in_dims = {m: x.size(1) for m, x in graph.features.items()}
+    save_torch(
+        folder / CLIENT,
+        {"data": client.data, "in_dims": in_dims, "num_classes": graph.num_classes},
+    )
+    OmegaConf.save(cfg, folder / CONFIG)
+    open_node.cache_clear()
+
+
+@functools.lru_cache(maxsize=2)
+def _protocol(config_yaml: str, data_root: str | None) -> tuple[DictConfig, Any, Any]:
+    """The config, graph and partition of a run (cached: a simulation's process sets up
+    several virtual nodes)."""
+    from fedlightning.train import load_graph
+
+    cfg = remap_data_root(OmegaConf.create(config_yaml), data_root)
+    graph = load_graph(cfg)
+    partition = build(cfg.partition, "partition")(graph, cfg.federation.clients, cfg.protocol.seed)
+    return cfg, graph, partition
+
+
+class NodeClient:
+    """One client of one run on this node: its data, model and executor, rebuilt from its
+    folder (see the module docstring).
+
+    Args:
+        folder: ``<root>/<run key>/client_<k>``, made by :func:`setup_node`.
+        client_id: ``k``.
+    """
+
+    def __init__(self, folder: Path, client_id: int) -> None:
+        from fedlightning.train import build_model
+
+        if not (folder / CLIENT).is_file():
+            raise DataError(folder / CLIENT, "missing: this node was not set up for the run")
+        self.folder, self.client_id = folder, client_id
+        self.cfg = OmegaConf.load(folder / CONFIG)
+        saved = torch.load(folder / CLIENT, weights_only=False)
+        self.data = saved["data"]
+        _, self.algorithm, self.module = build_model(
+            self.cfg, saved["in_dims"], saved["num_classes"]
+        )
+        self.executor = build(self.cfg.runner.executor, "runner.executor")
+
+    def fit(self, broadcast: ServerBroadcast, epochs: int) -> ClientUpdate:
+        """The round's local fit (:class:`LocalFit`, as in-process), from the state saved
+        after this client's last earlier fit; the new state is saved for the next."""
+        client = FederatedClient(self.client_id, self.data, self.load_state(broadcast.round))
+        fit = LocalFit(
+            self.algorithm, self.module, broadcast, self.executor, epochs, int(self.cfg.seed)
+        )
+        update = fit(client)
+        self.save_state(broadcast.round, client.state)
+        return update
+
+    def evaluate(self, global_state: dict[str, torch.Tensor]) -> dict[str, int]:
+        """Correct and total nodes per split of the global model on this client's data."""
+        return LocalEvaluate(self.module, global_state)(FederatedClient(self.client_id, self.data))
+
+    # ------------------------------------------------------------------ state on disk
+    def _states(self) -> dict[int, Path]:
+        return {int(p.stem.split("_")[1]): p for p in self.folder.glob("state_*.pt")}
+
+    def load_state(self, round: int) -> dict[str, Any]:
+        earlier = [r for r in self._states() if r < round]
+        if not earlier:
+            return {}
+        return torch.load(self._states()[max(earlier)], weights_only=False)
+
+    def save_state(self, round: int, state: dict[str, Any]) -> None:
+        save_torch(self.folder / f"state_{round}.pt", state)
+        older = sorted(r for r in self._states() if r < round)
+        for r in older[:-1]:  # keep the state this fit started from: a resumed round needs it
+            self._states()[r].unlink(missing_ok=True)
+
+    def audit(self, kind: str, round: int, content: RecordDict) -> None:
+        """Append what this node sends to the server to ``sent.jsonl``."""
+        entry = {"time": time.time(), "kind": kind, "round": round}
+        entry["records"] = content_fields(content)
+        with open(self.folder / AUDIT, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+@functools.lru_cache(maxsize=8)
+def open_node(folder: Path, client_id: int) -> NodeClient:
+    """The :class:`NodeClient` of ``folder`` (cached: a simulation's processes serve many
+    messages)."""
+    return NodeClient(folder, client_id)

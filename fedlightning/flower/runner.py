@@ -1,0 +1,229 @@
+"""``runner=flower``: each round's clients run on Flower nodes, one node per client.
+
+The round loop, the server step, the ledger and the checkpoints stay in the ServerApp's
+process, exactly as with the in-process runners; only the clients' work moves. A round is
+two exchanges of typed messages over Flower's ``Grid``: ``train`` (the broadcast to each
+sampled client, its :class:`~fedlightning.federation.messages.ClientUpdate` back) and
+``evaluate`` (the global model to every client, its correct/total counts back). Before the
+first round, a ``query`` exchange sets the nodes up: each node answers with the client it
+holds (its ``partition-id``) and checks that its data gives the run's partition hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from omegaconf import DictConfig, OmegaConf
+
+from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.federation.messages import ClientUpdate
+from fedlightning.federation.runners import FitFn, Runner
+from fedlightning.federation.world import World
+from fedlightning.flower.records import (
+    COUNTS,
+    TASK,
+    TENSORS,
+    message_records,
+    records_update,
+    tensor_record,
+)
+from fedlightning.server.aggregate import as_model_fields
+
+log = logging.getLogger(__name__)
+POLL_S = 0.25  # between two pulls of replies from the SuperLink
+
+
+class NodeLost(FedLightningError):
+    """A Flower node did not answer within ``runner.timeout_s``, or answered with an error."""
+
+
+def run_key(run_dir: Path) -> str:
+    """The run's name on the nodes: a hash of its directory, the same when it resumes."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
+class FlowerRunner(Runner):
+    """Sends each round's clients to their Flower nodes through a ServerApp's ``Grid``.
+
+    Built by the ServerApp (:mod:`fedlightning.flower.apps`), which passes its ``grid``; the
+    config alone cannot build it.
+
+    Args:
+        executor: the local-fit executor; the nodes build their own from ``runner.executor``.
+        grid: the ServerApp's Flower ``Grid``.
+        timeout_s: seconds to wait for every reply of one exchange (default ``600``); a node
+            that has not answered by then fails the run with :class:`NodeLost`.
+        connect_timeout_s: seconds to wait for one node per client to connect and answer the
+            set-up query (default ``300``).
+        client_cpus: Flower simulation only: CPUs per virtual node (default ``1``).
+        progress: unused (the loop logs every round); kept for the runners' common keys.
+    """
+
+    name = "flower"
+
+    def __init__(
+        self,
+        executor: Any,
+        grid: Any = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 300.0,
+        client_cpus: float = 1,
+        progress: bool = True,
+    ) -> None:
+        if grid is None:
+            raise ConfigError(
+                "runner",
+                "runner=flower runs inside a Flower ServerApp: start it with "
+                "`fedlightning flower-sim ...` or `flwr run tools/flower ...` (docs/scaling.md)",
+            )
+        if float(timeout_s) <= 0 or float(connect_timeout_s) <= 0:
+            raise ConfigError("runner.timeout_s", "timeouts must be > 0 seconds")
+        self.executor, self.grid, self.world = executor, grid, World()
+        self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.nodes: dict[int, int] = {}  # client id -> Flower node id
+        self.run_dir: Path | None = None
+        self.key = ""
+
+    # ------------------------------------------------------------------ set-up
+    def begin(self, cfg: DictConfig, run_dir: Path, hashes: dict[str, str]) -> None:
+        """Find one node per client and hand each the run's config (``query`` exchange)."""
+        self.run_dir, self.key = Path(run_dir), run_key(run_dir)
+        num_clients = int(cfg.federation.clients)
+        deadline = time.monotonic() + self.connect_timeout_s
+        node_ids = self._wait_for_nodes(num_clients, deadline)
+        task = {
+            **self._task(0),
+            "config": OmegaConf.to_yaml(cfg, resolve=True),
+            "partition": hashes["partition"],
+            "clients": num_clients,
+        }
+        messages = [
+            Message(RecordDict({TASK: ConfigRecord(task)}), dst_node_id=n, message_type="query")
+            for n in node_ids
+        ]
+        claims: dict[int, int] = {}
+
+        def all_claimed(replies: list[Message]) -> bool:
+            for r in replies:
+                if not r.has_error():
+                    claims.setdefault(int(r.content[TASK]["client"]), r.metadata.src_node_id)
+            return len(claims) == num_clients
+
+        replies = self._collect(messages, all_claimed, deadline)
+        missing = sorted(set(range(num_clients)) - set(claims))
+        if missing:  # a node that is gone answers with an error; another may hold its client
+            errors = sorted({r.error.reason for r in replies if r.has_error()})
+            raise NodeLost(
+                f"setting up the Flower nodes: no node set up client(s) {missing} within "
+                f"runner.connect_timeout_s={self.connect_timeout_s:g} s; start one SuperNode "
+                f"per client with --node-config 'partition-id=K' (K = 0..{num_clients - 1})"
+                + (f"; nodes failed with: {'; '.join(errors)}" if errors else "")
+            )
+        self.nodes = {k: claims[k] for k in range(num_clients)}
+        log.info("%d Flower nodes set up for run %s", num_clients, self.key)
+
+    def _wait_for_nodes(self, n: int, deadline: float) -> list[int]:
+        while True:
+            ids = sorted(self.grid.get_node_ids())
+            if len(ids) >= n:
+                return ids
+            if time.monotonic() > deadline:
+                raise NodeLost(
+                    f"only {len(ids)} of {n} Flower nodes connected within "
+                    f"runner.connect_timeout_s={self.connect_timeout_s:g} s; start one "
+                    "SuperNode per client"
+                )
+            time.sleep(POLL_S)
+
+    # ------------------------------------------------------------------ a round
+    def run_round(
+        self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
+    ) -> list[ClientUpdate]:
+        """Send ``fit``'s broadcast to each client's node; return their updates in order."""
+        task = {**self._task(round), "epochs": int(fit.epochs)}
+        contents = {
+            c.client_id: message_records(fit.broadcast, {**task, "client": c.client_id})
+            for c in clients
+        }
+        replies = self._exchange(MessageType.TRAIN, round, contents)
+        try:
+            return [
+                records_update(replies[c.client_id].content, round, c.client_id) for c in clients
+            ]
+        except ValueError as e:
+            raise NodeLost(f"round {round}: {e}") from None
+
+    def evaluate(
+        self, round: int, clients: Sequence[Any], evaluate: Callable[[Any], dict[str, int]]
+    ) -> dict[int, dict[str, int]]:
+        """Send the global model to every client's node; return their counts."""
+        fields = as_model_fields(evaluate.global_state)
+        task = self._task(round)
+        contents = {
+            c.client_id: RecordDict(
+                {
+                    TENSORS: tensor_record(fields),
+                    TASK: ConfigRecord({**task, "client": c.client_id}),
+                }
+            )
+            for c in clients
+        }
+        replies = self._exchange(MessageType.EVALUATE, round, contents)
+        counts = {k: replies[k].content[COUNTS] for k in contents}
+        return {k: {name: int(v) for name, v in c.items()} for k, c in counts.items()}
+
+    # ------------------------------------------------------------------ exchanges
+    def _task(self, round: int) -> dict[str, Any]:
+        """What every message tells its node: the run, the round, and the intra-op threads
+        of this process (the same blocking of matrix products, so bitwise the same fits)."""
+        return {"run": self.key, "round": round, "threads": torch.get_num_threads()}
+
+    def _exchange(
+        self, kind: str, round: int, contents: Mapping[int, RecordDict]
+    ) -> dict[int, Message]:
+        """Send ``contents[client]`` to each client's node; every reply, by client."""
+        messages = [
+            Message(content, dst_node_id=self.nodes[k], message_type=kind, group_id=str(round))
+            for k, content in contents.items()
+        ]
+        by_node = {n: k for k, n in self.nodes.items()}
+        want = len(messages)
+        replies = self._collect(
+            messages, lambda got: len(got) == want, time.monotonic() + self.timeout_s
+        )
+        out = {by_node[r.metadata.src_node_id]: r for r in replies}
+        problems = [f"client {k}: {r.error.reason}" for k, r in out.items() if r.has_error()]
+        problems += [
+            f"client {k}: no reply within runner.timeout_s={self.timeout_s:g} s"
+            for k in sorted(set(contents) - set(out))
+        ]
+        if problems:
+            raise NodeLost(
+                f"round {round} ({kind}): {'; '.join(sorted(problems))}. The run is "
+                "checkpointed after its last finished round; once the SuperNode(s) run again, "
+                f"resume it: flwr run tools/flower <connection> --run-config "
+                f"'resume=\"{self.run_dir}\"' (or: fedlightning flower-sim resume={self.run_dir})"
+            )
+        return out
+
+    def _collect(
+        self, messages: list[Message], done: Callable[[list[Message]], bool], deadline: float
+    ) -> list[Message]:
+        """Push ``messages``; pull replies until ``done(replies)`` or the deadline."""
+        pending = set(self.grid.push_messages(messages))
+        replies: list[Message] = []
+        while pending:
+            got = list(self.grid.pull_messages(pending))
+            replies += got
+            pending -= {r.metadata.reply_to_message_id for r in got}
+            if done(replies) or time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+        return replies

@@ -1,0 +1,286 @@
+"""runner=flower: our messages as Flower records, a Flower simulation and a loopback deployment
+(SuperLink + one SuperNode per client) that give bitwise the sequential run's metrics, send
+only the declared fields, and fail clearly and resume when a SuperNode dies."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flwr.app import ConfigRecord, MetricRecord, RecordDict  # noqa: E402
+
+from fedlightning.errors import ConfigError  # noqa: E402
+from fedlightning.federation.executors import LeanExecutor  # noqa: E402
+from fedlightning.federation.messages import ClientUpdate  # noqa: E402
+from fedlightning.flower.records import (  # noqa: E402
+    content_fields,
+    message_records,
+    records_update,
+)
+from fedlightning.flower.runner import FlowerRunner  # noqa: E402
+from fedlightning.train import train  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+K = 2  # clients: one SuperNode each
+CORA = ["experiment=fedavg_cora", "federation.rounds=2", f"federation.clients={K}", "logger=none"]
+UPDATE_SCALARS = {"num_examples", "train_loss"}
+COUNT_FIELDS = {f"{s}_{c}" for s in ("train", "val", "test") for c in ("correct", "total")}
+
+
+# ---------------------------------------------------------------------------- records
+def test_records_round_trip_bitwise_with_dtypes_and_sizes():
+    torch.manual_seed(0)
+    update = ClientUpdate(
+        round=3,
+        client_id=2,
+        tensors={"model.w": torch.randn(3, 4), "model.steps": torch.tensor(7)},
+        scalars={"num_examples": 10.0, "train_loss": 0.1234567890123},
+    )
+    content = message_records(update)
+    back = records_update(content, 3, 2)
+    assert back.round == 3 and back.client_id == 2 and back.scalars == update.scalars
+    assert list(back.tensors) == ["model.w", "model.steps"]
+    for k, t in update.tensors.items():
+        assert back.tensors[k].dtype == t.dtype and torch.equal(back.tensors[k], t)
+    assert back.field_sizes() == update.field_sizes()  # the ledger counts it the same
+    # 12 float32 (48 bytes) and one int64; each scalar one 8-byte number on the wire
+    assert content_fields(content) == {
+        "tensors": {"model.w": [12, 48], "model.steps": [1, 8]},
+        "scalars": {"num_examples": [1, 8], "train_loss": [1, 8]},
+    }
+
+
+def test_an_undeclared_record_is_refused():
+    content = message_records(ClientUpdate(round=1, client_id=0, scalars={"num_examples": 1.0}))
+    content["extra"] = ConfigRecord({"raw_features": "..."})
+    with pytest.raises(ValueError, match=r"client 0 sent undeclared records \['extra'\]"):
+        records_update(content, 1, 0)
+    assert isinstance(message_records(ClientUpdate(round=1))["scalars"], MetricRecord)
+    assert isinstance(content, RecordDict)
+
+
+def test_runner_flower_alone_says_how_to_start_it(tmp_env, compose):
+    with pytest.raises(ConfigError, match="fedlightning flower-sim"):
+        FlowerRunner(LeanExecutor())
+    with pytest.raises(ConfigError, match="runner=flower runs inside a Flower ServerApp"):
+        train(compose(["experiment=fedavg_synthetic", "runner=flower", "logger=none"]), "r")
+
+
+def test_other_tasks_are_refused_before_anything_runs(tmp_env):
+    from fedlightning.flower.apps import simulate
+
+    with pytest.raises(ConfigError, match="runner=flower runs the federated round loop"):
+        simulate(["experiment=cil_fedavg_replay_cora"], tmp_env / "cil")
+    assert not (tmp_env / "cil").exists()
+
+
+# ---------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, shared_data):
+    """The in-process sequential run of CORA (the reference), with this process's threads."""
+    from fedlightning.cli import compose
+
+    run_dir = tmp_path_factory.mktemp("seq") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDLIGHTNING_DATA", str(shared_data))
+        return train(compose(CORA), run_dir, verbose=False)
+
+
+def sent_fields(node_root: Path) -> dict[str, set[tuple[str, frozenset]]]:
+    """kind -> the distinct (record, field names) the nodes' audit logs say they sent."""
+    out: dict[str, set] = {}
+    for log in node_root.rglob("sent.jsonl"):
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            for record, fields in entry["records"].items():
+                out.setdefault(entry["kind"], set()).add((record, frozenset(fields)))
+    return out
+
+
+def assert_only_declared_fields(node_root: Path, model_fields: set[str]) -> None:
+    sent = sent_fields(node_root)
+    assert sent["train"] == {
+        ("tensors", frozenset(model_fields)),
+        ("scalars", frozenset(UPDATE_SCALARS)),
+    }
+    assert sent["evaluate"] == {("counts", frozenset(COUNT_FIELDS))}
+
+
+@pytest.mark.slow
+def test_simulation_equals_the_sequential_run(tmp_env, shared_data, reference, monkeypatch):
+    from fedlightning.flower.apps import simulate
+
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+
+    summary = simulate(CORA, tmp_env / "sim")
+    assert summary["metrics"] == reference["metrics"]  # bitwise: the same floats
+    assert summary["comm"] == reference["comm"]  # the ledger counted the decoded records
+    assert summary["hashes"] == reference["hashes"]
+    model_fields = set(reference["comm"]["fields"]) - UPDATE_SCALARS
+    assert_only_declared_fields(tmp_env / "sim" / "nodes", model_fields)
+    states = sorted(p.name for p in (tmp_env / "sim" / "nodes").rglob("state_*.pt"))
+    assert states == ["state_1.pt"] * K + ["state_2.pt"] * K  # client state stays on the nodes
+
+
+# ---------------------------------------------------------------------------- deployment
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+class Deployment:
+    """A SuperLink and one SuperNode per client on loopback, each in its own process group."""
+
+    def __init__(self, root: Path, env: dict[str, str]) -> None:
+        self.root, self.env, self.procs = root, env, {}
+        self.link = free_port()
+        home = root / "flwr_home"
+        home.mkdir(parents=True)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "local"\n[superlink.local]\n'
+            f'address = "127.0.0.1:{self.link}"\ninsecure = true\n'
+        )
+        self.env = {**env, "FLWR_HOME": str(home)}
+        self.start(
+            "link",
+            "flower-superlink",
+            "--insecure",
+            f"--port={self.link}",
+            "--disable-runtime-dependency-installation",
+        )
+        wait_for_port(self.link)
+
+    def start(self, name: str, *cmd: str) -> None:
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
+        self.procs[name] = subprocess.Popen(
+            [str(BIN / cmd[0]), *cmd[1:]],
+            cwd=self.root,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def node(self, k: int) -> None:
+        state = self.root / f"node{k}"
+        self.start(
+            f"node{k}",
+            "flower-supernode",
+            "--insecure",
+            f"--superlink=127.0.0.1:{self.link}",
+            f"--port={free_port()}",
+            f'--node-config=partition-id={k} num-partitions={K} state-dir="{state}"',
+        )
+
+    def kill(self, name: str) -> None:
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait()
+
+    def flwr_run(self, run_config: str, timeout: float = 400) -> subprocess.CompletedProcess:
+        cmd = [str(BIN / "flwr"), "run", str(REPO / "tools" / "flower"), "local", "--stream"]
+        return subprocess.run(
+            [*cmd, "--run-config", run_config],
+            cwd=self.root,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def stop(self) -> list[str]:
+        """Kill every process group; the processes of the groups still running afterwards."""
+        groups = [p.pid for p in self.procs.values()]
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        for p in self.procs.values():
+            p.wait()
+        time.sleep(1)
+        return running_in_groups(groups)
+
+
+def running_in_groups(groups: list[int]) -> list[str]:
+    """``pid command`` of every live (not zombie) process whose group is in ``groups``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()
+            state, _, pgrp = text[text.rindex(")") + 2 :].split()[:3]
+            if int(pgrp) in groups and state != "Z":
+                out.append(f"{stat.parent.name} {text[: text.rindex(')') + 1]}")
+    return out
+
+
+@pytest.mark.slow
+def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, reference):
+    env = {
+        **os.environ,
+        "FEDLIGHTNING_DATA": str(shared_data),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),  # the reference's blocking
+        "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    run_dir = tmp_env / "run"
+    overrides = " ".join([*CORA, "runner.timeout_s=20", "runner.connect_timeout_s=120"])
+    fed = Deployment(tmp_env, env)
+    try:
+        for k in range(K):
+            fed.node(k)
+        first = subprocess.Popen(
+            [str(BIN / "flwr"), "run", str(REPO / "tools" / "flower"), "local", "--stream"]
+            + ["--run-config", f'overrides="{overrides}" run-dir="{run_dir}"'],
+            cwd=tmp_env,
+            env=fed.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoint.pt").exists() and time.monotonic() < deadline:
+            assert first.poll() is None, first.communicate()[0][-3000:]
+            time.sleep(0.5)
+        assert (run_dir / "checkpoint.pt").exists(), "round 1 never finished"
+        fed.kill(f"node{K - 1}")  # round 2 waits for it in vain
+        out, _ = first.communicate(timeout=300)
+        assert f"round 2 (train): client {K - 1}: " in out  # no reply, or "Node Unavailable"
+        assert f"fedlightning flower-sim resume={run_dir}" in out
+        assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["completed_rounds"] == 1
+        assert not (run_dir / "summary.json").exists()
+
+        fed.node(K - 1)  # the SuperNode comes back with its disk: the run resumes
+        resumed = fed.flwr_run(f'resume="{run_dir}" overrides="logger=none"')
+        assert (run_dir / "summary.json").exists(), resumed.stdout[-3000:]
+    finally:
+        alive = fed.stop()
+    assert alive == []  # the deployment's processes are all gone
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed"] is True
+    assert summary["metrics"] == reference["metrics"]
+    assert summary["comm"] == reference["comm"]
+    model_fields = set(reference["comm"]["fields"]) - UPDATE_SCALARS
+    assert_only_declared_fields(tmp_env / "node0", model_fields)
