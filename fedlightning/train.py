@@ -118,11 +118,20 @@ def check_algorithm_fits_protocol(algorithm: Any, stream: ClassStream | None) ->
         )
 
 
+def run_task(cfg: DictConfig) -> str:
+    """The task the run trains: ``cfg.task``, or on ``resume=DIR`` the saved run's (so that
+    ``fedlightning train resume=DIR`` needs no other argument, whatever the run was)."""
+    saved = Path(str(cfg.get("resume") or "")) / CONFIG_FILE
+    if cfg.get("resume") and saved.is_file():
+        return str(OmegaConf.load(saved).get("task"))
+    return str(cfg.get("task"))
+
+
 def check_runner_fits_task(cfg: DictConfig) -> None:
     """``runner=distributed`` spreads the clients of a round (:func:`train`, FedTIP's task
     loop); the bank's pre-training (``task=bank``) is centralized and has none."""
     target = str(OmegaConf.select(cfg, "runner._target_", default=""))
-    if target.endswith(".DistributedRunner") and cfg.get("task") == "bank":
+    if target.endswith(".DistributedRunner") and run_task(cfg) == "bank":
         raise ConfigError(
             "runner",
             "runner=distributed does not support task=bank: the bank is pre-trained "
@@ -263,11 +272,12 @@ def train(
     given, replaces the one ``cfg.runner`` builds (a Flower ServerApp passes its own).
     """
     check_runner_fits_task(cfg)
-    if cfg.get("task") == "bank":  # FedTIP's temporal bank: no federation, its own runner
+    task = run_task(cfg)
+    if task == "bank":  # FedTIP's temporal bank: no federation, its own runner
         from fedlightning.temporal.run import train_bank
 
         return train_bank(cfg, Path(run_dir), verbose=verbose)
-    if cfg.get("task") == "temporal":  # FedTIP and its comparators over the task manifest
+    if task == "temporal":  # FedTIP and its comparators over the task manifest
         from fedlightning.temporal.fedtip_run import train_fedtip
 
         return train_fedtip(cfg, Path(run_dir), observe=observe, verbose=verbose)

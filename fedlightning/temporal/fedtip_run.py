@@ -136,8 +136,9 @@ def train_fedtip(
     )
 
     t0 = time.perf_counter()
-    make_algorithm(cfg)  # the config first: a bad value fails before a run directory exists
-    check_families(cfg.get("families"), None)
+    if not cfg.get("resume"):  # a bad value fails before a run directory exists
+        make_algorithm(cfg)
+        check_families(cfg.get("families"), None)
     runner = build(cfg.runner, "runner")  # a distributed runner joins its ranks here
     world = runner.world  # only rank 0 writes files; the others get its results
     setup = world.on_main(temporal_setup, cfg, run_dir)

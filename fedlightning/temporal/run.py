@@ -37,14 +37,8 @@ def bank_variant(cfg: BankConfig) -> str:
     return "unfiltered" if cfg.negatives == "unfiltered" else "full"
 
 
-def temporal_setup(cfg: DictConfig, run_dir: Path):
-    """The run directory, the stream, the bank config and the materialized protocol
-    (written into the run directory), with every input checked before any training.
-
-    Returns ``(cfg, run_dir, resuming, stream, bank_cfg, protocol, protocol_files)``.
-    """
-    from fedlightning.train import prepare_run_dir
-
+def bank_config(cfg: DictConfig) -> BankConfig:
+    """``cfg.bank`` as a :class:`BankConfig`, checked."""
     if "bank" not in cfg or "manifest" not in cfg.protocol:
         raise ConfigError(
             "task",
@@ -56,7 +50,21 @@ def temporal_setup(cfg: DictConfig, run_dir: Path):
         raise ConfigError("bank", str(e)) from None
     if bank_cfg.negatives not in ("filtered", "unfiltered"):
         raise ConfigError("bank.negatives", f"filtered or unfiltered, got {bank_cfg.negatives!r}")
+    return bank_cfg
+
+
+def temporal_setup(cfg: DictConfig, run_dir: Path):
+    """The run directory, the stream, the bank config and the materialized protocol
+    (written into the run directory), with every input checked before any training.
+
+    Returns ``(cfg, run_dir, resuming, stream, bank_cfg, protocol, protocol_files)``.
+    """
+    from fedlightning.train import prepare_run_dir
+
+    if not cfg.get("resume"):
+        bank_config(cfg)  # checked before a run directory is made
     cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
+    bank_cfg = bank_config(cfg)  # on resume, the saved run's bank, not this invocation's
     stream = build(cfg.dataset, "dataset")
     if not isinstance(stream, EventStream):
         raise ConfigError("dataset", f"{type(stream).__name__} is not a temporal event stream")

@@ -80,11 +80,8 @@ def test_a_stopped_protocol_resumes_at_the_next_task(env, compose):
     with pytest.raises(RunStopped):
         train(cfg, env / "cut", observe=stop_after_first, verbose=False)
     assert (env / "cut" / "checkpoint.pt").exists()
-    resumed = train(
-        compose(["experiment=fedtip_synthetic", *SMALL, f"resume={env / 'cut'}"]),
-        env / "x",
-        verbose=False,
-    )
+    # as a user resumes: the saved run's config (its small bank too), not the defaults
+    resumed = train(compose([f"resume={env / 'cut'}"]), env / "x", verbose=False)
     assert resumed["resumed"] and resumed["metrics"] == straight["metrics"]
     # a run whose protocol no longer matches (data or code changed) is not resumed
     from fedlightning.errors import FedLightningError
