@@ -246,7 +246,7 @@ def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, r
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     run_dir = tmp_env / "run"
-    overrides = " ".join([*CORA, "runner.timeout_s=20", "runner.connect_timeout_s=120"])
+    overrides = " ".join([*CORA, "runner.timeout_s=40", "runner.connect_timeout_s=120"])
     fed = Deployment(tmp_env, env)
     try:
         for k in range(K):

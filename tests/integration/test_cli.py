@@ -95,42 +95,53 @@ def test_python_m_and_multirun(tmp_path, cli_env):
     assert seeds == [0, 1]
 
 
-@pytest.mark.parametrize(
-    ("args", "env_change", "needle"),
-    [
-        (["federation.clients=0"], {}, "federation.clients"),
-        (["federation.rounds=-3"], {}, "federation.rounds"),
-        (["experiment=fedavg_cora", "federation.clients=400"], {}, "federation.clients"),
-        (["experiment=fedavg_cora"], {"FEDLIGHTNING_DATA": "/nonexistent/dir"}, "/nonexistent/dir"),
-        (["dataset=folder"], {}, "dataset.path"),
-        (["model.net.conv=gat"], {}, "model.net.conv"),
-        (["experiment=cil_fedavg_cora", "protocol.stream.stages=[2,2,2,2]"], {}, "stages"),
-        (["experiment=cil_fedavg_cora", "protocol.stream.stages=[1,2]"], {}, "stages"),
-        (["experiment=cil_fedavg_replay_cora", "algorithm.replay_budget=-1"], {}, "replay_budget"),
-        (
-            ["experiment=cil_fedavg_cora", "protocol.stream.client_fraction=0"],
-            {},
-            "client_fraction",
-        ),
-        (["experiment=cil_fedavg_cora", "algorithm=fedavg"], {}, "algorithm"),
-        (["experiment=fedavg_synthetic", "algorithm=cil_fedavg"], {}, "protocol"),
-        (
-            [
-                "runner=distributed",
-                "runner.executor._target_=fedlightning.federation.executors.TrainerExecutor",
-                "+runner.executor.devices=2",
-            ],
-            {},
-            "runner.executor.devices",
-        ),
-    ],
-)
-def test_bad_input_is_one_line_error(tmp_path, cli_env, args, env_change, needle):
-    r = fl(["train", "logger=none", *args], tmp_path, {**cli_env, **env_change})
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and needle in errors[0], r.stderr
+BAD_INPUT = [  # (overrides, environment change, what the one error line must name)
+    (["federation.clients=0"], {}, "federation.clients"),
+    (["federation.rounds=-3"], {}, "federation.rounds"),
+    (["experiment=fedavg_cora", "federation.clients=400"], {}, "federation.clients"),
+    (["experiment=fedavg_cora"], {"FEDLIGHTNING_DATA": "/nonexistent/dir"}, "/nonexistent/dir"),
+    (["dataset=folder"], {}, "dataset.path"),
+    (["model.net.conv=gat"], {}, "model.net.conv"),
+    (["experiment=cil_fedavg_cora", "protocol.stream.stages=[2,2,2,2]"], {}, "stages"),
+    (["experiment=cil_fedavg_cora", "protocol.stream.stages=[1,2]"], {}, "stages"),
+    (["experiment=cil_fedavg_replay_cora", "algorithm.replay_budget=-1"], {}, "replay_budget"),
+    (
+        ["experiment=cil_fedavg_cora", "protocol.stream.client_fraction=0"],
+        {},
+        "client_fraction",
+    ),
+    (["experiment=cil_fedavg_cora", "algorithm=fedavg"], {}, "algorithm"),
+    (["experiment=fedavg_synthetic", "algorithm=cil_fedavg"], {}, "protocol"),
+    (
+        [
+            "runner=distributed",
+            "runner.executor._target_=fedlightning.federation.executors.TrainerExecutor",
+            "+runner.executor.devices=2",
+        ],
+        {},
+        "runner.executor.devices",
+    ),
+]
+
+
+def test_bad_input_is_one_line_error(tmp_path, cli_env):
+    """Each bad input, as a user types it, fails with one `error:` line naming the culprit
+    (two commands at a time: each pays the interpreter's start-up)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def attempt(case):
+        n, (args, env_change, needle) = case
+        cwd = tmp_path / str(n)
+        cwd.mkdir()
+        return args, needle, fl(["train", "logger=none", *args], cwd, {**cli_env, **env_change})
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(attempt, enumerate(BAD_INPUT)))
+    for args, needle, r in results:
+        assert r.returncode != 0, args
+        assert "Traceback" not in r.stderr, (args, r.stderr)
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and needle in errors[0], (args, r.stderr)
 
 
 def test_lightning_ddp_refuses_multirun(tmp_path, cli_env):
