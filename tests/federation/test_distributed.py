@@ -262,6 +262,27 @@ def test_fedtip_shares_of_a_stack_equal_the_sequential_stack(tmp_env, dist_env, 
 
 
 @pytest.mark.slow
+def test_fedogl_two_gloo_ranks_equal_the_sequential_run(tmp_env, dist_env, compose):
+    """FedOGL: server bases and prototype memory, stage-end basis exchange, replay and teacher
+    on the clients; 3 stages of 2 rounds, 3 of 5 clients a round."""
+    fedogl = [
+        "experiment=cil_fedogl_cora",
+        "federation.rounds=2",
+        "federation.participation=0.6",
+        "federation.local_epochs=1",
+    ]
+    r, _ = torchrun(
+        [*fedogl, "runner=distributed", "logger=none", "hydra.run.dir=d"], tmp_env, dist_env
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    dist = json.loads((tmp_env / "d" / "summary.json").read_text())
+    seq = sequential(compose, fedogl, tmp_env / "seq")
+    assert dist["metrics"] == seq["metrics"] and dist["acc_matrix"] == seq["acc_matrix"]
+    assert dist["comm"] == seq["comm"]
+    assert "basis_nodes" in seq["comm"]["fields"]  # the stage-end basis exchange was counted
+
+
+@pytest.mark.slow
 def test_killed_rank_fails_fast_and_the_run_resumes(tmp_env, dist_env, compose):
     base = ["experiment=fedavg_cora", "federation.rounds=3", "logger=none"]
     killed, seconds = torchrun(
