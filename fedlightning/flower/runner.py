@@ -63,7 +63,6 @@ class FlowerRunner(Runner):
         connect_timeout_s: seconds to wait for one node per client to connect and answer the
             set-up query (default ``300``).
         client_cpus: Flower simulation only: CPUs per virtual node (default ``1``).
-        progress: unused (the loop logs every round); kept for the runners' common keys.
     """
 
     name = "flower"
@@ -75,7 +74,6 @@ class FlowerRunner(Runner):
         timeout_s: float = 600.0,
         connect_timeout_s: float = 300.0,
         client_cpus: float = 1,
-        progress: bool = True,
     ) -> None:
         if grid is None:
             raise ConfigError(
