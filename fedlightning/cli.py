@@ -241,8 +241,9 @@ def _flower_sim(rest: list[str]) -> int:
     )
     ap.add_argument("--run-dir", type=Path, help="run directory (default outputs/<name>/<time>)")
     args, overrides = ap.parse_known_args(rest)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("flwr").setLevel(logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("fedlightning").setLevel(logging.INFO)  # rounds; others' warnings only
+    logging.getLogger("flwr").propagate = False  # Flower prints its own (and its debug lines)
     try:
         from fedlightning.flower.apps import simulate
     except ImportError as e:
