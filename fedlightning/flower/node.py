@@ -93,6 +93,33 @@ def _protocol(config_yaml: str, data_root: str | None) -> tuple[DictConfig, Any,
     return cfg, graph, partition
 
 
+class StateFiles:
+    """A client's persistent state on its node's disk, one ``state_<round>.pt`` per fit.
+
+    :meth:`load` for round ``r`` gives the state saved after the client's newest fit before
+    ``r`` (``{}`` before its first), so a round that a resumed run repeats starts from the
+    same state as the first time; :meth:`save` keeps that state and the new one.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def rounds(self) -> dict[int, Path]:
+        return {int(p.stem.split("_")[1]): p for p in self.folder.glob("state_*.pt")}
+
+    def load(self, round: int) -> dict[str, Any]:
+        earlier = [r for r in self.rounds() if r < round]
+        if not earlier:
+            return {}
+        return torch.load(self.rounds()[max(earlier)], weights_only=False)
+
+    def save(self, round: int, state: dict[str, Any]) -> None:
+        save_torch(self.folder / f"state_{round}.pt", state)
+        files = self.rounds()
+        for r in sorted(r for r in files if r < round)[:-1]:
+            files[r].unlink(missing_ok=True)
+
+
 class NodeClient:
     """One client of one run on this node: its data, model and executor, rebuilt from its
     folder (see the module docstring).
@@ -108,6 +135,7 @@ class NodeClient:
         if not (folder / CLIENT).is_file():
             raise DataError(folder / CLIENT, "missing: this node was not set up for the run")
         self.folder, self.client_id = folder, client_id
+        self.states = StateFiles(folder)
         self.cfg = OmegaConf.load(folder / CONFIG)
         saved = torch.load(folder / CLIENT, weights_only=False)
         self.data = saved["data"]
@@ -119,33 +147,17 @@ class NodeClient:
     def fit(self, broadcast: ServerBroadcast, epochs: int) -> ClientUpdate:
         """The round's local fit (:class:`LocalFit`, as in-process), from the state saved
         after this client's last earlier fit; the new state is saved for the next."""
-        client = FederatedClient(self.client_id, self.data, self.load_state(broadcast.round))
+        client = FederatedClient(self.client_id, self.data, self.states.load(broadcast.round))
         fit = LocalFit(
             self.algorithm, self.module, broadcast, self.executor, epochs, int(self.cfg.seed)
         )
         update = fit(client)
-        self.save_state(broadcast.round, client.state)
+        self.states.save(broadcast.round, client.state)
         return update
 
     def evaluate(self, global_state: dict[str, torch.Tensor]) -> dict[str, int]:
         """Correct and total nodes per split of the global model on this client's data."""
         return LocalEvaluate(self.module, global_state)(FederatedClient(self.client_id, self.data))
-
-    # ------------------------------------------------------------------ state on disk
-    def _states(self) -> dict[int, Path]:
-        return {int(p.stem.split("_")[1]): p for p in self.folder.glob("state_*.pt")}
-
-    def load_state(self, round: int) -> dict[str, Any]:
-        earlier = [r for r in self._states() if r < round]
-        if not earlier:
-            return {}
-        return torch.load(self._states()[max(earlier)], weights_only=False)
-
-    def save_state(self, round: int, state: dict[str, Any]) -> None:
-        save_torch(self.folder / f"state_{round}.pt", state)
-        older = sorted(r for r in self._states() if r < round)
-        for r in older[:-1]:  # keep the state this fit started from: a resumed round needs it
-            self._states()[r].unlink(missing_ok=True)
 
     def audit(self, kind: str, round: int, content: RecordDict) -> None:
         """Append what this node sends to the server to ``sent.jsonl``."""

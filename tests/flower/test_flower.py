@@ -284,3 +284,19 @@ def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, r
     assert summary["comm"] == reference["comm"]
     model_fields = set(reference["comm"]["fields"]) - UPDATE_SCALARS
     assert_only_declared_fields(tmp_env / "node0", model_fields)
+
+
+def test_client_state_on_the_node_follows_the_rounds(tmp_path):
+    """A fit in round r starts from the state saved after the client's newest fit before r,
+    whatever later rounds a failed attempt left; two files stay."""
+    from fedlightning.flower.node import StateFiles
+
+    states = StateFiles(tmp_path)
+    assert states.load(1) == {}
+    states.save(1, {"replay": torch.tensor([1, 2])})
+    states.save(3, {"replay": torch.tensor([3])})  # not sampled in round 2
+    assert torch.equal(states.load(3)["replay"], torch.tensor([1, 2]))  # a repeated round 3
+    assert torch.equal(states.load(4)["replay"], torch.tensor([3]))
+    states.save(5, {"teacher": torch.zeros(2)})  # round 4 left nothing behind
+    assert sorted(states.rounds()) == [3, 5]
+    assert torch.equal(states.load(5)["replay"], torch.tensor([3]))
