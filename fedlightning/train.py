@@ -118,13 +118,16 @@ def check_algorithm_fits_protocol(algorithm: Any, stream: ClassStream | None) ->
         )
 
 
-def run_task(cfg: DictConfig) -> str:
-    """The task the run trains: ``cfg.task``, or on ``resume=DIR`` the saved run's (so that
-    ``fedlightning train resume=DIR`` needs no other argument, whatever the run was)."""
+def trained_config(cfg: DictConfig) -> DictConfig:
+    """The config the run trains: ``cfg``, or on ``resume=DIR`` the saved run's."""
     saved = Path(str(cfg.get("resume") or "")) / CONFIG_FILE
-    if cfg.get("resume") and saved.is_file():
-        return str(OmegaConf.load(saved).get("task"))
-    return str(cfg.get("task"))
+    return OmegaConf.load(saved) if cfg.get("resume") and saved.is_file() else cfg
+
+
+def run_task(cfg: DictConfig) -> str:
+    """The task the run trains (so that ``fedlightning train resume=DIR`` needs no other
+    argument, whatever the run was)."""
+    return str(trained_config(cfg).get("task"))
 
 
 def check_runner_fits_task(cfg: DictConfig) -> None:

@@ -31,7 +31,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from fedlightning.config import build
 from fedlightning.errors import ConfigError
@@ -56,14 +56,12 @@ def flower_configs(overrides: list[str]) -> tuple[DictConfig, DictConfig]:
     """This invocation's config (with ``runner=flower``) and the config the run trains: the
     same, or on ``resume=DIR`` the saved one."""
     from fedlightning.cli import compose
+    from fedlightning.train import CONFIG_FILE, trained_config
 
     cfg = compose([*overrides, "runner=flower"])
-    if not cfg.get("resume"):
-        return cfg, cfg
-    saved = Path(cfg.resume) / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError("resume", f"{cfg.resume} holds no config.yaml; pass a run directory")
-    return cfg, OmegaConf.load(saved)
+    if cfg.get("resume") and not (Path(cfg.resume) / CONFIG_FILE).is_file():
+        raise ConfigError("resume", f"{cfg.resume} holds no {CONFIG_FILE}; pass a run directory")
+    return cfg, trained_config(cfg)
 
 
 def check_flower_task(cfg: DictConfig) -> None:
