@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from fedlightning.data.graphs import MultimodalGraph, load_folder, make_synthetic, save_folder
 from fedlightning.data.graphs.folder import FolderExistsError
-from fedlightning.errors import DataError
+from fedlightning.errors import ConfigError, DataError
 
 N = 6
 
@@ -309,3 +310,151 @@ def test_empty_edge_list_is_allowed(tmp_path):
     (folder / "edges.csv").write_text("src,dst\n")
     g = load_folder(folder)
     assert g.num_edges == 0 and tuple(g.edge_index.shape) == (2, 0)
+
+
+# ------------------------------------------------------------------------------------------
+# named edge columns, headers, class-name labels
+
+
+def test_edges_named_columns_in_any_order(tmp_path):
+    folder = write_small(tmp_path / "ds")
+    # A weight column before the ends and the ends swapped: (dst=1, src=0) is edge {0, 1}.
+    (folder / "edges.csv").write_text("weight,to,from\n0.5,1,0\n1.5,2,1\nx,5,3\n")
+    g = load_folder(folder, src_column="from", dst_column="to")
+    assert {tuple(sorted(p)) for p in g.edge_index.t().tolist()} == {(0, 1), (1, 2), (3, 5)}
+    # Names are matched exactly, else ignoring case; positions are 0-based.
+    assert torch.equal(
+        load_folder(folder, src_column="FROM", dst_column="To").edge_index, g.edge_index
+    )
+    assert torch.equal(load_folder(folder, src_column=2, dst_column=1).edge_index, g.edge_index)
+
+
+def test_edges_header_detected_or_not(tmp_path):
+    folder = write_small(tmp_path / "ds")
+    # Any header names: line 1 is a header because its edge columns are not integers.
+    (folder / "edges.csv").write_text("a,b\n0,1\n2,3\n")
+    assert load_folder(folder).num_edges == 2
+    # No header: the first line is an edge, and a third column of any content is ignored.
+    (folder / "edges.csv").write_text("0,1,0.25\n2,3,note\n")
+    pairs = {tuple(sorted(p)) for p in load_folder(folder).edge_index.t().tolist()}
+    assert pairs == {(0, 1), (2, 3)}
+    # Header only: no edges.
+    (folder / "edges.csv").write_text("from,to\n")
+    assert load_folder(folder, src_column="from", dst_column="to").num_edges == 0
+
+
+def test_class_name_labels_sorted(tmp_path):
+    folder = write_small(tmp_path / "ds")
+    (folder / "class_names.json").unlink()
+    (folder / "labels.csv").write_text('label\nML\nAI\nIR\n"AI"\nML\nIR\n')
+    g = load_folder(folder)
+    assert g.class_names == ["AI", "IR", "ML"]  # sorted names -> ids 0, 1, 2
+    assert g.y.tolist() == [2, 0, 1, 0, 2, 1]
+    save_folder(g, tmp_path / "out")  # the mapping is written out with the graph
+    assert json.loads((tmp_path / "out" / "class_names.json").read_text()) == ["AI", "IR", "ML"]
+    assert load_folder(tmp_path / "out").y.tolist() == g.y.tolist()
+
+
+def test_class_name_labels_follow_class_names_json(tmp_path):
+    folder = write_small(tmp_path / "ds")
+    (folder / "class_names.json").write_text(json.dumps(["ML", "IR", "AI", "DB"]))
+    (folder / "labels.csv").write_text("ML\nAI\nIR\nAI\nML\nIR\n")
+    g = load_folder(folder)
+    assert g.class_names == ["ML", "IR", "AI", "DB"]  # DB has no node: a class all the same
+    assert g.y.tolist() == [0, 2, 1, 2, 0, 1]
+
+
+def test_class_name_labels_npy_and_numeric_names(tmp_path):
+    folder = write_npy_variant(tmp_path / "ds")
+    np.save(folder / "labels.npy", np.array(["b", "a", "b", "c", "a", "a"]))
+    g = load_folder(folder)
+    assert g.class_names == ["a", "b", "c"] and g.y.tolist() == [1, 0, 1, 2, 0, 0]
+    # Years read as names (sorted as strings), not as class ids.
+    np.save(folder / "labels.npy", np.array([2001, 1999, 2001, 2010, 1999, 1999]))
+    g = load_folder(folder, labels_as="names")
+    assert g.class_names == ["1999", "2001", "2010"] and g.y.tolist() == [1, 0, 1, 2, 0, 0]
+
+
+# (labels.csv text, labels_as, text expected in the message)
+BAD_LABELS = {
+    "name after ids": ("0\n1\nAI\n2\n0\n2\n", "auto", "line 3"),
+    "id after names": ("AI\nML\n3\nAI\nML\nAI\n", "auto", "line 3"),
+    "name under ids": ("AI\nML\nAI\nML\nAI\nML\n", "ids", "integer class id"),
+    "two fields": ("a,b\nc\nd\ne\nf\ng\n", "auto", "one label per line"),
+    "empty name": ('a\n""\nb\na\nb\na\n', "names", "non-empty"),
+    "name not in class_names.json": ("a\nb\nc\nzz\na\nb\n", "auto", "'zz'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LABELS))
+def test_bad_labels_name_file_line_and_field(tmp_path, case):
+    text, labels_as, expected = BAD_LABELS[case]
+    folder = write_small(tmp_path / "ds")  # class_names.json: a, b, c
+    (folder / "labels.csv").write_text(text)
+    with pytest.raises(DataError, match=expected) as e:
+        load_folder(folder, labels_as=labels_as)
+    msg = str(e.value)
+    assert "labels.csv" in msg and "label" in msg and "\n" not in msg
+
+
+# (edges.csv text, keyword arguments, error type, text expected in the message)
+BAD_EDGES = {
+    "unknown column": (
+        "from,to\n0,1\n",
+        {"src_column": "src", "dst_column": "to"},
+        DataError,
+        "'src'",
+    ),
+    "position past the end": ("0,1\n", {"src_column": 2}, ConfigError, "dataset.src_column"),
+    "same column": ("0,1\n", {"src_column": 1}, ConfigError, "dataset.dst_column"),
+    "not an integer": (
+        "w,from,to\n0.5,0,1\n0.5,x,2\n",
+        {"src_column": "from", "dst_column": "to"},
+        DataError,
+        "line 3: field `from` (column 2)",
+    ),
+    "one column": ("0\n1\n", {}, DataError, "at least 2"),
+    "bad type": ("0,1\n", {"src_column": 1.5}, ConfigError, "dataset.src_column"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EDGES))
+def test_bad_edge_columns(tmp_path, case):
+    text, kw, err, expected = BAD_EDGES[case]
+    folder = write_small(tmp_path / "ds")
+    (folder / "edges.csv").write_text(text)
+    with pytest.raises(err, match=re.escape(expected)) as e:
+        load_folder(folder, **kw)
+    assert "\n" not in str(e.value)
+    if err is DataError:
+        assert "edges.csv" in str(e.value)
+
+
+def test_edge_columns_refused_for_edge_index_npy(tmp_path):
+    with pytest.raises(ConfigError, match="dataset.src_column"):
+        load_folder(write_npy_variant(tmp_path / "ds"), src_column="a", dst_column="b")
+
+
+def test_bad_labels_as():
+    with pytest.raises(ConfigError, match="dataset.labels_as"):
+        load_folder(Path(__file__).parent, labels_as="strings")
+
+
+def test_folder_config_passes_the_keys(tmp_path, compose):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    folder = write_small(tmp_path / "ds")
+    (folder / "edges.csv").write_text("to,from\n1,0\n")
+    cfg = compose(
+        [
+            "dataset=folder",
+            f"dataset.path={folder}",
+            "dataset.src_column=from",
+            "dataset.dst_column=to",
+        ]
+    )
+    node = OmegaConf.to_container(cfg.dataset, resolve=True)
+    node.pop("missing_rate", None)  # the default experiment's; the trainer takes it out
+    assert node["labels_as"] == "auto"
+    assert instantiate(node).num_edges == 1

@@ -2,8 +2,10 @@
 
 A dataset folder holds::
 
-    edge_index.npy | edges.csv      int [2, E] | lines `src,dst` (optional header `src,dst`)
-    labels.npy     | labels.csv     int [N]    | one label per line (optional header `label`)
+    edge_index.npy | edges.csv      int [2, E] | comma-separated lines, optional header; the
+                                    edge ends are two of its columns (default the first two)
+    labels.npy     | labels.csv     [N] integer ids or class names | one label per line
+                                    (optional header `label`)
     features/<modality>.npy         float [N, d], one file per modality (at least one)
     masks/<modality>.npy            optional bool or 0/1 [N]: True where the node has it
     class_names.json                optional list of C strings
@@ -13,7 +15,9 @@ A dataset folder holds::
 
 from __future__ import annotations
 
+import csv
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -22,9 +26,14 @@ import numpy as np
 import torch
 
 from fedlightning.data.graphs.base import MultimodalGraph, clean_edges
-from fedlightning.errors import DataError
+from fedlightning.errors import ConfigError, DataError
 
 __all__ = ["load_folder", "save_folder", "FolderExistsError"]
+
+
+log = logging.getLogger(__name__)
+
+LABELS_AS = ("auto", "ids", "names")
 
 
 class FolderExistsError(DataError, FileExistsError):
@@ -61,70 +70,175 @@ def _read_json(path: Path) -> Any:
         raise DataError(path, f"not valid UTF-8 JSON ({type(e).__name__}: {e})") from e
 
 
-def _read_int_csv(path: Path, columns: tuple[str, ...]) -> np.ndarray:
-    """Integer rows of ``len(columns)`` comma-separated values; optional header; blank lines skipped."""
+def _read_lines(path: Path) -> list[tuple[int, str]]:
+    """The non-blank lines of a text file as ``(line number, text)``."""
     try:
         # utf-8-sig: spreadsheet programs often prepend a byte-order mark.
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(path, f"not readable UTF-8 text ({type(e).__name__}: {e})") from e
-    rows = [(i, ln) for i, ln in enumerate(text.splitlines(), start=1) if ln.strip()]
-    header = ",".join(columns)
-    if rows and rows[0][1].replace(" ", "").lower() == header:
-        rows = rows[1:]
-    if not rows:
-        return np.zeros((0, len(columns)), dtype=np.int64)
+    return [(i, ln) for i, ln in enumerate(text.splitlines(), start=1) if ln.strip()]
+
+
+def _is_int(s: str) -> bool:
     try:
-        # The fast path; on failure the slow scan below finds the offending line.
-        out = np.loadtxt([ln for _, ln in rows], delimiter=",", dtype=np.int64, ndmin=2)
-        if out.shape == (len(rows), len(columns)):
-            return out
+        int(s)
     except ValueError:
-        pass
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------
+# labels: integer ids or class names
+
+
+def _check_labels_as(labels_as: str) -> str:
+    if labels_as not in LABELS_AS:
+        raise ConfigError(
+            "dataset.labels_as", f"must be one of {list(LABELS_AS)}, got {labels_as!r}"
+        )
+    return labels_as
+
+
+def _read_label_csv(path: Path) -> tuple[list[str], list[int]]:
+    """One label per non-blank line (stripped; CSV quoting allowed), without the header."""
+    rows = _read_lines(path)
+    if rows and rows[0][1].strip().lower() == "label":
+        rows = rows[1:]
+    values, linenos = [], []
     for lineno, ln in rows:
-        parts = ln.split(",")
-        try:
-            if len(parts) != len(columns):
-                raise ValueError
-            [int(p) for p in parts]
-        except ValueError:
+        fields = next(csv.reader([ln])) if '"' in ln else ln.split(",")
+        if len(fields) != 1:
             raise DataError(
                 path,
-                f"line {lineno}: expected {len(columns)} integer(s) `{header}`, got {ln[:80]!r}",
-            ) from None
-    raise DataError(path, f"expected integer rows `{header}`")  # pragma: no cover
-
-
-def _read_labels(folder: Path) -> tuple[np.ndarray, Path]:
-    path = _one_of(folder, "labels.npy", "labels.csv", "one integer class label per node")
-    if path.suffix == ".csv":
-        y = _read_int_csv(path, ("label",))[:, 0]
-    else:
-        y = _load_npy(path)
-        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-            raise DataError(
-                path,
-                f"field `labels`: expected a 1-D integer array [N], got shape "
-                f"{y.shape} dtype {y.dtype}",
+                f"line {lineno}: field `label`: expected one label per line (an integer id or a "
+                f"class name), got {len(fields)} comma-separated fields {ln[:80]!r}",
             )
-    y = y.astype(np.int64)
-    if y.size == 0:
-        raise DataError(path, "field `labels`: expected at least one node, got none")
+        values.append(fields[0].strip())
+        linenos.append(lineno)
+    return values, linenos
+
+
+def _names_to_ids(
+    folder: Path, path: Path, values: list[str], where: list[str]
+) -> tuple[np.ndarray, list[str]]:
+    """Class names -> ids: the order of ``class_names.json`` if present, else sorted names."""
+    for v, at in zip(values, where, strict=True):
+        if not v:
+            raise DataError(path, f"{at}field `label`: expected a non-empty class name, got ''")
+    cn_path = folder / "class_names.json"
+    if cn_path.exists():
+        names = _read_class_name_list(cn_path)
+        index = {c: i for i, c in enumerate(names)}
+        for v, at in zip(values, where, strict=True):
+            if v not in index:
+                shown = ", ".join(repr(c) for c in names[:10]) + (
+                    ", ..." if len(names) > 10 else ""
+                )
+                raise DataError(
+                    path,
+                    f"{at}field `label`: class name {v!r} is not in class_names.json "
+                    f"({len(names)} names: {shown})",
+                )
+        source = "the order of class_names.json"
+    else:
+        names = sorted(set(values))
+        index = {c: i for i, c in enumerate(names)}
+        source = "sorted order"
+    y = np.fromiter((index[v] for v in values), dtype=np.int64, count=len(values))
+    log.info(
+        "%s: %d class names mapped to ids 0..%d in %s", path, len(names), len(names) - 1, source
+    )
+    return y, names
+
+
+def _read_labels(
+    folder: Path, labels_as: str = "auto"
+) -> tuple[np.ndarray, list[str] | None, Path]:
+    """``(y, class names given by the labels or None, the labels file)``."""
+    labels_as = _check_labels_as(labels_as)
+    path = _one_of(
+        folder,
+        "labels.npy",
+        "labels.csv",
+        "one label per node: an integer class id or a class name",
+    )
+    names: list[str] | None = None
+    if path.suffix == ".csv":
+        values, linenos = _read_label_csv(path)
+        if not values:
+            raise DataError(path, "field `labels`: expected at least one node, got none")
+        kind = labels_as
+        if kind == "auto":
+            first_int = _is_int(values[0])
+            for v, lineno in zip(values, linenos, strict=True):
+                if _is_int(v) != first_int:
+                    expected = "an integer class id" if first_int else "a class name"
+                    raise DataError(
+                        path,
+                        f"line {lineno}: field `label`: expected {expected} like line "
+                        f"{linenos[0]} ({values[0]!r}), got {v!r}; use integer ids 0..C-1 or class "
+                        "names throughout (dataset.labels_as=names reads every label as a name)",
+                    )
+            kind = "ids" if first_int else "names"
+        if kind == "ids":
+            for v, lineno in zip(values, linenos, strict=True):
+                if not _is_int(v):
+                    raise DataError(
+                        path,
+                        f"line {lineno}: field `label`: expected an integer class id "
+                        f"(dataset.labels_as=ids), got {v!r}",
+                    )
+            y = np.array([int(v) for v in values], dtype=np.int64)
+        else:
+            y, names = _names_to_ids(folder, path, values, [f"line {i}: " for i in linenos])
+    else:
+        arr = _load_npy(path)
+        text = arr.dtype.kind in "US"
+        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or text):
+            raise DataError(
+                path,
+                f"field `labels`: expected a 1-D integer array [N] of class ids or a 1-D string "
+                f"array of class names, got shape {arr.shape} dtype {arr.dtype}",
+            )
+        if text and labels_as == "ids":
+            raise DataError(
+                path,
+                f"field `labels`: expected integer class ids (dataset.labels_as=ids), got "
+                f"strings of dtype {arr.dtype}",
+            )
+        if arr.size == 0:
+            raise DataError(path, "field `labels`: expected at least one node, got none")
+        if text or labels_as == "names":
+            values = [
+                (v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)).strip()
+                for v in arr.tolist()
+            ]
+            y, names = _names_to_ids(
+                folder, path, values, [f"node {i}: " for i in range(len(values))]
+            )
+        else:
+            y = arr.astype(np.int64)
     if y.min() < 0:
         i = int(np.argmin(y))
         raise DataError(path, f"field `labels`: expected labels >= 0, node {i} has {y[i]}")
-    return y, path
+    return y, names, path
+
+
+def _read_class_name_list(path: Path) -> list[str]:
+    names = _read_json(path)
+    if not isinstance(names, list) or not names or not all(isinstance(s, str) and s for s in names):
+        raise DataError(path, "expected a non-empty JSON list of class-name strings")
+    if len(set(names)) != len(names):
+        raise DataError(path, "expected distinct class names")
+    return names
 
 
 def _read_class_names(folder: Path, y: np.ndarray, labels_path: Path) -> list[str]:
     path = folder / "class_names.json"
     if not path.exists():
         return [f"class_{i}" for i in range(int(y.max()) + 1)]
-    names = _read_json(path)
-    if not isinstance(names, list) or not names or not all(isinstance(s, str) and s for s in names):
-        raise DataError(path, "expected a non-empty JSON list of class-name strings")
-    if len(set(names)) != len(names):
-        raise DataError(path, "expected distinct class names")
+    names = _read_class_name_list(path)
     if y.max() >= len(names):
         i = int(np.argmax(y))
         raise DataError(
@@ -210,11 +324,143 @@ def _read_masks(folder: Path, n: int, modalities: list[str]) -> torch.Tensor:
     return mask
 
 
-def _read_edges(folder: Path, n: int, labels_file: str) -> torch.Tensor:
+def _edge_column(
+    path: Path, header: list[str] | None, value: str | int | None, key: str, default: int
+) -> int:
+    """The 0-based column of one edge end: a header name, a 0-based position, or ``default``."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(
+            f"dataset.{key}", f"expected a column name or a 0-based position, got {value!r}"
+        )
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"dataset.{key}", f"a 0-based column position >= 0, got {value}")
+        return value
+    assert header is not None  # a named column makes line 1 the header
+    if value in header:
+        return header.index(value)
+    folded = [h.lower() for h in header]
+    if value.strip().lower() in folded:
+        return folded.index(value.strip().lower())
+    raise DataError(
+        path,
+        f"header line: field `{key}`: expected a column named {value!r} "
+        f"(dataset.{key}), the header has {header}",
+    )
+
+
+def _read_edge_csv(
+    path: Path, src_column: str | int | None = None, dst_column: str | int | None = None
+) -> tuple[np.ndarray, str]:
+    """``(edges [E, 2] int64, "<src name>,<dst name>")`` from a comma-separated file.
+
+    The first line is a header when a column name is asked for, or else when one of the two
+    edge columns on it is not an integer. Every line has as many columns as the first.
+    """
+    rows = _read_lines(path)
+    if not rows:
+        return np.zeros((0, 2), dtype=np.int64), "src,dst"
+    first_no, first_ln = rows[0]
+    first = [f.strip() for f in first_ln.split(",")]
+    ncols = len(first)
+    if ncols < 2:
+        raise DataError(
+            path,
+            f"line {first_no}: expected at least 2 comma-separated columns (the two ends of an "
+            f"edge), got {first_ln[:80]!r}",
+        )
+    named = isinstance(src_column, str) or isinstance(dst_column, str)
+    if named:
+        header: list[str] | None = first
+    else:
+        probe = (
+            _edge_column(path, None, src_column, "src_column", 0),
+            _edge_column(path, None, dst_column, "dst_column", 1),
+        )
+        for key, c in zip(("src_column", "dst_column"), probe, strict=True):
+            if c >= ncols:
+                raise ConfigError(
+                    f"dataset.{key}",
+                    f"column position {c} (0-based) does not exist: {path} has {ncols} columns",
+                )
+        header = None if all(_is_int(first[c]) for c in probe) else first
+    cols = (
+        _edge_column(path, header, src_column, "src_column", 0),
+        _edge_column(path, header, dst_column, "dst_column", 1),
+    )
+    for key, c in zip(("src_column", "dst_column"), cols, strict=True):
+        if c >= ncols:
+            raise ConfigError(
+                f"dataset.{key}",
+                f"column position {c} (0-based) does not exist: {path} has {ncols} columns",
+            )
+    if cols[0] == cols[1]:
+        raise ConfigError(
+            "dataset.dst_column", f"names the same column as dataset.src_column (column {cols[0]})"
+        )
+    names = [header[c] if header else f"column {c + 1}" for c in cols]
+    label = ",".join(names) if header else "src,dst"
+    if header is not None:
+        rows = rows[1:]
+    if not rows:
+        return np.zeros((0, 2), dtype=np.int64), label
+    layout = f"as the header `{first_ln.strip()[:60]}`" if header else f"as line {first_no}"
+    for lineno, ln in rows:
+        if ln.count(",") != ncols - 1:
+            raise DataError(
+                path,
+                f"line {lineno}: expected {ncols} comma-separated columns ({layout}), got "
+                f"{ln.count(',') + 1}: {ln[:80]!r}",
+            )
+    try:
+        # The fast path; on failure the slow scan below finds the offending line.
+        out = np.loadtxt(
+            [ln for _, ln in rows],
+            delimiter=",",
+            dtype=np.int64,
+            usecols=cols,
+            ndmin=2,
+            comments=None,
+        )
+        if out.shape == (len(rows), 2):
+            return out, label
+    except ValueError:
+        pass
+    for lineno, ln in rows:
+        parts = ln.split(",")
+        for name, c in zip(names, cols, strict=True):
+            if not _is_int(parts[c].strip()):
+                raise DataError(
+                    path,
+                    f"line {lineno}: field `{name}` (column {c + 1}): expected an integer node "
+                    f"index, got {parts[c].strip()[:40]!r}",
+                )
+    raise DataError(
+        path, f"expected integer node indices in the columns {names}"
+    )  # pragma: no cover
+
+
+def _read_edges(
+    folder: Path,
+    n: int,
+    labels_file: str,
+    src_column: str | int | None = None,
+    dst_column: str | int | None = None,
+) -> torch.Tensor:
     path = _one_of(folder, "edge_index.npy", "edges.csv", "the edges")
     if path.suffix == ".csv":
-        ei = _read_int_csv(path, ("src", "dst")).T
+        edges, field = _read_edge_csv(path, src_column, dst_column)
+        ei = edges.T
     else:
+        for key, value in (("src_column", src_column), ("dst_column", dst_column)):
+            if value is not None:
+                raise ConfigError(
+                    f"dataset.{key}",
+                    f"applies to edges.csv only, but {folder} holds edge_index.npy; unset it",
+                )
+        field = "edge_index"
         ei = _load_npy(path)
         if ei.ndim != 2 or ei.shape[0] != 2 or not np.issubdtype(ei.dtype, np.integer):
             hint = "; transpose it (edge_index.T)" if ei.ndim == 2 and ei.shape[1] == 2 else ""
@@ -225,7 +471,6 @@ def _read_edges(folder: Path, n: int, labels_file: str) -> torch.Tensor:
             )
     ei = ei.astype(np.int64)
     if ei.size and (ei.min() < 0 or ei.max() >= n):
-        field = "src,dst" if path.suffix == ".csv" else "edge_index"
         raise DataError(
             path,
             f"field `{field}`: expected node ids in 0..{n - 1} ({n} nodes as "
@@ -261,16 +506,32 @@ def _read_name(folder: Path) -> str:
     return name
 
 
-def load_folder(path: str | os.PathLike[str], name: str | None = None) -> MultimodalGraph:
+def load_folder(
+    path: str | os.PathLike[str],
+    name: str | None = None,
+    src_column: str | int | None = None,
+    dst_column: str | int | None = None,
+    labels_as: str = "auto",
+) -> MultimodalGraph:
     r"""Load a multimodal graph stored in the folder format (see ``docs/datasets.md``).
 
     Edges are made undirected, coalesced and free of self loops; rows of nodes that a mask
     marks unavailable are zeroed; modalities come in the sorted order of their file names.
 
+    Labels are integer class ids or class names. Names become ids in the order of
+    ``class_names.json`` when the folder has one (every name must be in it), else in sorted
+    order; the graph's ``class_names`` holds the mapping (``save_folder`` writes it out).
+
     Args:
         path (str or Path): the dataset folder.
         name (str, optional): the graph's name. If :obj:`None` (default), ``meta.json``'s
             ``name``, else the folder's name.
+        src_column (str or int, optional): the column of ``edges.csv`` holding the edge
+            sources: a header name, or a 0-based position. (default: the first column)
+        dst_column (str or int, optional): likewise for the targets. (default: the second)
+        labels_as (str, optional): ``"auto"`` (default: integer ids when every label is an
+            integer, class names when none is), ``"ids"`` or ``"names"`` (every label is a
+            class name, e.g. years).
 
     Returns:
         MultimodalGraph: ``features[m]`` float32 ``[N, d_m]``, ``mask`` bool ``[N, M]``,
@@ -279,15 +540,18 @@ def load_folder(path: str | os.PathLike[str], name: str | None = None) -> Multim
     Raises:
         DataError: for a missing or malformed file, naming the file, the field and what was
             expected.
+        ConfigError: for a bad ``src_column``, ``dst_column`` or ``labels_as``.
     """
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise DataError(
             folder, "dataset folder does not exist (see docs/datasets.md for the folder format)"
         )
-    y, labels_path = _read_labels(folder)
+    _check_labels_as(labels_as)
+    y, class_names, labels_path = _read_labels(folder, labels_as)
     n = y.size
-    class_names = _read_class_names(folder, y, labels_path)
+    if class_names is None:
+        class_names = _read_class_names(folder, y, labels_path)
     features = _read_features(folder, n, labels_path.name)
     modalities = list(features)
     mask = _read_masks(folder, n, modalities)
@@ -297,7 +561,7 @@ def load_folder(path: str | os.PathLike[str], name: str | None = None) -> Multim
         name=name if name is not None else _read_name(folder),
         features=features,
         mask=mask,
-        edge_index=_read_edges(folder, n, labels_path.name),
+        edge_index=_read_edges(folder, n, labels_path.name, src_column, dst_column),
         y=torch.from_numpy(y),
         class_names=class_names,
         node_ids=_read_node_ids(folder, n),
