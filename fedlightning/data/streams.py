@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,92 @@ from fedlightning.utils.io import content_hash, write_json
 from fedlightning.utils.seeding import derive_seed
 
 UNKNOWN = -1
+STAGES_KEY = "protocol.stream.stages"
+
+# Classes of the built-in datasets, known from their config alone: (loader, `name`) -> C.
+_BUILTIN_CLASSES = {
+    ("fedlightning.data.graphs.load_planetoid", "cora"): 7,
+    ("fedlightning.data.graphs.load_planetoid", "citeseer"): 6,
+    ("fedlightning.data.graphs.load_citeseer_mm", None): 6,
+}
+
+
+def _example(num_classes: int) -> list[int]:
+    """The layout with the most stages that fits ``num_classes``: ``[2, 1, ..., 1]``."""
+    return [2] + [1] * (num_classes - 3)
+
+
+def check_stages(
+    stages: Any, num_classes: int | None = None, dataset: str = "the dataset"
+) -> list[int]:
+    r"""Check a class-incremental stage layout from the config alone; return it as ints.
+
+    The rules (``docs/datasets.md``): a non-empty list of integers; every stage introduces
+    at least one class; the first stage at least two (with one known class, cross-entropy is
+    zero and the softmax score is always 1); and, when the number of classes :math:`C` is
+    known, at least one class is never introduced (the unknown class of the open-set
+    metrics), so the stages introduce at most :math:`C - 1` classes in all and :math:`C`
+    must be at least 3.
+
+    Args:
+        stages: the value of ``protocol.stream.stages`` (a list, tuple or ``ListConfig``).
+        num_classes: the dataset's number of classes, when the config alone tells it
+            (:func:`config_num_classes`); :obj:`None` checks only the layout.
+        dataset: how messages name the dataset.
+
+    Raises:
+        ConfigError: one line naming ``protocol.stream.stages``.
+    """
+    if isinstance(stages, (str, bytes, Mapping)) or not hasattr(stages, "__iter__"):
+        raise ConfigError(
+            STAGES_KEY, f"expected a list of classes per stage such as [2, 1, 1], got {stages!r}"
+        )
+    raw = list(stages)
+    out = []
+    for v in raw:
+        ok = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+        if isinstance(v, bool) or not ok:
+            raise ConfigError(
+                STAGES_KEY, f"expected integer class counts such as [2, 1, 1], got {raw}"
+            )
+        out.append(int(v))
+    if not out or out[0] < 2 or min(out) < 1:
+        raise ConfigError(
+            STAGES_KEY,
+            f"need a first stage of >= 2 classes and >= 1 class per later stage, got {out}",
+        )
+    if num_classes is not None:
+        c = int(num_classes)
+        if c < 3:
+            raise ConfigError(
+                STAGES_KEY,
+                f"{dataset} has {c} classes; a class-incremental stream needs >= 3 (2 in the "
+                "first stage, 1 never introduced)",
+            )
+        if sum(out) > c - 1:
+            raise ConfigError(
+                STAGES_KEY,
+                f"{out} introduce {sum(out)} classes, but {dataset} has {c}: at least one "
+                f"must stay unknown (at most {c - 1} in all, e.g. {_example(c)})",
+            )
+    return out
+
+
+def config_num_classes(dataset: Mapping[str, Any]) -> int | None:
+    """The number of classes a ``dataset`` config fixes without reading data, else ``None``.
+
+    ``num_classes`` when the config has it (``dataset=synthetic``), the known count of a
+    built-in dataset (``cora`` 7, ``citeseer`` 6, ``citeseer_mm`` 6), else :obj:`None`
+    (a folder or any other dataset: its classes are known once its labels are read).
+    """
+    n = dataset.get("num_classes")
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    target = str(dataset.get("_target_", ""))
+    for (loader, name), c in _BUILTIN_CLASSES.items():
+        if target == loader and (name is None or dataset.get("name") == name):
+            return c
+    return None
 
 
 @dataclass
@@ -92,19 +179,14 @@ class ClassIncrementalStream:
     most training nodes of it, so every new class is observed by at least one client.
 
     Args:
-        stages: classes per stage, e.g. ``[2, 1, 1, 1]``; the first stage needs at least 2
-            (with one class, cross-entropy is zero and the softmax score is always 1), and
-            at least one class must stay unknown after the last stage.
+        stages: classes per stage, e.g. ``[2, 1, 1, 1]``, under the rules of
+            :func:`check_stages` (checked here, and against the graph's classes when the
+            stream is built).
         client_fraction: fraction of a stage's new classes each client observes, in (0, 1].
     """
 
     def __init__(self, stages: list[int], client_fraction: float = 1.0) -> None:
-        stages = [int(s) for s in stages]
-        if not stages or stages[0] < 2 or min(stages) < 1:
-            raise ConfigError(
-                "protocol.stream.stages",
-                f"need a first stage of >= 2 classes and >= 1 class per later stage, got {stages}",
-            )
+        stages = check_stages(stages)
         if not 0 < float(client_fraction) <= 1:
             raise ConfigError(
                 "protocol.stream.client_fraction", f"must lie in (0, 1], got {client_fraction}"
@@ -114,13 +196,7 @@ class ClassIncrementalStream:
 
     def __call__(self, graph: MultimodalGraph, partition: Partition, seed: int) -> ClassStream:
         c = graph.num_classes
-        if sum(self.stage_sizes) > c - 1:
-            raise ConfigError(
-                "protocol.stream.stages",
-                f"{self.stage_sizes} introduce {sum(self.stage_sizes)} classes, but "
-                f"{graph.name!r} has {c}: at least one must stay unknown "
-                f"(at most {c - 1} in all)",
-            )
+        check_stages(self.stage_sizes, c, dataset=repr(graph.name))  # now C is known
         order = np.random.default_rng(derive_seed(seed, "class_order")).permutation(c).tolist()
         cuts = np.cumsum([0, *self.stage_sizes]).tolist()
         stages = [sorted(order[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]

@@ -1,9 +1,16 @@
+import re
+
 import pytest
 import torch
 
 from fedlightning.data.graphs import make_synthetic
 from fedlightning.data.partition import RandomPartitioner
-from fedlightning.data.streams import ClassIncrementalStream, ClassStream
+from fedlightning.data.streams import (
+    ClassIncrementalStream,
+    ClassStream,
+    check_stages,
+    config_num_classes,
+)
 from fedlightning.errors import ConfigError
 
 
@@ -75,3 +82,69 @@ def test_known_mask(setting):
     s = ClassIncrementalStream([2, 2])(g, part, seed=0)
     m = s.known_mask(0, 6)
     assert m.sum() == 2 and torch.equal(m.nonzero().squeeze(1), torch.tensor(s.known(0)))
+
+
+# ------------------------------------------------------------------------------------------
+# the stage rules, from the config alone
+
+
+@pytest.mark.parametrize(
+    ("stages", "num_classes", "expected"),
+    [
+        ([2, 1, 1], 5, [2, 1, 1]),
+        ([2, 1], 4, [2, 1]),  # with 4 classes the only two-stage layout
+        ([3], 4, [3]),
+        ((2.0, 1), None, [2, 1]),  # integral floats are counts
+        ([5, 1, 1, 1, 1], None, [5, 1, 1, 1, 1]),  # without C, only the layout is checked
+    ],
+)
+def test_check_stages_accepts(stages, num_classes, expected):
+    assert check_stages(stages, num_classes) == expected
+
+
+@pytest.mark.parametrize(
+    ("stages", "num_classes", "text"),
+    [
+        ([1, 1, 1], 4, "first stage of >= 2"),  # the case of the issue: refused before loading
+        ([2, 0, 1], None, ">= 1 class per later stage"),
+        ([], None, "first stage"),
+        ([2, 2], 4, "at most 3 in all, e.g. [2, 1]"),  # one class must stay unknown
+        ([2, 1, 1, 1], 5, "at least one must stay unknown"),
+        ([2], 2, "needs >= 3"),
+        ("2,1", None, "a list"),
+        (3, None, "a list"),
+        ([2, "a"], None, "integer class counts"),
+        ([2, 1.5], None, "integer class counts"),
+        ([True, 1], None, "integer class counts"),
+    ],
+)
+def test_check_stages_refuses_with_one_line_naming_the_key(stages, num_classes, text):
+    with pytest.raises(ConfigError, match=re.escape(text)) as e:
+        check_stages(stages, num_classes)
+    assert str(e.value).startswith("config `protocol.stream.stages`: ")
+    assert "\n" not in str(e.value)
+
+
+def test_check_stages_takes_a_listconfig_and_the_stream_keeps_the_rule(setting):
+    from omegaconf import OmegaConf
+
+    assert check_stages(OmegaConf.create({"s": [2, 1]}).s, 4) == [2, 1]
+    g, part = setting  # 6 classes: the graph's name appears once the classes are read
+    with pytest.raises(ConfigError, match=f"{g.name!r} has 6"):
+        ClassIncrementalStream([3, 3])(g, part, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["dataset=synthetic"], 5),
+        (["dataset=synthetic", "dataset.num_classes=4"], 4),
+        (["dataset=cora"], 7),
+        (["dataset=citeseer"], 6),
+        (["dataset=citeseer_mm"], 6),
+        (["dataset=folder"], None),
+        (["dataset=magb"], None),
+    ],
+)
+def test_config_num_classes(compose, overrides, expected):
+    assert config_num_classes(compose(overrides).dataset) == expected
