@@ -221,3 +221,67 @@ class RandomPartitioner(Partitioner):
         owner = np.empty(graph.num_nodes, dtype=np.int64)
         owner[perm] = np.arange(graph.num_nodes) % num_clients
         return owner.tolist()
+
+
+def fill_small_clients(owner: np.ndarray, y: np.ndarray, num_clients: int, minimum: int) -> None:
+    """Give every client at least ``minimum`` nodes, in place (needs ``N >= minimum x K``).
+
+    While a client holds fewer: the smallest client (ties: lowest index) receives one node
+    from the largest (ties: lowest index), namely the highest-numbered node of the donor's
+    most frequent class (ties: lowest class id). The donor always holds more than
+    ``minimum`` nodes then, so the loop ends, and nothing in it is random.
+    """
+    sizes = np.bincount(owner, minlength=num_clients)
+    while sizes.min() < minimum:
+        k = int(np.argmin(sizes))
+        donor = int(np.argmax(sizes))
+        theirs = np.flatnonzero(owner == donor)
+        cls = int(np.argmax(np.bincount(y[theirs])))
+        v = int(theirs[y[theirs] == cls].max())
+        owner[v] = k
+        sizes[donor] -= 1
+        sizes[k] += 1
+
+
+class DirichletPartitioner(Partitioner):
+    r"""Label skew: each class's nodes spread over K clients by Dirichlet(alpha) shares.
+
+    For each class :math:`c = 0, 1, \dots` in turn, a generator seeded by
+    ``(seed, "dirichlet_partition")`` draws shares :math:`q_c \sim \mathrm{Dir}(\alpha
+    \mathbf{1}_K)` and a permutation of the class's nodes, which is cut at
+    ``round(cumsum(q_c) x n_c)``: client ``k`` gets the ``k``-th piece. Small
+    :math:`\alpha` puts most of a class on few clients (strong skew); large :math:`\alpha`
+    gives every client about the global label proportions. Then every client is brought to
+    at least ``MIN_CLIENT_NODES`` nodes by :func:`fill_small_clients` (deterministic moves
+    from the largest client), so no client is empty.
+
+    Args:
+        alpha: the concentration :math:`\alpha > 0` (default ``0.5``).
+    """
+
+    method = "dirichlet"
+
+    def __init__(self, alpha: float = 0.5, **kw: Any) -> None:
+        super().__init__(**kw)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise ConfigError("partition.alpha", f"must be a number > 0, got {alpha!r}")
+        if not (np.isfinite(alpha) and alpha > 0):
+            raise ConfigError("partition.alpha", f"must be a finite number > 0, got {alpha}")
+        self.alpha = float(alpha)
+
+    def params(self) -> dict[str, Any]:
+        return {"alpha": self.alpha}
+
+    def assign(self, graph: MultimodalGraph, num_clients: int, seed: int) -> list[int]:
+        rng = np.random.default_rng(derive_seed(seed, "dirichlet_partition"))
+        y = graph.y.numpy().astype(np.int64)
+        owner = np.zeros(graph.num_nodes, dtype=np.int64)
+        for c in range(graph.num_classes):
+            nodes = np.flatnonzero(y == c)
+            shares = rng.dirichlet(np.full(num_clients, self.alpha))
+            perm = rng.permutation(nodes)
+            cuts = np.round(np.cumsum(shares)[:-1] * nodes.size).astype(np.int64)
+            for k, piece in enumerate(np.split(perm, cuts)):
+                owner[piece] = k
+        fill_small_clients(owner, y, num_clients, MIN_CLIENT_NODES)
+        return owner.tolist()

@@ -1,6 +1,7 @@
 import json
 
 import networkx as nx
+import numpy as np
 import pytest
 import torch
 
@@ -9,10 +10,12 @@ from fedlightning.data.partition import (
     TEST,
     TRAIN,
     VAL,
+    DirichletPartitioner,
     LouvainPartitioner,
     Partition,
     RandomPartitioner,
     client_splits,
+    fill_small_clients,
     merge_communities,
 )
 from fedlightning.errors import ConfigError, DataError
@@ -112,3 +115,82 @@ def test_real_cora_louvain(shared_data):
     sizes = torch.bincount(part.assignment, minlength=5)
     assert sizes.sum() == 2708 and sizes.min() > 300  # merged communities are near balanced
     assert LouvainPartitioner()(g, 5, seed=0).hash == part.hash
+
+
+# ------------------------------------------------------------------------------------------
+# Dirichlet label skew
+
+
+def _labelled(n=1200, classes=4):
+    """A graph without edges whose labels cycle 0..C-1 (balanced classes)."""
+    y = torch.arange(n) % classes
+    return MultimodalGraph(
+        "labelled",
+        {"x": torch.zeros(n, 1)},
+        full_mask(n, 1),
+        torch.zeros(2, 0, dtype=torch.long),
+        y,
+        [f"c{i}" for i in range(classes)],
+    )
+
+
+def _proportions(g, part):
+    """Label proportions per client, ``[K, C]``."""
+    counts = torch.zeros(part.num_clients, g.num_classes)
+    counts.index_put_((part.assignment, g.y), torch.ones(g.num_nodes), accumulate=True)
+    return counts / counts.sum(1, keepdim=True)
+
+
+def test_dirichlet_large_alpha_is_near_uniform_small_alpha_is_skewed():
+    g = _labelled()
+    flat = _proportions(g, DirichletPartitioner(alpha=1e4)(g, 5, seed=0))
+    assert (flat - 0.25).abs().max() < 0.05  # every client about the global 1/4 per class
+    skew = _proportions(g, DirichletPartitioner(alpha=0.05)(g, 5, seed=0))
+    assert skew.max(1).values.mean() > 0.8  # a client is mostly one class
+    assert (skew - 0.25).abs().max() > 0.5
+
+
+def test_dirichlet_is_seeded_materialized_and_hashed(tmp_path):
+    g = _labelled()
+    a = DirichletPartitioner(alpha=0.5, cache_dir=str(tmp_path))(g, 4, seed=3)
+    b = DirichletPartitioner(alpha=0.5)(g, 4, seed=3)
+    assert torch.equal(a.assignment, b.assignment) and a.hash == b.hash
+    assert a.meta["method"] == "dirichlet" and a.meta["params"] == {"alpha": 0.5}
+    assert len(list(tmp_path.glob("partition-*.json"))) == 1  # cached like the others
+    assert Partition.load(next(tmp_path.glob("partition-*.json"))).hash == a.hash
+    assert DirichletPartitioner(alpha=0.5)(g, 4, seed=4).hash != a.hash  # protocol seed
+    assert DirichletPartitioner(alpha=0.3)(g, 4, seed=3).hash != a.hash  # alpha
+    assert RandomPartitioner()(g, 4, seed=3).hash != a.hash
+
+
+def test_dirichlet_every_client_keeps_ten_nodes():
+    g = _labelled(n=200, classes=2)
+    for seed in range(5):  # tiny alpha: most clients draw no node at all before the repair
+        part = DirichletPartitioner(alpha=0.001)(g, 10, seed=seed)
+        sizes = torch.bincount(part.assignment, minlength=10)
+        assert sizes.min() >= 10 and sizes.sum() == 200
+        for k in range(10):  # and every client splits into train/val/test as usual
+            n_k = int(sizes[k])
+            assert (part.split[part.assignment == k] == TRAIN).sum() == round(0.6 * n_k)
+
+
+def test_fill_small_clients_by_hand():
+    # Client 0 holds nodes 0-5 (labels 0,0,0,1,1,0), client 1 holds nothing; minimum 2.
+    owner = np.zeros(6, dtype=np.int64)
+    y = np.array([0, 0, 0, 1, 1, 0])
+    fill_small_clients(owner, y, 2, 2)
+    # Twice: the donor's most frequent class is 0, its highest-numbered node 5, then 2.
+    assert owner.tolist() == [0, 0, 1, 0, 0, 1]
+
+
+@pytest.mark.parametrize("alpha", [0, -1.0, float("inf"), "a", True])
+def test_dirichlet_bad_alpha_names_the_key(alpha):
+    with pytest.raises(ConfigError, match="partition.alpha"):
+        DirichletPartitioner(alpha=alpha)
+
+
+def test_dirichlet_config(compose):
+    from hydra.utils import instantiate
+
+    part = instantiate(compose(["partition=dirichlet", "partition.alpha=2"]).partition)
+    assert isinstance(part, DirichletPartitioner) and part.alpha == 2.0
