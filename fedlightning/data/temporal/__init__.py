@@ -3,6 +3,7 @@
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.loaders import (
     load_bitcoin_csv,
+    load_interactions,
     load_jodie_csv,
     load_wikipedia_txt,
     make_synthetic_stream,
@@ -13,5 +14,6 @@ __all__ = [
     "load_jodie_csv",
     "load_wikipedia_txt",
     "load_bitcoin_csv",
+    "load_interactions",
     "make_synthetic_stream",
 ]

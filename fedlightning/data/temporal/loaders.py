@@ -1,5 +1,6 @@
-"""Readers of temporal interaction files (JODIE CSV, Wikipedia txt, Bitcoin CSV) and a
-synthetic stream with planted dynamic labels (see ``docs/datasets.md``).
+"""Readers of temporal interaction files (JODIE CSV, Wikipedia txt, Bitcoin CSV, any
+``src dst time [label] [features...]`` list) and a synthetic stream with planted dynamic
+labels (see ``docs/datasets.md``).
 
 Every reader returns an :class:`~fedlightning.data.temporal.events.EventStream` and raises
 :class:`~fedlightning.errors.DataError` naming the file, the line (1-based, as an editor
@@ -9,15 +10,24 @@ when that fails is the file scanned line by line to find the offending line.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from fedlightning.data.temporal.events import EventStream
-from fedlightning.errors import DataError
+from fedlightning.errors import ConfigError, DataError
 
-__all__ = ["load_jodie_csv", "load_wikipedia_txt", "load_bitcoin_csv", "make_synthetic_stream"]
+__all__ = [
+    "load_jodie_csv",
+    "load_wikipedia_txt",
+    "load_bitcoin_csv",
+    "load_interactions",
+    "make_synthetic_stream",
+]
+
+log = logging.getLogger(__name__)
 
 # The header of the published JODIE files names all feature columns with this one name.
 _JODIE_FEATURES = "comma_separated_list_of_features"
@@ -350,6 +360,295 @@ def load_bitcoin_csv(
         source=str(path),
         node_names=[str(int(r)) for r in ids],
     )
+
+
+# ------------------------------------------------------------------------------------------
+# generic interaction list: src dst time [label] [features...]
+
+# Separator names accepted besides the characters themselves (`dataset.sep=tab`).
+_SEPARATORS = {
+    "tab": "\t",
+    "\t": "\t",
+    "comma": ",",
+    ",": ",",
+    "semicolon": ";",
+    ";": ";",
+    "space": None,
+    "whitespace": None,
+    " ": None,
+}
+_SEP_NAMES = {"\t": "tab", ",": "comma", ";": "semicolon", None: "whitespace"}
+_GENERIC = "`src dst time [label] [features...]`"
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def _column_floats(
+    path: Path, values: Sequence[str], linenos: np.ndarray, field: str, col: int
+) -> np.ndarray:
+    """One column as float64; the first value that is not a finite number is a DataError."""
+    try:
+        out = np.asarray(values, dtype=np.str_).astype(np.float64)
+        ok = np.isfinite(out)
+        if ok.all():
+            return out
+        bad = int(np.argmin(ok))
+    except ValueError:
+        bad = next(i for i, v in enumerate(values) if not _is_number(v))
+    raise DataError(
+        path,
+        f"line {linenos[bad]}: field `{field}` (column {col}): expected a finite number, got "
+        f"{values[bad][:40]!r}",
+    )
+
+
+def load_interactions(
+    path: str | Path,
+    bipartite: bool | None,
+    labels: bool | None = None,
+    sep: str | None = None,
+    header: bool | None = None,
+    name: str | None = None,
+) -> EventStream:
+    r"""Loads a plain interaction list ``src dst time [label] [features...]``, one a line.
+
+    Columns are separated by tabs, commas, semicolons or runs of spaces: ``sep`` (``None``:
+    a tab if the first line has one, else a comma, else whitespace). Lines starting with
+    ``#`` are comments; blank lines are skipped. The first line is a header when its third
+    field (the time) is not a number, unless ``header`` says otherwise. Every line has the
+    same number of columns (at least 3).
+
+    * ``src``, ``dst``: any tokens; integers are sorted as numbers, other ids as strings.
+    * ``time``: any finite numbers, in any order: the events are sorted stably by time, so
+      events of equal time keep their file order. ``t`` is int64 when every time is
+      integral, else float64.
+    * ``label`` (column 4): the event's state label, 0 or 1. With ``labels=None`` (default)
+      a file of 4 or more columns has one, as the layout says; ``labels=False`` reads every
+      column after the time as a feature, ``labels=True`` requires the label column.
+    * ``features``: the remaining columns, finite numbers, as ``msg`` float32 ``[E, d]``.
+
+    Id spaces: with ``bipartite=False`` sources and destinations share one id space: the
+    distinct raw ids of both, sorted, become nodes ``0..N-1`` (names ``"<raw>"``, one node
+    type). With ``bipartite=True`` they are two: sources sorted become ``0..U-1`` (names
+    ``"u<raw>"``, ``node_type`` 0), destinations sorted ``U..U+I-1`` (``"i<raw>"``, type 1),
+    so an id seen on both sides is two nodes; when any is, one warning gives their number
+    and the node count of the shared reading.
+
+    Args:
+        path (str or Path): the text file.
+        bipartite (bool): two id spaces (users and items) or one (``dataset.bipartite``);
+            no default, as either reading of the other's file is silently wrong.
+        labels (bool, optional): whether column 4 is a label (default: when present).
+        sep (str, optional): ``"\t"``/``"tab"``, ``","``/``"comma"``, ``";"``,
+            ``" "``/``"whitespace"``, or ``None`` to detect (default).
+        header (bool, optional): whether the first line is a header (default: detect).
+        name (str, optional): the dataset name. (default: the file name without suffix)
+
+    Returns:
+        EventStream: in time order; ``label`` int64 or ``None``; ``msg`` float32 or ``None``.
+
+    Raises:
+        DataError: naming the file, the line, the field and what was expected.
+        ConfigError: for a ``bipartite``, ``labels``, ``sep`` or ``header`` of the wrong kind.
+    """
+    if not isinstance(bipartite, bool):
+        raise ConfigError(
+            "dataset.bipartite",
+            f"must be set to true (sources and destinations are two id spaces, e.g. users and "
+            f"items) or false (one shared id space), got {bipartite!r}",
+        )
+    for key, value in (("labels", labels), ("header", header)):
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"dataset.{key}", f"expected true, false or null, got {value!r}")
+    if sep is not None and sep not in _SEPARATORS:
+        raise ConfigError(
+            "dataset.sep",
+            f"expected one of {sorted(k for k in _SEPARATORS if k.strip())} or null "
+            f"(detect), got {sep!r}",
+        )
+    path = Path(path)
+    text = _read_text(path, f"{_GENERIC} lines")
+    rows = [
+        (i, ln)
+        for i, ln in enumerate(text.splitlines(), start=1)
+        if ln.strip() and not ln.lstrip().startswith("#")
+    ]
+    if not rows:
+        raise DataError(path, f"no events: expected {_GENERIC} lines")
+    if sep is not None:
+        delim = _SEPARATORS[sep]
+    else:
+        first = rows[0][1]
+        delim = "\t" if "\t" in first else "," if "," in first else None
+    sep_name = _SEP_NAMES[delim]
+
+    def fields(ln: str) -> list[str]:
+        return ln.split() if delim is None else [p.strip() for p in ln.split(delim)]
+
+    first_line, first_fields = rows[0][0], fields(rows[0][1])
+    ncols = len(first_fields)
+    if ncols < 3:
+        raise DataError(
+            path,
+            f"line {first_line}: expected at least 3 {sep_name}-separated columns {_GENERIC}, "
+            f"got {ncols}: {rows[0][1][:80]!r}",
+        )
+    has_header = not _is_number(first_fields[2]) if header is None else header
+    if has_header:
+        rows = rows[1:]
+        if not rows:
+            raise DataError(path, f"no events after the header line: expected {_GENERIC}")
+    has_label = ncols >= 4 if labels is None else labels
+    if has_label and ncols < 4:
+        raise DataError(
+            path,
+            f"field `label`: dataset.labels=true, but the lines have {ncols} columns; expected "
+            f"{_GENERIC} with the label in column 4",
+        )
+    first_feature = 4 if has_label else 3
+    names = ["src", "dst", "time", "label"][:first_feature] + [
+        first_fields[j] if has_header else f"feature {j - first_feature + 1}"
+        for j in range(first_feature, ncols)
+    ]
+    linenos = np.array([i for i, _ in rows])
+
+    table = _numeric_table(rows, delim, ncols)
+    if table is not None:  # the fast path: every field a finite number, integral ids
+        src_raw, dst_raw = table[:, 0].astype(np.int64), table[:, 1].astype(np.int64)
+        t = table[:, 2]
+        label_raw = table[:, 3] if has_label else None
+        msg = table[:, first_feature:].astype(np.float32) if ncols > first_feature else None
+        shown = table
+    else:  # field by field, naming the first bad line and column
+        parts = [fields(ln) for _, ln in rows]
+        for (lineno, ln), p in zip(rows, parts, strict=True):
+            if len(p) != ncols:
+                raise DataError(
+                    path,
+                    f"line {lineno}: expected {ncols} {sep_name}-separated columns (as line "
+                    f"{first_line}), got {len(p)}: {ln[:80]!r}",
+                )
+        cols = list(zip(*parts, strict=True))
+        for j in (0, 1):
+            empty = [i for i, v in enumerate(cols[j]) if not v]
+            if empty:
+                raise DataError(
+                    path,
+                    f"line {linenos[empty[0]]}: field `{names[j]}` (column {j + 1}): expected an "
+                    "id, got an empty field",
+                )
+        t = _column_floats(path, cols[2], linenos, "time", 3)
+        label_raw = _column_floats(path, cols[3], linenos, "label", 4) if has_label else None
+        msg = None
+        if ncols > first_feature:
+            msg = np.stack(
+                [
+                    _column_floats(path, cols[j], linenos, names[j], j + 1)
+                    for j in range(first_feature, ncols)
+                ],
+                axis=1,
+            ).astype(np.float32)
+        src_raw = np.asarray(cols[0], dtype=np.str_)
+        dst_raw = np.asarray(cols[1], dtype=np.str_)
+        if _is_int_array(src_raw) and _is_int_array(dst_raw):  # sorted as numbers
+            src_raw, dst_raw = src_raw.astype(np.int64), dst_raw.astype(np.int64)
+        shown = None
+    label = None
+    if label_raw is not None:
+        bad = np.flatnonzero((label_raw != 0) & (label_raw != 1))
+        if bad.size:
+            r = int(bad[0])
+            got = f"{shown[r, 3]:g}" if shown is not None else repr(cols[3][r][:40])
+            raise DataError(
+                path,
+                f"line {linenos[r]}: field `label` (column 4): expected a state label 0 or 1, "
+                f"got {got}",
+            )
+        label = label_raw.astype(np.int64)
+
+    order = np.argsort(t, kind="stable")
+    src_raw, dst_raw = src_raw[order], dst_raw[order]
+    if bipartite:
+        u_ids, src = _map_ids(src_raw)
+        i_ids, dst = _map_ids(dst_raw)
+        n_u, n_i = len(u_ids), len(i_ids)
+        both = np.intersect1d(u_ids, i_ids)
+        if both.size:
+            log.warning(
+                "%s: %d ids appear as both source and destination; read as bipartite "
+                "(dataset.bipartite=true) each is two nodes: %d sources + %d destinations = "
+                "%d nodes. If sources and destinations share one id space, set "
+                "dataset.bipartite=false (%d nodes).",
+                path,
+                both.size,
+                n_u,
+                n_i,
+                n_u + n_i,
+                n_u + n_i - both.size,
+            )
+        num_nodes = n_u + n_i
+        dst = dst + n_u
+        node_type = np.concatenate([np.zeros(n_u, np.int64), np.ones(n_i, np.int64)])
+        node_names = [f"u{r}" for r in u_ids.tolist()] + [f"i{r}" for r in i_ids.tolist()]
+    else:
+        ids, inv = _map_ids(np.concatenate([src_raw, dst_raw]))
+        src, dst = inv[: len(order)], inv[len(order) :]
+        num_nodes = len(ids)
+        node_type = np.zeros(num_nodes, np.int64)
+        node_names = [str(r) for r in ids.tolist()]
+    return EventStream(
+        name=name if name is not None else path.stem,
+        src=np.ascontiguousarray(src),
+        dst=np.ascontiguousarray(dst),
+        t=_time_array(t[order]),
+        num_nodes=num_nodes,
+        bipartite=bipartite,
+        node_type=node_type,
+        label=None if label is None else label[order],
+        msg=None if msg is None else np.ascontiguousarray(msg[order]),
+        source=str(path),
+        node_names=node_names,
+    )
+
+
+def _numeric_table(
+    rows: Sequence[tuple[int, str]], delim: str | None, ncols: int
+) -> np.ndarray | None:
+    """All rows as float64 when every field is a finite number and the ids are integers
+    that float64 holds exactly; else ``None`` (the caller then reads field by field)."""
+    try:
+        m = np.loadtxt(
+            [ln for _, ln in rows], delimiter=delim, dtype=np.float64, ndmin=2, comments=None
+        )
+    except ValueError:
+        return None
+    if m.shape != (len(rows), ncols) or not np.isfinite(m).all():
+        return None
+    ids = m[:, :2]
+    if np.any(ids != np.floor(ids)) or np.any(np.abs(ids) >= 2.0**53):
+        return None
+    return m
+
+
+def _map_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct raw ids, sorted (as numbers for int64, as text for strings), and indices."""
+    ids, inv = np.unique(values, return_inverse=True)
+    return ids, inv.reshape(-1).astype(np.int64)
+
+
+def _is_int_array(values: np.ndarray) -> bool:
+    """Whether every string of ``values`` is an integer (as ``int()`` reads it)."""
+    try:
+        values.astype(np.int64)
+    except (ValueError, OverflowError):
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------

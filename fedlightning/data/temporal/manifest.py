@@ -157,10 +157,20 @@ def build_manifest(
 
 
 def manifest_table(stream: EventStream, manifest: Manifest) -> dict[str, Any]:
-    """One row of the paper's Table 1: raw statistics and the manifest counts."""
+    """One row of the paper's Table 1: raw statistics and the manifest counts.
+
+    ``labels`` says whether the stream has usable state labels (:attr:`EventStream.has_labels`):
+    ``"0/1"`` when both values occur, ``"none"`` without a label column, ``"none (all 0)"``
+    for a constant one; ``classes`` counts the distinct label values (0 without a label
+    column); ``pos_labels`` and ``pos_rate`` are ``None`` without a label column.
+    """
     users = int((stream.node_type == 0).sum()) if stream.bipartite else stream.num_nodes
     items = int((stream.node_type == 1).sum()) if stream.bipartite else stream.num_nodes
     pos = int(stream.label.sum()) if stream.label is not None else None
+    if stream.label is None:
+        labels = "none"
+    else:
+        labels = "0/1" if stream.has_labels else f"none (all {int(stream.label[0])})"
     c = manifest.counts()
     return {
         "dataset": stream.name,
@@ -168,7 +178,8 @@ def manifest_table(stream: EventStream, manifest: Manifest) -> dict[str, Any]:
         "users": users,
         "items": items,
         "feat_dim": int(stream.msg.shape[1]) if stream.msg is not None else 0,
-        "classes": 2 if stream.label is not None else 0,
+        "labels": labels,
+        "classes": int(np.unique(stream.label).size) if stream.label is not None else 0,
         "pos_labels": pos,
         "pos_rate": pos / stream.num_events if pos is not None else None,
         "pre_train": c["pretrain"],
