@@ -2,7 +2,7 @@
 
 Three implementations of the same math over the same cached contexts (paper 001, Eqs. 13-31):
 
-- ``platform``: :class:`fedlightning.federation.fedtip.TaskLoop` (the LightningModule's
+- ``platform``: :class:`fedlightning.federation.tasks.TaskLoop` (the LightningModule's
   hooks through the lean executor, typed messages, the ledger, the server module), with
   the active clients of a round stacked into one fit;
 - ``torch, per client``: a hand-written loop, one adapter copy and one Adam per client
@@ -32,15 +32,15 @@ from omegaconf import OmegaConf
 from fedlightning.clients.fedtip import stack_batches
 from fedlightning.config import build
 from fedlightning.data.temporal.protocol import materialize
+from fedlightning.experiments.temporal import eval_batches, task_batches
 from fedlightning.federation.executors import LeanExecutor
-from fedlightning.federation.fedtip import TaskLoop, evaluate
 from fedlightning.federation.runners import SequentialRunner
+from fedlightning.federation.tasks import TaskLoop, evaluate
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.temporal.bank import BankConfig
 from fedlightning.temporal.contexts import cached_contexts, load_bank
 from fedlightning.temporal.encoders import time_encoder
-from fedlightning.temporal.fedtip_run import eval_batches, task_batches
-from fedlightning.temporal.run import ensure_bank
+from fedlightning.temporal.setup import ensure_bank
 from fedlightning.tracking import NullTracker
 from fedlightning.utils.seeding import derive_seed
 

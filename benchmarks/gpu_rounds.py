@@ -64,7 +64,7 @@ def fedtip_small(tasks: int, bank_events: int) -> list[str]:
 
 def run(overrides: list[str], out: Path) -> dict[str, Any]:
     """One ``fedlightning train`` in this process; the summary and the wall time."""
-    from fedlightning.cli import compose
+    from fedlightning.config import compose
     from fedlightning.train import train
 
     cfg = compose([*overrides, "logger=none", "runner.progress=false"])

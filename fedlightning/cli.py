@@ -9,9 +9,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from fedlightning.config import CONF_DIR, compose
 from fedlightning.errors import ConfigError, FedLightningError
-
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 USAGE = """usage: fedlightning COMMAND [hydra overrides]
 
@@ -123,7 +122,8 @@ def _train_lightning_rank(cfg: DictConfig) -> dict:
     import shutil
     import tempfile
 
-    from fedlightning.train import MLFLOW_RUN_FILE, train
+    from fedlightning.runs import MLFLOW_RUN_FILE
+    from fedlightning.train import train
 
     root = logging.getLogger()
     for h in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
@@ -179,15 +179,6 @@ def _resume_run_dir(args: list[str]) -> list[str]:
                 f"hydra.run.dir={a.split('=', 1)[1]}/.resume/${{now:%Y-%m-%d_%H-%M-%S-%f}}",
             ]
     return args
-
-
-def compose(overrides: list[str]) -> DictConfig:
-    """``conf/train.yaml`` composed with ``overrides``, as ``fedlightning train`` would."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides)
 
 
 def _sweep(rest: list[str]) -> int:
@@ -257,7 +248,7 @@ def _flower_sim(rest: list[str]) -> int:
 def _manifest(rest: list[str]) -> int:
     import argparse
 
-    from fedlightning.data.temporal.protocol import run_manifest
+    from fedlightning.experiments.manifest import run_manifest
 
     ap = argparse.ArgumentParser(
         prog="fedlightning data manifest",

@@ -1,4 +1,6 @@
-"""Checks on a composed config, run before any data is read or any model is built."""
+"""The config: composition (:func:`compose`), checks run before any data is read or any model
+is built (:func:`validate`), and instantiation that reports errors against the key
+(:func:`build`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides``, as ``fedlightning train`` would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=overrides)
 
 
 def _get(cfg: DictConfig, key: str) -> Any:

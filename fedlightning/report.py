@@ -6,7 +6,9 @@ directories (``--dirs multirun/``). Each run's numbers are its ``summary.json`` 
 the run's artifact), so a table cell is exactly the mean and the sample standard deviation
 (n - 1) over the seeds of the runs' ``summary.json`` values. When the same configuration
 and seed ran more than once, the newest run counts. ``--tag k=v`` narrows the selection
-(e.g. ``--tag experiment=cil_fedogl_cora``).
+(e.g. ``--tag experiment=cil_fedogl_cora``); ``--family nc`` (or ``lp``) keeps the FedTIP
+runs of that task family (their ``families`` tag; for runs made before that tag, the
+families their ``summary.json`` lists) and shows that family's AUCs.
 
 Layouts:
 
@@ -105,6 +107,26 @@ def runs_from_mlflow(tracking_uri: str, experiment_name: str, tags: dict[str, st
             s["params"] = dict(run.data.params)
             out.append(s)
     return out
+
+
+FAMILY_METRICS = {"nc": "auc_nc", "lp": "auc_tlp,auc_ilp"}
+
+
+def run_tags(summary: dict) -> dict[str, str]:
+    """A run's tags, with ``families`` filled in for FedTIP runs made before runs carried
+    that tag (their ``summary.json`` lists the families they ran)."""
+    tags = dict(summary.get("tags", {}))
+    if tags.get("task") == "temporal" and "families" not in tags and summary.get("families"):
+        tags["families"] = ",".join(summary["families"])
+    return tags
+
+
+def matches(summary: dict, wanted: dict[str, str], family: str | None) -> bool:
+    """The run has every tag of ``wanted`` and, with ``family``, ran that task family."""
+    tags = run_tags(summary)
+    if family and family not in tags.get("families", "").split(","):
+        return False
+    return all(tags.get(k) == v for k, v in wanted.items())
 
 
 def row_label(tags: dict[str, str], layout: str) -> str:
@@ -294,6 +316,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--task", default="cil", help="runs with this task tag (cil, cir, ...)")
     ap.add_argument("--dataset", nargs="*", default=[], help="only these datasets")
     ap.add_argument("--tag", action="append", default=[], help="only runs with tag k=v")
+    ap.add_argument(
+        "--family", choices=sorted(FAMILY_METRICS), help="temporal: runs of this task family"
+    )
     ap.add_argument("--layout", choices=["main", "ablation"], default="main")
     ap.add_argument("--method", default=None, help="the ablated method (ablation layout)")
     ap.add_argument("--metrics", default=None, help="default: am,fm,fpr95 (temporal: AUCs)")
@@ -314,14 +339,15 @@ def main(argv: list[str]) -> int:
         runs = runs_from_mlflow(uri, args.experiment_name, {"task": args.task})
     wanted = dict(t.split("=", 1) for t in args.tag if "=" in t)
     wanted["task"] = args.task
-    runs = [s for s in runs if all(s.get("tags", {}).get(k) == v for k, v in wanted.items())]
+    runs = [s for s in runs if matches(s, wanted, args.family)]
     if args.dataset:
         runs = [s for s in runs if s["tags"].get("dataset") in args.dataset]
     method = args.method or ("fedtip" if args.task == "temporal" else None)
     runs = select(runs, args.layout, method)
     if not runs:
         raise ConfigError("--task", f"no finished runs with task {args.task!r} match")
-    chosen = args.metrics or DEFAULT_METRICS.get(args.task, "am,fm,fpr95")
+    default = FAMILY_METRICS.get(args.family) if args.family else None
+    chosen = args.metrics or default or DEFAULT_METRICS.get(args.task, "am,fm,fpr95")
     metrics = [m.strip() for m in chosen.split(",") if m.strip()]
     table = aggregate(runs, metrics, args.layout)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -136,3 +136,46 @@ def test_repeated_runs_count_once_and_sensitivity_over_a_config_value(tmp_path):
     assert path.name == "sensitivity_algorithm.basis.rank_fedogl_d.png" and path.exists()
     with pytest.raises(ConfigError, match="differ"):
         sensitivity(kept, "seedless.key", "am", "main", tmp_path)
+
+
+def _temporal(seed, families, tagged=True, auc_nc=0.6, auc_tlp=0.7):
+    metrics = {"auc_tlp": auc_tlp, "auc_ilp": auc_tlp - 0.1}
+    if "nc" in families:
+        metrics["auc_nc"] = auc_nc
+    tags = {"method": "fedtip", "variant": "full", "dataset": "d", "task": "temporal"}
+    if tagged:
+        tags["families"] = ",".join(families)
+    return {
+        "experiment": "t",
+        "seed": seed,
+        "families": list(families),
+        "metrics": metrics,
+        "tags": {**tags, "backbone": "tgn"},
+        "comm": {"uplink_mib": 1.0},
+        "wall_time_s": 1.0,
+        "rounds": 2,
+    }
+
+
+def test_temporal_tables_select_a_task_family_by_tag_old_runs_included(tmp_path):
+    """`--family nc` keeps the runs that ran node classification: runs tagged `families`
+    and runs made before that tag (their summary lists the families)."""
+    runs = {
+        "both": _temporal(0, ["nc", "lp"], auc_nc=0.6),
+        "old_both": _temporal(1, ["nc", "lp"], tagged=False, auc_nc=0.8),
+        "lp_only": _temporal(2, ["lp"]),
+    }
+    for name, s in runs.items():
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(s))
+    r = subprocess.run(
+        [FL, "report", "--dirs", "runs", "--task", "temporal", "--family", "nc", "--out", "rep"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    table = json.loads((tmp_path / "rep" / "temporal_main.json").read_text())
+    cell = next(iter(next(iter(table.values())).values()))
+    assert set(cell) == {"auc_nc"}  # the family's metric only
+    assert cell["auc_nc"]["n"] == 2 and cell["auc_nc"]["mean"] == pytest.approx(0.7)

@@ -15,7 +15,7 @@ import optuna
 import pytest
 from optuna.trial import FixedTrial, TrialState
 
-from fedlightning.cli import compose
+from fedlightning.config import compose
 from fedlightning.errors import ConfigError
 from fedlightning.sweeps import Sweep, load_spec, suggest
 from fedlightning.train import train

@@ -2,13 +2,15 @@ import json
 import math
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from fedlightning.algorithms.continual import ContinualFedAvg
 from fedlightning.data.graphs import make_synthetic
 from fedlightning.data.partition import RandomPartitioner
 from fedlightning.errors import ConfigError, FedLightningError
-from fedlightning.train import json_safe, prepare_run_dir, save_protocol
+from fedlightning.experiments.graph import save_protocol
+from fedlightning.runs import json_safe, prepare_run_dir
 
 
 def test_resume_refuses_a_finished_run_and_a_non_run(tmp_path):
@@ -51,3 +53,35 @@ def test_json_safe_turns_non_finite_into_null():
 def test_continual_algorithm_errors_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=key):
         ContinualFedAvg(**kw)
+
+
+def test_checkpoints_carry_a_format_and_old_or_unknown_ones_get_one_line(tmp_path):
+    from fedlightning.errors import FedLightningError
+    from fedlightning.experiments.temporal import saved_state
+    from fedlightning.federation.loop import CHECKPOINT_FORMAT
+    from fedlightning.runs import load_checkpoint
+
+    graph_v1 = {"completed_rounds": 3, "ledger": {"entries": [("up", 1, 0, "w", 4, 16)]}}
+    torch.save(graph_v1, tmp_path / "g.pt")
+    assert load_checkpoint(tmp_path / "g.pt") == graph_v1  # a graph run of format 1 resumes
+    torch.save({"format": 99}, tmp_path / "future.pt")
+    with pytest.raises(FedLightningError, match=r"future\.pt: checkpoint format 99"):
+        load_checkpoint(tmp_path / "future.pt")
+    fedtip_v1 = {"results": [], "fields": {}, "provisioned": [], "message_values": {}}
+    torch.save(fedtip_v1, tmp_path / "checkpoint.pt")
+    with pytest.raises(FedLightningError, match="format 1.*cannot resume") as e:
+        saved_state(tmp_path / "checkpoint.pt")
+    assert "\n" not in str(e.value)
+    torch.save(
+        {"format": CHECKPOINT_FORMAT, "results": [], "ledger": {"entries": []}}, tmp_path / "ok.pt"
+    )
+    assert saved_state(tmp_path / "ok.pt")["format"] == CHECKPOINT_FORMAT
+
+
+def test_a_ledger_of_format_1_loads_with_an_empty_scope():
+    from fedlightning.federation.ledger import CommLedger
+
+    ledger = CommLedger()
+    ledger.load_state_dict({"entries": [("up", 1, 0, "w", 4, 16), ("down", 1, 0, "w", 4, 16)]})
+    assert ledger.entries[0] == ("up", 1, 0, "w", 4, 16, "")
+    assert ledger.total("up") == 4 and ledger.total("down", scope="") == 4

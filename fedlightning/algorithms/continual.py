@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedlightning.algorithms.base import Algorithm, FederatedClient
 from fedlightning.clients.continual import DISTILL_ON, ContinualNodeClassifier
 from fedlightning.clients.replay import class_balanced_sample, stage_batch
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
-from fedlightning.federation.messages import ClientUpdate, ServerBroadcast, detach_state
+from fedlightning.federation.algorithm import Algorithm, FederatedClient
+from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server import Server, fedavg
 from fedlightning.server.aggregate import as_model_fields, model_state
 from fedlightning.utils.seeding import torch_generator
@@ -41,6 +41,8 @@ class ContinualFedAvg(Algorithm):
         prox_mu: FedProx coefficient (default ``0.0``).
         score: rejection score, ``msp`` (Eq. (6)) or ``energy`` (default ``msp``).
     """
+
+    continual = True
 
     def __init__(
         self,

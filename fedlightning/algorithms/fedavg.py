@@ -7,8 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from fedlightning.algorithms.base import Algorithm
 from fedlightning.clients import NodeClassifier
+from fedlightning.federation.algorithm import Algorithm
 from fedlightning.server import Server, fedavg
 
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from fedlightning.algorithms.base import FederatedClient
 from fedlightning.algorithms.continual import ContinualFedAvg
 from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.callbacks import GradientProjection
 from fedlightning.clients.replay import stage_batch
-from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
+from fedlightning.federation.algorithm import FederatedClient
+from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.structure import protected_biases, protected_inputs
 from fedlightning.server import Server, fedavg
 from fedlightning.server.aggregate import model_state
@@ -50,6 +50,7 @@ class FedOGL(ContinualFedAvg):
             ``lr`` (0.05), ``window`` (3).
     """
 
+    stage_end_exchange = True
     BASIS_DEFAULTS = {
         "rank_local": 8,
         "rank": 16,

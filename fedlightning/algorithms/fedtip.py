@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,30 +37,41 @@ from fedlightning.clients.fedtip import (
     class_members,
     family_prototypes,
     family_views,
+    stack_batches,
 )
-from fedlightning.federation.messages import ClientUpdate
+from fedlightning.federation.algorithm import Algorithm
+from fedlightning.federation.round import ClientWork
+from fedlightning.federation.tasks import Batch, TaskBatches, TaskLoop
+from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.fedtip import (
-    ClientSummary,
     FedTIPServer,
     label_coverage,
     private_prototype,
+    read_broadcast,
 )
 from fedlightning.temporal.adapter import PromptAdapter
+from fedlightning.utils.seeding import derive_seed, torch_generator
 
-MODES = ("federated", "central", "fulltune")
+MODES = ("federated", "central")
 AGGREGATIONS = ("reliability", "fedavg")
 PROMPTS = ("interaction", "static")
 NEGATIVES = ("protocol", "unfiltered")
 
 
 @dataclass
-class FedTIP:
-    """One FedTIP configuration (defaults: paper Sec. 5.1.4; methods.md).
+class FedTIP(Algorithm):
+    """One FedTIP configuration (defaults: paper Sec. 5.1.4; docs/fedtip.md).
+
+    As an :class:`~fedlightning.federation.algorithm.Algorithm` it runs on the task
+    schedule (:class:`~fedlightning.federation.tasks.TaskLoop`) and declares the task verbs
+    the schedule calls: :meth:`task_module`, :meth:`task_server`, :meth:`task_work` (the
+    round's clients fitted at once, as one stack), :meth:`task_result` and
+    :meth:`task_segments`.
 
     Args:
         name: the method's name in reports (``fedtip``, ``prompt_fedavg``, ``prompt_central``).
-        mode: ``federated``, ``central`` (pooled support, no messages) or ``fulltune``
-            (the encoder fine-tuned with the adapter and averaged, FedAvg).
+        mode: ``federated`` or ``central`` (pooled support, no messages); ``fulltune`` is
+            :class:`~fedlightning.algorithms.fulltune.FullTuneFedAvg`'s.
         aggregation: ``reliability`` (Eqs. 27-30) or ``fedavg`` (:math:`r_k = 1`).
         anchors: server anchor prototypes and the anchor term (Eqs. 22-24).
         prompt: ``interaction`` (Eqs. 14-15) or ``static`` gates.
@@ -91,10 +104,12 @@ class FedTIP:
     weight_decay: float = 1e-5
     clip: float | None = None
     sigma: float = 0.0
+    loop_class = TaskLoop
+    modes = MODES
 
     def __post_init__(self) -> None:
         for key, value, allowed in (
-            ("mode", self.mode, MODES),
+            ("mode", self.mode, self.modes),
             ("aggregation", self.aggregation, AGGREGATIONS),
             ("prompt", self.prompt, PROMPTS),
             ("negatives", self.negatives, NEGATIVES),
@@ -144,6 +159,71 @@ class FedTIP:
         return FedTIPServer(
             omega, self.eta_s, self.beta, self.aggregation == "reliability", self.anchors
         )
+
+    # ------------------------------------------------------------------ task verbs
+    def attach(self, snapshot: Any, protocol: Any) -> None:
+        """The bank's snapshot encoder and the temporal protocol, before the first task
+        (used by a comparator that tunes the encoder)."""
+
+    def task_module(self, adapter: PromptAdapter, family: str) -> FedTIPClient:
+        """The client module of one task and family."""
+        return self.client_module(adapter, family)
+
+    def task_server(self, module: FedTIPClient) -> FedTIPServer:
+        """The task's server, starting from the module's initial adapter."""
+        return self.server(module.adapter.state_dict())
+
+    def task_work(
+        self,
+        loop: TaskLoop,
+        task: TaskBatches,
+        family: str,
+        module: FedTIPClient,
+        broadcast: ServerBroadcast,
+    ) -> ClientWork:
+        """The round's clients fitted at once (:meth:`fit_clients`)."""
+        shapes = {n: (1, *v.shape[1:]) for n, v in module.adapter.state_dict().items()}
+        omega, anchors = read_broadcast(broadcast, shapes)
+        return ClientWork(
+            share=partial(
+                self.fit_clients, loop, task, family, module, broadcast.round, omega, anchors
+            )
+        )
+
+    def fit_clients(
+        self,
+        loop: TaskLoop,
+        task: TaskBatches,
+        family: str,
+        module: FedTIPClient,
+        round: int,
+        omega: dict[str, Tensor],
+        anchors: dict[int, Tensor],
+        share: range,
+    ) -> list[ClientUpdate]:
+        """The updates of the task's clients at positions ``share`` after one local fit of
+        them as one stack, padded as the whole round's and with its dropout draws, so each
+        client's update is the one it gets in the whole round's stack."""
+        ids = list(task.clients)
+        mine = [ids[i] for i in share]
+        module.receive(omega, anchors, len(mine), share.start, len(ids))
+        length = max(len(b["h_u"]) for b in task.clients.values())
+        stack = stack_batches([task.clients[k] for k in mine], length)
+        torch.manual_seed(derive_seed(loop.seed, "fit", task.task, family, round))
+        loop.runner.executor.fit(module, stack, loop.epochs)
+        gens = [torch_generator(loop.seed, "release", task.task, family, round, k) for k in mine]
+        return self.make_updates(module, stack, omega, round, mine, gens)
+
+    def task_result(
+        self, module: FedTIPClient, adapter: PromptAdapter, server: FedTIPServer
+    ) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        """The task's global adapter and the prototypes node classification is scored by."""
+        adapter.load_state_dict(server.state())
+        return adapter, server.class_prototypes()
+
+    def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
+        """The server's validation and test batches for the task just federated."""
+        return segments
 
     def message_fields(self, family: str) -> tuple[str, ...]:
         """The uplink fields this configuration needs: the delta and the class counts
@@ -209,17 +289,3 @@ class FedTIP:
                 ClientUpdate(round=round, client_id=client, tensors=tensors, scalars=scalars)
             )
         return out
-
-
-def read_update(update: ClientUpdate) -> ClientSummary:
-    """The server's view of a message (absent coverage/norm: unused by the server)."""
-    counts = {int(k[6:]): int(v) for k, v in update.scalars.items() if k.startswith("count.")}
-    protos = {int(k[6:]): v for k, v in update.tensors.items() if k.startswith("proto.")}
-    delta = update.tensors["delta"]
-    return ClientSummary(
-        delta,
-        protos,
-        counts,
-        update.scalars.get("coverage", 1.0),
-        update.scalars.get("norm", float(delta.norm())),
-    )

@@ -38,7 +38,7 @@ class ContinualRetrieval(ContinualFedAvg):
         temperature: InfoNCE temperature :math:`T` (default ``0.1``).
     """
 
-    loop_cls = RetrievalLoop
+    loop_class = RetrievalLoop
 
     def __init__(self, score: str = "similarity", temperature: float = 0.1, **kw: Any) -> None:
         if score not in RETRIEVAL_SCORES:

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedlightning.algorithms.continual import ContinualFedAvg
 from fedlightning.data.streams import ClassStream
-from fedlightning.federation.ledger import DOWN, UP
 from fedlightning.federation.loop import FederatedLoop
+from fedlightning.federation.round import ClientWork, federated_round
+from fedlightning.messages import ServerBroadcast
 from fedlightning.metrics import (
     AccuracyMatrix,
     auroc_known_vs_unknown,
@@ -80,8 +80,7 @@ class ContinualLoop(FederatedLoop):
         self.num_classes, self.basis_rank = num_classes, basis_rank
         self.on_stage_end = on_stage_end
         self.class_stage = stream.class_stage(num_classes)
-        algo: ContinualFedAvg = self.algorithm
-        self.score_fn = SCORE_FNS.get(algo.score)  # None: the loop scores otherwise
+        self.score_fn = SCORE_FNS.get(self.algorithm.score)  # None: the loop scores otherwise
         self.rows: dict[str, list[list[float]]] = {"test": [], "val": []}
         self.client_rows: dict[int, list[list[float]]] = {c.client_id: [] for c in self.clients}
         self.stage_results: list[dict[str, float]] = []
@@ -140,25 +139,30 @@ class ContinualLoop(FederatedLoop):
         return {}
 
     def stage_end_exchange(self, t: int, round: int) -> None:
-        """A method's stage-end messages (FedOGL's residual bases, Eq. (7)), all counted.
-
-        The server sends the stage's final global model to every client that took part in
-        the stage; each answers with ``algorithm.stage_end_update`` (or nothing).
-        """
-        fn = getattr(self.algorithm, "stage_end_update", None)
-        if fn is None:
+        """A method's stage-end messages (FedOGL's residual bases, Eq. (7)), all counted: a
+        round of its own kind through the runner. The server sends the stage's final global
+        model to every client that took part in the stage; each answers with
+        ``algorithm.stage_end_update`` (or nothing); the server's modules take them in."""
+        if not self.algorithm.stage_end_exchange:
             return
-        broadcast = self.server.broadcast(round)
-        updates = []
-        for c in self.clients:
-            if c.state.get("stage") != t:
-                continue
-            self.ledger.record(DOWN, c.client_id, broadcast)
-            update = fn(self.module, c, broadcast, t)
-            if update is not None:
-                self.ledger.record(UP, c.client_id, update)
-                updates.append(update)
-        self.server.end_stage(t, updates)
+        federated_round(
+            round,
+            self.server,
+            self.runner,
+            [c for c in self.clients if c.state.get("stage") == t],
+            self.stage_end_work(t),
+            self.ledger,
+            aggregate=lambda _, updates: self.server.end_stage(t, updates),
+            desc=f"stage {t + 1} end",
+        )
+
+    def stage_end_work(self, t: int) -> Callable[[ServerBroadcast], ClientWork]:
+        def work(broadcast: ServerBroadcast) -> ClientWork:
+            return ClientWork(
+                one=lambda c: self.algorithm.stage_end_update(self.module, c, broadcast, t)
+            )
+
+        return work
 
     def evaluate_stage(self, t: int) -> dict[str, float]:
         """The open-world evaluation after stage ``t`` (0-based)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from fedlightning.federation.messages import Message
+from fedlightning.messages import Message
 
 UP, DOWN = "up", "down"
 MIB = 1024**2
@@ -20,42 +20,54 @@ class CommLedger:
     """Counts transmitted values and bytes per direction, round, client and named field.
 
     Every message goes through :meth:`record`; totals are derived from one list of
-    entries ``(direction, round, client, field, values, bytes)``, so no count can drift
-    from another.
+    entries ``(direction, round, client, field, values, bytes, scope)``, so no count can
+    drift from another. ``scope`` names the schedule step a round belongs to where rounds
+    restart (FedTIP's ``task=<id>``); it is empty for a run whose rounds never restart.
     """
 
     def __init__(self) -> None:
-        self.entries: list[tuple[str, int, int, str, int, int]] = []
+        self.entries: list[tuple[str, int, int, str, int, int, str]] = []
         self._totals = {UP: 0, DOWN: 0}  # running totals: per-round logging stays O(1)
 
-    def record(self, direction: str, client_id: int, message: Message) -> None:
+    def record(self, direction: str, client_id: int, message: Message, scope: str = "") -> None:
         """Count ``message`` sent in ``direction`` (``"up"`` or ``"down"``) to/from a client."""
-        if direction not in (UP, DOWN):
-            raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
+        check_direction(direction)
         for name, (values, nbytes) in message.field_sizes().items():
-            self.entries.append((direction, message.round, client_id, name, values, nbytes))
+            self.entries.append((direction, message.round, client_id, name, values, nbytes, scope))
             self._totals[direction] += values
 
-    def record_values(self, direction: str, client_id: int, name: str, values: int) -> None:
+    def record_values(
+        self, direction: str, client_id: int, name: str, values: int, scope: str = ""
+    ) -> None:
         """Count ``values`` float32 values of one field that is not a :class:`Message`
         (the bank a client is provisioned with, say), at round 0."""
-        if direction not in (UP, DOWN):
-            raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
-        self.entries.append((direction, 0, client_id, name, values, 4 * values))
+        check_direction(direction)
+        self.entries.append((direction, 0, client_id, name, values, 4 * values, scope))
         self._totals[direction] += values
 
-    def total(self, direction: str, *, round: int | None = None, client: int | None = None) -> int:
-        """Values sent in ``direction``, optionally only in one round / for one client."""
-        if round is None and client is None:
+    def total(
+        self,
+        direction: str,
+        *,
+        round: int | None = None,
+        client: int | None = None,
+        scope: str | None = None,
+    ) -> int:
+        """Values sent in ``direction``, optionally only in one round / for one client / in
+        one scope."""
+        if round is None and client is None and scope is None:
             return self._totals[direction]
         return sum(
             v
-            for d, r, c, _, v, _ in self.entries
-            if d == direction and (round is None or r == round) and (client is None or c == client)
+            for d, r, c, _, v, _, sc in self.entries
+            if d == direction
+            and (round is None or r == round)
+            and (client is None or c == client)
+            and (scope is None or sc == scope)
         )
 
     def total_bytes(self, direction: str) -> int:
-        return sum(b for d, *_, b in self.entries if d == direction)
+        return sum(e[5] for e in self.entries if e[0] == direction)
 
     def mib(self, direction: str, **kw: Any) -> float:
         return values_to_mib(self.total(direction, **kw))
@@ -63,20 +75,20 @@ class CommLedger:
     def by_field(self) -> dict[str, dict[str, int]]:
         """Field name -> ``{"up": values, "down": values}``."""
         out: dict[str, dict[str, int]] = defaultdict(lambda: {UP: 0, DOWN: 0})
-        for d, _, _, name, v, _ in self.entries:
+        for d, _, _, name, v, *_ in self.entries:
             out[name][d] += v
         return {k: dict(v) for k, v in sorted(out.items())}
 
     def by_client(self, direction: str) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
-        for d, _, c, _, v, _ in self.entries:
+        for d, _, c, _, v, *_ in self.entries:
             if d == direction:
                 out[c] += v
         return dict(sorted(out.items()))
 
     def by_round(self, direction: str) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
-        for d, r, _, _, v, _ in self.entries:
+        for d, r, _, _, v, *_ in self.entries:
             if d == direction:
                 out[r] += v
         return dict(sorted(out.items()))
@@ -103,11 +115,26 @@ class CommLedger:
             },
         }
 
+    def message_values(self, prefix: str = "") -> dict[int, int]:
+        """Client -> values of its latest uplink message (fields ``<prefix>...``)."""
+        last: dict[int, tuple[str, int]] = {}
+        sizes: dict[tuple[int, str, int], int] = defaultdict(int)
+        for d, r, c, name, v, _, sc in self.entries:
+            if d == UP and r > 0 and name.startswith(prefix):
+                sizes[(c, sc, r)] += v
+                last[c] = (sc, r)
+        return {c: sizes[(c, *key)] for c, key in sorted(last.items())}
+
     def state_dict(self) -> dict[str, Any]:
         return {"entries": list(self.entries)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.entries = [tuple(e) for e in state["entries"]]
+        self.entries = [(*e, "")[:7] for e in state["entries"]]  # older entries had no scope
         self._totals = {UP: 0, DOWN: 0}
-        for d, *_, v, _ in self.entries:
+        for d, _, _, _, v, *_ in self.entries:
             self._totals[d] += v
+
+
+def check_direction(direction: str) -> None:
+    if direction not in (UP, DOWN):
+        raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")

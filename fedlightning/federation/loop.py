@@ -13,13 +13,17 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from fedlightning.algorithms.base import Algorithm, FederatedClient
+from fedlightning.federation.algorithm import Algorithm, FederatedClient
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
-from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
+from fedlightning.federation.round import ClientWork, federated_round
+from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.utils.io import save_torch
 from fedlightning.utils.seeding import derive_seed, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
+# The checkpoint's format. 2: one ledger per run whose entries carry a scope (FedTIP's tasks),
+# FedTIP's loop state holds that ledger. 1 (no ``format`` key): graph runs, which still resume.
+CHECKPOINT_FORMAT = 2
 
 
 def sample_clients(seed: int, round: int, num_clients: int, fraction: float) -> list[int]:
@@ -131,24 +135,15 @@ class FederatedLoop:
     def run_round(self, round: int) -> dict[str, float]:
         t0 = time.perf_counter()
         sampled = sample_clients(self.seed, round, len(self.clients), self.participation)
-        broadcast = self.server.broadcast(round)
-
-        fit = LocalFit(
-            self.algorithm,
-            self.module,
-            broadcast,
-            self.runner.executor,
-            self.local_epochs,
-            self.seed,
+        updates = federated_round(
+            round,
+            self.server,
+            self.runner,
+            [self.clients[k] for k in sampled],
+            self.work,
+            self.ledger,
+            desc=f"round {round}/{self.rounds}",
         )
-        updates = self.runner.run_round(
-            round, [self.clients[k] for k in sampled], fit, desc=f"round {round}/{self.rounds}"
-        )
-        # Counted here, in client order, whichever process fitted each client.
-        for k, update in zip(sampled, updates, strict=True):
-            self.ledger.record(DOWN, self.clients[k].client_id, broadcast)
-            self.ledger.record(UP, self.clients[k].client_id, update)
-        self.server.aggregate(round, updates)
         metrics = self.evaluate(round)
         weights = [u.num_examples for u in updates]
         metrics["train_loss"] = float(
@@ -161,6 +156,18 @@ class FederatedLoop:
         metrics["downlink_mib"] = self.ledger.mib(DOWN)
         metrics["round_time_s"] = time.perf_counter() - t0
         return metrics
+
+    def work(self, broadcast: ServerBroadcast) -> ClientWork:
+        """The clients' part of a round: each one's local fit (:class:`LocalFit`)."""
+        fit = LocalFit(
+            self.algorithm,
+            self.module,
+            broadcast,
+            self.runner.executor,
+            self.local_epochs,
+            self.seed,
+        )
+        return ClientWork(one=fit)
 
     def evaluate(self, round: int) -> dict[str, float]:
         """The global model on every client's whole subgraph (a simulator measurement,
@@ -228,6 +235,7 @@ class FederatedLoop:
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            "format": CHECKPOINT_FORMAT,
             "extra": self.extra_state(),
             "completed_rounds": self.completed_rounds,
             "server": self.server.state_dict(),

@@ -16,8 +16,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fedlightning.federation.messages import ClientUpdate
 from fedlightning.federation.world import World, join_world, quiet_other_ranks
+from fedlightning.messages import ClientUpdate
 from fedlightning.utils.seeding import rng_state, set_rng_state
 
 FitFn = Callable[[Any], ClientUpdate]

@@ -35,7 +35,6 @@ from omegaconf import DictConfig
 
 from fedlightning.config import build
 from fedlightning.errors import ConfigError
-from fedlightning.federation.messages import ServerBroadcast
 from fedlightning.flower.node import node_folder, open_node, setup_node
 from fedlightning.flower.records import (
     COUNTS,
@@ -45,6 +44,7 @@ from fedlightning.flower.records import (
     message_records,
     record_tensors,
 )
+from fedlightning.messages import ServerBroadcast
 from fedlightning.server.aggregate import model_state
 
 log = logging.getLogger("fedlightning")
@@ -55,8 +55,8 @@ DEFAULT_STATE_DIR = "~/.cache/fedlightning/flower"
 def flower_configs(overrides: list[str]) -> tuple[DictConfig, DictConfig]:
     """This invocation's config (with ``runner=flower``) and the config the run trains: the
     same, or on ``resume=DIR`` the saved one."""
-    from fedlightning.cli import compose
-    from fedlightning.train import CONFIG_FILE, trained_config
+    from fedlightning.config import compose
+    from fedlightning.runs import CONFIG_FILE, trained_config
 
     cfg = compose([*overrides, "runner=flower"])
     if cfg.get("resume") and not (Path(cfg.resume) / CONFIG_FILE).is_file():

@@ -29,12 +29,12 @@ import torch
 from flwr.app import RecordDict
 from omegaconf import DictConfig, OmegaConf
 
-from fedlightning.algorithms.base import FederatedClient
 from fedlightning.config import build
 from fedlightning.errors import DataError
+from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.loop import LocalEvaluate, LocalFit
-from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
 from fedlightning.flower.records import content_fields
+from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.utils.io import save_torch
 
 CONFIG, CLIENT, AUDIT = "config.yaml", "client.pt", "sent.jsonl"
@@ -62,7 +62,7 @@ def setup_node(
     folder: Path, client_id: int, config_yaml: str, partition_hash: str, data_root: str | None
 ) -> None:
     """Build client ``client_id``'s data from this node's copy of the dataset and save it."""
-    from fedlightning.train import build_client
+    from fedlightning.experiments.graph import build_client
 
     cfg, graph, partition = _protocol(config_yaml, data_root)
     if partition.hash != partition_hash:
@@ -85,7 +85,7 @@ def setup_node(
 def _protocol(config_yaml: str, data_root: str | None) -> tuple[DictConfig, Any, Any]:
     """The config, graph and partition of a run (cached: a simulation's process sets up
     several virtual nodes)."""
-    from fedlightning.train import load_graph
+    from fedlightning.experiments.graph import load_graph
 
     cfg = remap_data_root(OmegaConf.create(config_yaml), data_root)
     graph = load_graph(cfg)
@@ -130,7 +130,7 @@ class NodeClient:
     """
 
     def __init__(self, folder: Path, client_id: int) -> None:
-        from fedlightning.train import build_model
+        from fedlightning.experiments.graph import build_model
 
         if not (folder / CLIENT).is_file():
             raise DataError(folder / CLIENT, "missing: this node was not set up for the run")

@@ -1,6 +1,6 @@
 """Our typed messages as Flower records, and back. Nothing else crosses the wire.
 
-A :class:`~fedlightning.federation.messages.Message` becomes a ``RecordDict`` with two
+A :class:`~fedlightning.messages.Message` becomes a ``RecordDict`` with two
 records: ``tensors`` (an ``ArrayRecord``, one ``Array`` per tensor field, dtype and shape
 kept) and ``scalars`` (a ``MetricRecord``, one float per scalar field). Decoding gives back
 the same field names and bitwise the same values, so the ledger counts a message the same
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedlightning.federation.messages import ClientUpdate, Message
+from fedlightning.messages import ClientUpdate, Message
 
 TENSORS, SCALARS, COUNTS, TASK = "tensors", "scalars", "counts", "task"
 UPDATE_RECORDS = (TENSORS, SCALARS)  # what a ClientApp's train reply may hold

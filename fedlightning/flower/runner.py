@@ -3,7 +3,7 @@
 The round loop, the server step, the ledger and the checkpoints stay in the ServerApp's
 process, exactly as with the in-process runners; only the clients' work moves. A round is
 two exchanges of typed messages over Flower's ``Grid``: ``train`` (the broadcast to each
-sampled client, its :class:`~fedlightning.federation.messages.ClientUpdate` back) and
+sampled client, its :class:`~fedlightning.messages.ClientUpdate` back) and
 ``evaluate`` (the global model to every client, its correct/total counts back). Before the
 first round, a ``query`` exchange sets the nodes up: each node answers with the client it
 holds (its ``partition-id``) and checks that its data gives the run's partition hash.
@@ -23,7 +23,6 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError
-from fedlightning.federation.messages import ClientUpdate
 from fedlightning.federation.runners import FitFn, Runner
 from fedlightning.federation.world import World
 from fedlightning.flower.records import (
@@ -34,6 +33,7 @@ from fedlightning.flower.records import (
     records_update,
     tensor_record,
 )
+from fedlightning.messages import ClientUpdate
 from fedlightning.server.aggregate import as_model_fields
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fedlightning.federation.messages import ClientUpdate
+from fedlightning.messages import ClientUpdate
 
 MODEL_PREFIX = "model."
 

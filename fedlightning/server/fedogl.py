@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedlightning.federation.messages import ClientUpdate
+from fedlightning.messages import ClientUpdate
 from fedlightning.server.alignment import class_descriptors, refine_heads, similarity_consensus
 from fedlightning.server.basis import aggregate_bases
 from fedlightning.server.prototypes import (
@@ -22,11 +22,12 @@ from fedlightning.server.prototypes import (
     prototype_graph,
     refine_head,
 )
+from fedlightning.server.server import ServerModule
 
 BASIS_PREFIX, PROTO_PREFIX, COUNT_PREFIX = "basis.", "proto.", "proto_count."
 
 
-class BasisMemory:
+class BasisMemory(ServerModule):
     """The global structural basis ``U_t`` per protected weight, FedOGL Eq. (8).
 
     At a stage's end the clients' residual bases (fields ``basis.<param>``, with the
@@ -87,7 +88,7 @@ def read_prototypes(update: ClientUpdate, side: str = "") -> list[tuple[int, Ten
     return sorted(out, key=lambda x: x[0])
 
 
-class PrototypeMemory:
+class PrototypeMemory(ServerModule):
     """The bounded per-class prototype bank and the head refinement, FedOGL Eqs. (12)-(14).
 
     Every round, each uploaded prototype is consolidated into its class's bank (Eq. (12));

@@ -11,11 +11,14 @@ FedTIP client module.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from fedlightning.messages import ClientUpdate, ServerBroadcast
 
 EPS = 1e-8
 
@@ -190,16 +193,20 @@ def private_prototype(
 class FedTIPServer:
     r"""One task's server: the global adapter :math:`\Omega^{(r)}` (flat) and the anchors.
 
-    Each round (:meth:`step`) applies :func:`aggregate`. ``anchors=False`` (the ablation
-    without prototype anchoring, and the FedAvg prompt) keeps no anchors and broadcasts
-    none; node classification is then scored against the count-weighted mean of the last
-    round's uploaded prototypes (methods.md), which :meth:`class_prototypes` returns.
+    It answers the verbs of every server: :meth:`broadcast` (the adapter, field
+    ``<field>``, and the anchors, ``anchor.<c>``) and :meth:`aggregate` (:func:`aggregate` on
+    the round's messages). ``anchors=False`` (the ablation without prototype anchoring, and
+    the FedAvg prompt) keeps no anchors and broadcasts none; node classification is then
+    scored against the count-weighted mean of the last round's uploaded prototypes
+    (docs/fedtip.md), which :meth:`class_prototypes` returns.
 
     Args:
         omega: the initial adapter as ``name -> tensor``.
         eta_s: the server step of Eq. (31). beta: the anchor momentum of Eq. (24).
         reliability_weights: Eqs. (27)-(30) (``False``: support-weighted FedAvg).
         anchors: keep and broadcast anchor prototypes.
+        field: the broadcast field that carries :math:`\Omega` (``adapter``; ``model`` for
+            the full-model comparator).
     """
 
     def __init__(
@@ -209,30 +216,29 @@ class FedTIPServer:
         beta: float = 0.1,
         reliability_weights: bool = True,
         anchors: bool = True,
+        field: str = "adapter",
     ) -> None:
         self.shapes = {k: v.shape for k, v in omega.items()}
         self.omega = torch.cat([v.detach().reshape(-1) for v in omega.values()]).clone()
-        self.eta_s, self.beta = eta_s, beta
+        self.eta_s, self.beta, self.field = eta_s, beta, field
         self.reliability_weights, self.use_anchors = reliability_weights, anchors
         self.anchors: dict[int, Tensor] = {}
         self.uploaded: dict[int, Tensor] = {}
         self.reliabilities: list[list[float]] = []
 
     def state(self) -> dict[str, Tensor]:
-        """:math:`\\Omega^{(r)}` as a state dict."""
-        out, start = {}, 0
-        for k, shape in self.shapes.items():
-            n = shape.numel()
-            out[k] = self.omega[start : start + n].view(shape)
-            start += n
-        return out
+        r""":math:`\Omega^{(r)}` as a state dict."""
+        return unflatten(self.omega, self.shapes)
 
-    def broadcast(self) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
+    def broadcast(self, round: int) -> ServerBroadcast:
         """What every active client receives: the adapter and the anchors."""
-        return self.state(), dict(self.anchors) if self.use_anchors else {}
+        anchors = self.anchors if self.use_anchors else {}
+        tensors = {self.field: self.omega, **{f"{ANCHOR}{c}": a for c, a in anchors.items()}}
+        return ServerBroadcast(round=round, tensors=tensors)
 
-    def step(self, messages: Sequence[ClientSummary]) -> list[float]:
-        """Aggregate one round's messages; return the clients' reliabilities :math:`r_k`."""
+    def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
+        """One round's messages into the adapter and the anchors; keeps the :math:`r_k`."""
+        messages = [read_update(u) for u in updates]
         omega, anchors, r = aggregate(
             self.omega, self.anchors, messages, self.eta_s, self.beta, self.reliability_weights
         )
@@ -244,11 +250,47 @@ class FedTIPServer:
             if counted:
                 self.uploaded = anchor_update({}, _sum_statistics(counted, [1.0] * len(counted)))
         self.reliabilities.append(r)
-        return r
 
     def class_prototypes(self) -> dict[int, Tensor]:
         """The prototypes the server scores node classification against."""
         return dict(self.anchors) if self.use_anchors else dict(self.uploaded)
+
+
+ANCHOR = "anchor."
+
+
+def unflatten(flat: Tensor, shapes: Mapping[str, Sequence[int]]) -> dict[str, Tensor]:
+    """A flat parameter vector as ``name -> tensor`` views of ``shapes``, in order."""
+    out, start = {}, 0
+    for k, shape in shapes.items():
+        n = math.prod(shape)
+        out[k] = flat[start : start + n].view(shape)
+        start += n
+    return out
+
+
+def read_broadcast(
+    broadcast: ServerBroadcast, shapes: Mapping[str, Sequence[int]], field: str = "adapter"
+) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
+    r"""A client's view of a broadcast: :math:`\Omega` as a state dict, and the anchors."""
+    anchors = {
+        int(k[len(ANCHOR) :]): v for k, v in broadcast.tensors.items() if k.startswith(ANCHOR)
+    }
+    return unflatten(broadcast.tensors[field], shapes), anchors
+
+
+def read_update(update: ClientUpdate) -> ClientSummary:
+    """The server's view of a message (absent coverage/norm: unused by the server)."""
+    counts = {int(k[6:]): int(v) for k, v in update.scalars.items() if k.startswith("count.")}
+    protos = {int(k[6:]): v for k, v in update.tensors.items() if k.startswith("proto.")}
+    delta = update.tensors["delta"]
+    return ClientSummary(
+        delta,
+        protos,
+        counts,
+        update.scalars.get("coverage", 1.0),
+        update.scalars.get("norm", float(delta.norm())),
+    )
 
 
 def _sum_statistics(messages: Sequence[ClientSummary], r: Sequence[float]) -> SufficientStatistics:

@@ -7,18 +7,46 @@ from typing import Any
 
 from torch import Tensor
 
-from fedlightning.federation.messages import ClientUpdate, ServerBroadcast, detach_state
+from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server.aggregate import as_model_fields, fedavg
 
 Aggregator = Callable[[Sequence[ClientUpdate]], dict[str, Tensor]]
+
+
+class ServerModule:
+    """Method-specific server memory (bases, prototype banks) that plugs into a :class:`Server`.
+
+    A module sees messages only. Every verb has a default that does nothing, so a module
+    declares just what it provides.
+    """
+
+    def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
+        """Take in one round's updates (after the model aggregation)."""
+
+    def update_global(self, round: int, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The global state after this module's refinement (default: unchanged)."""
+        return state
+
+    def end_stage(self, stage: int, updates: Sequence[ClientUpdate]) -> None:
+        """Take in a stage-end exchange's updates (FedOGL's residual bases, say)."""
+
+    def broadcast_fields(self) -> dict[str, Tensor]:
+        """Fields this module adds to every broadcast."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 class Server:
     """Holds the global model and turns client updates into the next global model.
 
     Method-specific server memory (bases, prototype banks, anchors) plugs in as
-    ``modules``: objects with ``aggregate(round, updates)``, ``broadcast_fields()``,
-    ``state_dict()`` and ``load_state_dict()``. They see messages only.
+    ``modules`` (:class:`ServerModule`). Every server, FedTIP's included, answers the same
+    verbs: :meth:`broadcast`, :meth:`aggregate`, :meth:`end_stage`, :meth:`state_dict`.
 
     Args:
         global_state: the initial global model state dict (parameters and buffers).
@@ -30,7 +58,7 @@ class Server:
         self,
         global_state: dict[str, Tensor],
         aggregator: Aggregator = fedavg,
-        modules: dict[str, Any] | None = None,
+        modules: dict[str, ServerModule] | None = None,
     ) -> None:
         self.global_state = detach_state(global_state)
         self.aggregator = aggregator
@@ -50,14 +78,12 @@ class Server:
         self.global_state = self.aggregator(updates)
         for mod in self.modules.values():
             mod.aggregate(round, updates)
-            if hasattr(mod, "update_global"):  # e.g. FedOGL's head refinement on its memory
-                self.global_state = mod.update_global(round, self.global_state)
+            self.global_state = mod.update_global(round, self.global_state)
 
     def end_stage(self, stage: int, updates: Sequence[ClientUpdate]) -> None:
         """A stage-end exchange (e.g. FedOGL's residual bases) reaches the server modules."""
         for mod in self.modules.values():
-            if hasattr(mod, "end_stage"):
-                mod.end_stage(stage, updates)
+            mod.end_stage(stage, updates)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -22,8 +22,8 @@ from fedlightning.data.graphs import make_synthetic
 from fedlightning.errors import ConfigError
 from fedlightning.federation import executors
 from fedlightning.federation.executors import LeanExecutor
-from fedlightning.federation.messages import ClientUpdate
 from fedlightning.federation.runners import DistributedRunner, contiguous_shares
+from fedlightning.messages import ClientUpdate
 from fedlightning.models import MultimodalGNN
 from fedlightning.train import train
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from fedlightning.federation.ledger import CommLedger, values_to_mib
-from fedlightning.federation.messages import ClientUpdate, ServerBroadcast
+from fedlightning.messages import ClientUpdate, ServerBroadcast
 
 
 def _update(client, rnd):

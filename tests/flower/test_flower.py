@@ -23,13 +23,13 @@ from flwr.app import ConfigRecord, MetricRecord, RecordDict  # noqa: E402
 
 from fedlightning.errors import ConfigError  # noqa: E402
 from fedlightning.federation.executors import LeanExecutor  # noqa: E402
-from fedlightning.federation.messages import ClientUpdate  # noqa: E402
 from fedlightning.flower.records import (  # noqa: E402
     content_fields,
     message_records,
     records_update,
 )
 from fedlightning.flower.runner import FlowerRunner  # noqa: E402
+from fedlightning.messages import ClientUpdate  # noqa: E402
 from fedlightning.train import train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,7 +91,7 @@ def test_other_tasks_are_refused_before_anything_runs(tmp_env):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, shared_data):
     """The in-process sequential run of CORA (the reference), with this process's threads."""
-    from fedlightning.cli import compose
+    from fedlightning.config import compose
 
     run_dir = tmp_path_factory.mktemp("seq") / "run"
     with pytest.MonkeyPatch.context() as mp:

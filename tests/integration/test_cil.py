@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 
 from fedlightning.data.partition import Partition
 from fedlightning.data.streams import ClassStream
-from fedlightning.train import build_clients, load_graph, train
+from fedlightning.experiments.graph import build_clients, load_graph
+from fedlightning.train import train
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ switch removes exactly its module."""
 import pytest
 import torch
 
-from fedlightning.federation.messages import ClientUpdate
+from fedlightning.messages import ClientUpdate
 from fedlightning.server.fedogl import PrototypeMemory
 from fedlightning.train import train
 

@@ -16,7 +16,8 @@ import torch
 from fedlightning.config import build
 from fedlightning.data.partition import Partition
 from fedlightning.data.streams import ClassStream
-from fedlightning.train import build_clients, load_graph, train
+from fedlightning.experiments.graph import build_clients, load_graph
+from fedlightning.train import train
 
 OVERRIDES = [
     "protocol=cil",

@@ -166,7 +166,7 @@ def test_fedprox_anchor():
 # ---------------------------------------------------------------- algorithm
 def test_algorithm_wiring_and_validation():
     algo = ContinualRetrieval(replay_budget=5, lambda_dis=1.0, temperature=0.2, prox_mu=0.1)
-    assert algo.score == "similarity" and algo.loop_cls is RetrievalLoop
+    assert algo.score == "similarity" and algo.loop_class is RetrievalLoop
     assert algo.distill_on == "replay"
     client = algo.client_module(make_net(), sgd())
     assert isinstance(client, ContinualRetrievalClient)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fedlightning.federation.messages import ClientUpdate
+from fedlightning.messages import ClientUpdate
 from fedlightning.server import Server, fedavg, weighted_average
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedlightning.federation.messages import ClientUpdate
+from fedlightning.messages import ClientUpdate
 from fedlightning.objectives import symmetric_info_nce
 from fedlightning.server.alignment import (
     alignment_loss,

@@ -6,12 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedlightning.algorithms.fedtip import FedTIP, read_update
+from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.fedtip import family_views, stack_batches
 from fedlightning.federation.executors import LeanExecutor
-from fedlightning.federation.fedtip import TaskBatches, TaskLoop, as_single, evaluate
 from fedlightning.federation.runners import SequentialRunner
+from fedlightning.federation.tasks import TaskBatches, TaskLoop, as_single, evaluate
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
+from fedlightning.server.fedtip import read_update
 
 D_H, D_T, D_E = 4, 3, 2
 
@@ -176,7 +177,10 @@ def test_task_loop_ledger_matches_the_hand_count_eqs32_33():
     results = loop.run()
     p = alg.adapter(D_H, D_T, D_E).num_values()
     msg = p + 2 * D_H + 2 + 2  # delta, two prototypes and counts, coverage and norm
-    assert loop.message_values == {"nc": msg, "lp": msg}
+    comm = loop.comm()
+    # every client's latest message, per family (the last task's clients 2 and 3)
+    assert comm["message_values_per_client"] == {f: {"2": msg, "3": msg} for f in ("nc", "lp")}
+    assert comm["message_values"] == {"nc": msg, "lp": msg}
     # task 0: 3 clients x 3 rounds x 2 families messages up
     assert results[0]["uplink_mib"] == pytest.approx(4 * 3 * 3 * 2 * msg / 1024**2)
     # down: the bank once per new client, then the adapter and the anchors to every active
@@ -186,8 +190,11 @@ def test_task_loop_ledger_matches_the_hand_count_eqs32_33():
     # task 1: client 2 already holds the bank
     down1 = 1 * 1000 + 2 * 2 * (3 * p + 2 * 2 * D_H)
     assert results[1]["downlink_mib"] == pytest.approx(4 * down1 / 1024**2)
-    comm = loop.comm()
     assert comm["fields"]["nc/delta"]["up"] == 5 * 3 * p and comm["clients_provisioned"] == 4
+    # one ledger: per client, per round; the per-task totals are derived from it
+    assert comm["per_task"]["0"]["up"] == 3 * 3 * 2 * msg
+    assert comm["per_client"]["3"]["up"] == 1 * 3 * 2 * msg  # client 3 is in task 1 only
+    assert loop.ledger.total("up", round=1, scope="task=1", client=2) == 2 * msg
     assert comm["uplink_mib_per_task"] == pytest.approx(
         (results[0]["uplink_mib"] + results[1]["uplink_mib"]) / 2
     )
@@ -218,13 +225,14 @@ def test_switches_change_only_their_mechanism():
     base = tiny_loop(FedTIP(), families=("lp",)).run()
     no_rwa = tiny_loop(FedTIP(aggregation="fedavg"), families=("lp",))
     no_rwa.run()
-    assert "lp/coverage" not in no_rwa.fields and "lp/proto.1" in no_rwa.fields
+    fields = no_rwa.ledger.by_field()
+    assert "lp/coverage" not in fields and "lp/proto.1" in fields
     no_pa = tiny_loop(FedTIP(anchors=False), families=("lp",))
     no_pa.run()
-    assert not any(k.startswith("lp/anchor") for k in no_pa.fields)
+    assert not any(k.startswith("lp/anchor") for k in no_pa.ledger.by_field())
     central = tiny_loop(FedTIP(mode="central", anchors=False), families=("lp",))
     central.run()
-    assert central.fields == {} and central.comm()["uplink_values"] == 0
+    assert central.ledger.by_field() == {} and central.comm()["uplink_values"] == 0
     assert FedTIP(prompt="static").variant() == "no_icp"
     assert FedTIP(anchors=False, aggregation="fedavg").variant() == "no_pa_rwa"
     assert FedTIP().variant(pretrained_bank=False) == "no_tkb"

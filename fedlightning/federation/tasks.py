@@ -6,15 +6,17 @@ federated over the task's active clients for ``rounds`` rounds of ``epochs`` loc
 the global validation and test segments with the global adapter. Everything a fit reads
 is precomputed (cached contexts), so a fit costs only the adapter's own arithmetic.
 
-A round's clients train as one stack (:mod:`fedlightning.temporal.adapter`); under
-``runner=distributed`` each rank fits its contiguous share of them as a smaller stack
-(:func:`stacked_round`), which gives each client bitwise the update it gets in the whole
-round's stack on CPU.
+Every round is :func:`~fedlightning.federation.round.federated_round`; what the clients do
+in it is the algorithm's :meth:`~fedlightning.algorithms.fedtip.FedTIP.task_work` (FedTIP: a
+round's clients train as one stack, :mod:`fedlightning.temporal.adapter`; under
+``runner=distributed`` each rank fits its contiguous share of them as a smaller stack, which
+gives each client bitwise the update it gets in the whole round's stack on CPU).
 
-The ledger counts each message per field (Eq. 32) and the downlink of Eq. (33): the bank
-once per newly provisioned client, then the adapter and the anchors to every active
-client in every round. After each task the loop's state is checkpointed, so a long
-protocol resumes at the next task.
+One ledger covers the run, like every other method's: each message per client, round,
+field (``<family>/<field>``, Eq. 32) and direction, in the scope ``task=<id>``, and the
+downlink of Eq. (33): the bank once per newly provisioned client, then the adapter and the
+anchors to every active client in every round. Per-task totals are derived from it. After
+each task the loop's state is checkpointed, so a long protocol resumes at the next task.
 """
 
 from __future__ import annotations
@@ -33,20 +35,14 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from fedlightning.algorithms.fedtip import FedTIP, read_update
-from fedlightning.clients.fedtip import (
-    FedTIPClient,
-    family_prototypes,
-    family_views,
-    stack_batches,
-)
+from fedlightning.clients.fedtip import family_prototypes, family_views, stack_batches
 from fedlightning.federation.ledger import DOWN, UP, CommLedger, values_to_mib
-from fedlightning.federation.messages import ClientUpdate, Message, ServerBroadcast
-from fedlightning.federation.runners import contiguous_shares
+from fedlightning.federation.loop import CHECKPOINT_FORMAT
+from fedlightning.federation.round import federated_round
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.utils.io import save_torch
-from fedlightning.utils.seeding import derive_seed, torch_generator
+from fedlightning.utils.seeding import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +91,8 @@ class TaskLoop:
     """Runs the task manifest (module docstring).
 
     Args:
-        algorithm: the :class:`~fedlightning.algorithms.fedtip.FedTIP` configuration.
+        algorithm: the :class:`~fedlightning.algorithms.fedtip.FedTIP` configuration (or a
+            subclass: the full-model comparator).
         tasks: every task's client batches, in task order.
         eval_batches: ``{"val": batch, "test": batch}``, the server's segments.
         families: task families to run (``nc`` needs state labels).
@@ -110,7 +107,7 @@ class TaskLoop:
 
     def __init__(
         self,
-        algorithm: FedTIP,
+        algorithm: Any,
         tasks: Sequence[TaskBatches],
         eval_batches: dict[str, Batch],
         families: Sequence[str],
@@ -132,9 +129,8 @@ class TaskLoop:
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.on_task_end, self.progress = on_task_end, progress
         self.results: list[dict[str, float]] = []
-        self.fields: dict[str, dict[str, int]] = {}
+        self.ledger = CommLedger()
         self.provisioned: set[int] = set()
-        self.message_values: dict[str, int] = {}
 
     # ------------------------------------------------------------------ one family
     def new_adapter(self, task: TaskBatches, family: str) -> PromptAdapter:
@@ -142,99 +138,63 @@ class TaskLoop:
         torch.manual_seed(derive_seed(self.seed, "init", task.task, family))
         return self.algorithm.adapter(*self.dims)
 
-    def federate(
-        self, task: TaskBatches, family: str, ledger: CommLedger
-    ) -> tuple[PromptAdapter, dict[int, Tensor]]:
+    def federate(self, task: TaskBatches, family: str) -> tuple[PromptAdapter, dict[int, Tensor]]:
         """The task's global adapter after ``rounds`` rounds, and its class prototypes."""
         alg = self.algorithm
         adapter = self.new_adapter(task, family)
-        module = alg.client_module(adapter, family)
-        ids = list(task.clients)
+        module = alg.task_module(adapter, family)
         if alg.mode == "central":  # one pooled fit, the same on every rank
-            pooled = stack_batches([pool([task.clients[k] for k in ids])])
-            module.receive(adapter.state_dict(), {}, 1)
-            torch.manual_seed(derive_seed(self.seed, "fit", task.task, family))
-            self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
-            module.eval()
-            with torch.no_grad():
-                q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
-            adapter.load_state_dict(module.adapter.state_dict())
-            return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
-        server = alg.server(adapter.state_dict())
+            return self.pooled(task, family, module, adapter)
+        server = alg.task_server(module)
         for r in range(1, self.rounds + 1):
-            omega, anchors = server.broadcast()
-            down = ServerBroadcast(
-                round=r,
-                tensors={"adapter": server.omega, **{f"anchor.{c}": a for c, a in anchors.items()}},
+            federated_round(
+                r,
+                server,
+                self.runner,
+                members(task.clients),
+                partial(alg.task_work, self, task, family, module),
+                self.ledger,
+                prefix=family,
+                scope=task_scope(task.task),
             )
-            for k in ids:
-                ledger.record(DOWN, k, prefixed(down, family))
-            fit = partial(self.fit_share, task, family, module, r, omega, anchors)
-            updates = stacked_round(self.runner, r, ids, fit)
-            self.message_values[family] = updates[0].num_values()
-            self.server_step(server, updates, family, ledger)
-        adapter.load_state_dict(server.state())
-        return adapter, server.class_prototypes()
+        return alg.task_result(module, adapter, server)
 
-    def fit_share(
-        self,
-        task: TaskBatches,
-        family: str,
-        module: FedTIPClient,
-        round: int,
-        omega: dict[str, Tensor],
-        anchors: dict[int, Tensor],
-        share: range,
-    ) -> list[ClientUpdate]:
-        """The updates of the task's clients at positions ``share`` after one local fit of
-        them as one stack, padded as the whole round's and with its dropout draws, so each
-        client's update is the one it gets in the whole round's stack."""
-        ids = list(task.clients)
-        mine = [ids[i] for i in share]
-        module.receive(omega, anchors, len(mine), share.start, len(ids))
-        length = max(len(b["h_u"]) for b in task.clients.values())
-        stack = stack_batches([task.clients[k] for k in mine], length)
-        torch.manual_seed(derive_seed(self.seed, "fit", task.task, family, round))
-        self.runner.executor.fit(module, stack, self.epochs)
-        gens = [torch_generator(self.seed, "release", task.task, family, round, k) for k in mine]
-        return self.algorithm.make_updates(module, stack, omega, round, mine, gens)
-
-    def server_step(
-        self, server: Any, updates: list[ClientUpdate], family: str, ledger: CommLedger
-    ) -> None:
-        """The round's uplink: each message into the ledger, then the server's step."""
-        for u in updates:
-            ledger.record(UP, u.client_id, prefixed(u, family))
-        server.step([read_update(u) for u in updates])
+    def pooled(
+        self, task: TaskBatches, family: str, module: Any, adapter: PromptAdapter
+    ) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        """Pooled training: the union of the task's supports, ``rounds x epochs`` steps; its
+        support moves raw, so no message is counted."""
+        pooled = stack_batches([pool(list(task.clients.values()))])
+        module.receive(adapter.state_dict(), {}, 1)
+        torch.manual_seed(derive_seed(self.seed, "fit", task.task, family))
+        self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
+        module.eval()
+        with torch.no_grad():
+            q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
+        adapter.load_state_dict(module.adapter.state_dict())
+        return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
 
     # ------------------------------------------------------------------ one task
     def run_task(self, task: TaskBatches) -> dict[str, float]:
         t0 = time.perf_counter()
-        ledger = CommLedger()
+        scope = task_scope(task.task)
         for k in task.clients:
             if k not in self.provisioned and self.algorithm.mode != "central":
                 self.provisioned.add(k)
-                ledger.record_values(DOWN, k, "bank", self.bank_values)
+                self.ledger.record_values(DOWN, k, "bank", self.bank_values, scope)
         metrics: dict[str, float] = {"task": task.task}
         for family in self.families:
-            adapter, protos = self.federate(task, family, ledger)
-            for split, batch in self.segments().items():
+            adapter, protos = self.federate(task, family)
+            segments = self.algorithm.task_segments(self, self.eval_batches)
+            for split, batch in segments.items():
                 prefix = "val_" if split == "val" else ""
                 for k, v in evaluate(adapter, protos, batch, family).items():
                     if not (split == "val" and k == "auc_ilp"):  # inductive flags: test only
                         metrics[prefix + k] = v
-        for name, sizes in ledger.by_field().items():
-            total = self.fields.setdefault(name, {UP: 0, DOWN: 0})
-            total[UP] += sizes[UP]
-            total[DOWN] += sizes[DOWN]
-        metrics["uplink_mib"] = ledger.mib(UP)
-        metrics["downlink_mib"] = ledger.mib(DOWN)
+        metrics["uplink_mib"] = values_to_mib(self.ledger.total(UP, scope=scope))
+        metrics["downlink_mib"] = values_to_mib(self.ledger.total(DOWN, scope=scope))
         metrics["task_time_s"] = time.perf_counter() - t0
         return metrics
-
-    def segments(self) -> dict[str, Batch]:
-        """The server's validation and test batches for the task just federated."""
-        return self.eval_batches
 
     def run(self) -> list[dict[str, float]]:
         """Every task not done yet; returns the per-task metrics."""
@@ -278,35 +238,44 @@ class TaskLoop:
         return out
 
     def comm(self) -> dict[str, Any]:
-        """The ``comm`` block of ``summary.json``: totals and per-field values."""
-        up = sum(f[UP] for f in self.fields.values())
-        down = sum(f[DOWN] for f in self.fields.values())
-        return {
-            "uplink_mib": values_to_mib(up),
-            "downlink_mib": values_to_mib(down),
-            "uplink_values": up,
-            "downlink_values": down,
-            "uplink_mib_per_task": values_to_mib(up) / max(1, len(self.results)),
-            "message_values": dict(self.message_values),
-            "bank_values": self.bank_values,
-            "clients_provisioned": len(self.provisioned),
-            "fields": {k: dict(v) for k, v in sorted(self.fields.items())},
+        """The ``comm`` block of ``summary.json``: the ledger's, per task, and every
+        client's latest message size per family (``message_values``)."""
+        out = self.ledger.summary()
+        out["uplink_mib_per_task"] = out["uplink_mib"] / max(1, len(self.results))
+        sizes = {f: self.ledger.message_values(f"{f}/") for f in self.families}
+        out["message_values"] = {f: max(v.values()) for f, v in sizes.items() if v}
+        out["message_values_per_client"] = {
+            f: {str(k): n for k, n in v.items()} for f, v in sizes.items() if v
         }
+        out["per_task"] = {
+            str(r["task"]): {
+                UP: self.ledger.total(UP, scope=task_scope(r["task"])),
+                DOWN: self.ledger.total(DOWN, scope=task_scope(r["task"])),
+            }
+            for r in self.results
+        }
+        out["bank_values"] = self.bank_values
+        out["clients_provisioned"] = len(self.provisioned)
+        return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
+            "format": CHECKPOINT_FORMAT,
             "results": self.results,
-            "fields": self.fields,
+            "ledger": self.ledger.state_dict(),
             "provisioned": sorted(self.provisioned),
-            "message_values": self.message_values,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.results = list(state["results"])
-        self.fields = {k: dict(v) for k, v in state["fields"].items()}
+        self.ledger.load_state_dict(state["ledger"])
         self.provisioned = set(state["provisioned"])
-        self.message_values = dict(state["message_values"])
+
+
+def task_scope(task: int) -> str:
+    """The ledger scope of a task's messages."""
+    return f"task={task}"
 
 
 @dataclass
@@ -320,35 +289,3 @@ class Member:
 def members(ids: Sequence[int]) -> list[Member]:
     """The clients ``ids`` as the runner's ``run_round`` takes them."""
     return [Member(k) for k in ids]
-
-
-def stacked_round(
-    runner: Any, round: int, ids: Sequence[int], fit: Callable[[range], list[ClientUpdate]]
-) -> list[ClientUpdate]:
-    """The updates of the clients ``ids`` in a round, in client order, each rank's
-    contiguous share (:func:`~fedlightning.federation.runners.contiguous_shares`) fitted as
-    one stack by ``fit(positions)``.
-
-    The runner asks for the share's clients one by one (its progress bar, fault injection,
-    gathering and RNG hand-over stay its own); the first asks for the whole share's fit.
-    A sequential runner's (a world of one's) share is the whole round: one stack.
-    """
-    share = contiguous_shares(len(ids), runner.world.size)[runner.world.rank]
-    fitted: dict[int, ClientUpdate] = {}
-
-    def fit_client(client: Member) -> ClientUpdate:
-        if not fitted:
-            fitted.update((u.client_id, u) for u in fit(share))
-        if client.client_id not in fitted:
-            raise RuntimeError(f"client {client.client_id} is not in this rank's share")
-        return fitted[client.client_id]
-
-    return runner.run_round(round, members(ids), fit_client, desc=f"round {round}")
-
-
-def prefixed(message: Message, family: str) -> Message:
-    """The message with its fields named ``<family>/<field>`` for the per-field ledger."""
-    out = Message(round=message.round)
-    out.tensors = {f"{family}/{k}": v for k, v in message.tensors.items()}
-    out.scalars = {f"{family}/{k}": v for k, v in message.scalars.items()}
-    return out

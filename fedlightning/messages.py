@@ -56,3 +56,14 @@ class ClientUpdate(Message):
 def detach_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Copy a state dict so that later in-place updates on either side do not leak across."""
     return {k: v.detach().clone() for k, v in state.items()}
+
+
+def prefixed(message: Message, prefix: str) -> Message:
+    """The message with its fields named ``<prefix>/<field>`` (a FedTIP family's fields in
+    the per-field ledger, say); ``prefix=""`` returns ``message`` itself."""
+    if not prefix:
+        return message
+    out = Message(round=message.round)
+    out.tensors = {f"{prefix}/{k}": v for k, v in message.tensors.items()}
+    out.scalars = {f"{prefix}/{k}": v for k, v in message.scalars.items()}
+    return out

@@ -1,15 +1,15 @@
-"""The client procedure shared by the algorithms, and a client's persistent state."""
+"""What a federated method declares (:class:`Algorithm`), and a client's persistent state."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from torch import nn
 from torch_geometric.data import Data
 
-from fedlightning.federation.messages import ClientUpdate, ServerBroadcast, detach_state
+from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server import Server
 from fedlightning.server.aggregate import as_model_fields, model_state
 
@@ -38,18 +38,35 @@ class FederatedClient:
 
 
 class Algorithm:
-    """Base wiring of a federated algorithm for node-level tasks.
+    """The verbs a federated method declares; the schedules and the round call only these.
 
-    Subclasses choose the client module (:meth:`client_module`), its callbacks
-    (:meth:`callbacks`), the server (:meth:`server`) and what the client sends
-    (:meth:`make_update`). The round loop only calls these.
+    Every verb has a default, so a method overrides what it changes:
 
-    Args:
-        local_epochs: set from ``federation.local_epochs`` at build time.
+    - :meth:`client_module` and :meth:`callbacks`: the LightningModule of local training
+      and its callbacks (gradient projection, say);
+    - :meth:`server`: the :class:`~fedlightning.server.Server` with its modules;
+    - :meth:`local_fit`: one client's fit of a round, returning its update
+      (:meth:`make_update`: the uplink message);
+    - :meth:`fit_clients`: several clients fitted at once (stacked execution); ``None``
+      means one at a time through :meth:`local_fit`;
+    - :meth:`setup`: what a class-incremental method learns from the stream before round 1;
+    - :meth:`stage_end_update`: a client's message in the stage-end exchange (sent only
+      when :attr:`stage_end_exchange` is true).
+
+    Attributes:
+        name, variant: the ``method`` and ``variant`` tags of a run.
+        continual: the method needs the class-incremental stream (``protocol=cil``).
+        stage_end_exchange: the method exchanges messages after every stage.
+        loop_class: the loop class (schedule) that runs the method (``None``: the protocol's own,
+            :class:`~fedlightning.federation.loop.FederatedLoop` or
+            :class:`~fedlightning.federation.continual.ContinualLoop`).
     """
 
     name = "base"
     variant = "full"
+    continual: ClassVar[bool] = False
+    stage_end_exchange: ClassVar[bool] = False
+    loop_class: ClassVar[type | None] = None
 
     def client_module(self, net: nn.Module, optimizer: Any) -> pl.LightningModule:
         raise NotImplementedError
@@ -59,6 +76,9 @@ class Algorithm:
 
     def server(self, global_state: dict) -> Server:
         return Server(global_state)
+
+    def setup(self, stream: Any, rounds_per_stage: int, seed: int, num_classes: int) -> None:
+        """Learn the stream's schedule before the first round (class-incremental methods)."""
 
     def make_update(
         self, module: pl.LightningModule, client: FederatedClient, round: int
@@ -83,3 +103,13 @@ class Algorithm:
         module.receive(model_state(broadcast.tensors))
         executor.fit(module, client.data, epochs, self.callbacks())
         return self.make_update(module, client, broadcast.round)
+
+    def fit_clients(self, *args: Any, **kw: Any) -> list[ClientUpdate] | None:
+        """Several clients' fits at once (stacked); ``None``: fit them one at a time."""
+        return None
+
+    def stage_end_update(
+        self, module: Any, client: FederatedClient, broadcast: ServerBroadcast, stage: int
+    ) -> ClientUpdate | None:
+        """A client's stage-end message (``None``: it sends nothing)."""
+        return None

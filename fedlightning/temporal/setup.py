@@ -1,10 +1,11 @@
-"""``fedlightning train experiment=bank_*``: protocol objects, then the bank, reused when built."""
+"""What a temporal run needs before it trains: its checked bank config, the stream and the
+materialized protocol in the run directory (:func:`temporal_setup`), and the bank, reused
+from the cache when built (:func:`ensure_bank`)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
 from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize
 from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.runs import prepare_run_dir
 from fedlightning.temporal.bank import (
     BANK_VERSION,
     BankConfig,
@@ -24,9 +26,7 @@ from fedlightning.temporal.bank import (
     pretrain,
     save_bank,
 )
-from fedlightning.temporal.contexts import cached_contexts
-from fedlightning.tracking import flatten
-from fedlightning.utils.io import content_hash, write_json
+from fedlightning.utils.io import content_hash
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,6 @@ def temporal_setup(cfg: DictConfig, run_dir: Path):
 
     Returns ``(cfg, run_dir, resuming, stream, bank_cfg, protocol, protocol_files)``.
     """
-    from fedlightning.train import prepare_run_dir
-
     if not cfg.get("resume"):
         bank_config(cfg)  # checked before a run directory is made
     cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
@@ -84,70 +82,6 @@ def temporal_setup(cfg: DictConfig, run_dir: Path):
     files = proto.write(run_dir)
     log.info("%s\n%s", stream, format_table(proto.table()))
     return cfg, run_dir, resuming, stream, bank_cfg, proto, files
-
-
-def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str, Any]:
-    """Materialize the protocol, build (or reuse) the bank, write ``summary.json``."""
-    from fedlightning.train import SUMMARY_FILE, make_tracker
-
-    t0 = time.perf_counter()
-    if cfg.get("resume"):
-        raise ConfigError("resume", "bank runs restart from scratch (a built bank is reused)")
-    cfg, run_dir, _, stream, bank_cfg, proto, files = temporal_setup(cfg, run_dir)
-    params = OmegaConf.to_container(cfg.protocol, resolve=True)
-    tracker = make_tracker(cfg)
-    variant = bank_variant(bank_cfg)
-    tags = {
-        "method": bank_cfg.encoder,
-        "dataset": stream.name,
-        "task": "bank",
-        "variant": variant,
-        "backbone": bank_cfg.encoder,
-        "seed": str(cfg.seed),
-        "experiment": str(cfg.name),
-        **{f"hash_{k}": v for k, v in proto.hashes.items()},
-    }
-    tracker.start(
-        f"{cfg.name}-{run_dir.name}", tags, flatten(OmegaConf.to_container(cfg, resolve=True))
-    )
-
-    try:
-        bank = ensure_bank(stream, proto, bank_cfg, int(cfg.seed), params["cache_dir"], tracker)
-    except BaseException:
-        tracker.end("FAILED")
-        raise
-    path, digest, metrics = bank["path"], bank["hash"], bank["metrics"]
-    reused, history = bank["reused"], bank["history"]
-    ctx_path, ctx_hash, ctx_reused = cached_contexts(path, digest, proto, params["cache_dir"])
-    summary = {
-        "experiment": str(cfg.name),
-        "seed": int(cfg.seed),
-        "metrics": {"bank_val_auc": metrics["auc"], "bank_val_ap": metrics["ap"]},
-        "comm": {"uplink_mib": 0.0, "downlink_mib": 0.0, "fields": {}},
-        "hashes": {**proto.hashes, "bank": digest, "contexts": ctx_hash},
-        "contexts": {"path": str(ctx_path), "reused": ctx_reused},
-        "bank": {"path": str(path), "reused": reused, "variant": variant, "history": history},
-        "table": proto.table(),
-        "tasks": proto.tasks.stats(stream),
-        "collisions": proto.negatives["checks"],
-        "wall_time_s": time.perf_counter() - t0,
-        "rounds": 0,
-        "run_dir": str(run_dir),
-        "tags": tags,
-    }
-    write_json(run_dir / SUMMARY_FILE, summary)
-    tracker.log_metrics({f"final_{k}": v for k, v in summary["metrics"].items()}, step=len(history))
-    tracker.set_tags({"hash_bank": digest})
-    tracker.log_artifacts([*files, run_dir / SUMMARY_FILE, run_dir / "config.yaml", path])
-    tracker.end()
-    if verbose:
-        print(format_table(proto.table()))
-        print(
-            f"bank             {bank_cfg.encoder} ({variant}){' reused' if reused else ''}: {path}"
-        )
-        print(f"bank_val_auc     {metrics['auc']:.4f}\nbank_val_ap      {metrics['ap']:.4f}")
-        print(f"hash[bank]       {digest}\nwall time        {summary['wall_time_s']:.1f} s")
-    return summary
 
 
 def ensure_bank(

@@ -1,6 +1,10 @@
 """``fedlightning train experiment=fedtip_*`` (``task=temporal``): protocol, bank, cached
-contexts, then every task of the manifest (:class:`~fedlightning.federation.fedtip.TaskLoop`),
+contexts, then every task of the manifest (:class:`~fedlightning.federation.tasks.TaskLoop`),
 with MLflow logging, a checkpoint per task and ``summary.json``.
+
+The run is tagged ``task=temporal`` and ``families=nc,lp`` (the families it ran, in order);
+its metrics carry each family's AUCs under their own names (``auc_nc``; ``auc_tlp``,
+``auc_ilp``), so reports select node classification or link prediction by the tag.
 
 Under ``runner=distributed`` rank 0 alone makes the run directory, the protocol, the bank and
 the contexts (in the cache), checkpoints, logs and writes; the other ranks get its results
@@ -8,7 +12,6 @@ the contexts (in the cache), checkpoints, logs and writes; the other ranks get i
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -24,16 +27,14 @@ from fedlightning.clients.fedtip import FAMILIES
 from fedlightning.config import build
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.protocol import TemporalProtocol
-from fedlightning.errors import ConfigError
-from fedlightning.federation.fedtip import TaskBatches, TaskLoop, as_single
-from fedlightning.federation.fulltune import FullTuneLoop
+from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.federation.tasks import TaskBatches, as_single
+from fedlightning.runs import CHECKPOINT_FILE, Run, load_checkpoint, summary_table
+from fedlightning.runs import json_safe as run_json_safe
 from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
-from fedlightning.temporal.run import ensure_bank, temporal_setup
-from fedlightning.tracking import NullTracker, flatten
-from fedlightning.tracking.plots import plot_task_metrics
-from fedlightning.utils.io import write_json
+from fedlightning.temporal.setup import ensure_bank, temporal_setup
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,17 @@ def check_families(families: Any, stream: EventStream | None) -> list[str]:
 
 
 def saved_state(path: Path) -> dict[str, Any] | None:
-    """The loop state checkpointed at ``path``; ``None`` before a first task ended."""
-    return torch.load(path, weights_only=False) if path.exists() else None
+    """The loop state checkpointed at ``path``; ``None`` before a first task ended. A
+    checkpoint of the format before one ledger per run is refused with one line."""
+    if not path.exists():
+        return None
+    state = load_checkpoint(path)
+    if "ledger" not in state:
+        raise FedLightningError(
+            f"{path}: written before FedTIP kept one ledger per run (checkpoint format 1); "
+            "it cannot resume: start a new run"
+        )
+    return state
 
 
 def format_temporal_summary(summary: dict[str, Any]) -> str:
@@ -113,28 +123,18 @@ def format_temporal_summary(summary: dict[str, Any]) -> str:
             rows.append((k, f"{m[k]:.4f} +- {m[k + '_std']:.4f}"))
     if "uplink_mib_per_task" in m:
         rows.append(("uplink per task", f"{m['uplink_mib_per_task']:.4f} MiB"))
-    for fam, n in c["message_values"].items():
+    for fam, n in c.get("message_values", {}).items():
         rows.append((f"message [{fam}]", f"{n} float32 values (paper: ~{PAPER_MESSAGE_VALUES})"))
-    from fedlightning.train import summary_table
-
     return summary_table(rows, summary)
 
 
-def train_fedtip(
+def train_temporal(
     cfg: DictConfig,
     run_dir: Path,
     observe: Callable[[str, int, dict[str, float]], None] | None = None,
     verbose: bool = True,
 ) -> dict[str, Any]:
     """Run FedTIP (or a comparator, or an ablation) over the task manifest."""
-    from fedlightning.train import (
-        CHECKPOINT_FILE,
-        MLFLOW_RUN_FILE,
-        SUMMARY_FILE,
-        json_safe,
-        make_tracker,
-    )
-
     t0 = time.perf_counter()
     if not cfg.get("resume"):  # a bad value fails before a run directory exists
         make_algorithm(cfg)
@@ -154,27 +154,17 @@ def train_fedtip(
         "method": algorithm.name,
         "dataset": stream.name,
         "task": "temporal",
+        "families": ",".join(families),
         "variant": variant,
         "backbone": bank_cfg.encoder,
         "seed": str(cfg.seed),
         "experiment": str(cfg.name),
         **{f"hash_{k}": v for k, v in proto.hashes.items()},
     }
-    tracker = make_tracker(cfg) if world.is_main else NullTracker()
-    run_id = None
-    if world.is_main and resuming and (run_dir / MLFLOW_RUN_FILE).exists():
-        run_id = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())["run_id"]
-    parent = cfg.logger.get("parent_run_id")
-    mlflow_tags = {**tags, "mlflow.parentRunId": str(parent)} if parent else tags
-    params = flatten(OmegaConf.to_container(cfg, resolve=True))
-    run_id = tracker.start(f"{cfg.name}-{run_dir.name}", mlflow_tags, params, run_id=run_id)
-    if run_id:
-        write_json(
-            run_dir / MLFLOW_RUN_FILE, {"run_id": run_id, "tracking_uri": cfg.logger.tracking_uri}
-        )
-    try:
+    run = Run(cfg, run_dir, world.is_main, resuming)
+    with run.start(tags):
         bank = world.on_main(
-            ensure_bank, stream, proto, bank_cfg, int(cfg.seed), cache_dir, tracker
+            ensure_bank, stream, proto, bank_cfg, int(cfg.seed), cache_dir, run.tracker
         )
         train_mode = "unfiltered" if algorithm.negatives == "unfiltered" else None
         ctx_path, ctx_hash, _ = world.on_main(
@@ -192,12 +182,19 @@ def train_fedtip(
         def on_task_end(n: int, metrics: dict[str, float]) -> None:
             pending.append((n, {k: v for k, v in metrics.items() if k != "task"}))
             if len(pending) >= LOG_EVERY or n == len(tasks):
-                tracker.log_metric_rows(pending)
+                run.tracker.log_metric_rows(pending)
                 pending.clear()
             if observe is not None:
                 observe("task", n, loop.final_metrics())
 
-        common = dict(
+        algorithm.attach(enc, proto)
+        loop = algorithm.loop_class(
+            algorithm,
+            tasks,
+            evals,
+            families,
+            dims,
+            runner,
             rounds=int(cfg.federation.rounds),
             epochs=int(cfg.federation.local_epochs),
             seed=int(cfg.seed),
@@ -206,61 +203,45 @@ def train_fedtip(
             on_task_end=on_task_end,
             progress=bool(cfg.runner.get("progress", True)) and world.is_main,
         )
-        args = (algorithm, tasks, evals, families, dims, runner)
-        if algorithm.mode == "fulltune":
-            loop = FullTuneLoop(*args, snapshot=enc, protocol=proto, **common)
-        else:
-            loop = TaskLoop(*args, **common)
         state = world.on_main(saved_state, run_dir / CHECKPOINT_FILE) if resuming else None
         if state is not None:
             loop.load_state_dict(state)
             log.info("resuming %s after task %d", run_dir, len(loop.results))
         results = loop.run()
-    except BaseException as e:
-        tracker.end("KILLED" if type(e).__name__ == "RunStopped" else "FAILED")
-        raise
     metrics = loop.final_metrics()
     adapter = algorithm.adapter(*dims)
-    summary = json_safe(
-        {
-            "experiment": str(cfg.name),
-            "seed": int(cfg.seed),
-            "rounds": int(cfg.federation.rounds),
-            "tasks_done": len(results),
-            "families": families,
-            "metrics": metrics,
-            "comm": {
-                **loop.comm(),
-                "adapter_values": adapter.num_values(),
-                "message_values_by_hand": {f: algorithm.message_size(adapter, f) for f in families},
-                "paper_message_values": PAPER_MESSAGE_VALUES,
-            },
-            "hashes": {**proto.hashes, "bank": bank["hash"], "contexts": ctx_hash},
-            "bank": {"path": str(bank["path"]), "reused": bank["reused"], **bank["metrics"]},
-            "table": proto.table(),
-            "wall_time_s": time.perf_counter() - t0,
-            "run_dir": str(run_dir),
-            "tags": tags,
-            "resumed": resuming,
-        }
+    summary = {
+        "experiment": str(cfg.name),
+        "seed": int(cfg.seed),
+        "rounds": int(cfg.federation.rounds),
+        "tasks_done": len(results),
+        "families": families,
+        "metrics": metrics,
+        "comm": {
+            **loop.comm(),
+            "adapter_values": adapter.num_values(),
+            "message_values_by_hand": {f: algorithm.message_size(adapter, f) for f in families},
+            "paper_message_values": PAPER_MESSAGE_VALUES,
+        },
+        "hashes": {**proto.hashes, "bank": bank["hash"], "contexts": ctx_hash},
+        "bank": {"path": str(bank["path"]), "reused": bank["reused"], **bank["metrics"]},
+        "table": proto.table(),
+        "wall_time_s": time.perf_counter() - t0,
+        "run_dir": str(run_dir),
+        "tags": tags,
+        "resumed": resuming,
+    }
+    plots = []
+    if world.is_main:
+        from fedlightning.tracking.plots import plot_task_metrics
+
+        run.tracker.set_tags({"hash_bank": bank["hash"], "hash_contexts": ctx_hash})
+        title = f"{cfg.name} ({variant})"
+        plots = [plot_task_metrics(results, run_dir / "task_auc.png", title)]
+    return run.finish(
+        summary,
+        step=len(results),
+        files=[*files, *plots],
+        table=format_temporal_summary(run_json_safe(summary)) if verbose else None,
+        extra={"task_metrics.json": results},
     )
-    if not world.is_main:  # the same state on every rank; rank 0 writes and logs it
-        return summary
-    write_json(run_dir / "task_metrics.json", json_safe(results))
-    write_json(run_dir / SUMMARY_FILE, summary)
-    tracker.log_metrics({f"final_{k}": v for k, v in metrics.items()}, step=len(results))
-    tracker.set_tags({"hash_bank": bank["hash"], "hash_contexts": ctx_hash})
-    plot = plot_task_metrics(results, run_dir / "task_auc.png", f"{cfg.name} ({variant})")
-    tracker.log_artifacts(
-        [
-            *files,
-            run_dir / SUMMARY_FILE,
-            run_dir / "task_metrics.json",
-            run_dir / "config.yaml",
-            plot,
-        ]
-    )
-    tracker.end("FINISHED")
-    if verbose:
-        print(format_temporal_summary(summary), flush=True)
-    return summary

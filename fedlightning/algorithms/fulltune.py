@@ -1,0 +1,126 @@
+"""Full-model FedAvg, FedTIP's uplink comparator (paper 001, Table 3 and Sec. 5.4).
+
+Every client fine-tunes the bank's encoder with the adapter
+(:class:`~fedlightning.clients.fulltune.FullTuneClient`), the server averages the whole
+model weighted by support size (FedAvg), and the message is the whole model's delta with the
+class counts (and the prototypes node classification is scored against). Since the encoder
+changes, the server re-streams its validation and test segments from the bank's snapshot
+with the task's final encoder before scoring them. The schedule is FedTIP's task loop; this
+class only declares its task verbs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedlightning.algorithms.fedtip import FedTIP
+from fedlightning.clients.fulltune import FullTuneClient
+from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
+from fedlightning.federation.round import ClientWork
+from fedlightning.federation.tasks import Batch, Member, TaskBatches, TaskLoop, as_single
+from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.server.fedtip import FedTIPServer, unflatten
+from fedlightning.temporal.adapter import PromptAdapter
+from fedlightning.temporal.contexts import event_batch, fork, stream_contexts
+from fedlightning.temporal.encoders import time_encoder
+from fedlightning.utils.seeding import derive_seed
+
+
+@dataclass
+class FullTuneFedAvg(FedTIP):
+    """``fulltune_fedavg``: the encoder fine-tuned with the adapter, the whole model averaged.
+
+    :meth:`attach` hands it the bank's snapshot encoder and the temporal protocol (the
+    server's segments and their negatives) before the first task.
+    """
+
+    name: str = "fulltune_fedavg"
+    mode: str = "fulltune"
+    aggregation: str = "fedavg"
+    anchors: bool = False
+    lambda_p: float = 0.0
+    modes = ("fulltune",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.snapshot: Any = None
+        self.protocol: Any = None
+        self.tuned: Any = None
+
+    def attach(self, snapshot: Any, protocol: Any) -> None:
+        """The bank's frozen snapshot encoder and the temporal protocol."""
+        self.snapshot, self.protocol = snapshot, protocol
+
+    def task_module(self, adapter: PromptAdapter, family: str) -> FullTuneClient:
+        return FullTuneClient(
+            fork(self.snapshot), self.snapshot, adapter, self.protocol.stream, family,
+            tau=self.tau, lr=self.lr, encoder_lr=self.encoder_lr, weight_decay=self.weight_decay,
+        )  # fmt: skip
+
+    def task_server(self, module: FullTuneClient) -> FedTIPServer:
+        start = {n: p.detach().clone() for n, p in module.named_parameters()}
+        return FedTIPServer(
+            start, eta_s=1.0, reliability_weights=False, anchors=False, field="model"
+        )
+
+    def task_work(
+        self,
+        loop: TaskLoop,
+        task: TaskBatches,
+        family: str,
+        module: FullTuneClient,
+        broadcast: ServerBroadcast,
+    ) -> ClientWork:
+        """Each client's fit on its own (the encoder is not stacked)."""
+        shapes = {n: p.shape for n, p in module.named_parameters()}
+        omega = unflatten(broadcast.tensors["model"], shapes)
+        r = broadcast.round
+
+        def fit(client: Member) -> ClientUpdate:
+            k = client.client_id
+            module.receive(omega)
+            torch.manual_seed(derive_seed(loop.seed, "fit", task.task, family, r, k))
+            loop.runner.executor.fit(module, task.clients[k], loop.epochs)
+            q, counts = module.prototypes(task.clients[k])
+            delta = torch.cat(
+                [(p.detach() - omega[n]).reshape(-1) for n, p in module.named_parameters()]
+            )
+            observed = {c: int(n) for c, n in enumerate(counts.tolist()) if n > 0}
+            tensors = {"delta": delta}
+            if family == "nc":
+                tensors.update({f"proto.{c}": q[c].clone() for c in observed})
+            return ClientUpdate(
+                round=r, client_id=k, tensors=tensors,
+                scalars={f"count.{c}": float(n) for c, n in observed.items()},
+            )  # fmt: skip
+
+        return ClientWork(one=fit)
+
+    def task_result(
+        self, module: FullTuneClient, adapter: PromptAdapter, server: FedTIPServer
+    ) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        module.receive(server.state())
+        self.tuned = module.encoder
+        return module.adapter, server.class_prototypes()
+
+    def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
+        """The validation and test segments streamed with the task's fine-tuned encoder."""
+        enc = fork(self.snapshot)
+        enc.load_state_dict(
+            {k: v for k, v in self.tuned.state_dict().items() if k in dict(enc.named_parameters())},
+            strict=False,
+        )
+        enc.eval()
+        te, neg, stream = time_encoder(enc), self.protocol.negatives["eval"], self.protocol.stream
+        out = {}
+        for split, name, outcome in (("val", "down_val", DOWN_VAL), ("test", "test", TEST)):
+            events = self.protocol.manifest.indices(outcome)
+            ctx = stream_contexts(enc, stream, events, np.asarray(neg[name]))
+            inductive = self.protocol.manifest.inductive if split == "test" else None
+            out[split] = as_single(event_batch(ctx, stream, te, np.asarray(neg[name]), inductive))
+        return out

@@ -1,0 +1,274 @@
+"""A graph federation (``task=fl``, ``cil``, ``cir``), from a composed config to ``summary.json``
+and an MLflow run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch_geometric.data import Data
+
+from fedlightning.config import build, validate
+from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
+from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
+from fedlightning.data.streams import ClassStream
+from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.federation.algorithm import FederatedClient
+from fedlightning.federation.continual import ContinualLoop
+from fedlightning.federation.loop import FederatedLoop
+from fedlightning.runs import (
+    CHECKPOINT_FILE,
+    Run,
+    json_safe,
+    load_checkpoint,
+    prepare_run_dir,
+    summary_table,
+)
+from fedlightning.utils.seeding import derive_seed, seed_everything
+
+log = logging.getLogger("fedlightning")
+
+
+def build_client(graph: MultimodalGraph, partition: Partition, k: int) -> FederatedClient:
+    """Client ``k``: its induced subgraph with its train/val/test masks."""
+    nodes = partition.client_nodes(k)
+    data: Data = graph.subgraph(nodes).to_data()
+    split = partition.split[nodes]
+    data.train_mask, data.val_mask, data.test_mask = split == TRAIN, split == VAL, split == TEST
+    data.node_id = nodes  # index in the whole graph, for per-node artifacts
+    return FederatedClient(k, data)
+
+
+def build_clients(graph: MultimodalGraph, partition: Partition) -> list[FederatedClient]:
+    """Every client's induced subgraph with its train/val/test masks."""
+    return [build_client(graph, partition, k) for k in range(partition.num_clients)]
+
+
+def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> tuple[Any, Any, Any]:
+    """``(net, algorithm, client module)``; the net's initial weights are seeded by
+    ``(seed, "init")``, so every process that builds them gets the same."""
+    torch.manual_seed(derive_seed(cfg.seed, "init"))
+    net = build(cfg.model.net, "model.net")(in_dims=in_dims, num_classes=num_classes)
+    optimizer = build(cfg.model.optimizer, "model.optimizer")
+    algorithm = build(cfg.algorithm, "algorithm")
+    return net, algorithm, algorithm.client_module(net, optimizer)
+
+
+def load_graph(cfg: DictConfig) -> MultimodalGraph:
+    """Build the dataset; ``dataset.missing_rate`` (if set) hides modalities, seeded by
+    ``protocol.seed``. The mask reaches the model, whose fusion ignores what is missing."""
+    node = OmegaConf.to_container(cfg.dataset, resolve=True)
+    rate = node.pop("missing_rate", 0.0)
+    graph = build(OmegaConf.create(node), "dataset")
+    if rate:
+        if isinstance(rate, dict):
+            unknown = set(rate) - set(graph.modalities)
+            if unknown:
+                raise ConfigError(
+                    "dataset.missing_rate",
+                    f"unknown modalities {sorted(unknown)}; {graph.name!r} has {graph.modalities}",
+                )
+        bad = [r for r in (rate.values() if isinstance(rate, dict) else [rate]) if not 0 <= r < 1]
+        if bad:
+            raise ConfigError("dataset.missing_rate", f"rates must lie in [0, 1), got {rate}")
+        graph = apply_missing(graph, rate, derive_seed(cfg.protocol.seed, "missing"))
+    return graph
+
+
+def save_protocol(obj: Any, path: Path, resuming: bool) -> None:
+    """Save a protocol object; on resume, refuse if it no longer matches the saved one."""
+    if resuming and path.exists():
+        saved = json.loads(path.read_text()).get("hash")
+        if saved != obj.hash:
+            raise FedLightningError(
+                f"{path}: the run was started with protocol hash {saved}, "
+                f"but the same config now gives {obj.hash} (data or code "
+                "changed); refusing to resume"
+            )
+        return
+    obj.save(path)
+
+
+def check_algorithm_fits_protocol(algorithm: Any, stream: ClassStream | None) -> None:
+    continual = algorithm.continual
+    if stream is not None and not continual:
+        raise ConfigError(
+            "algorithm",
+            f"{algorithm.name!r} is not a class-incremental algorithm; "
+            "with protocol=cil use algorithm=cil_* (e.g. cil_fedavg_replay)",
+        )
+    if stream is None and continual:
+        raise ConfigError(
+            "protocol",
+            f"algorithm {algorithm.name!r} needs the class-incremental stream: add protocol=cil",
+        )
+
+
+def run_tags(
+    cfg: DictConfig, graph: MultimodalGraph, algorithm: Any, hashes: dict[str, str]
+) -> dict[str, str]:
+    """The MLflow tags every run carries (DESIGN.md): reports select runs by these."""
+    return {
+        "method": algorithm.name,
+        "dataset": graph.name,
+        "task": str(cfg.task),
+        "variant": str(algorithm.variant),
+        "backbone": str(cfg.model.net.get("conv", "custom")),
+        "seed": str(cfg.seed),
+        "experiment": str(cfg.name),
+        **{f"hash_{k}": v for k, v in hashes.items()},
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The short table printed at the end of a run."""
+    m, c = summary["metrics"], summary["comm"]
+    rows = [("experiment", summary["experiment"]), ("rounds", summary["rounds"])]
+    rows += [(k, f"{m[k]:.4f}") for k in ("test_acc", "val_acc") if m.get(k) is not None]
+    if m.get("test_acc_at_best_val") is not None:
+        best = f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"
+        rows.append(("test_acc_at_best_val", best))
+    keys = ("recall_at_1", "am", "fm", "fm_diag", "fpr95", "auroc_ood", "open_acc")
+    rows += [(k, f"{m[k]:.4f}") for k in keys if m.get(k) is not None]
+    rows += [("uplink", f"{c['uplink_mib']:.3f} MiB"), ("downlink", f"{c['downlink_mib']:.3f} MiB")]
+    return summary_table(rows, summary)
+
+
+def build_protocol(
+    cfg: DictConfig, graph: MultimodalGraph, run_dir: Path, resuming: bool
+) -> tuple[Partition, ClassStream | None, dict[str, str]]:
+    """The protocol objects (partition; class stream under ``protocol=cil``), saved, hashed."""
+    partition = build(cfg.partition, "partition")(graph, cfg.federation.clients, cfg.protocol.seed)
+    save_protocol(partition, run_dir / "partition.json", resuming)
+    hashes = {"partition": partition.hash}
+    if cfg.protocol.get("stream") is None:
+        return partition, None, hashes
+    if partition.meta["split_fractions"][1] <= 0:
+        raise ConfigError(
+            "partition.split",
+            "the class-incremental protocol calibrates its "
+            "rejection threshold on validation nodes: the validation fraction "
+            "must be > 0",
+        )
+    stream = build(cfg.protocol.stream, "protocol.stream")(graph, partition, cfg.protocol.seed)
+    save_protocol(stream, run_dir / "stream.json", resuming)
+    hashes["stream"] = stream.hash
+    log.info(
+        "class stream %s, never introduced %s (stream %s)", stream.stages, stream.never, stream.hash
+    )
+    return partition, stream, hashes
+
+
+Observer = Callable[[str, int, dict[str, float]], None]
+
+
+def _report(tracker: Any, observe: Observer | None, kind: str, step: int, m: dict) -> None:
+    """Log a round's metrics (or a stage's, as ``stage_<name>``), then show them to
+    ``observe``."""
+    if kind == "stage":
+        tracker.log_metrics({f"stage_{k}": v for k, v in m.items() if k != "stage"}, step=step)
+    else:
+        tracker.log_metrics(m, step=step)
+    if observe is not None:
+        observe(kind, step, m)
+
+
+def train_graph(
+    cfg: DictConfig,
+    run_dir: str | Path,
+    observe: Observer | None = None,
+    verbose: bool = True,
+    runner: Any = None,
+) -> dict[str, Any]:
+    """Run the graph federation ``cfg`` in ``run_dir``; return the summary (also written).
+
+    ``observe(kind, step, metrics)`` sees every round's (``"round"``) and stage's
+    (``"stage"``) metrics after they are checkpointed and logged; raising
+    :class:`~fedlightning.errors.RunStopped` there ends the run as ``KILLED`` (a pruned
+    sweep trial). ``runner``, when given, replaces the one ``cfg.runner`` builds (a Flower
+    ServerApp passes its own).
+    """
+    t0 = time.perf_counter()
+    validate(cfg)
+    if runner is None:  # first: a distributed runner joins its ranks here
+        runner = build(cfg.runner, "runner")
+    world = runner.world  # only rank 0 writes files; the others get its results
+    cfg, run_dir, resuming = world.on_main(prepare_run_dir, cfg, Path(run_dir))
+    world.run_dir = run_dir
+    seed_everything(cfg.seed)
+
+    graph = load_graph(cfg)
+    partition, stream, hashes = world.on_main(build_protocol, cfg, graph, run_dir, resuming)
+    clients = build_clients(graph, partition)
+    log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
+
+    in_dims = {m: x.size(1) for m, x in graph.features.items()}
+    net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
+    check_algorithm_fits_protocol(algorithm, stream)
+    runner.begin(cfg, run_dir, hashes)
+    server = algorithm.server(net.state_dict())
+    run = Run(cfg, run_dir, world.is_main, resuming)
+
+    common = dict(
+        participation=cfg.federation.participation,
+        local_epochs=cfg.federation.local_epochs,
+        seed=cfg.seed,
+        checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
+        on_round_end=lambda r, m: _report(run.tracker, observe, "round", r, m),
+    )
+    if stream is None:
+        schedule = algorithm.loop_class or FederatedLoop
+        loop = schedule(
+            algorithm, module, server, clients, runner, rounds=cfg.federation.rounds, **common
+        )
+    else:
+        algorithm.setup(stream, cfg.federation.rounds, cfg.seed, graph.num_classes)
+        schedule = algorithm.loop_class or ContinualLoop
+        loop = schedule(
+            algorithm,
+            module,
+            server,
+            clients,
+            runner,
+            stream=stream,
+            rounds_per_stage=cfg.federation.rounds,
+            num_classes=graph.num_classes,
+            on_stage_end=lambda t, m: _report(run.tracker, observe, "stage", t, m),
+            **common,
+        )
+    if resuming:
+        loop.load_state_dict(world.on_main(load_checkpoint, run_dir / CHECKPOINT_FILE))
+        log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
+    tags = run_tags(cfg, graph, algorithm, hashes)
+    with run.start(tags):
+        history = loop.run()
+    summary = {
+        "experiment": str(cfg.name),
+        "seed": int(cfg.seed),
+        "rounds": loop.completed_rounds,
+        "metrics": loop.final_metrics(),
+        "comm": loop.ledger.summary(),
+        "hashes": hashes,
+        "wall_time_s": time.perf_counter() - t0,
+        "run_dir": str(run_dir),
+        "tags": tags,
+        "resumed": resuming,
+        **loop.summary_extras(),
+    }
+    artifacts = []
+    if world.is_main:
+        artifacts = loop.write_artifacts(run_dir, f"{cfg.name} ({algorithm.name}, {graph.name})")
+    protocol_files = [run_dir / f for f in ("partition.json", "stream.json")]
+    return run.finish(
+        summary,
+        step=loop.completed_rounds,
+        files=[*protocol_files, *artifacts],
+        table=format_summary(json_safe(summary)) if verbose else None,
+        extra={"history.json": history},
+    )

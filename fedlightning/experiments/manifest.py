@@ -1,0 +1,53 @@
+"""``fedlightning data manifest``: FedTIP's protocol objects materialized, written, printed
+and logged (an MLflow run tagged ``task=protocol``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from fedlightning.config import build
+from fedlightning.data.temporal.events import EventStream
+from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize
+from fedlightning.errors import ConfigError
+from fedlightning.runs import Run
+from fedlightning.tracking import flatten
+
+
+def run_manifest(cfg: Any, out: Path) -> TemporalProtocol:
+    """``fedlightning data manifest``: materialize (or reuse) the protocol of ``cfg``, write it
+    to ``out``, print the Table 1 row and the checks, log them to MLflow."""
+    if "manifest" not in cfg.protocol:
+        raise ConfigError("protocol", "use protocol=temporal (or an experiment=temporal_* )")
+    stream = build(cfg.dataset, "dataset")
+    if not isinstance(stream, EventStream):
+        raise ConfigError("dataset", f"{type(stream).__name__} is not a temporal event stream")
+    params = OmegaConf.to_container(cfg.protocol, resolve=True)
+    try:
+        proto, reused = materialize(stream, params, Path(params["cache_dir"]))
+    except ValueError as e:  # a protocol parameter that cannot work on this stream
+        raise ConfigError("protocol", str(e)) from None
+    existing = out / "protocol.json"
+    if existing.exists() and json.loads(existing.read_text())["hashes"] != proto.hashes:
+        raise ConfigError(
+            "--out", f"{out} holds a different protocol; refusing to overwrite, choose another"
+        )
+    files = proto.write(out)
+    print(format_table(proto.table()))
+    print("tasks        " + json.dumps(proto.tasks.stats(stream)))
+    for name, check in proto.negatives["checks"].items():
+        print(f"collisions   {name}: " + ", ".join(f"{k} {v}" for k, v in check.items()))
+    print("hashes       " + json.dumps(proto.hashes) + ("  (reused)" if reused else ""))
+    print(f"written      {out}")
+    tags = {"task": "protocol", "dataset": stream.name, "experiment": str(cfg.name)}
+    tags.update({f"hash_{k}": v for k, v in proto.hashes.items()})
+    run = Run(cfg, out)
+    with run.start(tags, f"manifest-{stream.name}", flatten({"protocol": params}), False):
+        row = {k: v for k, v in proto.table().items() if isinstance(v, (int, float))}
+        run.tracker.log_metrics(row, step=0)
+        run.tracker.log_artifacts(files)
+    run.tracker.end()
+    return proto

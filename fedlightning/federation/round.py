@@ -1,0 +1,90 @@
+"""The one federated round: broadcast, the clients' fits on the runner, the ledger, aggregation.
+
+Every schedule calls :func:`federated_round`: the rounds of a plain run
+(:class:`~fedlightning.federation.loop.FederatedLoop`), the rounds of each stage of the
+class-incremental stream and its stage-end exchange
+(:class:`~fedlightning.federation.continual.ContinualLoop`), and the rounds of each FedTIP
+task and family (:class:`~fedlightning.federation.tasks.TaskLoop`). Whatever the runner
+(sequential, ``torchrun`` ranks, Flower nodes), every message is counted here, once the
+runner returns the round's updates, in client order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fedlightning.federation.ledger import DOWN, UP, CommLedger
+from fedlightning.federation.runners import contiguous_shares
+from fedlightning.messages import ClientUpdate, ServerBroadcast, prefixed
+
+FitOne = Callable[[Any], ClientUpdate | None]
+FitShare = Callable[[range], list[ClientUpdate]]
+
+
+@dataclass
+class ClientWork:
+    """What the clients of a round do with the broadcast.
+
+    Attributes:
+        one: one client's fit (``client -> update``, or ``None`` for no message).
+        share: the fit of several clients at once (stacked execution): ``positions ->
+            updates`` for the clients at those positions of the round, in order; ``None``:
+            the clients fit one at a time through ``one``.
+    """
+
+    one: FitOne | None = None
+    share: FitShare | None = None
+
+
+def stacked(runner: Any, clients: Sequence[Any], share: FitShare) -> FitOne:
+    """A per-client fit for the runner, from a fit of several clients at once: the first
+    client the runner asks for fits this rank's whole contiguous share
+    (:func:`~fedlightning.federation.runners.contiguous_shares`) as one stack; the runner
+    keeps its progress bar, fault injection, gathering and RNG hand-over."""
+    mine = contiguous_shares(len(clients), runner.world.size)[runner.world.rank]
+    fitted: dict[int, ClientUpdate] = {}
+
+    def fit_client(client: Any) -> ClientUpdate:
+        if not fitted:
+            fitted.update((u.client_id, u) for u in share(mine))
+        if client.client_id not in fitted:
+            raise RuntimeError(f"client {client.client_id} is not in this rank's share")
+        return fitted[client.client_id]
+
+    return fit_client
+
+
+def federated_round(
+    round: int,
+    server: Any,
+    runner: Any,
+    clients: Sequence[Any],
+    work: Callable[[ServerBroadcast], ClientWork],
+    ledger: CommLedger,
+    *,
+    aggregate: Callable[[int, list[ClientUpdate]], None] | None = None,
+    prefix: str = "",
+    scope: str = "",
+    desc: str = "",
+) -> list[ClientUpdate]:
+    """One round: ``server.broadcast(round)`` to ``clients``, their fits on ``runner``, every
+    message into ``ledger`` (fields named ``<prefix>/<field>`` when ``prefix`` is set, in
+    ``scope``), then ``aggregate(round, updates)`` (default ``server.aggregate``).
+
+    Returns the updates sent, in client order (a client that sends nothing is left out).
+    """
+    broadcast = server.broadcast(round)
+    todo = work(broadcast)
+    fit = stacked(runner, clients, todo.share) if todo.share is not None else todo.one
+    updates = runner.run_round(round, clients, fit, desc=desc or f"round {round}")
+    down = prefixed(broadcast, prefix)
+    sent = []
+    for client, update in zip(clients, updates, strict=True):
+        ledger.record(DOWN, client.client_id, down, scope)
+        if update is not None:
+            ledger.record(UP, client.client_id, prefixed(update, prefix), scope)
+            sent.append(update)
+    (aggregate or server.aggregate)(round, sent)
+    return sent

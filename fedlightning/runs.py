@@ -1,0 +1,185 @@
+"""The run wrapper: one run directory, resume, tags, the tracker, the summary and its table.
+
+Every kind of run (graph federations, FedTIP's task protocol, the bank's pre-training, the
+``data manifest`` command) goes through :class:`Run`, so each of these is written once:
+
+- :func:`prepare_run_dir`: a fresh run refuses a directory that already holds a run; a
+  resumed run takes its saved config (only ``runner`` and ``logger`` come from the resuming
+  command);
+- :meth:`Run.start`: the MLflow run with the resolved config as parameters, the tags
+  reports select by, a sweep trial's parent, and the same MLflow run again on resume;
+- :meth:`Run.finish`: ``summary.json``, the final metrics, the artifacts, the console table;
+  a run that raises ends ``FAILED`` (``KILLED`` when stopped, as a pruned sweep trial);
+- :func:`load_checkpoint`: the checkpoint with its format version checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from fedlightning.errors import ConfigError, FedLightningError, RunStopped
+from fedlightning.federation.loop import CHECKPOINT_FORMAT
+from fedlightning.tracking import MlflowTracker, NullTracker, flatten
+from fedlightning.utils.io import write_json
+
+CONFIG_FILE, CHECKPOINT_FILE, SUMMARY_FILE = "config.yaml", "checkpoint.pt", "summary.json"
+MLFLOW_RUN_FILE = "mlflow_run.json"
+
+
+def trained_config(cfg: DictConfig) -> DictConfig:
+    """The config the run trains: ``cfg``, or on ``resume=DIR`` the saved run's."""
+    saved = Path(str(cfg.get("resume") or "")) / CONFIG_FILE
+    return OmegaConf.load(saved) if cfg.get("resume") and saved.is_file() else cfg
+
+
+def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
+    """The config and directory to run in; on ``resume`` the earlier run's own.
+
+    A resumed run takes its saved config whole, except ``runner`` and ``logger`` (how and
+    where it runs, which cannot change results) from this invocation. A fresh run refuses
+    a directory that already holds a run, so nothing saved is overwritten.
+    """
+    if cfg.get("resume"):
+        old = Path(cfg.resume)
+        if not (old / CONFIG_FILE).is_file():
+            raise ConfigError(
+                "resume", f"{old} holds no {CONFIG_FILE}; pass an earlier run's directory"
+            )
+        if (old / SUMMARY_FILE).exists():
+            raise ConfigError(
+                "resume", f"{old} already finished ({SUMMARY_FILE} exists); nothing to resume"
+            )
+        saved = OmegaConf.load(old / CONFIG_FILE)
+        saved.runner, saved.logger = cfg.runner, cfg.logger
+        saved.resume = str(old)
+        return saved, old, True
+    for name in (SUMMARY_FILE, CHECKPOINT_FILE):
+        if (run_dir / name).exists():
+            raise FedLightningError(
+                f"run directory {run_dir} already holds a run ({name}); "
+                "refusing to overwrite it: choose a new hydra.run.dir or "
+                f"resume={run_dir}"
+            )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / CONFIG_FILE, resolve=True)
+    return OmegaConf.load(run_dir / CONFIG_FILE), run_dir, False
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint at ``path``; one line naming the file if its format is unknown."""
+    state = torch.load(path, weights_only=False)
+    version = state.get("format", 1) if isinstance(state, dict) else None
+    if version not in (1, CHECKPOINT_FORMAT):
+        raise FedLightningError(
+            f"{path}: checkpoint format {version!r} is not one this version reads "
+            f"(1 or {CHECKPOINT_FORMAT}); start a new run"
+        )
+    return state
+
+
+def make_tracker(cfg: Any) -> NullTracker:
+    if not cfg.logger.get("enabled", True):
+        return NullTracker()
+    return MlflowTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name)
+
+
+def json_safe(obj: Any) -> Any:
+    """Non-finite floats as null, so summary.json and history.json stay strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def summary_table(rows: list[tuple[str, Any]], summary: dict[str, Any]) -> str:
+    """``rows`` then the hashes, wall time and run directory, as an aligned table."""
+    rows = rows + [(f"hash[{k}]", v) for k, v in summary.get("hashes", {}).items()]
+    rows += [("wall time", f"{summary['wall_time_s']:.1f} s"), ("run dir", summary["run_dir"])]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 40)
+    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
+
+
+class Run:
+    """One run of any kind: its directory, tracker and summary (module docstring).
+
+    Args:
+        cfg: the config the run trains (after :func:`prepare_run_dir`).
+        run_dir: its directory.
+        is_main: this process writes and logs (rank 0 of a distributed run).
+        resuming: the run continues an earlier one.
+    """
+
+    def __init__(self, cfg: Any, run_dir: Path, is_main: bool = True, resuming: bool = False):
+        self.cfg, self.run_dir, self.is_main, self.resuming = cfg, Path(run_dir), is_main, resuming
+        self.tracker = make_tracker(cfg) if is_main else NullTracker()
+        self.tags: dict[str, str] = {}
+
+    def start(
+        self,
+        tags: dict[str, str],
+        name: str | None = None,
+        params: Any = None,
+        record_id: bool = True,
+    ) -> Run:
+        """Start (or, on resume, continue) the MLflow run with ``tags`` and ``params``
+        (default: the resolved config); record its id in the run directory (``record_id``)."""
+        self.tags = dict(tags)
+        run_id = None
+        saved = self.run_dir / MLFLOW_RUN_FILE
+        if self.is_main and self.resuming and saved.exists():
+            run_id = json.loads(saved.read_text())["run_id"]
+        parent = self.cfg.logger.get("parent_run_id")  # a sweep trial's runs nest under it
+        mlflow_tags = {**self.tags, "mlflow.parentRunId": str(parent)} if parent else self.tags
+        if params is None:
+            params = flatten(OmegaConf.to_container(self.cfg, resolve=True))
+        name = name or f"{self.cfg.name}-{self.run_dir.name}"
+        run_id = self.tracker.start(name, mlflow_tags, params, run_id=run_id)
+        if run_id and self.is_main and record_id:
+            write_json(saved, {"run_id": run_id, "tracking_uri": self.cfg.logger.tracking_uri})
+        return self
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, kind: type | None, err: BaseException | None, tb: Any) -> None:
+        if err is not None:
+            self.tracker.end("KILLED" if isinstance(err, RunStopped) else "FAILED")
+
+    def finish(
+        self,
+        summary: dict[str, Any],
+        *,
+        step: int,
+        files: Iterable[Path] = (),
+        table: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Write ``summary.json`` (and ``extra`` JSON files by name), log the final metrics
+        at ``step`` and ``files`` as artifacts, end the MLflow run, print ``table``."""
+        summary = json_safe(summary)
+        if not self.is_main:  # the same state on every rank; rank 0 writes and logs it
+            return summary
+        written = []
+        for name, obj in (extra or {}).items():
+            write_json(self.run_dir / name, json_safe(obj))
+            written.append(self.run_dir / name)
+        write_json(self.run_dir / SUMMARY_FILE, summary)
+        metrics = summary.get("metrics", {})
+        self.tracker.log_metrics({f"final_{k}": v for k, v in metrics.items()}, step=step)
+        files = [self.run_dir / CONFIG_FILE, self.run_dir / SUMMARY_FILE, *written, *files]
+        self.tracker.log_artifacts([f for f in dict.fromkeys(files) if Path(f).exists()])
+        self.tracker.end("FINISHED")
+        if table is not None:
+            print(table, flush=True)
+        return summary
