@@ -1,5 +1,6 @@
 """Encoders, fusion and heads."""
 
+from fedlightning.models.dropout import InputDropout, nonzero_dropout
 from fedlightning.models.multimodal import (
     GNNEncoder,
     ModalityEncoders,
@@ -7,4 +8,11 @@ from fedlightning.models.multimodal import (
     masked_fusion,
 )
 
-__all__ = ["GNNEncoder", "ModalityEncoders", "MultimodalGNN", "masked_fusion"]
+__all__ = [
+    "GNNEncoder",
+    "InputDropout",
+    "ModalityEncoders",
+    "MultimodalGNN",
+    "masked_fusion",
+    "nonzero_dropout",
+]

@@ -7,6 +7,8 @@ from torch import Tensor, nn
 from torch_geometric.data import Data
 from torch_geometric.nn import GCNConv, SAGEConv
 
+from fedlightning.models.dropout import InputDropout
+
 
 def masked_fusion(embeddings: list[Tensor], mask: Tensor) -> Tensor:
     r"""Mean of the available modalities' embeddings; a missing modality is left out.
@@ -32,14 +34,15 @@ class ModalityEncoders(nn.Module):
     Args:
         in_dims: modality name -> input width.
         hidden: output width of every encoder (default ``64``).
-        dropout: dropout on the input features (default ``0.5``).
+        dropout: dropout on the input features (default ``0.5``), an :class:`InputDropout`:
+            the distribution of ``nn.Dropout`` at the cost of the inputs' non-zero entries.
     """
 
     def __init__(self, in_dims: dict[str, int], hidden: int = 64, dropout: float = 0.5) -> None:
         super().__init__()
         self.modalities = list(in_dims)
         self.encoders = nn.ModuleDict({m: nn.Linear(d, hidden) for m, d in in_dims.items()})
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = InputDropout(dropout)
 
     def forward(self, features: dict[str, Tensor]) -> list[Tensor]:
         return [torch.relu(self.encoders[m](self.dropout(features[m]))) for m in self.modalities]

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from torch_geometric.data import Data
 
 from fedlightning.errors import ConfigError
+from fedlightning.models.dropout import InputDropout
 from fedlightning.models.multimodal import GNNEncoder
 
 
@@ -40,7 +41,8 @@ class CrossModalGNN(nn.Module):
         hidden: width of encoders, GNNs and the shared embedding space (default ``64``).
         gnn_layers: GNN depth per tower (default ``2``).
         conv: ``"gcn"`` or ``"sage"`` (default ``"gcn"``).
-        dropout: on input features and between GNN layers (default ``0.5``).
+        dropout: on input features (an :class:`~fedlightning.models.dropout.InputDropout`)
+            and between GNN layers (default ``0.5``).
 
     Shapes:
         - **input:** a PyG ``Data`` with ``x_<modality>`` :math:`(N, d_m)`,
@@ -77,7 +79,7 @@ class CrossModalGNN(nn.Module):
             {m: GNNEncoder(hidden, hidden, gnn_layers, conv, dropout) for m in self.sides}
         )
         self.heads = nn.ModuleDict({m: nn.Linear(hidden, hidden) for m in self.sides})
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = InputDropout(dropout)
 
     def availability(self, data: Data, modality: str) -> Tensor:
         """Bool ``[N]``: nodes that have ``modality``."""
