@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
 import numpy as np
 import torch
 from torch import Tensor
@@ -193,6 +192,8 @@ class LouvainPartitioner(Partitioner):
         return {"resolution": self.resolution}
 
     def assign(self, graph: MultimodalGraph, num_clients: int, seed: int) -> list[int]:
+        import networkx as nx  # only the Louvain partitioner needs it
+
         g = nx.Graph()
         g.add_nodes_from(range(graph.num_nodes))
         g.add_edges_from(graph.edge_index.t().tolist())

@@ -1,29 +1,43 @@
-"""Plots of runs, sweeps and reports, as PNG files."""
+"""Plots of runs, sweeps and reports, as PNG files.
+
+matplotlib is imported by the first plot, not with this module (a run imports it only to
+draw its end-of-run figures), and through its object-oriented API: a ``Figure`` saved to a
+file needs neither ``pyplot`` nor a GUI backend.
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def _subplots(nrows: int = 1, ncols: int = 1, **kwargs: Any) -> tuple[Any, Any]:
+    """``pyplot.subplots`` without pyplot: a detached ``Figure`` and its axes."""
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:
+        # a backend named up front: reading every rcParam (``boxplot`` does) would otherwise
+        # import pyplot to resolve the automatic one
+        matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=kwargs.pop("figsize", None))
+    return fig, fig.subplots(nrows, ncols, **kwargs)
 
 
 def _save(fig: Any, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def plot_curves(history: Sequence[dict[str, float]], path: str | Path, title: str = "") -> Path:
     """Accuracy (train/val/test) and training loss per round, side by side, as a PNG."""
     rounds = [h["round"] for h in history]
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax_acc, ax_loss) = _subplots(1, 2, figsize=(10, 3.6))
     for key in ("train_acc", "val_acc", "test_acc"):
         if history and key in history[0]:
             ax_acc.plot(rounds, [h[key] for h in history], marker=".", label=key)
@@ -40,7 +54,7 @@ def plot_accuracy_matrix(matrix, path: str | Path, title: str = "") -> Path:
     import numpy as np
 
     m = np.asarray(matrix, dtype=float)
-    fig, ax = plt.subplots(figsize=(1.2 * m.shape[1] + 2, 1.0 * m.shape[0] + 1.5))
+    fig, ax = _subplots(figsize=(1.2 * m.shape[1] + 2, 1.0 * m.shape[0] + 1.5))
     im = ax.imshow(np.ma.masked_invalid(m), vmin=0, vmax=1, cmap="viridis")
     for (t, j), v in np.ndenumerate(m):
         if np.isfinite(v):
@@ -59,7 +73,7 @@ def plot_seen_accuracy(
 ) -> Path:
     """Average accuracy over the seen stages, and FPR95, after each stage."""
     stages = [r["stage"] for r in stage_results]
-    fig, ax = plt.subplots(figsize=(5, 3.6))
+    fig, ax = _subplots(figsize=(5, 3.6))
     ax.plot(stages, [r["seen_acc"] for r in stage_results], marker="o", label="seen-stage acc")
     ax.plot(stages, [r["fpr95"] for r in stage_results], marker="s", label="FPR95")
     ax.set(xlabel="stage", ylabel="fraction", ylim=(0, 1), xticks=stages, title=title)
@@ -71,7 +85,7 @@ def plot_optimization_history(
     values: Sequence[float], path: str | Path, maximize: bool = True, metric: str = ""
 ) -> Path:
     """Objective of each finished trial (in trial order) and the best so far."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = _subplots(figsize=(5.5, 3.6))
     xs = list(range(len(values)))
     best, run = [], None
     for v in values:
@@ -87,7 +101,7 @@ def plot_optimization_history(
 def plot_importances(importances: dict[str, float], path: str | Path) -> Path:
     """Horizontal bars of parameter importances (Optuna's fANOVA)."""
     names = list(importances)[::-1]
-    fig, ax = plt.subplots(figsize=(5.5, 0.5 * len(names) + 1.5))
+    fig, ax = _subplots(figsize=(5.5, 0.5 * len(names) + 1.5))
     ax.barh(names, [importances[n] for n in names])
     ax.set(xlabel="importance", title="parameter importance")
     return _save(fig, path)
@@ -104,7 +118,7 @@ def plot_sensitivity(
 ) -> Path:
     """A metric against one parameter: mean with std error bars (over seeds), sorted by x."""
     order = sorted(range(len(x)), key=lambda i: x[i])
-    fig, ax = plt.subplots(figsize=(5, 3.6))
+    fig, ax = _subplots(figsize=(5, 3.6))
     ax.errorbar(
         [x[i] for i in order],
         [mean[i] for i in order],
@@ -125,7 +139,7 @@ def plot_scatter(
     ylabel: str,
 ) -> Path:
     """One marker series per label (e.g. method): uplink against a metric, run by run."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = _subplots(figsize=(5.5, 3.8))
     for i, (label, (xs, ys)) in enumerate(points.items()):
         ax.scatter(xs, ys, label=label, marker="os^vD<>p*h"[i % 10])
     ax.set(xlabel=xlabel, ylabel=ylabel)
@@ -136,7 +150,7 @@ def plot_scatter(
 def plot_task_metrics(rows: Sequence[dict[str, float]], path: str | Path, title: str = "") -> Path:
     """FedTIP's AUC-ROCs per task (test, solid; validation, dashed) and their spread."""
     keys = [k for k in ("auc_nc", "auc_tlp", "auc_ilp") if rows and k in rows[0]]
-    fig, (ax_line, ax_box) = plt.subplots(1, 2, figsize=(11, 3.6), width_ratios=[3, 1])
+    fig, (ax_line, ax_box) = _subplots(1, 2, figsize=(11, 3.6), width_ratios=[3, 1])
     x = list(range(1, len(rows) + 1))
     for n, key in enumerate(keys):
         ax_line.plot(x, [r[key] for r in rows], color=f"C{n}", lw=1, label=key)

@@ -14,14 +14,16 @@ import zipfile
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 
 from fedlightning.data.graphs.base import MultimodalGraph, clean_edges, full_mask
 from fedlightning.errors import DataError
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
 
 try:  # numpy >= 2 moved the pickling helpers to numpy._core
     from numpy._core.multiarray import _reconstruct as _np_reconstruct
@@ -160,6 +162,8 @@ def _npz_csr(path: Path, z: Mapping[str, np.ndarray], prefix: str, rows: int | N
         )
     if not np.isfinite(data).all():
         raise DataError(path, f"field `{prefix}_data`: expected finite values, found NaN or inf")
+    import scipy.sparse as sp  # imported by the loaders that read CSR files, not at start-up
+
     return sp.csr_matrix((data, indices, indptr), shape=(n, d))
 
 
@@ -277,14 +281,19 @@ class _PlanetoidUnpickler(pickle.Unpickler):
         ("numpy._core.numeric", "_frombuffer"): _np_frombuffer,
         # Python 3 pickles array bytes with protocol 2 as _codecs.encode(str, "latin1").
         ("_codecs", "encode"): codecs.encode,
-        ("scipy.sparse.csr", "csr_matrix"): sp.csr_matrix,
-        ("scipy.sparse._csr", "csr_matrix"): sp.csr_matrix,
         ("collections", "defaultdict"): collections.defaultdict,
         ("__builtin__", "list"): list,
         ("builtins", "list"): list,
     }
 
+    # scipy's CSR matrix, by the names old and new scipy pickle it under
+    _SCIPY_CSR = {("scipy.sparse.csr", "csr_matrix"), ("scipy.sparse._csr", "csr_matrix")}
+
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._SCIPY_CSR:
+            import scipy.sparse as sp
+
+            return sp.csr_matrix
         try:
             return self._ALLOWED[(module, name)]
         except KeyError:
@@ -316,6 +325,8 @@ def _read_planetoid_part(folder: Path, name: str, part: str) -> Any:
                 f"got {type(obj).__name__}",
             )
         return obj
+    import scipy.sparse as sp
+
     if not (sp.issparse(obj) or isinstance(obj, np.ndarray)) or obj.ndim != 2:
         raise DataError(
             path,
