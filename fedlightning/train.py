@@ -61,7 +61,7 @@ def train(
     if task == "temporal":  # FedTIP and its comparators over the task manifest
         from fedlightning.experiments.temporal import train_temporal
 
-        return train_temporal(cfg, Path(run_dir), observe=observe, verbose=verbose)
+        return train_temporal(cfg, Path(run_dir), observe=observe, verbose=verbose, runner=runner)
     from fedlightning.experiments.graph import train_graph
 
     return train_graph(cfg, run_dir, observe=observe, verbose=verbose, runner=runner)

@@ -41,7 +41,13 @@ from fedlightning.clients.fedtip import (
 )
 from fedlightning.federation.algorithm import Algorithm
 from fedlightning.federation.round import ClientWork
-from fedlightning.federation.tasks import Batch, TaskBatches, TaskLoop
+from fedlightning.federation.tasks import (
+    Batch,
+    PooledTaskLoop,
+    TaskBatches,
+    TaskContext,
+    TaskLoop,
+)
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.fedtip import (
     FedTIPServer,
@@ -116,6 +122,8 @@ class FedTIP(Algorithm):
         ):
             if value not in allowed:
                 raise ValueError(f"algorithm.{key} must be one of {allowed}, got {value!r}")
+        if self.mode == "central":  # pooled training: its own schedule, one client per task
+            self.loop_class = PooledTaskLoop
 
     def variant(self, pretrained_bank: bool = True, filtered_bank: bool = True) -> str:
         """The Table 4 ablation this run is: ``no_`` and the removed components in the
@@ -175,7 +183,7 @@ class FedTIP(Algorithm):
 
     def task_work(
         self,
-        loop: TaskLoop,
+        context: TaskContext,
         task: TaskBatches,
         family: str,
         module: FedTIPClient,
@@ -184,15 +192,12 @@ class FedTIP(Algorithm):
         """The round's clients fitted at once (:meth:`fit_clients`)."""
         shapes = {n: (1, *v.shape[1:]) for n, v in module.adapter.state_dict().items()}
         omega, anchors = read_broadcast(broadcast, shapes)
-        return ClientWork(
-            share=partial(
-                self.fit_clients, loop, task, family, module, broadcast.round, omega, anchors
-            )
-        )
+        fit = partial(self.fit_clients, context, task, family, module, broadcast.round)
+        return ClientWork(share=partial(fit, omega, anchors))
 
     def fit_clients(
         self,
-        loop: TaskLoop,
+        context: TaskContext,
         task: TaskBatches,
         family: str,
         module: FedTIPClient,
@@ -204,14 +209,13 @@ class FedTIP(Algorithm):
         """The updates of the task's clients at positions ``share`` after one local fit of
         them as one stack, padded as the whole round's and with its dropout draws, so each
         client's update is the one it gets in the whole round's stack."""
-        ids = list(task.clients)
+        ids = task.active
         mine = [ids[i] for i in share]
         module.receive(omega, anchors, len(mine), share.start, len(ids))
-        length = max(len(b["h_u"]) for b in task.clients.values())
-        stack = stack_batches([task.clients[k] for k in mine], length)
-        torch.manual_seed(derive_seed(loop.seed, "fit", task.task, family, round))
-        loop.runner.executor.fit(module, stack, loop.epochs)
-        gens = [torch_generator(loop.seed, "release", task.task, family, round, k) for k in mine]
+        stack = stack_batches([task.clients[k] for k in mine], task.longest)
+        torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, round))
+        context.executor.fit(module, stack, context.epochs)
+        gens = [torch_generator(context.seed, "release", task.task, family, round, k) for k in mine]
         return self.make_updates(module, stack, omega, round, mine, gens)
 
     def task_result(

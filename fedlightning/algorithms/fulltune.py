@@ -22,7 +22,14 @@ from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.fulltune import FullTuneClient
 from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
 from fedlightning.federation.round import ClientWork
-from fedlightning.federation.tasks import Batch, Member, TaskBatches, TaskLoop, as_single
+from fedlightning.federation.tasks import (
+    Batch,
+    Member,
+    TaskBatches,
+    TaskContext,
+    TaskLoop,
+    as_single,
+)
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.fedtip import FedTIPServer, unflatten
 from fedlightning.temporal.adapter import PromptAdapter
@@ -70,7 +77,7 @@ class FullTuneFedAvg(FedTIP):
 
     def task_work(
         self,
-        loop: TaskLoop,
+        context: TaskContext,
         task: TaskBatches,
         family: str,
         module: FullTuneClient,
@@ -84,8 +91,8 @@ class FullTuneFedAvg(FedTIP):
         def fit(client: Member) -> ClientUpdate:
             k = client.client_id
             module.receive(omega)
-            torch.manual_seed(derive_seed(loop.seed, "fit", task.task, family, r, k))
-            loop.runner.executor.fit(module, task.clients[k], loop.epochs)
+            torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, r, k))
+            context.executor.fit(module, task.clients[k], context.epochs)
             q, counts = module.prototypes(task.clients[k])
             delta = torch.cat(
                 [(p.detach() - omega[n]).reshape(-1) for n, p in module.named_parameters()]

@@ -26,15 +26,17 @@ from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.fedtip import FAMILIES
 from fedlightning.config import build
 from fedlightning.data.temporal.events import EventStream
-from fedlightning.data.temporal.protocol import TemporalProtocol
+from fedlightning.data.temporal.protocol import TemporalProtocol, materialize
 from fedlightning.errors import ConfigError, FedLightningError
 from fedlightning.federation.tasks import TaskBatches, as_single
+from fedlightning.federation.world import World
 from fedlightning.runs import CHECKPOINT_FILE, Run, load_checkpoint, summary_table
 from fedlightning.runs import json_safe as run_json_safe
 from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
-from fedlightning.temporal.setup import ensure_bank, temporal_setup
+from fedlightning.temporal.setup import bank_config, ensure_bank, temporal_setup
+from fedlightning.tracking import NullTracker
 
 log = logging.getLogger(__name__)
 
@@ -128,25 +130,64 @@ def format_temporal_summary(summary: dict[str, Any]) -> str:
     return summary_table(rows, summary)
 
 
+def contexts_of(
+    cfg: DictConfig, stream: EventStream, proto: TemporalProtocol, bank: dict[str, Any], world: Any
+) -> dict[str, Any]:
+    """What the task loop reads, from the bank's cached contexts: every task's client
+    batches, the server's segments, the bank's encoder and the adapter's dims."""
+    algorithm = make_algorithm(cfg)
+    cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]
+    train_mode = "unfiltered" if algorithm.negatives == "unfiltered" else None
+    ctx_path, ctx_hash, _ = world.on_main(
+        cached_contexts, bank["path"], bank["hash"], proto, cache_dir, train_mode
+    )
+    contexts = torch.load(ctx_path, weights_only=False)
+    enc = load_bank(bank["path"], stream)
+    te = time_encoder(enc)
+    d_e = 0 if stream.msg is None else stream.msg.shape[1]
+    return {
+        "tasks": task_batches(contexts, proto, te, cfg.get("max_tasks")),
+        "evals": eval_batches(contexts, proto, te),
+        "encoder": enc,
+        "protocol": proto,
+        "dims": (enc.out_dim, te.out_channels, d_e),
+        "hashes": {**proto.hashes, "bank": bank["hash"], "contexts": ctx_hash},
+    }
+
+
+def temporal_inputs(cfg: DictConfig) -> dict[str, Any]:
+    """A Flower node's :func:`contexts_of` from its own copy of the stream: the protocol,
+    bank and contexts are materialized (or reused from its cache) as the server's were."""
+    stream = build(cfg.dataset, "dataset")
+    params = OmegaConf.to_container(cfg.protocol, resolve=True)
+    proto, _ = materialize(stream, params, Path(params["cache_dir"]))
+    bank = ensure_bank(
+        stream, proto, bank_config(cfg), int(cfg.seed), params["cache_dir"], NullTracker()
+    )
+    return contexts_of(cfg, stream, proto, bank, World())
+
+
 def train_temporal(
     cfg: DictConfig,
     run_dir: Path,
     observe: Callable[[str, int, dict[str, float]], None] | None = None,
     verbose: bool = True,
+    runner: Any = None,
 ) -> dict[str, Any]:
-    """Run FedTIP (or a comparator, or an ablation) over the task manifest."""
+    """Run FedTIP (or a comparator, or an ablation) over the task manifest. ``runner``,
+    when given, replaces the one ``cfg.runner`` builds (a Flower ServerApp passes its own)."""
     t0 = time.perf_counter()
     if not cfg.get("resume"):  # a bad value fails before a run directory exists
         make_algorithm(cfg)
         check_families(cfg.get("families"), None)
-    runner = build(cfg.runner, "runner")  # a distributed runner joins its ranks here
+    if runner is None:  # a distributed runner joins its ranks here
+        runner = build(cfg.runner, "runner")
     world = runner.world  # only rank 0 writes files; the others get its results
     setup = world.on_main(temporal_setup, cfg, run_dir)
     cfg, run_dir, resuming, stream, bank_cfg, proto, files = setup
     world.run_dir = run_dir
     algorithm = make_algorithm(cfg)  # a resumed run's own config
     families = check_families(cfg.get("families"), stream)
-    limit = cfg.get("max_tasks")
     cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]
 
     variant = algorithm.variant(bank_cfg.pretrained, bank_cfg.negatives == "filtered")
@@ -166,17 +207,10 @@ def train_temporal(
         bank = world.on_main(
             ensure_bank, stream, proto, bank_cfg, int(cfg.seed), cache_dir, run.tracker
         )
-        train_mode = "unfiltered" if algorithm.negatives == "unfiltered" else None
-        ctx_path, ctx_hash, _ = world.on_main(
-            cached_contexts, bank["path"], bank["hash"], proto, cache_dir, train_mode
-        )
-        contexts = torch.load(ctx_path, weights_only=False)
-        enc = load_bank(bank["path"], stream)
-        te = time_encoder(enc)
-        tasks = task_batches(contexts, proto, te, limit)
-        evals = eval_batches(contexts, proto, te)
-        d_e = 0 if stream.msg is None else stream.msg.shape[1]
-        dims = (enc.out_dim, te.out_channels, d_e)
+        inputs = contexts_of(cfg, stream, proto, bank, world)
+        tasks, evals, enc, dims = (inputs[k] for k in ("tasks", "evals", "encoder", "dims"))
+        hashes = inputs["hashes"]
+        runner.begin(cfg, run_dir, hashes)
         pending: list[tuple[int, dict[str, float]]] = []
 
         def on_task_end(n: int, metrics: dict[str, float]) -> None:
@@ -223,7 +257,7 @@ def train_temporal(
             "message_values_by_hand": {f: algorithm.message_size(adapter, f) for f in families},
             "paper_message_values": PAPER_MESSAGE_VALUES,
         },
-        "hashes": {**proto.hashes, "bank": bank["hash"], "contexts": ctx_hash},
+        "hashes": hashes,
         "bank": {"path": str(bank["path"]), "reused": bank["reused"], **bank["metrics"]},
         "table": proto.table(),
         "wall_time_s": time.perf_counter() - t0,
@@ -235,7 +269,7 @@ def train_temporal(
     if world.is_main:
         from fedlightning.tracking.plots import plot_task_metrics
 
-        run.tracker.set_tags({"hash_bank": bank["hash"], "hash_contexts": ctx_hash})
+        run.tracker.set_tags({"hash_bank": hashes["bank"], "hash_contexts": hashes["contexts"]})
         title = f"{cfg.name} ({variant})"
         plots = [plot_task_metrics(results, run_dir / "task_auc.png", title)]
     return run.finish(

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from fedlightning.data.streams import ClassStream
-from fedlightning.federation.loop import FederatedLoop
+from fedlightning.federation.loop import FederatedLoop, sample_clients
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.messages import ServerBroadcast
 from fedlightning.metrics import (
@@ -141,15 +141,20 @@ class ContinualLoop(FederatedLoop):
     def stage_end_exchange(self, t: int, round: int) -> None:
         """A method's stage-end messages (FedOGL's residual bases, Eq. (7)), all counted: a
         round of its own kind through the runner. The server sends the stage's final global
-        model to every client that took part in the stage; each answers with
+        model to every client that took part in the stage (sampled in one of its rounds: the
+        server knows it without reading client state, which may live on the clients' nodes);
+        each answers with
         ``algorithm.stage_end_update`` (or nothing); the server's modules take them in."""
         if not self.algorithm.stage_end_exchange:
             return
+        rounds = range(t * self.rounds_per_stage + 1, (t + 1) * self.rounds_per_stage + 1)
+        k = len(self.clients)
+        took_part = {c for r in rounds for c in sample_clients(self.seed, r, k, self.participation)}
         federated_round(
             round,
             self.server,
             self.runner,
-            [c for c in self.clients if c.state.get("stage") == t],
+            [self.clients[c] for c in sorted(took_part)],
             self.stage_end_work(t),
             self.ledger,
             aggregate=lambda _, updates: self.server.end_stage(t, updates),
@@ -159,7 +164,9 @@ class ContinualLoop(FederatedLoop):
     def stage_end_work(self, t: int) -> Callable[[ServerBroadcast], ClientWork]:
         def work(broadcast: ServerBroadcast) -> ClientWork:
             return ClientWork(
-                one=lambda c: self.algorithm.stage_end_update(self.module, c, broadcast, t)
+                one=lambda c: self.algorithm.stage_end_update(self.module, c, broadcast, t),
+                kind="stage_end",
+                params={"stage": t},
             )
 
         return work

@@ -167,7 +167,7 @@ class FederatedLoop:
             self.local_epochs,
             self.seed,
         )
-        return ClientWork(one=fit)
+        return ClientWork(one=fit, kind="fit", params={"epochs": int(self.local_epochs)})
 
     def evaluate(self, round: int) -> dict[str, float]:
         """The global model on every client's whole subgraph (a simulator measurement,

@@ -12,7 +12,7 @@ runner returns the round's updates, in client order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
@@ -32,10 +32,31 @@ class ClientWork:
         share: the fit of several clients at once (stacked execution): ``positions ->
             updates`` for the clients at those positions of the round, in order; ``None``:
             the clients fit one at a time through ``one``.
+        kind: what a remote client runs (``fit``, ``stage_end``, ``task_fit``): a runner
+            whose clients live elsewhere (Flower nodes) sends ``kind``, ``params`` and the
+            broadcast, and the node does the same work on its own copy of the client.
+        params: the plain values that work needs besides the broadcast (epochs, stage,
+            task, family, ...).
     """
 
     one: FitOne | None = None
     share: FitShare | None = None
+    kind: str = "fit"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RoundFit:
+    """The per-client fit a runner calls, with what a remote client needs to do the same:
+    the round's ``broadcast`` and the work's ``kind`` and ``params``."""
+
+    call: FitOne
+    broadcast: ServerBroadcast
+    kind: str = "fit"
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, client: Any) -> ClientUpdate | None:
+        return self.call(client)
 
 
 def stacked(runner: Any, clients: Sequence[Any], share: FitShare) -> FitOne:
@@ -77,7 +98,8 @@ def federated_round(
     """
     broadcast = server.broadcast(round)
     todo = work(broadcast)
-    fit = stacked(runner, clients, todo.share) if todo.share is not None else todo.one
+    call = stacked(runner, clients, todo.share) if todo.share is not None else todo.one
+    fit = RoundFit(call, broadcast, todo.kind, todo.params)
     updates = runner.run_round(round, clients, fit, desc=desc or f"round {round}")
     down = prefixed(broadcast, prefix)
     sent = []

@@ -25,8 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,8 @@ from tqdm.auto import tqdm
 from fedlightning.clients.fedtip import family_prototypes, family_views, stack_batches
 from fedlightning.federation.ledger import DOWN, UP, CommLedger, values_to_mib
 from fedlightning.federation.loop import CHECKPOINT_FORMAT
-from fedlightning.federation.round import federated_round
+from fedlightning.federation.round import ClientWork, federated_round
+from fedlightning.messages import ServerBroadcast
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.utils.io import save_torch
@@ -51,10 +51,39 @@ Batch = dict[str, Tensor]
 
 @dataclass
 class TaskBatches:
-    """One task: its id and each active client's support batch (client order)."""
+    """One task: its id and each active client's support batch (client order).
+
+    A Flower node holds only its own client's batch; ``ids`` and ``length`` then say what
+    the whole round has: every active client, in order, and the longest support (a round's
+    stack is padded to it).
+    """
 
     task: int
     clients: dict[int, Batch]
+    ids: list[int] | None = None
+    length: int | None = None
+
+    @property
+    def active(self) -> list[int]:
+        """Every active client of the task, in order."""
+        return list(self.clients) if self.ids is None else list(self.ids)
+
+    @property
+    def longest(self) -> int:
+        """The longest support among the task's active clients."""
+        if self.length is not None:
+            return self.length
+        return max(len(b["h_u"]) for b in self.clients.values())
+
+
+@dataclass
+class TaskContext:
+    """What a client's fit in a task needs from the schedule: the seed, the local steps
+    ``E`` and the executor (a :class:`TaskLoop`'s, or a Flower node's own)."""
+
+    seed: int
+    epochs: int
+    executor: Any
 
 
 def pool(batches: Sequence[Batch]) -> Batch:
@@ -130,6 +159,7 @@ class TaskLoop:
         self.on_task_end, self.progress = on_task_end, progress
         self.results: list[dict[str, float]] = []
         self.ledger = CommLedger()
+        self.pooled = False  # the clients' supports are pooled: no messages, no bank sent
         self.provisioned: set[int] = set()
 
     # ------------------------------------------------------------------ one family
@@ -143,43 +173,33 @@ class TaskLoop:
         alg = self.algorithm
         adapter = self.new_adapter(task, family)
         module = alg.task_module(adapter, family)
-        if alg.mode == "central":  # one pooled fit, the same on every rank
-            return self.pooled(task, family, module, adapter)
         server = alg.task_server(module)
+        context = TaskContext(self.seed, self.epochs, self.runner.executor)
+        params = {"task": task.task, "family": family, "ids": task.active, "length": task.longest}
+
+        def work(broadcast: ServerBroadcast) -> ClientWork:
+            todo = alg.task_work(context, task, family, module, broadcast)
+            return replace(todo, kind="task_fit", params={**params, "epochs": self.epochs})
+
         for r in range(1, self.rounds + 1):
             federated_round(
                 r,
                 server,
                 self.runner,
                 members(task.clients),
-                partial(alg.task_work, self, task, family, module),
+                work,
                 self.ledger,
                 prefix=family,
                 scope=task_scope(task.task),
             )
         return alg.task_result(module, adapter, server)
 
-    def pooled(
-        self, task: TaskBatches, family: str, module: Any, adapter: PromptAdapter
-    ) -> tuple[PromptAdapter, dict[int, Tensor]]:
-        """Pooled training: the union of the task's supports, ``rounds x epochs`` steps; its
-        support moves raw, so no message is counted."""
-        pooled = stack_batches([pool(list(task.clients.values()))])
-        module.receive(adapter.state_dict(), {}, 1)
-        torch.manual_seed(derive_seed(self.seed, "fit", task.task, family))
-        self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
-        module.eval()
-        with torch.no_grad():
-            q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
-        adapter.load_state_dict(module.adapter.state_dict())
-        return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
-
     # ------------------------------------------------------------------ one task
     def run_task(self, task: TaskBatches) -> dict[str, float]:
         t0 = time.perf_counter()
         scope = task_scope(task.task)
         for k in task.clients:
-            if k not in self.provisioned and self.algorithm.mode != "central":
+            if k not in self.provisioned and not self.pooled:
                 self.provisioned.add(k)
                 self.ledger.record_values(DOWN, k, "bank", self.bank_values, scope)
         metrics: dict[str, float] = {"task": task.task}
@@ -226,7 +246,7 @@ class TaskLoop:
         for pooled training, whose support moves raw to the server)."""
         out: dict[str, float] = {}
         keys = [k for k in self.results[0] if k not in ("task", "task_time_s")]
-        if self.algorithm.mode == "central":  # raw support pooled: no federated uplink
+        if self.pooled:  # raw support pooled: no federated uplink
             keys = [k for k in keys if not k.endswith("_mib")]
         for k in keys:
             vals = np.array([r[k] for r in self.results], dtype=np.float64)
@@ -271,6 +291,30 @@ class TaskLoop:
         self.results = list(state["results"])
         self.ledger.load_state_dict(state["ledger"])
         self.provisioned = set(state["provisioned"])
+
+
+class PooledTaskLoop(TaskLoop):
+    """Pooled ("central") training as a schedule: per task and family, one client that
+    holds the union of the task's supports fits ``rounds x epochs`` steps; its support
+    moves raw, so no message is counted and no client is sent the bank."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.pooled = True
+
+    def federate(self, task: TaskBatches, family: str) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        """The adapter after the pooled fit, and the pooled support's class prototypes."""
+        adapter = self.new_adapter(task, family)
+        module = self.algorithm.task_module(adapter, family)
+        pooled = stack_batches([pool(list(task.clients.values()))])
+        module.receive(adapter.state_dict(), {}, 1)
+        torch.manual_seed(derive_seed(self.seed, "fit", task.task, family))
+        self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
+        module.eval()
+        with torch.no_grad():
+            q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
+        adapter.load_state_dict(module.adapter.state_dict())
+        return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
 
 
 def task_scope(task: int) -> str:

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -36,6 +37,7 @@ from omegaconf import DictConfig
 from fedlightning.config import build
 from fedlightning.errors import ConfigError
 from fedlightning.flower.node import node_folder, open_node, setup_node
+from fedlightning.flower.runner import run_clients
 from fedlightning.flower.records import (
     COUNTS,
     SCALARS,
@@ -65,14 +67,13 @@ def flower_configs(overrides: list[str]) -> tuple[DictConfig, DictConfig]:
 
 
 def check_flower_task(cfg: DictConfig) -> None:
-    """``runner=flower`` runs the round loop of ``task=fl`` (FedAvg, FedProx and the other
-    node-classification algorithms without a class stream)."""
-    if cfg.get("task") != "fl" or cfg.protocol.get("stream") is not None:
+    """``runner=flower`` runs every federated schedule (``task=fl``, ``cil``, ``cir``,
+    ``temporal``); the bank's pre-training (``task=bank``) is centralized and has none."""
+    if cfg.get("task") == "bank":
         raise ConfigError(
             "runner",
-            f"runner=flower runs the federated round loop of task=fl; "
-            f"task={cfg.get('task')} (experiment {cfg.get('name')}) runs with "
-            "runner=sequential or runner=distributed",
+            f"runner=flower runs federated rounds; task=bank (experiment {cfg.get('name')}) "
+            "pre-trains the bank centrally: use runner=sequential",
         )
 
 
@@ -147,12 +148,13 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
         parts = context.node_config.get("num-partitions")
         if parts is not None and int(parts) != int(task["clients"]):
             raise ConfigError(
-                "federation.clients",
+                "federation.clients (protocol.ownership.clients for FedTIP)",
                 f"the run has {task['clients']} clients, this node's num-partitions is {parts}",
             )
         torch.set_num_threads(int(task["threads"]))
         data_root = context.node_config.get("data-root") or os.environ.get("FEDLIGHTNING_DATA")
-        setup_node(where, k, str(task["config"]), str(task["partition"]), data_root)
+        hashes = json.loads(str(task["hashes"]))
+        setup_node(where, k, str(task["config"]), hashes, data_root)
         return Message(RecordDict({TASK: ConfigRecord({"client": k})}), reply_to=msg)
 
     def answer(kind: str, work: Callable[[Any, Any], RecordDict]) -> Callable:
@@ -174,7 +176,7 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
             tensors=record_tensors(msg.content[TENSORS]),
             scalars=dict(msg.content[SCALARS]),
         )
-        return message_records(node.fit(broadcast, int(task["epochs"])))
+        return message_records(node.work(str(task["kind"]), broadcast, dict(task)))
 
     def evaluate(node: Any, msg: Message) -> RecordDict:
         counts = node.evaluate(model_state(record_tensors(msg.content[TENSORS])))
@@ -215,7 +217,7 @@ def simulate(overrides: list[str], run_dir: Path | None = None) -> dict[str, Any
     run_simulation(
         make_server_app(overrides, run_dir, result),
         make_client_app(run_dir / "nodes"),
-        num_supernodes=int(trained.federation.clients),
+        num_supernodes=run_clients(trained),
         backend_config={
             "client_resources": {"num_cpus": float(cfg.runner.client_cpus), "num_gpus": 0.0},
             "init_args": {"include_dashboard": False, "log_to_driver": False},

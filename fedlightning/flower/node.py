@@ -4,8 +4,10 @@ Each node keeps one folder per run and client, ``<root>/<run key>/client_<k>/``,
 disk (the server never sees it):
 
 - ``config.yaml``: the run's resolved config, as the server sent it at set-up;
-- ``client.pt``: the client's subgraph (train/val/test masks) and the model's input sizes,
-  built once at set-up from the node's data, whose partition hash must equal the server's;
+- ``client.pt``: the client's subgraph (train/val/test masks), the model's input sizes and
+  (class-incremental runs) the class stream, or a FedTIP client's support in every task it
+  takes part in (from the node's own protocol, bank and contexts), built once at set-up
+  from the node's data, whose protocol hashes must equal the server's;
 - ``state_<round>.pt``: the client's persistent :attr:`FederatedClient.state` (replay memory,
   teacher, bases, prompt adapters, ...) after its fit in ``round``; a fit in round ``r``
   starts from the newest one before ``r``, so a resumed run that repeats a round starts that
@@ -33,6 +35,7 @@ from fedlightning.config import build
 from fedlightning.errors import DataError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.loop import LocalEvaluate, LocalFit
+from fedlightning.federation.tasks import Member, TaskBatches, TaskContext
 from fedlightning.flower.records import content_fields
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.utils.io import save_torch
@@ -59,26 +62,64 @@ def remap_data_root(cfg: DictConfig, data_root: str | None) -> DictConfig:
 
 
 def setup_node(
-    folder: Path, client_id: int, config_yaml: str, partition_hash: str, data_root: str | None
+    folder: Path, client_id: int, config_yaml: str, hashes: dict[str, str], data_root: str | None
 ) -> None:
-    """Build client ``client_id``'s data from this node's copy of the dataset and save it."""
+    """Build client ``client_id``'s data from this node's copy of the dataset and save it;
+    the node's protocol objects must have the server's ``hashes``."""
+    cfg = remap_data_root(OmegaConf.create(config_yaml), data_root)
+    if str(cfg.get("task")) == "temporal":
+        saved = _temporal_client(cfg, client_id, hashes)
+    else:
+        saved = _graph_client(config_yaml, data_root, client_id, hashes)
+    save_torch(folder / CLIENT, saved)
+    OmegaConf.save(cfg, folder / CONFIG)
+    open_node.cache_clear()
+
+
+def check_hashes(cfg: DictConfig, ours: dict[str, str], server: dict[str, str]) -> None:
+    """Refuse a node whose data (or code) gives other protocol objects than the server's."""
+    differ = {k: (v, server[k]) for k, v in ours.items() if k in server and server[k] != v}
+    if differ:
+        k, (mine, theirs) = next(iter(differ.items()))
+        raise DataError(
+            cfg.dataset.get("root") or cfg.dataset.get("path") or cfg.dataset.get("name"),
+            f"this node's data gives {k} hash {mine}, the server's run has {theirs}: the "
+            "node holds other data (or code) than the server",
+        )
+
+
+def _graph_client(
+    config_yaml: str, data_root: str | None, client_id: int, hashes: dict[str, str]
+) -> dict[str, Any]:
+    """A graph client's subgraph, model input sizes and (class-incremental runs) stream."""
     from fedlightning.experiments.graph import build_client
 
     cfg, graph, partition = _protocol(config_yaml, data_root)
-    if partition.hash != partition_hash:
-        raise DataError(
-            cfg.dataset.get("root") or cfg.dataset.get("path") or cfg.dataset.get("name"),
-            f"this node's data gives partition hash {partition.hash}, the server's run has "
-            f"{partition_hash}: the node holds other data (or code) than the server",
-        )
+    ours = {"partition": partition.hash}
+    stream = None
+    if cfg.protocol.get("stream") is not None:
+        stream = build(cfg.protocol.stream, "protocol.stream")(graph, partition, cfg.protocol.seed)
+        ours["stream"] = stream.hash
+    check_hashes(cfg, ours, hashes)
     client = build_client(graph, partition, client_id)
     in_dims = {m: x.size(1) for m, x in graph.features.items()}
-    save_torch(
-        folder / CLIENT,
-        {"data": client.data, "in_dims": in_dims, "num_classes": graph.num_classes},
-    )
-    OmegaConf.save(cfg, folder / CONFIG)
-    open_node.cache_clear()
+    return {
+        "data": client.data,
+        "in_dims": in_dims,
+        "num_classes": graph.num_classes,
+        "stream": stream,
+    }
+
+
+def _temporal_client(cfg: DictConfig, client_id: int, hashes: dict[str, str]) -> dict[str, Any]:
+    """A FedTIP client's support batch in every task it takes part in, from the node's own
+    protocol, bank and contexts (built, or reused from the node's cache)."""
+    from fedlightning.experiments.temporal import temporal_inputs
+
+    inputs = temporal_inputs(cfg)
+    check_hashes(cfg, inputs["hashes"], hashes)
+    tasks = {t.task: t.clients[client_id] for t in inputs["tasks"] if client_id in t.clients}
+    return {"tasks": tasks, "dims": inputs["dims"]}
 
 
 @functools.lru_cache(maxsize=2)
@@ -107,8 +148,10 @@ class StateFiles:
     def rounds(self) -> dict[int, Path]:
         return {int(p.stem.split("_")[1]): p for p in self.folder.glob("state_*.pt")}
 
-    def load(self, round: int) -> dict[str, Any]:
-        earlier = [r for r in self.rounds() if r < round]
+    def load(self, round: int, inclusive: bool = False) -> dict[str, Any]:
+        """The state after the newest fit before ``round`` (``inclusive``: up to and with
+        ``round``, as the stage-end exchange after a round's fits needs)."""
+        earlier = [r for r in self.rounds() if r < round or (inclusive and r == round)]
         if not earlier:
             return {}
         return torch.load(self.rounds()[max(earlier)], weights_only=False)
@@ -130,19 +173,48 @@ class NodeClient:
     """
 
     def __init__(self, folder: Path, client_id: int) -> None:
-        from fedlightning.experiments.graph import build_model
-
         if not (folder / CLIENT).is_file():
             raise DataError(folder / CLIENT, "missing: this node was not set up for the run")
         self.folder, self.client_id = folder, client_id
         self.states = StateFiles(folder)
         self.cfg = OmegaConf.load(folder / CONFIG)
         saved = torch.load(folder / CLIENT, weights_only=False)
+        self.executor = build(self.cfg.runner.executor, "runner.executor")
+        if "tasks" in saved:  # a FedTIP client: its support per task
+            from fedlightning.experiments.temporal import make_algorithm, temporal_inputs
+
+            self.tasks, self.dims = saved["tasks"], saved["dims"]
+            self.algorithm = make_algorithm(self.cfg)
+            if self.algorithm.mode == "fulltune":  # the bank's snapshot, to tune the encoder
+                inputs = temporal_inputs(self.cfg)
+                self.algorithm.attach(inputs["encoder"], inputs["protocol"])
+            return
+        from fedlightning.experiments.graph import build_model
+
         self.data = saved["data"]
         _, self.algorithm, self.module = build_model(
             self.cfg, saved["in_dims"], saved["num_classes"]
         )
-        self.executor = build(self.cfg.runner.executor, "runner.executor")
+        if saved.get("stream") is not None:
+            self.algorithm.setup(
+                saved["stream"], int(self.cfg.federation.rounds), int(self.cfg.seed),
+                saved["num_classes"],
+            )  # fmt: skip
+
+    def work(self, kind: str, broadcast: ServerBroadcast, task: dict[str, Any]) -> Any:
+        """The client's part of a round of ``kind`` (``fit``, ``stage_end``, ``task_fit``),
+        as the same round in one process gives it; the update, or ``None``."""
+        if kind == "fit":
+            return self.fit(broadcast, int(task["epochs"]))
+        if kind == "stage_end":
+            state = self.states.load(broadcast.round, inclusive=True)
+            client = FederatedClient(self.client_id, self.data, state)
+            return self.algorithm.stage_end_update(
+                self.module, client, broadcast, int(task["stage"])
+            )
+        if kind == "task_fit":
+            return self.task_fit(broadcast, task)
+        raise ValueError(f"unknown work {kind!r}")
 
     def fit(self, broadcast: ServerBroadcast, epochs: int) -> ClientUpdate:
         """The round's local fit (:class:`LocalFit`, as in-process), from the state saved
@@ -154,6 +226,26 @@ class NodeClient:
         update = fit(client)
         self.states.save(broadcast.round, client.state)
         return update
+
+    def task_fit(self, broadcast: ServerBroadcast, task: dict[str, Any]) -> ClientUpdate:
+        """A FedTIP client's fit in one round of a task and family: its own row of the
+        round's stack (position ``position`` of the task's clients), as a rank holding only
+        this client fits it."""
+        alg, k, family = self.algorithm, self.client_id, str(task["family"])
+        module = alg.task_module(alg.adapter(*self.dims), family)
+        batches = TaskBatches(
+            int(task["task"]),
+            {k: self.tasks[int(task["task"])]},
+            ids=[int(i) for i in task["ids"]],
+            length=int(task["length"]),
+        )
+        context = TaskContext(int(self.cfg.seed), int(task["epochs"]), self.executor)
+        work = alg.task_work(context, batches, family, module, broadcast)
+        if work.share is not None:
+            position = int(task["position"])
+            (update,) = work.share(range(position, position + 1))
+            return update
+        return work.one(Member(k))
 
     def evaluate(self, global_state: dict[str, torch.Tensor]) -> dict[str, int]:
         """Correct and total nodes per split of the global model on this client's data."""

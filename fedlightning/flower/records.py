@@ -35,9 +35,12 @@ def record_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(array.numpy().copy()) for name, array in record.items()}
 
 
-def message_records(message: Message, task: Mapping[str, Any] | None = None) -> RecordDict:
+def message_records(message: Message | None, task: Mapping[str, Any] | None = None) -> RecordDict:
     """``message``'s fields as records, plus an optional ``task`` ``ConfigRecord`` (what to do
-    with them: round, client, epochs; sent server -> client only)."""
+    with them: round, client, kind, parameters; sent server -> client only). ``None`` (a
+    client with nothing to send) is a reply without records."""
+    if message is None:
+        return RecordDict({})
     records: dict[str, Any] = {
         TENSORS: tensor_record(message.tensors),
         SCALARS: MetricRecord({k: float(v) for k, v in message.scalars.items()}),
@@ -47,12 +50,15 @@ def message_records(message: Message, task: Mapping[str, Any] | None = None) -> 
     return RecordDict(records)
 
 
-def records_update(content: RecordDict, round: int, client_id: int) -> ClientUpdate:
-    """A ClientApp's train reply as a :class:`ClientUpdate`; any record beyond the declared
-    ``tensors`` and ``scalars`` is refused."""
+def records_update(content: RecordDict, round: int, client_id: int) -> ClientUpdate | None:
+    """A ClientApp's train reply as a :class:`ClientUpdate` (``None`` for a reply with no
+    record: the client had nothing to send); any record beyond the declared ``tensors`` and
+    ``scalars`` is refused."""
     extra = sorted(set(content.keys()) - set(UPDATE_RECORDS))
     if extra:
         raise ValueError(f"client {client_id} sent undeclared records {extra}")
+    if not list(content.keys()):
+        return None
     return ClientUpdate(
         round=round,
         client_id=client_id,

@@ -1,17 +1,23 @@
 """``runner=flower``: each round's clients run on Flower nodes, one node per client.
 
-The round loop, the server step, the ledger and the checkpoints stay in the ServerApp's
-process, exactly as with the in-process runners; only the clients' work moves. A round is
-two exchanges of typed messages over Flower's ``Grid``: ``train`` (the broadcast to each
-sampled client, its :class:`~fedlightning.messages.ClientUpdate` back) and
-``evaluate`` (the global model to every client, its correct/total counts back). Before the
-first round, a ``query`` exchange sets the nodes up: each node answers with the client it
-holds (its ``partition-id``) and checks that its data gives the run's partition hash.
+The schedule, the server step, the ledger and the checkpoints stay in the ServerApp's
+process, exactly as with the in-process runners; only the clients' work moves. Every round
+of :func:`~fedlightning.federation.round.federated_round` is a ``train`` exchange of typed
+messages over Flower's ``Grid``: the broadcast and the work's kind and parameters to each
+client (``fit``: a local fit; ``stage_end``: FedOGL's stage-end basis; ``task_fit``: a
+FedTIP client's fit in a task), its :class:`~fedlightning.messages.ClientUpdate` (or no
+message) back. A plain run's evaluation is an ``evaluate`` exchange (the global model to
+every client, its correct/total counts back); the stage and task evaluations of the
+class-incremental and temporal schedules stay with the server, which holds the evaluation
+data of the simulation. Before the first round, a ``query`` exchange sets the nodes up:
+each node answers with the client it holds (its ``partition-id``) and checks that its data
+gives the run's protocol hashes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +55,14 @@ def run_key(run_dir: Path) -> str:
     return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
+def run_clients(cfg: DictConfig) -> int:
+    """How many clients (one Flower node each) the run has: ``federation.clients``, or for
+    FedTIP's task protocol the clients that own the stream (``protocol.ownership.clients``)."""
+    if str(cfg.get("task")) == "temporal":
+        return int(cfg.protocol.ownership.clients)
+    return int(cfg.federation.clients)
+
+
 class FlowerRunner(Runner):
     """Sends each round's clients to their Flower nodes through a ServerApp's ``Grid``.
 
@@ -63,6 +77,8 @@ class FlowerRunner(Runner):
         connect_timeout_s: seconds to wait for one node per client to connect and answer the
             set-up query (default ``300``).
         client_cpus: Flower simulation only: CPUs per virtual node (default ``1``).
+        progress: as every runner's (the schedules read it); a Flower round shows in the
+            log, with no bar of its own.
     """
 
     name = "flower"
@@ -74,6 +90,7 @@ class FlowerRunner(Runner):
         timeout_s: float = 600.0,
         connect_timeout_s: float = 300.0,
         client_cpus: float = 1,
+        progress: bool = True,
     ) -> None:
         if grid is None:
             raise ConfigError(
@@ -84,6 +101,7 @@ class FlowerRunner(Runner):
         if float(timeout_s) <= 0 or float(connect_timeout_s) <= 0:
             raise ConfigError("runner.timeout_s", "timeouts must be > 0 seconds")
         self.executor, self.grid, self.world = executor, grid, World()
+        self.progress = progress
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.nodes: dict[int, int] = {}  # client id -> Flower node id
         self.run_dir: Path | None = None
@@ -93,13 +111,13 @@ class FlowerRunner(Runner):
     def begin(self, cfg: DictConfig, run_dir: Path, hashes: dict[str, str]) -> None:
         """Find one node per client and hand each the run's config (``query`` exchange)."""
         self.run_dir, self.key = Path(run_dir), run_key(run_dir)
-        num_clients = int(cfg.federation.clients)
+        num_clients = run_clients(cfg)
         deadline = time.monotonic() + self.connect_timeout_s
         node_ids = self._wait_for_nodes(num_clients, deadline)
         task = {
             **self._task(0),
             "config": OmegaConf.to_yaml(cfg, resolve=True),
-            "partition": hashes["partition"],
+            "hashes": json.dumps(hashes, sort_keys=True),
             "clients": num_clients,
         }
         messages = [
@@ -143,12 +161,15 @@ class FlowerRunner(Runner):
     # ------------------------------------------------------------------ a round
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
-    ) -> list[ClientUpdate]:
-        """Send ``fit``'s broadcast to each client's node; return their updates in order."""
-        task = {**self._task(round), "epochs": int(fit.epochs)}
+    ) -> list[ClientUpdate | None]:
+        """Send ``fit``'s broadcast, kind and parameters to each client's node; return
+        their updates (``None``: no message) in order."""
+        task = {**self._task(round), "kind": fit.kind, "total": len(clients), **fit.params}
         contents = {
-            c.client_id: message_records(fit.broadcast, {**task, "client": c.client_id})
-            for c in clients
+            c.client_id: message_records(
+                fit.broadcast, {**task, "client": c.client_id, "position": i}
+            )
+            for i, c in enumerate(clients)
         }
         replies = self._exchange(MessageType.TRAIN, round, contents)
         try:

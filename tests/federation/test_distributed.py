@@ -283,6 +283,27 @@ def test_fedogl_two_gloo_ranks_equal_the_sequential_run(tmp_env, dist_env, compo
 
 
 @pytest.mark.slow
+def test_cir_fedogl_two_gloo_ranks_equal_the_sequential_run(tmp_env, dist_env, compose):
+    """Cross-modal retrieval with FedOGL: the stage-end basis exchange runs through the
+    runner (each rank answers for its share of the stage's clients); 2 stages, 3 clients."""
+    cir = [
+        "experiment=cir_fedogl_citeseer_mm",
+        "federation.rounds=1",
+        "federation.clients=3",
+        "protocol.stream.stages=[2,2]",
+    ]
+    r, _ = torchrun(
+        [*cir, "runner=distributed", "logger=none", "hydra.run.dir=d"], tmp_env, dist_env
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    dist = json.loads((tmp_env / "d" / "summary.json").read_text())
+    seq = sequential(compose, cir, tmp_env / "seq")
+    assert dist["metrics"] == seq["metrics"] and dist["acc_matrix"] == seq["acc_matrix"]
+    assert dist["comm"] == seq["comm"]
+    assert any(f.startswith("basis.") for f in seq["comm"]["fields"])  # the exchange ran
+
+
+@pytest.mark.slow
 def test_killed_rank_fails_fast_and_the_run_resumes(tmp_env, dist_env, compose):
     base = ["experiment=fedavg_cora", "federation.rounds=3", "logger=none"]
     killed, seconds = torchrun(

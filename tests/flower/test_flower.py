@@ -79,12 +79,76 @@ def test_runner_flower_alone_says_how_to_start_it(tmp_env, compose):
         train(compose(["experiment=fedavg_synthetic", "runner=flower", "logger=none"]), "r")
 
 
-def test_other_tasks_are_refused_before_anything_runs(tmp_env):
+def test_the_bank_is_refused_before_anything_runs(tmp_env):
     from fedlightning.flower.apps import simulate
 
-    with pytest.raises(ConfigError, match="runner=flower runs the federated round loop"):
-        simulate(["experiment=cil_fedavg_replay_cora"], tmp_env / "cil")
-    assert not (tmp_env / "cil").exists()
+    with pytest.raises(ConfigError, match="task=bank .* pre-trains the bank centrally"):
+        simulate(["experiment=bank_tgn_synthetic"], tmp_env / "bank")
+    assert not (tmp_env / "bank").exists()
+
+
+# Every schedule at a small setting: class-incremental FedOGL (stage-end basis exchange),
+# cross-modal retrieval FedOGL, and FedTIP (stacked task fits, one node per client).
+SCHEDULES = {
+    "cil_fedogl_cora": [
+        "experiment=cil_fedogl_cora",
+        "federation.rounds=1",
+        f"federation.clients={K}",
+        "protocol.stream.stages=[2,2]",
+    ],
+    "cir_fedogl_citeseer_mm": [
+        "experiment=cir_fedogl_citeseer_mm",
+        "federation.rounds=1",
+        f"federation.clients={K}",
+        "protocol.stream.stages=[2,2]",
+    ],
+    "fedtip_synthetic": [
+        "experiment=fedtip_synthetic",
+        f"protocol.ownership.clients={K}",
+        f"protocol.tasks.active={K}",
+        "protocol.tasks.num_tasks=2",
+        "federation.rounds=2",
+        "federation.local_epochs=2",
+        "bank.epochs=1",
+        "bank.max_events=2000",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, shared_data):
+    """The in-process sequential run of every schedule, sharing one cache with the Flower
+    runs (the bank is built once)."""
+    from fedlightning.config import compose
+
+    root = tmp_path_factory.mktemp("refs")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDLIGHTNING_DATA", str(shared_data))
+        mp.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
+        for name, over in SCHEDULES.items():
+            out[name] = train(compose([*over, "logger=none"]), root / name, verbose=False)
+    return root, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_simulation_runs_every_schedule_equal_to_the_sequential_run(
+    name, tmp_env, shared_data, references, monkeypatch
+):
+    from fedlightning.flower.apps import simulate
+
+    root, refs = references
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
+    summary = simulate([*SCHEDULES[name], "logger=none"], tmp_env / "sim")
+    assert summary["metrics"] == refs[name]["metrics"]  # bitwise: the same floats
+    assert summary["comm"] == refs[name]["comm"]  # every message, the stage-end ones too
+    assert summary["hashes"] == refs[name]["hashes"]
+    if name != "fedtip_synthetic":
+        assert any(f.startswith("basis.") for f in summary["comm"]["fields"])
+        states = list((tmp_env / "sim" / "nodes").rglob("state_*.pt"))
+        assert states  # replay memory and teachers stay on the nodes
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -284,6 +348,39 @@ def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, r
     assert summary["comm"] == reference["comm"]
     model_fields = set(reference["comm"]["fields"]) - UPDATE_SCALARS
     assert_only_declared_fields(tmp_env / "node0", model_fields)
+
+
+@pytest.mark.slow
+def test_loopback_deployment_runs_every_schedule(tmp_env, shared_data, references):
+    """One SuperLink and K SuperNodes on loopback run the class-incremental, retrieval and
+    FedTIP schedules one after another, each bitwise equal to its sequential run."""
+    root, refs = references
+    env = {
+        **os.environ,
+        "FEDLIGHTNING_DATA": str(shared_data),
+        "FEDLIGHTNING_CACHE": str(root / "cache"),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),  # the references' blocking
+        "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    fed = Deployment(tmp_env, env)
+    runs = {}
+    try:
+        for k in range(K):
+            fed.node(k)
+        for name, over in SCHEDULES.items():
+            run_dir = tmp_env / name
+            overrides = " ".join([*over, "logger=none", "runner.connect_timeout_s=120"])
+            r = fed.flwr_run(f'overrides="{overrides}" run-dir="{run_dir}"', timeout=900)
+            assert (run_dir / "summary.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+            runs[name] = json.loads((run_dir / "summary.json").read_text())
+    finally:
+        alive = fed.stop()
+    assert alive == []
+    for name, summary in runs.items():
+        assert summary["metrics"] == refs[name]["metrics"], name
+        assert summary["comm"] == refs[name]["comm"], name
 
 
 def test_client_state_on_the_node_follows_the_rounds(tmp_path):

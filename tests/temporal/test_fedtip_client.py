@@ -10,7 +10,7 @@ from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.fedtip import family_views, stack_batches
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.federation.tasks import TaskBatches, TaskLoop, as_single, evaluate
+from fedlightning.federation.tasks import PooledTaskLoop, TaskBatches, as_single, evaluate
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.server.fedtip import read_update
 
@@ -155,7 +155,7 @@ def tiny_loop(alg, rounds=3, families=("nc", "lp"), **kw):
         TaskBatches(1, {2: client_batch(6, 4), 3: client_batch(4, 5)}),
     ]
     evals = {"val": as_single(client_batch(40, 8)), "test": as_single(client_batch(60, 9))}
-    return TaskLoop(
+    return alg.loop_class(
         alg,
         tasks,
         evals,
@@ -178,8 +178,9 @@ def test_task_loop_ledger_matches_the_hand_count_eqs32_33():
     p = alg.adapter(D_H, D_T, D_E).num_values()
     msg = p + 2 * D_H + 2 + 2  # delta, two prototypes and counts, coverage and norm
     comm = loop.comm()
-    # every client's latest message, per family (the last task's clients 2 and 3)
-    assert comm["message_values_per_client"] == {f: {"2": msg, "3": msg} for f in ("nc", "lp")}
+    # every client's latest message, per family (clients 4 and 5 took part in task 0 only)
+    latest = {str(k): msg for k in (2, 3, 4, 5)}
+    assert comm["message_values_per_client"] == {"nc": latest, "lp": latest}
     assert comm["message_values"] == {"nc": msg, "lp": msg}
     # task 0: 3 clients x 3 rounds x 2 families messages up
     assert results[0]["uplink_mib"] == pytest.approx(4 * 3 * 3 * 2 * msg / 1024**2)
@@ -231,6 +232,7 @@ def test_switches_change_only_their_mechanism():
     no_pa.run()
     assert not any(k.startswith("lp/anchor") for k in no_pa.ledger.by_field())
     central = tiny_loop(FedTIP(mode="central", anchors=False), families=("lp",))
+    assert isinstance(central, PooledTaskLoop)  # pooled training is a schedule of its own
     central.run()
     assert central.ledger.by_field() == {} and central.comm()["uplink_values"] == 0
     assert FedTIP(prompt="static").variant() == "no_icp"
