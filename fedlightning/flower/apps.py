@@ -37,7 +37,6 @@ from omegaconf import DictConfig
 from fedlightning.config import build
 from fedlightning.errors import ConfigError
 from fedlightning.flower.node import node_folder, open_node, setup_node
-from fedlightning.flower.runner import run_clients
 from fedlightning.flower.records import (
     COUNTS,
     SCALARS,
@@ -46,6 +45,7 @@ from fedlightning.flower.records import (
     message_records,
     record_tensors,
 )
+from fedlightning.flower.runner import run_clients
 from fedlightning.messages import ServerBroadcast
 from fedlightning.server.aggregate import model_state
 
