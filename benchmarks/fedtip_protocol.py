@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from fedlightning.clients.fedtip import stack_batches
+from fedlightning.clients.temporal_prompt import stack_batches
 from fedlightning.config import build
 from fedlightning.data.temporal.protocol import materialize
 from fedlightning.experiments.temporal import eval_batches, task_batches

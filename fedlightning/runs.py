@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError, RunStopped
-from fedlightning.federation.loop import CHECKPOINT_FORMAT
+from fedlightning.federation.ledger import CHECKPOINT_FORMAT
 from fedlightning.tracking import MlflowTracker, NullTracker, flatten
 from fedlightning.utils.io import write_json
 

@@ -58,7 +58,7 @@ def test_continual_algorithm_errors_name_the_key(kw, key):
 def test_checkpoints_carry_a_format_and_old_or_unknown_ones_get_one_line(tmp_path):
     from fedlightning.errors import FedLightningError
     from fedlightning.experiments.temporal import saved_state
-    from fedlightning.federation.loop import CHECKPOINT_FORMAT
+    from fedlightning.federation.ledger import CHECKPOINT_FORMAT
     from fedlightning.runs import load_checkpoint
 
     graph_v1 = {"completed_rounds": 3, "ledger": {"entries": [("up", 1, 0, "w", 4, 16)]}}

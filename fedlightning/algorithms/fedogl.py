@@ -229,9 +229,9 @@ class FedOGL(ContinualFedAvg):
 class RetrievalFedOGL(ContinualRetrieval, FedOGL):
     """FedOGL for class-incremental cross-modal retrieval (methods.md, retrieval task).
 
-    The same three modules on :class:`~fedlightning.models.retrieval.CrossModalGNN`:
+    The same three modules on :class:`~fedlightning.models.cross_modal.CrossModalGNN`:
     Eq. (5) with InfoNCE and distillation of the teacher's similarity logits
-    (:class:`~fedlightning.clients.retrieval.ContinualRetrievalClient`); the protected
+    (:class:`~fedlightning.clients.continual_retrieval.ContinualRetrievalClient`); the protected
     layer is the last GNN layer of each tower (Eqs. (7)-(9)); prototypes are per class and
     per modality, the tower output ``g_m`` before the head (Eq. (11)), and the server
     aligns the two modalities' class prototypes on their prototype graphs, updating the

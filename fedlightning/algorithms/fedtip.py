@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedlightning.clients.fedtip import (
+from fedlightning.clients.temporal_prompt import (
     FedTIPClient,
     class_members,
     family_prototypes,
@@ -49,7 +49,7 @@ from fedlightning.federation.tasks import (
     TaskLoop,
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast
-from fedlightning.server.fedtip import (
+from fedlightning.server.reliability import (
     FedTIPServer,
     label_coverage,
     private_prototype,

@@ -31,7 +31,7 @@ from fedlightning.federation.tasks import (
     as_single,
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast
-from fedlightning.server.fedtip import FedTIPServer, unflatten
+from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.temporal.contexts import event_batch, fork, stream_contexts
 from fedlightning.temporal.encoders import time_encoder

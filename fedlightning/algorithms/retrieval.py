@@ -2,8 +2,8 @@
 
 The same switches as :class:`~fedlightning.algorithms.continual.ContinualFedAvg` (replay
 budget, distillation, FedProx) with the retrieval client of
-:mod:`fedlightning.clients.retrieval` and the retrieval loop of
-:mod:`fedlightning.federation.retrieval`. The rejection score is the query's highest
+:mod:`fedlightning.clients.continual_retrieval` and the retrieval loop of
+:mod:`fedlightning.federation.retrieval_stages`. The rejection score is the query's highest
 similarity to the known-class items; no energy variant exists for retrieval.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 from torch import nn
 
 from fedlightning.algorithms.continual import ContinualFedAvg
-from fedlightning.clients.retrieval import ContinualRetrievalClient
+from fedlightning.clients.continual_retrieval import ContinualRetrievalClient
 from fedlightning.errors import ConfigError
-from fedlightning.federation.retrieval import RetrievalLoop
+from fedlightning.federation.retrieval_stages import RetrievalLoop
 
 RETRIEVAL_SCORES = ("similarity",)
 
@@ -26,8 +26,8 @@ class ContinualRetrieval(ContinualFedAvg):
 
     Replay, task-start distillation (on similarity logits) and FedProx as in
     :class:`~fedlightning.algorithms.continual.ContinualFedAvg`; training runs
-    :class:`~fedlightning.clients.retrieval.ContinualRetrievalClient` and evaluation
-    :class:`~fedlightning.federation.retrieval.RetrievalLoop` (Recall@1 in the accuracy
+    :class:`~fedlightning.clients.continual_retrieval.ContinualRetrievalClient` and evaluation
+    :class:`~fedlightning.federation.retrieval_stages.RetrievalLoop` (Recall@1 in the accuracy
     matrix, max-similarity rejection).
 
     Args:

@@ -16,7 +16,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedlightning.clients.fedtip import FAMILIES, family_prototypes, family_views, task_loss
+from fedlightning.clients.temporal_prompt import (
+    FAMILIES,
+    family_prototypes,
+    family_views,
+    task_loss,
+)
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.temporal.bank import event_tensors

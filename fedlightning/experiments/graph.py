@@ -20,8 +20,8 @@ from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError, FedLightningError
 from fedlightning.federation.algorithm import FederatedClient
-from fedlightning.federation.continual import ContinualLoop
 from fedlightning.federation.loop import FederatedLoop
+from fedlightning.federation.stages import ContinualLoop
 from fedlightning.runs import (
     CHECKPOINT_FILE,
     Run,

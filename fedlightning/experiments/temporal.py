@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.algorithms.fedtip import FedTIP
-from fedlightning.clients.fedtip import FAMILIES
+from fedlightning.clients.temporal_prompt import FAMILIES
 from fedlightning.config import build
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.protocol import TemporalProtocol, materialize

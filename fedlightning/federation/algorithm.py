@@ -59,7 +59,7 @@ class Algorithm:
         stage_end_exchange: the method exchanges messages after every stage.
         loop_class: the loop class (schedule) that runs the method (``None``: the protocol's own,
             :class:`~fedlightning.federation.loop.FederatedLoop` or
-            :class:`~fedlightning.federation.continual.ContinualLoop`).
+            :class:`~fedlightning.federation.stages.ContinualLoop`).
     """
 
     name = "base"

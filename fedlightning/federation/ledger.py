@@ -8,6 +8,10 @@ from typing import Any
 from fedlightning.messages import Message
 
 UP, DOWN = "up", "down"
+# The format of a run's checkpoint. 2: one ledger per run whose entries carry a scope
+# (FedTIP's tasks), and FedTIP's loop state holds that ledger. 1 (no ``format`` key): graph
+# runs, which still resume (their entries get the empty scope).
+CHECKPOINT_FORMAT = 2
 MIB = 1024**2
 
 

@@ -14,16 +14,13 @@ import numpy as np
 import torch
 
 from fedlightning.federation.algorithm import Algorithm, FederatedClient
-from fedlightning.federation.ledger import DOWN, UP, CommLedger
+from fedlightning.federation.ledger import CHECKPOINT_FORMAT, DOWN, UP, CommLedger
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.utils.io import save_torch
 from fedlightning.utils.seeding import derive_seed, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
-# The checkpoint's format. 2: one ledger per run whose entries carry a scope (FedTIP's tasks),
-# FedTIP's loop state holds that ledger. 1 (no ``format`` key): graph runs, which still resume.
-CHECKPOINT_FORMAT = 2
 
 
 def sample_clients(seed: int, round: int, num_clients: int, fraction: float) -> list[int]:

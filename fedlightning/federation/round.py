@@ -3,7 +3,7 @@
 Every schedule calls :func:`federated_round`: the rounds of a plain run
 (:class:`~fedlightning.federation.loop.FederatedLoop`), the rounds of each stage of the
 class-incremental stream and its stage-end exchange
-(:class:`~fedlightning.federation.continual.ContinualLoop`), and the rounds of each FedTIP
+(:class:`~fedlightning.federation.stages.ContinualLoop`), and the rounds of each FedTIP
 task and family (:class:`~fedlightning.federation.tasks.TaskLoop`). Whatever the runner
 (sequential, ``torchrun`` ranks, Flower nodes), every message is counted here, once the
 runner returns the round's updates, in client order.

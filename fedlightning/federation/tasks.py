@@ -34,9 +34,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from fedlightning.clients.fedtip import family_prototypes, family_views, stack_batches
-from fedlightning.federation.ledger import DOWN, UP, CommLedger, values_to_mib
-from fedlightning.federation.loop import CHECKPOINT_FORMAT
+from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
+from fedlightning.federation.ledger import CHECKPOINT_FORMAT, DOWN, UP, CommLedger, values_to_mib
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.messages import ServerBroadcast
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc

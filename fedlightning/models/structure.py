@@ -89,7 +89,7 @@ def protected_inputs(net: nn.Module, data: Any, layer: int = -1) -> dict[str, Te
     Returns parameter name (relative to ``net``) -> the tensor that multiplies it
     (:func:`protected_input`), for layer ``layer`` of each GNN that ``net.gnn_inputs(data)``
     names (``gnn`` of :class:`~fedlightning.models.MultimodalGNN`, ``gnns.<m>`` of each
-    tower of :class:`~fedlightning.models.retrieval.CrossModalGNN`): for a GCN layer
+    tower of :class:`~fedlightning.models.cross_modal.CrossModalGNN`): for a GCN layer
     ``<gnn>.convs.L.lin.weight``, for a SAGE layer ``<gnn>.convs.L.lin_l.weight`` and
     ``<gnn>.convs.L.lin_r.weight``.
     """

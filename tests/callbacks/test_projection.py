@@ -160,8 +160,8 @@ def test_bad_names_shapes_and_bases_fail_before_training():
 def test_shielding_keeps_both_retrieval_towers_fixed():
     """The retrieval model's protected layer is the last GNN layer of each tower: a stage of
     InfoNCE training with Adam + weight decay leaves both on the old inputs unchanged."""
-    from fedlightning.clients.retrieval import ContinualRetrievalClient
-    from fedlightning.models.retrieval import CrossModalGNN
+    from fedlightning.clients.continual_retrieval import ContinualRetrievalClient
+    from fedlightning.models.cross_modal import CrossModalGNN
     from fedlightning.models.structure import protected_biases, protected_inputs
 
     g = make_synthetic(num_nodes=120, num_classes=4, seed=0, modalities={"text": 16, "bow": 12})

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedlightning.models import InputDropout, MultimodalGNN, nonzero_dropout
+from fedlightning.models.cross_modal import CrossModalGNN
 from fedlightning.models.dropout import MAX_DENSITY
-from fedlightning.models.retrieval import CrossModalGNN
 
 
 @pytest.fixture(autouse=True)

@@ -9,16 +9,16 @@ import torch
 from torch_geometric.data import Data
 
 from fedlightning.algorithms.retrieval import ContinualRetrieval
-from fedlightning.clients.retrieval import (
+from fedlightning.clients.continual_retrieval import (
     ContinualRetrievalClient,
     similarity_distillation_kl,
     symmetric_info_nce,
 )
 from fedlightning.errors import ConfigError
 from fedlightning.federation.executors import LeanExecutor
-from fedlightning.federation.retrieval import RetrievalLoop
+from fedlightning.federation.retrieval_stages import RetrievalLoop
 from fedlightning.models import MultimodalGNN
-from fedlightning.models.retrieval import CrossModalGNN
+from fedlightning.models.cross_modal import CrossModalGNN
 
 N, D_TEXT, D_BOW = 16, 8, 6
 DIMS = {"text": D_TEXT, "bow": D_BOW}
@@ -195,7 +195,7 @@ def test_experiment_configs_compose(compose, method, expect):
 
     cfg = compose([f"experiment=cir_{method}_citeseer_mm"])
     assert cfg.task == "cir" and cfg.name == f"cir_{method}_citeseer_mm"
-    assert cfg.model.net._target_ == "fedlightning.models.retrieval.CrossModalGNN"
+    assert cfg.model.net._target_ == "fedlightning.models.cross_modal.CrossModalGNN"
     assert cfg.model.net.conv == "gcn"
     algo = build(cfg.algorithm, "algorithm")
     assert isinstance(algo, ContinualRetrieval) and algo.temperature == 0.1

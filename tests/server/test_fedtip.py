@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fedlightning.server.fedtip import (
+from fedlightning.server.reliability import (
     ClientSummary,
     aggregate,
     aggregation_weights,

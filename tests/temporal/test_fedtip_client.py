@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from fedlightning.algorithms.fedtip import FedTIP
-from fedlightning.clients.fedtip import family_views, stack_batches
+from fedlightning.clients.temporal_prompt import family_views, stack_batches
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
 from fedlightning.federation.tasks import PooledTaskLoop, TaskBatches, as_single, evaluate
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
-from fedlightning.server.fedtip import read_update
+from fedlightning.server.reliability import read_update
 
 D_H, D_T, D_E = 4, 3, 2
 

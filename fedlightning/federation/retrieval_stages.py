@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedlightning.federation.continual import SPLITS, ContinualLoop
+from fedlightning.federation.stages import SPLITS, ContinualLoop
 from fedlightning.metrics import (
     AccuracyMatrix,
     auroc_known_vs_unknown,

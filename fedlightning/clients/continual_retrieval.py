@@ -70,7 +70,7 @@ class ContinualRetrievalClient(ContinualNodeClassifier):
 
     Args:
         net: a retrieval model returning ``(q, k)`` and offering ``pair_mask(data)``
-            (e.g. :class:`~fedlightning.models.retrieval.CrossModalGNN`).
+            (e.g. :class:`~fedlightning.models.cross_modal.CrossModalGNN`).
         optimizer: a partial optimizer, called with the parameters; created afresh on every
             local fit (standard FedAvg).
         prox_mu: FedProx coefficient (default ``0.0``).
