@@ -12,6 +12,7 @@ import pytest
 from fedlightning.data.temporal import (
     EventStream,
     load_bitcoin_csv,
+    load_interactions,
     load_jodie_csv,
     load_wikipedia_txt,
     make_synthetic_stream,
@@ -233,6 +234,117 @@ def test_bitcoin_real_file(shared_data):
     np.testing.assert_array_equal(names[s.src], raw[order, 0])
     np.testing.assert_array_equal(names[s.dst], raw[order, 1])
     np.testing.assert_array_equal(s.label, (raw[order, 2] < 0).astype(np.int64))
+
+
+# ------------------------------------------------------------------------------------------
+# every array of the real files, against a reading of the formats' definitions in plain Python
+
+
+def _expected(events: list[tuple], bipartite: bool) -> tuple[list[int], dict]:
+    """``(order, fields)`` of events ``(src, dst, time, ...)`` as the formats define them:
+    a stable sort by time; ids sorted as numbers, all sources before all destinations when
+    ``bipartite``, else one shared id space."""
+    order = sorted(range(len(events)), key=lambda e: events[e][2])  # sorted() is stable
+    srcs, dsts = {ev[0] for ev in events}, {ev[1] for ev in events}
+    if bipartite:
+        users, items = sorted(srcs), sorted(dsts)
+        src_of = {u: k for k, u in enumerate(users)}
+        dst_of = {i: len(users) + k for k, i in enumerate(items)}
+        names = [f"u{u}" for u in users] + [f"i{i}" for i in items]
+        types = [0] * len(users) + [1] * len(items)
+    else:
+        ids = sorted(srcs | dsts)
+        src_of = dst_of = {r: k for k, r in enumerate(ids)}
+        names, types = [str(r) for r in ids], [0] * len(ids)
+    fields = {
+        "src": np.array([src_of[events[e][0]] for e in order], dtype=np.int64),
+        "dst": np.array([dst_of[events[e][1]] for e in order], dtype=np.int64),
+        "t": np.array([events[e][2] for e in order]),  # int64 for ints, float64 for floats
+        "node_type": np.array(types, dtype=np.int64),
+        "node_names": names,
+        "num_nodes": len(names),
+        "bipartite": bipartite,
+    }
+    return order, fields
+
+
+def _assert_stream(s: EventStream, fields: dict, label, msg) -> None:
+    """Every array of ``s`` bitwise equal to the expected one (dtype, shape and bytes)."""
+    for key, want in [*fields.items(), ("label", label), ("msg", msg)]:
+        got = getattr(s, key)
+        if isinstance(want, np.ndarray):
+            assert (got.dtype, got.shape) == (want.dtype, want.shape), key
+            assert np.ascontiguousarray(got).tobytes() == want.tobytes(), key
+        else:
+            assert got == want, key
+
+
+@pytest.fixture(scope="module")
+def real_events(shared_data):
+    """The events of both real files, read with str.split and the csv module: Wikipedia
+    ``(user, page, time)``, Bitcoin ``(source, target, time, rating)``."""
+    wiki = shared_data / "temporal" / "ml_wikipedia.txt"
+    btc = shared_data / "temporal" / "soc-sign-bitcoinalpha.csv"
+    w = [tuple(int(v) for v in ln.split()) for ln in wiki.read_text().splitlines()]
+    with btc.open(newline="") as fh:
+        b = [(int(s), int(d), int(t), int(r)) for s, d, r, t in csv.reader(fh)]
+    return {"wiki": (wiki, w), "btc": (btc, b)}
+
+
+@pytest.mark.realdata
+@pytest.mark.parametrize(
+    ("file", "call", "bipartite"),
+    [
+        ("wiki", lambda p: load_wikipedia_txt(p), True),
+        ("wiki", lambda p: load_interactions(p, bipartite=True), True),
+        ("wiki", lambda p: load_interactions(p, bipartite=False), False),
+        ("btc", lambda p: load_bitcoin_csv(p), False),
+        ("btc", lambda p: load_bitcoin_csv(p, rating_feature=True), False),
+    ],
+    ids=[
+        "wikipedia_txt",
+        "wiki_interactions_bip",
+        "wiki_interactions_one",
+        "bitcoin",
+        "btc_rating",
+    ],
+)
+def test_real_files_every_array(real_events, file, call, bipartite):
+    path, events = real_events[file]
+    s = call(path)
+    order, fields = _expected(events, bipartite)
+    label = msg = None
+    if file == "btc":
+        label = np.array([int(events[e][3] < 0) for e in order], dtype=np.int64)
+        if s.msg is not None:  # rating_feature=True: rating / 10 as one float32 feature
+            msg = np.array([[events[e][3] / 10] for e in order], dtype=np.float32)
+    _assert_stream(s, fields, label, msg)
+    assert s.num_events == len(events) and s.source == str(path)
+
+
+@pytest.mark.realdata
+@pytest.mark.parametrize("file", ["wiki", "btc"])
+def test_real_events_in_jodie_csv_every_array(real_events, tmp_path, file):
+    # No labelled JODIE file is on these machines: the real events, in time order, written
+    # in its layout with a label and two features, float times for Bitcoin (time / 1000).
+    _, events = real_events[file]
+    events = sorted(events, key=lambda ev: ev[2])
+    rows = []
+    for k, ev in enumerate(events):
+        t = f"{ev[2]}.0" if file == "wiki" else repr(ev[2] / 1000)
+        label = int(ev[3] < 0) if file == "btc" else int((ev[0] * 31 + k) % 11 == 0)
+        rows.append((ev[0], ev[1], t, label, repr(ev[2] / 7), repr(-ev[1] / 3)))
+    p = tmp_path / f"{file}.csv"
+    p.write_text(
+        "user_id,item_id,timestamp,state_label,f1,f2\n"
+        + "".join(",".join(map(str, r)) + "\n" for r in rows)
+    )
+    parsed = [(r[0], r[1], int(float(r[2])) if file == "wiki" else float(r[2])) for r in rows]
+    order, fields = _expected(parsed, bipartite=True)
+    label = np.array([rows[e][3] for e in order], dtype=np.int64)
+    msg = np.array([[float(rows[e][4]), float(rows[e][5])] for e in order], dtype=np.float32)
+    _assert_stream(load_jodie_csv(p), fields, label, msg)
+    _assert_stream(load_interactions(p, bipartite=True), fields, label, msg)
 
 
 # ------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ when that fails is the file scanned line by line to find the offending line.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -51,14 +51,42 @@ def _read_text(path: Path, what: str) -> str:
         raise DataError(path, f"not readable UTF-8 text ({type(e).__name__}: {e})") from e
 
 
-def _read_rows(path: Path, what: str) -> list[tuple[int, str]]:
-    """The non-blank lines of ``path`` as ``(line number, text)``."""
+def _read_events(path: Path, what: str, comments: bool = False) -> list[tuple[int, str]]:
+    """The non-blank lines of ``path`` as ``(line number, text)``, without the ``#`` lines
+    when ``comments``; a file without any is a DataError ``no events: expected {what}``."""
     text = _read_text(path, what)
-    return [(i, ln) for i, ln in enumerate(text.splitlines(), start=1) if ln.strip()]
+    rows = [
+        (i, ln)
+        for i, ln in enumerate(text.splitlines(), start=1)
+        if ln.strip() and not (comments and ln.lstrip().startswith("#"))
+    ]
+    if not rows:
+        raise DataError(path, f"no events: expected {what}")
+    return rows
+
+
+def _field_error(
+    path: Path, line: object, field: str, col: int, expected: str, got: object
+) -> DataError:
+    """The error of every bad value: ``line L: field `F` (column C): expected E, got G``."""
+    return DataError(
+        path, f"line {line}: field `{field}` (column {col}): expected {expected}, got {got}"
+    )
 
 
 def _split(line: str, sep: str | None) -> list[str]:
     return [p.strip() for p in line.split(sep)]
+
+
+def _loadtxt(
+    rows: Sequence[tuple[int, str]], sep: str | None, ncols: int, dtype: type = np.float64
+) -> np.ndarray | None:
+    """``rows`` parsed in one vectorised pass as ``[len(rows), ncols]``, else ``None``."""
+    try:
+        m = np.loadtxt([ln for _, ln in rows], delimiter=sep, dtype=dtype, ndmin=2, comments=None)
+    except ValueError:
+        return None
+    return m if m.shape == (len(rows), ncols) else None
 
 
 def _parse_table(
@@ -75,13 +103,10 @@ def _parse_table(
     """
     dtype = np.int64 if integer else np.float64
     ncols = len(names)
-    try:
-        # The fast path; on failure the scan below finds and names the offending line.
-        out = np.loadtxt([ln for _, ln in rows], delimiter=sep, dtype=dtype, ndmin=2, comments=None)
-        if out.shape == (len(rows), ncols):
-            return out
-    except ValueError:
-        pass
+    # The fast path; on failure the scan below finds and names the offending line.
+    out = _loadtxt(rows, sep, ncols, dtype)
+    if out is not None:
+        return out
     kind = "an integer" if integer else "a number"
     out = np.empty((len(rows), ncols), dtype=dtype)
     for r, (lineno, ln) in enumerate(rows):
@@ -96,11 +121,7 @@ def _parse_table(
             try:
                 out[r, j] = int(p) if integer else float(p)
             except (ValueError, OverflowError):
-                raise DataError(
-                    path,
-                    f"line {lineno}: field `{names[j]}` (column {j + 1}): expected {kind}, "
-                    f"got {p[:40]!r}",
-                ) from None
+                raise _field_error(path, lineno, names[j], j + 1, kind, repr(p[:40])) from None
     return out
 
 
@@ -116,26 +137,80 @@ def _check_sorted(path: Path, t: np.ndarray, linenos: np.ndarray, field: str, wh
 
 
 def _time_array(t: np.ndarray) -> np.ndarray:
-    """Float times as int64 when all are integral (and fit), else float64."""
+    """Integer times as int64; float times as int64 when all are integral (and fit), else
+    float64."""
+    if t.dtype.kind in "iu":
+        return t.astype(np.int64)
     t = t.astype(np.float64, copy=False)
     if t.size and np.all(np.floor(t) == t) and np.all(np.abs(t) < 2.0**62):
         return t.astype(np.int64)
     return t
 
 
-def _bipartite(
-    users: np.ndarray, items: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, list[str]]:
-    """Raw user and item ids -> ``(src, dst, num_nodes, node_type, node_names)``.
+def _labels(
+    path: Path, values: np.ndarray, linenos: np.ndarray, field: str, got: Callable[[int], str]
+) -> np.ndarray:
+    """Column 4 as int64 state labels; a value other than 0 and 1 is a DataError naming
+    ``field`` and showing the row's value as ``got(row)``."""
+    bad = np.flatnonzero((values != 0) & (values != 1))
+    if bad.size:
+        r = int(bad[0])
+        raise _field_error(path, linenos[r], field, 4, "a state label 0 or 1", got(r))
+    return values.astype(np.int64)
 
-    Users sorted by raw id become nodes ``0..U-1``, items sorted by raw id ``U..U+I-1``.
+
+def _map_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct raw ids, sorted (as numbers for int64, as text for strings), and indices."""
+    ids, inv = np.unique(values, return_inverse=True)
+    return ids, inv.reshape(-1).astype(np.int64)
+
+
+def _stream(
+    path: Path,
+    name: str,
+    src_raw: np.ndarray,
+    dst_raw: np.ndarray,
+    t: np.ndarray,
+    bipartite: bool,
+    label: np.ndarray | None = None,
+    msg: np.ndarray | None = None,
+) -> EventStream:
+    """The events sorted stably by time (equal times keep their file order), raw ids mapped
+    to nodes, as an :class:`EventStream` read from ``path``.
+
+    ``bipartite``: sources sorted by raw id become nodes ``0..U-1`` (``"u<raw>"``, type 0),
+    destinations sorted ``U..U+I-1`` (``"i<raw>"``, type 1). Else the distinct raw ids of
+    both sides, sorted, become ``0..N-1`` (names ``"<raw>"``, one node type).
     """
-    u_ids, src = np.unique(users, return_inverse=True)
-    i_ids, dst = np.unique(items, return_inverse=True)
-    n_u, n_i = len(u_ids), len(i_ids)
-    node_type = np.concatenate([np.zeros(n_u, np.int64), np.ones(n_i, np.int64)])
-    names = [f"u{int(r)}" for r in u_ids] + [f"i{int(r)}" for r in i_ids]
-    return src.astype(np.int64), (dst + n_u).astype(np.int64), n_u + n_i, node_type, names
+    order = np.argsort(t, kind="stable")
+    src_raw, dst_raw = src_raw[order], dst_raw[order]
+    if bipartite:
+        u_ids, src = _map_ids(src_raw)
+        i_ids, dst = _map_ids(dst_raw)
+        n_u, n_i = len(u_ids), len(i_ids)
+        num_nodes = n_u + n_i
+        dst = dst + n_u
+        node_type = np.concatenate([np.zeros(n_u, np.int64), np.ones(n_i, np.int64)])
+        node_names = [f"u{r}" for r in u_ids.tolist()] + [f"i{r}" for r in i_ids.tolist()]
+    else:
+        ids, inv = _map_ids(np.concatenate([src_raw, dst_raw]))
+        src, dst = inv[: len(order)], inv[len(order) :]
+        num_nodes = len(ids)
+        node_type = np.zeros(num_nodes, np.int64)
+        node_names = [str(r) for r in ids.tolist()]
+    return EventStream(
+        name=name,
+        src=np.ascontiguousarray(src),
+        dst=np.ascontiguousarray(dst),
+        t=_time_array(t[order]),
+        num_nodes=num_nodes,
+        bipartite=bipartite,
+        node_type=node_type,
+        label=None if label is None else label[order],
+        msg=None if msg is None else np.ascontiguousarray(msg[order]),
+        source=str(path),
+        node_names=node_names,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -204,46 +279,23 @@ def load_jodie_csv(path: str | Path, name: str | None = None) -> EventStream:
     finite = np.isfinite(m)
     if not finite.all():
         r, j = np.argwhere(~finite)[0]
-        raise DataError(
-            path,
-            f"line {linenos[r]}: field `{names[j]}` (column {j + 1}): expected a finite "
-            f"number, got {m[r, j]}",
-        )
+        raise _field_error(path, linenos[r], names[j], j + 1, "a finite number", m[r, j])
     for j in (0, 1):
         bad = np.flatnonzero(m[:, j] != np.floor(m[:, j]))
         if bad.size:
             r = bad[0]
-            raise DataError(
-                path,
-                f"line {linenos[r]}: field `{names[j]}` (column {j + 1}): expected an "
-                f"integer id, got {m[r, j]}",
-            )
-    bad = np.flatnonzero((m[:, 3] != 0) & (m[:, 3] != 1))
-    if bad.size:
-        r = bad[0]
-        raise DataError(
-            path,
-            f"line {linenos[r]}: field `{names[3]}` (column 4): expected a state label 0 or "
-            f"1, got {m[r, 3]:g}",
-        )
+            raise _field_error(path, linenos[r], names[j], j + 1, "an integer id", m[r, j])
+    label = _labels(path, m[:, 3], linenos, names[3], lambda r: f"{m[r, 3]:g}")
     _check_sorted(path, m[:, 2], linenos, names[2], "JODIE files are sorted by time")
-
-    src, dst, num_nodes, node_type, node_names = _bipartite(
-        m[:, 0].astype(np.int64), m[:, 1].astype(np.int64)
-    )
-    msg = m[:, 4:].astype(np.float32) if m.shape[1] > 4 else None
-    return EventStream(
-        name=name if name is not None else path.stem,
-        src=src,
-        dst=dst,
-        t=_time_array(m[:, 2]),
-        num_nodes=num_nodes,
+    return _stream(
+        path,
+        name if name is not None else path.stem,
+        m[:, 0].astype(np.int64),
+        m[:, 1].astype(np.int64),
+        m[:, 2],
         bipartite=True,
-        node_type=node_type,
-        label=m[:, 3].astype(np.int64),
-        msg=msg,
-        source=str(path),
-        node_names=node_names,
+        label=label,
+        msg=m[:, 4:].astype(np.float32) if m.shape[1] > 4 else None,
     )
 
 
@@ -270,26 +322,13 @@ def load_wikipedia_txt(path: str | Path, name: str = "wikipedia") -> EventStream
             integers, a time smaller than the one before.
     """
     path = Path(path)
-    rows = _read_rows(path, "`user item timestamp` integer lines")
-    if not rows:
-        raise DataError(path, "no events: expected `user item timestamp` integer lines")
+    rows = _read_events(path, "`user item timestamp` integer lines")
     m = _parse_table(
         path, rows, _WIKI_COLUMNS, None, integer=True, layout="3 integers `user item timestamp`"
     )
     linenos = np.array([i for i, _ in rows])
     _check_sorted(path, m[:, 2], linenos, "timestamp", "the file is sorted by time")
-    src, dst, num_nodes, node_type, node_names = _bipartite(m[:, 0], m[:, 1])
-    return EventStream(
-        name=name,
-        src=src,
-        dst=dst,
-        t=m[:, 2].astype(np.int64),
-        num_nodes=num_nodes,
-        bipartite=True,
-        node_type=node_type,
-        source=str(path),
-        node_names=node_names,
-    )
+    return _stream(path, name, m[:, 0], m[:, 1], m[:, 2], bipartite=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -324,9 +363,7 @@ def load_bitcoin_csv(
             integers, a rating outside ``-10..10``.
     """
     path = Path(path)
-    rows = _read_rows(path, "`source,target,rating,time` integer lines")
-    if not rows:
-        raise DataError(path, "no events: expected `source,target,rating,time` integer lines")
+    rows = _read_events(path, "`source,target,rating,time` integer lines")
     m = _parse_table(
         path,
         rows,
@@ -338,27 +375,17 @@ def load_bitcoin_csv(
     bad = np.flatnonzero((m[:, 2] < -10) | (m[:, 2] > 10))
     if bad.size:
         r = bad[0]
-        raise DataError(
-            path,
-            f"line {rows[r][0]}: field `rating` (column 3): expected an integer in "
-            f"-10..10, got {m[r, 2]}",
-        )
-    m = m[np.argsort(m[:, 3], kind="stable")]
-    ids, inv = np.unique(m[:, :2], return_inverse=True)
-    inv = inv.reshape(-1, 2).astype(np.int64)
+        raise _field_error(path, rows[r][0], "rating", 3, "an integer in -10..10", m[r, 2])
     rating = m[:, 2]
-    return EventStream(
-        name=name,
-        src=inv[:, 0].copy(),
-        dst=inv[:, 1].copy(),
-        t=m[:, 3].astype(np.int64),
-        num_nodes=len(ids),
+    return _stream(
+        path,
+        name,
+        m[:, 0],
+        m[:, 1],
+        m[:, 3],
         bipartite=False,
-        node_type=np.zeros(len(ids), np.int64),
         label=(rating < 0).astype(np.int64),
         msg=(rating / 10.0).astype(np.float32)[:, None] if rating_feature else None,
-        source=str(path),
-        node_names=[str(int(r)) for r in ids],
     )
 
 
@@ -401,11 +428,7 @@ def _column_floats(
         bad = int(np.argmin(ok))
     except ValueError:
         bad = next(i for i, v in enumerate(values) if not _is_number(v))
-    raise DataError(
-        path,
-        f"line {linenos[bad]}: field `{field}` (column {col}): expected a finite number, got "
-        f"{values[bad][:40]!r}",
-    )
+    raise _field_error(path, linenos[bad], field, col, "a finite number", repr(values[bad][:40]))
 
 
 def load_interactions(
@@ -473,25 +496,14 @@ def load_interactions(
             f"(detect), got {sep!r}",
         )
     path = Path(path)
-    text = _read_text(path, f"{_GENERIC} lines")
-    rows = [
-        (i, ln)
-        for i, ln in enumerate(text.splitlines(), start=1)
-        if ln.strip() and not ln.lstrip().startswith("#")
-    ]
-    if not rows:
-        raise DataError(path, f"no events: expected {_GENERIC} lines")
+    rows = _read_events(path, f"{_GENERIC} lines", comments=True)
     if sep is not None:
         delim = _SEPARATORS[sep]
     else:
         first = rows[0][1]
         delim = "\t" if "\t" in first else "," if "," in first else None
     sep_name = _SEP_NAMES[delim]
-
-    def fields(ln: str) -> list[str]:
-        return ln.split() if delim is None else [p.strip() for p in ln.split(delim)]
-
-    first_line, first_fields = rows[0][0], fields(rows[0][1])
+    first_line, first_fields = rows[0][0], _split(rows[0][1], delim)
     ncols = len(first_fields)
     if ncols < 3:
         raise DataError(
@@ -526,7 +538,7 @@ def load_interactions(
         msg = table[:, first_feature:].astype(np.float32) if ncols > first_feature else None
         shown = table
     else:  # field by field, naming the first bad line and column
-        parts = [fields(ln) for _, ln in rows]
+        parts = [_split(ln, delim) for _, ln in rows]
         for (lineno, ln), p in zip(rows, parts, strict=True):
             if len(p) != ncols:
                 raise DataError(
@@ -538,10 +550,8 @@ def load_interactions(
         for j in (0, 1):
             empty = [i for i, v in enumerate(cols[j]) if not v]
             if empty:
-                raise DataError(
-                    path,
-                    f"line {linenos[empty[0]]}: field `{names[j]}` (column {j + 1}): expected an "
-                    "id, got an empty field",
+                raise _field_error(
+                    path, linenos[empty[0]], names[j], j + 1, "an id", "an empty field"
                 )
         t = _column_floats(path, cols[2], linenos, "time", 3)
         label_raw = _column_floats(path, cols[3], linenos, "label", 4) if has_label else None
@@ -561,24 +571,17 @@ def load_interactions(
         shown = None
     label = None
     if label_raw is not None:
-        bad = np.flatnonzero((label_raw != 0) & (label_raw != 1))
-        if bad.size:
-            r = int(bad[0])
-            got = f"{shown[r, 3]:g}" if shown is not None else repr(cols[3][r][:40])
-            raise DataError(
-                path,
-                f"line {linenos[r]}: field `label` (column 4): expected a state label 0 or 1, "
-                f"got {got}",
-            )
-        label = label_raw.astype(np.int64)
-
-    order = np.argsort(t, kind="stable")
-    src_raw, dst_raw = src_raw[order], dst_raw[order]
-    if bipartite:
-        u_ids, src = _map_ids(src_raw)
-        i_ids, dst = _map_ids(dst_raw)
+        label = _labels(
+            path,
+            label_raw,
+            linenos,
+            "label",
+            lambda r: f"{shown[r, 3]:g}" if shown is not None else repr(cols[3][r][:40]),
+        )
+    if bipartite:  # the reading is the user's choice: say what it does to shared ids
+        u_ids, i_ids = np.unique(src_raw), np.unique(dst_raw)
         n_u, n_i = len(u_ids), len(i_ids)
-        both = np.intersect1d(u_ids, i_ids)
+        both = np.intersect1d(u_ids, i_ids, assume_unique=True)
         if both.size:
             log.warning(
                 "%s: %d ids appear as both source and destination; read as bipartite "
@@ -592,29 +595,8 @@ def load_interactions(
                 n_u + n_i,
                 n_u + n_i - both.size,
             )
-        num_nodes = n_u + n_i
-        dst = dst + n_u
-        node_type = np.concatenate([np.zeros(n_u, np.int64), np.ones(n_i, np.int64)])
-        node_names = [f"u{r}" for r in u_ids.tolist()] + [f"i{r}" for r in i_ids.tolist()]
-    else:
-        ids, inv = _map_ids(np.concatenate([src_raw, dst_raw]))
-        src, dst = inv[: len(order)], inv[len(order) :]
-        num_nodes = len(ids)
-        node_type = np.zeros(num_nodes, np.int64)
-        node_names = [str(r) for r in ids.tolist()]
-    return EventStream(
-        name=name if name is not None else path.stem,
-        src=np.ascontiguousarray(src),
-        dst=np.ascontiguousarray(dst),
-        t=_time_array(t[order]),
-        num_nodes=num_nodes,
-        bipartite=bipartite,
-        node_type=node_type,
-        label=None if label is None else label[order],
-        msg=None if msg is None else np.ascontiguousarray(msg[order]),
-        source=str(path),
-        node_names=node_names,
-    )
+    name = name if name is not None else path.stem
+    return _stream(path, name, src_raw, dst_raw, t, bipartite, label=label, msg=msg)
 
 
 def _numeric_table(
@@ -622,24 +604,13 @@ def _numeric_table(
 ) -> np.ndarray | None:
     """All rows as float64 when every field is a finite number and the ids are integers
     that float64 holds exactly; else ``None`` (the caller then reads field by field)."""
-    try:
-        m = np.loadtxt(
-            [ln for _, ln in rows], delimiter=delim, dtype=np.float64, ndmin=2, comments=None
-        )
-    except ValueError:
-        return None
-    if m.shape != (len(rows), ncols) or not np.isfinite(m).all():
+    m = _loadtxt(rows, delim, ncols)
+    if m is None or not np.isfinite(m).all():
         return None
     ids = m[:, :2]
     if np.any(ids != np.floor(ids)) or np.any(np.abs(ids) >= 2.0**53):
         return None
     return m
-
-
-def _map_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct raw ids, sorted (as numbers for int64, as text for strings), and indices."""
-    ids, inv = np.unique(values, return_inverse=True)
-    return ids, inv.reshape(-1).astype(np.int64)
 
 
 def _is_int_array(values: np.ndarray) -> bool:
