@@ -372,20 +372,7 @@ def _read_edge_csv(
             f"edge), got {first_ln[:80]!r}",
         )
     named = isinstance(src_column, str) or isinstance(dst_column, str)
-    if named:
-        header: list[str] | None = first
-    else:
-        probe = (
-            _edge_column(path, None, src_column, "src_column", 0),
-            _edge_column(path, None, dst_column, "dst_column", 1),
-        )
-        for key, c in zip(("src_column", "dst_column"), probe, strict=True):
-            if c >= ncols:
-                raise ConfigError(
-                    f"dataset.{key}",
-                    f"column position {c} (0-based) does not exist: {path} has {ncols} columns",
-                )
-        header = None if all(_is_int(first[c]) for c in probe) else first
+    header: list[str] | None = first if named else None  # positions do not need a header
     cols = (
         _edge_column(path, header, src_column, "src_column", 0),
         _edge_column(path, header, dst_column, "dst_column", 1),
@@ -396,6 +383,8 @@ def _read_edge_csv(
                 f"dataset.{key}",
                 f"column position {c} (0-based) does not exist: {path} has {ncols} columns",
             )
+    if not named and not all(_is_int(first[c]) for c in cols):
+        header = first
     if cols[0] == cols[1]:
         raise ConfigError(
             "dataset.dst_column", f"names the same column as dataset.src_column (column {cols[0]})"
