@@ -10,12 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch_geometric.data import Data
 
-from fedlightning.clients.losses import (
-    distillation_kl,
-    proximal_term,
-    restrict_logits,
-    retention_objective,
-)
+from fedlightning.clients.losses import distillation_kl, restrict_logits, retention_objective
 from fedlightning.clients.node_classifier import NodeClassifier
 
 DISTILL_ON = ("replay", "current", "both")
@@ -109,8 +104,6 @@ class ContinualNodeClassifier(NodeClassifier):
             with torch.no_grad():
                 teacher = restrict_logits(self._teacher[0](batch), self.teacher_known)[mask]
             kl = distillation_kl(restrict_logits(full, self.teacher_known)[mask], teacher, self.tau)
-        loss = retention_objective(ce_cur, ce_rep, kl, self.lambda_rep, self.lambda_dis)
-        if self.prox_mu > 0:
-            loss = loss + proximal_term(self.net.named_parameters(), self.anchor, self.prox_mu)
-        self.last_loss = float(loss.detach())
-        return loss
+        return self.with_proximal(
+            retention_objective(ce_cur, ce_rep, kl, self.lambda_rep, self.lambda_dis)
+        )

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch_geometric.data import Data
 
 from fedlightning.clients.continual import ContinualNodeClassifier
-from fedlightning.clients.losses import distillation_kl, proximal_term, retention_objective
+from fedlightning.clients.losses import distillation_kl, retention_objective
 from fedlightning.clients.node_classifier import OptimizerFactory
 from fedlightning.objectives import symmetric_info_nce
 
@@ -123,8 +123,6 @@ class ContinualRetrievalClient(ContinualNodeClassifier):
             mask = self.distill_mask(batch) & pairs
             if bool(mask.any()):
                 kl = self._distill(batch, q, k, mask)
-        loss = retention_objective(nce_cur, nce_rep, kl, self.lambda_rep, self.lambda_dis)
-        if self.prox_mu > 0:
-            loss = loss + proximal_term(self.net.named_parameters(), self.anchor, self.prox_mu)
-        self.last_loss = float(loss.detach())
-        return loss
+        return self.with_proximal(
+            retention_objective(nce_cur, nce_rep, kl, self.lambda_rep, self.lambda_dis)
+        )

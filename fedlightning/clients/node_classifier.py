@@ -56,7 +56,12 @@ class NodeClassifier(pl.LightningModule):
 
     def training_step(self, batch: Data, batch_idx: int = 0) -> Tensor:
         logits = self.net(batch)
-        loss = F.cross_entropy(logits[batch.train_mask], batch.y[batch.train_mask])
+        return self.with_proximal(
+            F.cross_entropy(logits[batch.train_mask], batch.y[batch.train_mask])
+        )
+
+    def with_proximal(self, loss: Tensor) -> Tensor:
+        """``loss`` plus FedProx's term (when ``prox_mu > 0``), kept as ``last_loss``."""
         if self.prox_mu > 0:
             loss = loss + proximal_term(self.net.named_parameters(), self.anchor, self.prox_mu)
         self.last_loss = float(loss.detach())
