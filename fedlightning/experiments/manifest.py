@@ -7,11 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from fedlightning.config import build
-from fedlightning.data.temporal.events import EventStream
-from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize
+from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize_checked
 from fedlightning.errors import ConfigError
 from fedlightning.runs import Run
 from fedlightning.tracking import flatten
@@ -23,13 +20,7 @@ def run_manifest(cfg: Any, out: Path) -> TemporalProtocol:
     if "manifest" not in cfg.protocol:
         raise ConfigError("protocol", "use protocol=temporal (or an experiment=temporal_* )")
     stream = build(cfg.dataset, "dataset")
-    if not isinstance(stream, EventStream):
-        raise ConfigError("dataset", f"{type(stream).__name__} is not a temporal event stream")
-    params = OmegaConf.to_container(cfg.protocol, resolve=True)
-    try:
-        proto, reused = materialize(stream, params, Path(params["cache_dir"]))
-    except ValueError as e:  # a protocol parameter that cannot work on this stream
-        raise ConfigError("protocol", str(e)) from None
+    params, proto, reused = materialize_checked(stream, cfg.protocol)
     existing = out / "protocol.json"
     if existing.exists() and json.loads(existing.read_text())["hashes"] != proto.hashes:
         raise ConfigError(

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedlightning.config import build
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
-from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize
+from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize_checked
 from fedlightning.errors import ConfigError, FedLightningError
 from fedlightning.runs import prepare_run_dir
 from fedlightning.temporal.bank import (
@@ -64,13 +64,7 @@ def temporal_setup(cfg: DictConfig, run_dir: Path):
     cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
     bank_cfg = bank_config(cfg)  # on resume, the saved run's bank, not this invocation's
     stream = build(cfg.dataset, "dataset")
-    if not isinstance(stream, EventStream):
-        raise ConfigError("dataset", f"{type(stream).__name__} is not a temporal event stream")
-    params = OmegaConf.to_container(cfg.protocol, resolve=True)
-    try:
-        proto, _ = materialize(stream, params, Path(params["cache_dir"]))
-    except ValueError as e:
-        raise ConfigError("protocol", str(e)) from None
+    _, proto, _ = materialize_checked(stream, cfg.protocol)
     saved = run_dir / "protocol.json"
     if resuming and saved.exists():
         before = json.loads(saved.read_text())["hashes"]

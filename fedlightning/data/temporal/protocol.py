@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import (
@@ -26,6 +27,7 @@ from fedlightning.data.temporal.manifest import (
 from fedlightning.data.temporal.negatives import materialize_negatives
 from fedlightning.data.temporal.ownership import Ownership, build_ownership
 from fedlightning.data.temporal.tasks import Task, TaskSet, build_tasks
+from fedlightning.errors import ConfigError
 from fedlightning.utils.io import content_hash, write_json
 
 PROTOCOL_VERSION = 2  # 2: unfiltered task negatives (an ablation's)
@@ -139,6 +141,20 @@ def materialize(
     built = build_temporal_protocol(stream, protocol)
     built.write(folder)
     return built, False
+
+
+def materialize_checked(stream: Any, protocol: Any) -> tuple[dict, TemporalProtocol, bool]:
+    """:func:`materialize` for a built ``dataset`` and the ``protocol`` config: ``(params,
+    protocol, reused)``; a dataset that is not an event stream, or a protocol parameter that
+    cannot work on it, is a ConfigError."""
+    if not isinstance(stream, EventStream):
+        raise ConfigError("dataset", f"{type(stream).__name__} is not a temporal event stream")
+    params = OmegaConf.to_container(protocol, resolve=True)
+    try:
+        proto, reused = materialize(stream, params, Path(params["cache_dir"]))
+    except ValueError as e:  # a protocol parameter that cannot work on this stream
+        raise ConfigError("protocol", str(e)) from None
+    return params, proto, reused
 
 
 def format_table(row: dict[str, Any]) -> str:
