@@ -74,24 +74,17 @@ class RetrievalLoop(ContinualLoop):
         self.score_fn = max_similarity
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def _embed_all(self) -> list[tuple[Any, Tensor, Tensor, Tensor]]:
-        """Global model on every client's whole subgraph: (client, q, k, paired-node mask)."""
-        self.module.receive(self.server.global_state)
-        net = self.module.net
-        net.eval()
-        out = []
-        for c in self.clients:
-            q, k = net(c.data)
-            out.append((c, q, k, net.pair_mask(c.data)))
-        net.train()
-        return out
+    @staticmethod
+    def _outputs(net: Any, data: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """``(q, k, paired-node mask)`` of the global model on one client's subgraph."""
+        q, k = net(data)
+        return q, k, net.pair_mask(data)
 
     def evaluate(self, round: int) -> dict[str, float]:
         """Recall@1 over the known-class queries of the current stage, per split, pooled."""
         known = torch.tensor(self.stream.known(self.stage_of(round)), dtype=torch.long)
         totals = {s: [0, 0] for s in ("train", *SPLITS)}
-        for c, q, k, pairs in self._embed_all():
+        for c, q, k, pairs in self._forward_all():
             is_known = torch.isin(c.data.y, known)
             for s in totals:
                 m = c.data[f"{s}_mask"] & is_known & pairs
@@ -127,7 +120,7 @@ class RetrievalLoop(ContinualLoop):
         T = self.stream.num_stages
         mats = {s: AccuracyMatrix(T) for s in SPLITS}
         results: dict[str, list[SplitQueries]] = {s: [] for s in SPLITS}
-        for c, q, k, pairs in self._embed_all():
+        for c, q, k, pairs in self._forward_all():
             client_mat = AccuracyMatrix(T)
             for s in SPLITS:
                 r = self.split_queries(c.data, q, k, pairs, s, t)

@@ -93,18 +93,20 @@ class ContinualLoop(FederatedLoop):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def _forward_all(self) -> list[tuple[Any, Tensor, dict[str, Tensor]]]:
-        """Global model on every client's whole subgraph: (client, logits, representations)."""
+    def _forward_all(self) -> list[tuple]:
+        """Global model on every client's whole subgraph: ``(client, *outputs)``."""
         self.module.receive(self.server.global_state)
         net = self.module.net
         net.eval()
-        out = []
-        for c in self.clients:
-            reps = net.representations(c.data) if hasattr(net, "representations") else {}
-            logits = net.head(reps["z"]) if "z" in reps else net(c.data)
-            out.append((c, logits, reps))
+        out = [(c, *self._outputs(net, c.data)) for c in self.clients]
         net.train()
         return out
+
+    @staticmethod
+    def _outputs(net: Any, data: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(logits, representations)`` of the global model on one client's subgraph."""
+        reps = net.representations(data) if hasattr(net, "representations") else {}
+        return (net.head(reps["z"]) if "z" in reps else net(data)), reps
 
     def evaluate(self, round: int) -> dict[str, float]:
         """Closed-set accuracy over the known classes of the current stage, pooled."""
