@@ -4,8 +4,9 @@ is built (:func:`validate`), and instantiation that reports errors against the k
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -13,7 +14,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError
 
+if TYPE_CHECKING:
+    from fedlightning.data.temporal.events import EventStream
+
+log = logging.getLogger(__name__)
+
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+# Keys of a dataset config that are not its loader's arguments: the name the run takes
+# (declared by every dataset config) and the graph keys applied after loading.
+DISPLAY_NAME_KEY = "display_name"
+GRAPH_ONLY_KEYS = ("missing_rate",)
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -85,6 +95,39 @@ def validate(cfg: DictConfig) -> None:
             "resume",
             f"{cfg.resume!r} holds no checkpoint.pt; pass the run directory of an earlier run",
         )
+
+
+def dataset_node(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+    """``cfg.dataset`` (resolved) as its loader takes it, and the keys taken out of it:
+    ``display_name`` (what the run is named after) and the graph keys applied after loading
+    (``missing_rate``), which the default experiment sets for any dataset."""
+    node = OmegaConf.to_container(cfg.dataset, resolve=True)
+    taken = {k: node.pop(k) for k in (DISPLAY_NAME_KEY, *GRAPH_ONLY_KEYS) if k in node}
+    return OmegaConf.create(node), taken
+
+
+def build_stream(cfg: DictConfig) -> EventStream:
+    """The temporal event stream of ``cfg.dataset``, without the graph keys a composed config
+    may carry (``dataset.missing_rate`` of the default experiment: a stream has no
+    modalities to hide). Every program that reads a stream builds it here.
+
+    Raises:
+        ConfigError: naming ``dataset`` when it is not an interaction stream.
+    """
+    from fedlightning.data.temporal.events import EventStream
+
+    node, taken = dataset_node(cfg)
+    ignored = {k: v for k, v in taken.items() if k in GRAPH_ONLY_KEYS and v}
+    if ignored:
+        log.info("an interaction stream has no modalities; ignoring dataset keys %s", ignored)
+    stream = build(node, "dataset")
+    if not isinstance(stream, EventStream):
+        raise ConfigError(
+            "dataset",
+            f"{type(stream).__name__} is not a temporal event stream; choose a stream "
+            "(dataset=interactions, jodie, wikipedia, bitcoin_alpha, synthetic_stream)",
+        )
+    return stream
 
 
 def build(node: Any, key: str, **kwargs: Any) -> Any:

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch_geometric.data import Data
 
-from fedlightning.config import build, validate
+from fedlightning.config import build, dataset_node, validate
 from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
 from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
 from fedlightning.data.streams import ClassStream
@@ -63,9 +63,9 @@ def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> t
 def load_graph(cfg: DictConfig) -> MultimodalGraph:
     """Build the dataset; ``dataset.missing_rate`` (if set) hides modalities, seeded by
     ``protocol.seed``. The mask reaches the model, whose fusion ignores what is missing."""
-    node = OmegaConf.to_container(cfg.dataset, resolve=True)
-    rate = node.pop("missing_rate", 0.0)
-    graph = build(OmegaConf.create(node), "dataset")
+    node, taken = dataset_node(cfg)
+    rate = taken.get("missing_rate") or 0.0
+    graph = build(node, "dataset")
     if rate:
         if isinstance(rate, dict):
             unknown = set(rate) - set(graph.modalities)

@@ -9,8 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from fedlightning.config import build
-from fedlightning.data.temporal.events import EventStream
+from fedlightning.config import build_stream
 from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize
 from fedlightning.errors import ConfigError
 from fedlightning.runs import Run
@@ -22,9 +21,7 @@ def run_manifest(cfg: Any, out: Path) -> TemporalProtocol:
     to ``out``, print the Table 1 row and the checks, log them to MLflow."""
     if "manifest" not in cfg.protocol:
         raise ConfigError("protocol", "use protocol=temporal (or an experiment=temporal_* )")
-    stream = build(cfg.dataset, "dataset")
-    if not isinstance(stream, EventStream):
-        raise ConfigError("dataset", f"{type(stream).__name__} is not a temporal event stream")
+    stream = build_stream(cfg)
     params = OmegaConf.to_container(cfg.protocol, resolve=True)
     try:
         proto, reused = materialize(stream, params, Path(params["cache_dir"]))

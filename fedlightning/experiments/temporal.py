@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.temporal_prompt import FAMILIES
-from fedlightning.config import build
+from fedlightning.config import build, build_stream
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.protocol import TemporalProtocol, materialize
 from fedlightning.errors import ConfigError, FedLightningError
@@ -158,7 +158,7 @@ def contexts_of(
 def temporal_inputs(cfg: DictConfig) -> dict[str, Any]:
     """A Flower node's :func:`contexts_of` from its own copy of the stream: the protocol,
     bank and contexts are materialized (or reused from its cache) as the server's were."""
-    stream = build(cfg.dataset, "dataset")
+    stream = build_stream(cfg)
     params = OmegaConf.to_container(cfg.protocol, resolve=True)
     proto, _ = materialize(stream, params, Path(params["cache_dir"]))
     bank = ensure_bank(
