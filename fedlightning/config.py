@@ -59,8 +59,50 @@ def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = 
     return float(v)
 
 
+def dataset_label(cfg: DictConfig) -> str:
+    """How messages name the dataset before it is read: its ``display_name``, else its
+    ``name``, quoted."""
+    ds = OmegaConf.select(cfg, "dataset", default=None) or {}
+    for key in (DISPLAY_NAME_KEY, "name"):
+        try:
+            value = ds.get(key)
+        except Exception:  # an interpolation that fails
+            value = None
+        if value:
+            return repr(str(value))
+    return "the dataset"
+
+
+def validate_protocol(cfg: DictConfig) -> None:
+    """The rules of the partition and of the class-incremental stream that the config alone
+    decides (``docs/datasets.md``), checked before any data is read: the partitioner's
+    parameters (``partition.split``, ``partition.alpha``, ...), and under ``protocol=cil``
+    the stage layout (against the number of classes where the config fixes it),
+    ``protocol.stream.client_fraction`` and a validation fraction > 0.
+
+    Raises:
+        ConfigError: one line naming the key.
+    """
+    from fedlightning.data.streams import STAGES_KEY, check_stages, config_num_classes
+
+    stream = OmegaConf.select(cfg, "protocol.stream", default=None)
+    if stream is not None:
+        check_stages(
+            _get(cfg, STAGES_KEY), config_num_classes(_get(cfg, "dataset")), dataset_label(cfg)
+        )
+        build(stream, "protocol.stream")  # its constructor checks client_fraction
+    split = getattr(build(_get(cfg, "partition"), "partition"), "split", None)  # and alpha...
+    if stream is not None and split is not None and split[1] <= 0:
+        raise ConfigError(
+            "partition.split",
+            f"the class-incremental protocol calibrates its rejection threshold on validation "
+            f"nodes: the validation fraction must be > 0, got {list(split)}",
+        )
+
+
 def validate(cfg: DictConfig) -> None:
-    """Fail with a :class:`ConfigError` naming the key for any invalid value."""
+    """Fail with a :class:`ConfigError` naming the key for any invalid value; every rule
+    the config alone decides is checked here, before any data is read."""
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
     if missing:
         raise ConfigError(
@@ -82,6 +124,7 @@ def validate(cfg: DictConfig) -> None:
         _float(cfg, "model.net.dropout", 0.0, 0.99)
     if "lr" in _get(cfg, "model.optimizer"):
         _float(cfg, "model.optimizer.lr", 0.0, 10.0, low_open=True)
+    validate_protocol(cfg)
     if "path" in _get(cfg, "dataset"):
         path = _get(cfg, "dataset.path")
         if not Path(str(path)).is_dir():

@@ -95,7 +95,9 @@ def save_protocol(obj: Any, path: Path, resuming: bool) -> None:
     obj.save(path)
 
 
-def check_algorithm_fits_protocol(algorithm: Any, stream: ClassStream | None) -> None:
+def check_algorithm_fits_protocol(algorithm: Any, stream: Any) -> None:
+    """A class-incremental algorithm needs ``protocol=cil`` and the others refuse it;
+    ``stream`` is the class stream or its config (only whether there is one matters)."""
     continual = algorithm.continual
     if stream is not None and not continual:
         raise ConfigError(
@@ -195,7 +197,9 @@ def train_graph(
     ServerApp passes its own).
     """
     t0 = time.perf_counter()
-    validate(cfg)
+    validate(cfg)  # every rule the config alone decides, before any data is read
+    if not cfg.get("resume"):
+        check_algorithm_fits_protocol(build(cfg.algorithm, "algorithm"), cfg.protocol.get("stream"))
     if runner is None:  # first: a distributed runner joins its ranks here
         runner = build(cfg.runner, "runner")
     world = runner.world  # only rank 0 writes files; the others get its results

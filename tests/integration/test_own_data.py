@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fedlightning.data.temporal import make_synthetic_stream
+from fedlightning.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 FL = str(Path(sys.executable).parent / "fedlightning")
@@ -61,3 +63,60 @@ def test_manifest_without_an_experiment_from_the_command_line(tmp_path):
     assert r.returncode == 0, r.stderr
     table = json.loads((tmp_path / "own" / "protocol.json").read_text())["table"]
     assert table["events"] == 20000 and table["labels"] == "none" and table["classes"] == 0
+
+
+# --- rules the config alone decides: checked before any data is read ---------------------
+# (overrides, the key the one-line error names, text it holds); cora's files are never found
+# (data_root points nowhere) and the loader is replaced by one that fails if called.
+BEFORE_DATA = [
+    (["protocol.stream.stages=[2,2,2,2]"], "protocol.stream.stages", "'cora' has 7"),
+    (["protocol.stream.stages=[1,1,1]"], "protocol.stream.stages", "first stage of >= 2"),
+    (["dataset=synthetic", "dataset.num_classes=4", "protocol.stream.stages=[2,2]"],
+     "protocol.stream.stages", "at most 3 in all, e.g. [2, 1]"),
+    (["protocol.stream.client_fraction=0"], "protocol.stream.client_fraction", "(0, 1]"),
+    (["partition.split=[0.8,0.0,0.2]"], "partition.split", "validation fraction must be > 0"),
+    (["partition=dirichlet", "partition.alpha=0"], "partition.alpha", "> 0"),
+    (["algorithm=fedavg"], "algorithm", "not a class-incremental algorithm"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides, key, text", BEFORE_DATA)
+def test_config_only_rules_fail_before_any_data_is_read(
+    overrides, key, text, tmp_env, compose, monkeypatch
+):
+    import fedlightning.experiments.graph as graph_program
+    from fedlightning.train import train
+
+    def no_data(cfg):
+        raise AssertionError("data was read before the config was checked")
+
+    monkeypatch.setattr(graph_program, "load_graph", no_data)
+    base = ["experiment=cil_fedavg_cora", f"data_root={tmp_env / 'nowhere'}", "logger=none"]
+    with pytest.raises(ConfigError) as err:
+        train(compose([*base, *overrides]), tmp_env / "run", verbose=False)
+    assert err.value.key == key and text in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_env / "run").exists()  # no run began
+
+
+def test_bad_stages_of_a_folder_not_yet_written_name_the_stages(tmp_env, compose):
+    """A folder's classes are known only once its labels are read, but the layout rules
+    hold for any dataset: the stages error comes first, before the folder is looked at."""
+    from fedlightning.config import validate
+
+    over = ["experiment=cil_fedavg_cora", "dataset=folder", f"dataset.path={tmp_env / 'later'}"]
+    with pytest.raises(ConfigError, match="protocol.stream.stages"):
+        validate(compose([*over, "protocol.stream.stages=[1,1,1]"]))
+    # C unknown: any good layout passes, and then the missing folder is named
+    with pytest.raises(ConfigError, match="dataset.path"):
+        validate(compose([*over, "protocol.stream.stages=[2,2,2,2,2]"]))
+
+
+def test_bad_stages_from_the_command_line_is_one_line(tmp_path):
+    r = fl(["train", "experiment=cil_fedavg_cora", "protocol.stream.stages=[1,1,1]",
+            f"data_root={tmp_path / 'nowhere'}", "logger=none"], tmp_path)  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: config `protocol.stream.stages`: need a first stage of >= 2 classes and >= 1 "
+        "class per later stage, got [1, 1, 1]"
+    ]
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.json"))
