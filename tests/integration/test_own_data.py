@@ -120,3 +120,36 @@ def test_bad_stages_from_the_command_line_is_one_line(tmp_path):
         "class per later stage, got [1, 1, 1]"
     ]
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.json"))
+
+
+# --- a label-free stream runs link prediction only -----------------------------------------
+FEDTIP_SMALL = [  # as tests/integration/test_fedtip.py: a few tasks, a small bank
+    "protocol.tasks.num_tasks=3",
+    "federation.rounds=2",
+    "federation.local_epochs=2",
+    "bank.epochs=1",
+    "bank.max_events=2000",
+    "logger=none",
+]
+
+
+def test_a_label_free_stream_runs_link_prediction_only(tmp_env, compose, caplog):
+    """`families: auto` (the synthetic recipe's) resolves to `lp` on a `src dst time` file:
+    the summary, the tag and the metrics say so; `families=[nc, lp]` is refused."""
+    import logging
+
+    from fedlightning.train import train
+
+    path = write_label_free(tmp_env / "ratings.txt")
+    over = ["experiment=fedtip_synthetic", "dataset=interactions", f"dataset.path={path}",
+            "dataset.bipartite=false", *FEDTIP_SMALL]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="fedlightning.experiments.temporal"):
+        s = train(compose(over), tmp_env / "run", verbose=False)
+    assert "families=auto: lp on ratings (no usable state labels)" in caplog.messages
+    assert s["families"] == ["lp"] and s["tags"]["families"] == "lp"
+    assert s["tags"]["dataset"] == "ratings" and s["tasks_done"] == 3
+    assert 0.0 <= s["metrics"]["auc_tlp"] <= 1.0 and "auc_nc" not in s["metrics"]
+    assert set(s["comm"]["message_values"]) == {"lp"}
+    with pytest.raises(ConfigError, match="families") as err:
+        train(compose([*over, "families=[nc,lp]"]), tmp_env / "nc", verbose=False)
+    assert "ratings has none" in str(err.value) and "\n" not in str(err.value)
