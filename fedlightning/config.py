@@ -4,7 +4,9 @@ is built (:func:`validate`), and instantiation that reports errors against the k
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,51 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 # (declared by every dataset config) and the graph keys applied after loading.
 DISPLAY_NAME_KEY = "display_name"
 GRAPH_ONLY_KEYS = ("missing_rate",)
+
+
+def data_name(value: Any, kind: str = "name", override: Any = None) -> str:
+    """The name a run takes from its data: the resolver ``${fl.data_name:VALUE,KIND,NAME}``
+    of the dataset configs' ``display_name`` (the run's folder and MLflow run name).
+
+    ``override`` (the dataset's ``name`` key) when set; else ``value`` read by ``kind``:
+    ``file``, the file name without its suffix (``messages.txt`` -> ``messages``);
+    ``folder``, a folder in the folder format: the name its ``meta.json`` gives (as the
+    loader names the graph), else the folder's own name (``data/my_graph/`` -> ``my_graph``);
+    ``dir``, the folder's own name; ``name``, as is. Characters other than letters, digits,
+    ``.``, ``-`` and ``_`` become ``_``, so the name is one folder name. Nothing but a
+    folder's ``meta.json`` is read (an unreadable one is left to the loader to report).
+    """
+    if override is not None and str(override) != "":
+        raw = str(override)
+    elif kind == "file":
+        raw = Path(str(value)).stem
+    elif kind in ("folder", "dir"):
+        folder = Path(str(value)).expanduser().resolve()
+        raw = (_meta_name(folder) if kind == "folder" else None) or folder.name
+    elif kind == "name":
+        raw = str(value)
+    else:
+        raise ValueError(f"fl.data_name: kind must be file, folder, dir or name, got {kind!r}")
+    return re.sub(r"[^\w.-]+", "_", raw).strip("._") or "data"
+
+
+def _meta_name(folder: Path) -> str | None:
+    """The ``name`` of ``folder/meta.json``, if it is there and readable."""
+    try:
+        name = json.loads((folder / "meta.json").read_text(encoding="utf-8")).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(name) if name else None
+
+
+def run_label(cfg: Any) -> str:
+    """The dataset's ``display_name`` (``data`` for a config without one, such as a run
+    saved before the key existed)."""
+    return str(OmegaConf.select(cfg, f"dataset.{DISPLAY_NAME_KEY}", default=None) or "data")
+
+
+if not OmegaConf.has_resolver("fl.data_name"):
+    OmegaConf.register_new_resolver("fl.data_name", data_name)
 
 
 def compose(overrides: list[str]) -> DictConfig:

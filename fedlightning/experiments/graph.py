@@ -30,9 +30,11 @@ from fedlightning.runs import (
     prepare_run_dir,
     summary_table,
 )
+from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
 
 log = logging.getLogger("fedlightning")
+CLASS_NAMES_FILE = "class_names.json"
 
 
 def build_client(graph: MultimodalGraph, partition: Partition, k: int) -> FederatedClient:
@@ -145,9 +147,12 @@ def format_summary(summary: dict[str, Any]) -> str:
 def build_protocol(
     cfg: DictConfig, graph: MultimodalGraph, run_dir: Path, resuming: bool
 ) -> tuple[Partition, ClassStream | None, dict[str, str]]:
-    """The protocol objects (partition; class stream under ``protocol=cil``), saved, hashed."""
+    """The protocol objects (partition; class stream under ``protocol=cil``), saved, hashed;
+    beside them ``class_names.json``, the name of class ``0``, ``1``, ... (the folder
+    format's file), so that a run's label ids read back as the data's own classes."""
     partition = build(cfg.partition, "partition")(graph, cfg.federation.clients, cfg.protocol.seed)
     save_protocol(partition, run_dir / "partition.json", resuming)
+    write_json(run_dir / CLASS_NAMES_FILE, list(graph.class_names), indent=None)
     hashes = {"partition": partition.hash}
     if cfg.protocol.get("stream") is None:
         return partition, None, hashes
@@ -268,7 +273,7 @@ def train_graph(
     artifacts = []
     if world.is_main:
         artifacts = loop.write_artifacts(run_dir, f"{cfg.name} ({algorithm.name}, {graph.name})")
-    protocol_files = [run_dir / f for f in ("partition.json", "stream.json")]
+    protocol_files = [run_dir / f for f in ("partition.json", "stream.json", CLASS_NAMES_FILE)]
     return run.finish(
         summary,
         step=loop.completed_rounds,

@@ -153,3 +153,103 @@ def test_a_label_free_stream_runs_link_prediction_only(tmp_env, compose, caplog)
     with pytest.raises(ConfigError, match="families") as err:
         train(compose([*over, "families=[nc,lp]"]), tmp_env / "nc", verbose=False)
     assert "ratings has none" in str(err.value) and "\n" not in str(err.value)
+
+
+# --- names that follow the data --------------------------------------------------------------
+DATASETS = sorted(p.stem for p in (REPO / "conf" / "dataset").glob("*.yaml"))
+
+
+def run_dir_of(overrides: list[str]) -> str:
+    """``hydra.run.dir`` as ``fedlightning train OVERRIDES`` resolves it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from fedlightning.config import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+        return str(cfg.hydra.run.dir)
+
+
+@pytest.mark.parametrize(
+    "overrides, data, experiment",
+    [
+        (["experiment=cil_fedavg_cora"], "cora", "cil_fedavg_cora"),
+        (["experiment=cil_fedavg_cora", "dataset=folder", "dataset.path=/d/my graph/"],
+         "my_graph", "cil_fedavg_cora"),  # the folder's name, made one folder name
+        (["experiment=cil_fedavg_cora", "dataset=folder", "dataset.path=/d/g",
+          "dataset.name=mine"], "mine", "cil_fedavg_cora"),
+        (["experiment=fedtip_synthetic", "dataset=interactions", "dataset.path=/d/ratings.txt"],
+         "ratings", "fedtip_synthetic"),  # the file's stem
+        (["experiment=fedtip_bitcoin_alpha", "dataset.name=bitcoin_otc"], "bitcoin_otc",
+         "fedtip_bitcoin_alpha"),
+        (["experiment=fedtip_wikipedia", "dataset=jodie", "dataset.path=/d/reddit.csv"],
+         "reddit", "fedtip_wikipedia"),
+        ([], "synthetic", "demo"),
+    ],
+)  # fmt: skip
+def test_the_run_folder_takes_the_data_name_and_the_experiment_stays_the_recipe(
+    overrides, data, experiment, compose
+):
+    prefix, stamp = run_dir_of(overrides).rsplit("/", 1)
+    assert prefix == f"outputs/{data}/{experiment}" and stamp[:2] == "20"
+    cfg = compose(overrides)
+    assert cfg.dataset.display_name == data and cfg.name == experiment
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_every_dataset_config_declares_its_display_name(dataset, compose):
+    over = [f"dataset={dataset}", "dataset.path=/d/x.csv"]
+    cfg = compose(over if "path: ???" in (REPO / "conf/dataset" / f"{dataset}.yaml").read_text()
+                  else [f"dataset={dataset}"])  # fmt: skip
+    assert isinstance(cfg.dataset.display_name, str) and cfg.dataset.display_name
+
+
+def test_data_name_reads_files_folders_and_names(tmp_path):
+    from fedlightning.config import data_name
+
+    assert data_name("/d/messages.txt", "file") == "messages"
+    assert data_name("/d/my_graph/", "folder") == "my_graph"
+    assert data_name("/d/my_graph", "folder", "given") == "given"
+    assert data_name("a/b c:d", "name") == "a_b_c_d" and data_name("///", "name") == "data"
+    # a folder-format folder's meta.json names it, as the loader names the graph
+    folder = tmp_path / "v2"
+    folder.mkdir()
+    (folder / "meta.json").write_text('{"name": "pages"}')
+    assert data_name(folder, "folder") == "pages" and data_name(folder, "dir") == "v2"
+    (folder / "meta.json").write_text("{not json")  # the loader reports it; the name falls back
+    assert data_name(folder, "folder") == "v2"
+
+
+def test_a_folder_run_is_named_after_the_folder_and_keeps_its_class_names(tmp_path):
+    """From the command line: `dataset=folder` with class-name labels under a recipe of
+    another dataset. The run folder and MLflow run name take the folder's name, the
+    experiment stays the recipe's, and class_names.json (next to partition.json, and an
+    artifact) maps the label ids back to the names."""
+    from fedlightning.data.graphs import make_synthetic, save_folder
+
+    g = make_synthetic(num_nodes=200, num_classes=4, modalities={"text": 8}, missing_rate=0.0,
+                       p_in=0.1, p_out=0.005, seed=0)  # fmt: skip
+    folder = tmp_path / "my_graph"
+    save_folder(g, folder)
+    for f in ("labels.npy", "class_names.json", "meta.json"):  # named by its folder
+        (folder / f).unlink()
+    names = ["ML", "AI", "IR", "DB"]  # named labels: ids in sorted order AI, DB, IR, ML
+    (folder / "labels.csv").write_text("".join(f"{names[y]}\n" for y in g.y.tolist()))
+    r = fl(["train", "experiment=cil_fedavg_cora", "dataset=folder", f"dataset.path={folder}",
+            "protocol.stream.stages=[2,1]", "federation.rounds=1", "federation.clients=2"],
+           tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run,) = (tmp_path / "outputs" / "my_graph" / "cil_fedavg_cora").iterdir()
+    assert json.loads((run / "class_names.json").read_text()) == ["AI", "DB", "IR", "ML"]
+    assert (run / "partition.json").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["experiment"] == "cil_fedavg_cora" and summary["tags"]["dataset"] == "my_graph"
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mrun = client.get_run(json.loads((run / "mlflow_run.json").read_text())["run_id"])
+    assert mrun.info.run_name == f"my_graph-cil_fedavg_cora-{run.name}"
+    assert mrun.data.tags["experiment"] == "cil_fedavg_cora"
+    assert "class_names.json" in {a.path for a in client.list_artifacts(mrun.info.run_id)}

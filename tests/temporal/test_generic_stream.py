@@ -134,13 +134,13 @@ def test_equals_the_dedicated_loaders_on_the_real_files(tmp_path, shared_data):
 
 
 def test_config_entry_requires_bipartite(tmp_path, compose):
-    from fedlightning.config import build
+    from fedlightning.config import build_stream
 
     p = _write(tmp_path, "msgs.txt", MESSAGES)
     over = ["experiment=temporal_wikipedia", "dataset=interactions", f"dataset.path={p}"]
-    assert build(compose([*over, "dataset.bipartite=false"]).dataset, "dataset").num_nodes == 5
+    assert build_stream(compose([*over, "dataset.bipartite=false"])).num_nodes == 5
     with pytest.raises(ConfigError, match="dataset.bipartite"):  # one line, from the loader
-        build(compose(over).dataset, "dataset")
+        build_stream(compose(over))
 
 
 # (file text, keyword arguments, text expected in the message)
