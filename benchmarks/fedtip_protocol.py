@@ -30,7 +30,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from fedlightning.clients.temporal_prompt import stack_batches
-from fedlightning.config import build
+from fedlightning.config import build, build_stream
 from fedlightning.data.temporal.protocol import materialize
 from fedlightning.experiments.temporal import eval_batches, task_batches
 from fedlightning.federation.executors import LeanExecutor
@@ -51,7 +51,7 @@ INPUTS = ("h_u", "h_i", "te", "x", "r_u", "r_i")
 def setup(experiment: str, tasks: int):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={experiment}", "logger=none"])
-    stream = build(cfg.dataset, "dataset")
+    stream = build_stream(cfg)
     params = OmegaConf.to_container(cfg.protocol, resolve=True)
     proto, _ = materialize(stream, params, Path(params["cache_dir"]))
     bank_cfg = BankConfig(**OmegaConf.to_container(cfg.bank, resolve=True))

@@ -9,7 +9,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fedlightning.config import CONF_DIR, compose
+from fedlightning.config import CONF_DIR, compose, run_label
 from fedlightning.errors import ConfigError, FedLightningError
 
 USAGE = """usage: fedlightning COMMAND [hydra overrides]
@@ -17,7 +17,7 @@ USAGE = """usage: fedlightning COMMAND [hydra overrides]
 commands:
   train     run an experiment: fedlightning train experiment=fedavg_cora federation.rounds=20
             multirun:          fedlightning train -m seed=0,1,2
-            resume:            fedlightning train resume=outputs/<experiment>/<run>
+            resume:            fedlightning train resume=outputs/<data>/<experiment>/<run>
             show the config:   fedlightning train --cfg job
   sweep     run (or resume) an Optuna study: fedlightning sweep sweeps/fedprox_mu_cora.yaml
             options: --trials N --storage URI --study NAME --out DIR, then Hydra overrides
@@ -26,7 +26,7 @@ commands:
             (fedlightning report --help for the layouts and filters)
   flower-sim  the experiment as a Flower app in Flower's simulation engine (runner=flower):
             fedlightning flower-sim experiment=fedavg_cora [--run-dir DIR]
-            resume:  fedlightning flower-sim resume=outputs/<experiment>/<run>
+            resume:  fedlightning flower-sim resume=outputs/<data>/<experiment>/<run>
             a real deployment: flwr run tools/flower (docs/scaling.md)
   data features RAW --out DIR
             encode raw node texts and images into a dataset folder (dataset=folder):
@@ -230,7 +230,7 @@ def _flower_sim(rest: list[str]) -> int:
         description="Run an experiment as a Flower app in Flower's simulation engine, one "
         "virtual node per client (runner=flower; docs/scaling.md).",
     )
-    ap.add_argument("--run-dir", type=Path, help="run directory (default outputs/<name>/<time>)")
+    ap.add_argument("--run-dir", type=Path, help="default outputs/<data>/<name>/<time>")
     args, overrides = ap.parse_known_args(rest)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("fedlightning").setLevel(logging.INFO)  # rounds; others' warnings only
@@ -254,10 +254,10 @@ def _manifest(rest: list[str]) -> int:
         prog="fedlightning data manifest",
         description="Materialize the chronological manifest, ownership, tasks and negatives.",
     )
-    ap.add_argument("--out", type=Path, help="default: outputs/<experiment>/protocol")
+    ap.add_argument("--out", type=Path, help="default: outputs/<data>/<experiment>/protocol")
     args, overrides = ap.parse_known_args(rest)
     cfg = compose(overrides)
-    run_manifest(cfg, args.out or Path("outputs") / str(cfg.name) / "protocol")
+    run_manifest(cfg, args.out or Path("outputs") / run_label(cfg) / str(cfg.name) / "protocol")
     return 0
 
 

@@ -4,8 +4,11 @@ is built (:func:`validate`), and instantiation that reports errors against the k
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -13,7 +16,61 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError
 
+if TYPE_CHECKING:
+    from fedlightning.data.temporal.events import EventStream
+
+log = logging.getLogger(__name__)
+
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+# Keys of a dataset config that are not its loader's arguments: the name the run takes
+# (declared by every dataset config) and the graph keys applied after loading.
+DISPLAY_NAME_KEY = "display_name"
+GRAPH_ONLY_KEYS = ("missing_rate",)
+
+
+def data_name(value: Any, kind: str = "name", override: Any = None) -> str:
+    """The name a run takes from its data: the resolver ``${fl.data_name:VALUE,KIND,NAME}``
+    of the dataset configs' ``display_name`` (the run's folder and MLflow run name).
+
+    ``override`` (the dataset's ``name`` key) when set; else ``value`` read by ``kind``:
+    ``file``, the file name without its suffix (``messages.txt`` -> ``messages``);
+    ``folder``, a folder in the folder format: the name its ``meta.json`` gives (as the
+    loader names the graph), else the folder's own name (``data/my_graph/`` -> ``my_graph``);
+    ``dir``, the folder's own name; ``name``, as is. Characters other than letters, digits,
+    ``.``, ``-`` and ``_`` become ``_``, so the name is one folder name. Nothing but a
+    folder's ``meta.json`` is read (an unreadable one is left to the loader to report).
+    """
+    if override is not None and str(override) != "":
+        raw = str(override)
+    elif kind == "file":
+        raw = Path(str(value)).stem
+    elif kind in ("folder", "dir"):
+        folder = Path(str(value)).expanduser().resolve()
+        raw = (_meta_name(folder) if kind == "folder" else None) or folder.name
+    elif kind == "name":
+        raw = str(value)
+    else:
+        raise ValueError(f"fl.data_name: kind must be file, folder, dir or name, got {kind!r}")
+    return re.sub(r"[^\w.-]+", "_", raw).strip("._") or "data"
+
+
+def _meta_name(folder: Path) -> str | None:
+    """The ``name`` of ``folder/meta.json``, if it is there and readable."""
+    try:
+        name = json.loads((folder / "meta.json").read_text(encoding="utf-8")).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(name) if name else None
+
+
+def run_label(cfg: Any) -> str:
+    """The dataset's ``display_name`` (``data`` for a config without one, such as a run
+    saved before the key existed)."""
+    return str(OmegaConf.select(cfg, f"dataset.{DISPLAY_NAME_KEY}", default=None) or "data")
+
+
+if not OmegaConf.has_resolver("fl.data_name"):
+    OmegaConf.register_new_resolver("fl.data_name", data_name)
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -49,8 +106,50 @@ def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = 
     return float(v)
 
 
+def dataset_label(cfg: DictConfig) -> str:
+    """How messages name the dataset before it is read: its ``display_name``, else its
+    ``name``, quoted."""
+    ds = OmegaConf.select(cfg, "dataset", default=None) or {}
+    for key in (DISPLAY_NAME_KEY, "name"):
+        try:
+            value = ds.get(key)
+        except Exception:  # an interpolation that fails
+            value = None
+        if value:
+            return repr(str(value))
+    return "the dataset"
+
+
+def validate_protocol(cfg: DictConfig) -> None:
+    """The rules of the partition and of the class-incremental stream that the config alone
+    decides (``docs/datasets.md``), checked before any data is read: the partitioner's
+    parameters (``partition.split``, ``partition.alpha``, ...), and under ``protocol=cil``
+    the stage layout (against the number of classes where the config fixes it),
+    ``protocol.stream.client_fraction`` and a validation fraction > 0.
+
+    Raises:
+        ConfigError: one line naming the key.
+    """
+    from fedlightning.data.streams import STAGES_KEY, check_stages, config_num_classes
+
+    stream = OmegaConf.select(cfg, "protocol.stream", default=None)
+    if stream is not None:
+        check_stages(
+            _get(cfg, STAGES_KEY), config_num_classes(_get(cfg, "dataset")), dataset_label(cfg)
+        )
+        build(stream, "protocol.stream")  # its constructor checks client_fraction
+    split = getattr(build(_get(cfg, "partition"), "partition"), "split", None)  # and alpha...
+    if stream is not None and split is not None and split[1] <= 0:
+        raise ConfigError(
+            "partition.split",
+            f"the class-incremental protocol calibrates its rejection threshold on validation "
+            f"nodes: the validation fraction must be > 0, got {list(split)}",
+        )
+
+
 def validate(cfg: DictConfig) -> None:
-    """Fail with a :class:`ConfigError` naming the key for any invalid value."""
+    """Fail with a :class:`ConfigError` naming the key for any invalid value; every rule
+    the config alone decides is checked here, before any data is read."""
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
     if missing:
         raise ConfigError(
@@ -72,6 +171,7 @@ def validate(cfg: DictConfig) -> None:
         _float(cfg, "model.net.dropout", 0.0, 0.99)
     if "lr" in _get(cfg, "model.optimizer"):
         _float(cfg, "model.optimizer.lr", 0.0, 10.0, low_open=True)
+    validate_protocol(cfg)
     if "path" in _get(cfg, "dataset"):
         path = _get(cfg, "dataset.path")
         if not Path(str(path)).is_dir():
@@ -85,6 +185,39 @@ def validate(cfg: DictConfig) -> None:
             "resume",
             f"{cfg.resume!r} holds no checkpoint.pt; pass the run directory of an earlier run",
         )
+
+
+def dataset_node(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+    """``cfg.dataset`` (resolved) as its loader takes it, and the keys taken out of it:
+    ``display_name`` (what the run is named after) and the graph keys applied after loading
+    (``missing_rate``), which the default experiment sets for any dataset."""
+    node = OmegaConf.to_container(cfg.dataset, resolve=True)
+    taken = {k: node.pop(k) for k in (DISPLAY_NAME_KEY, *GRAPH_ONLY_KEYS) if k in node}
+    return OmegaConf.create(node), taken
+
+
+def build_stream(cfg: DictConfig) -> EventStream:
+    """The temporal event stream of ``cfg.dataset``, without the graph keys a composed config
+    may carry (``dataset.missing_rate`` of the default experiment: a stream has no
+    modalities to hide). Every program that reads a stream builds it here.
+
+    Raises:
+        ConfigError: naming ``dataset`` when it is not an interaction stream.
+    """
+    from fedlightning.data.temporal.events import EventStream
+
+    node, taken = dataset_node(cfg)
+    ignored = {k: v for k, v in taken.items() if k in GRAPH_ONLY_KEYS and v}
+    if ignored:
+        log.info("an interaction stream has no modalities; ignoring dataset keys %s", ignored)
+    stream = build(node, "dataset")
+    if not isinstance(stream, EventStream):
+        raise ConfigError(
+            "dataset",
+            f"{type(stream).__name__} is not a temporal event stream; choose a stream "
+            "(dataset=interactions, jodie, wikipedia, bitcoin_alpha, synthetic_stream)",
+        )
+    return stream
 
 
 def build(node: Any, key: str, **kwargs: Any) -> Any:

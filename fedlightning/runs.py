@@ -133,7 +133,9 @@ class Run:
         record_id: bool = True,
     ) -> Run:
         """Start (or, on resume, continue) the MLflow run with ``tags`` and ``params``
-        (default: the resolved config); record its id in the run directory (``record_id``)."""
+        (default: the resolved config); record its id in the run directory (``record_id``).
+        Its name (default): ``<data>-<experiment>-<run folder>``, the data's
+        ``dataset.display_name`` first."""
         self.tags = dict(tags)
         run_id = None
         saved = self.run_dir / MLFLOW_RUN_FILE
@@ -143,7 +145,9 @@ class Run:
         mlflow_tags = {**self.tags, "mlflow.parentRunId": str(parent)} if parent else self.tags
         if params is None:
             params = flatten(OmegaConf.to_container(self.cfg, resolve=True))
-        name = name or f"{self.cfg.name}-{self.run_dir.name}"
+        from fedlightning.config import run_label  # (Hydra only when a run starts)
+
+        name = name or f"{run_label(self.cfg)}-{self.cfg.name}-{self.run_dir.name}"
         run_id = self.tracker.start(name, mlflow_tags, params, run_id=run_id)
         if run_id and self.is_main and record_id:
             write_json(saved, {"run_id": run_id, "tracking_uri": self.cfg.logger.tracking_uri})

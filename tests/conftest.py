@@ -9,6 +9,8 @@ import pytest
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
+import fedlightning.config  # noqa: F401  (registers the configs' resolvers, e.g. fl.data_name)
+
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = str(REPO / "conf")
 SHARED_DATA = Path(os.environ.get("FEDLIGHTNING_TEST_DATA", REPO.parent / "shared" / "data"))

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch_geometric.data import Data
 
-from fedlightning.config import build, validate
+from fedlightning.config import build, dataset_node, validate
 from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
 from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
 from fedlightning.data.streams import ClassStream
@@ -30,9 +30,11 @@ from fedlightning.runs import (
     prepare_run_dir,
     summary_table,
 )
+from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
 
 log = logging.getLogger("fedlightning")
+CLASS_NAMES_FILE = "class_names.json"
 
 
 def build_client(graph: MultimodalGraph, partition: Partition, k: int) -> FederatedClient:
@@ -63,9 +65,9 @@ def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> t
 def load_graph(cfg: DictConfig) -> MultimodalGraph:
     """Build the dataset; ``dataset.missing_rate`` (if set) hides modalities, seeded by
     ``protocol.seed``. The mask reaches the model, whose fusion ignores what is missing."""
-    node = OmegaConf.to_container(cfg.dataset, resolve=True)
-    rate = node.pop("missing_rate", 0.0)
-    graph = build(OmegaConf.create(node), "dataset")
+    node, taken = dataset_node(cfg)
+    rate = taken.get("missing_rate") or 0.0
+    graph = build(node, "dataset")
     if rate:
         if isinstance(rate, dict):
             unknown = set(rate) - set(graph.modalities)
@@ -95,7 +97,9 @@ def save_protocol(obj: Any, path: Path, resuming: bool) -> None:
     obj.save(path)
 
 
-def check_algorithm_fits_protocol(algorithm: Any, stream: ClassStream | None) -> None:
+def check_algorithm_fits_protocol(algorithm: Any, stream: Any) -> None:
+    """A class-incremental algorithm needs ``protocol=cil`` and the others refuse it;
+    ``stream`` is the class stream or its config (only whether there is one matters)."""
     continual = algorithm.continual
     if stream is not None and not continual:
         raise ConfigError(
@@ -143,9 +147,12 @@ def format_summary(summary: dict[str, Any]) -> str:
 def build_protocol(
     cfg: DictConfig, graph: MultimodalGraph, run_dir: Path, resuming: bool
 ) -> tuple[Partition, ClassStream | None, dict[str, str]]:
-    """The protocol objects (partition; class stream under ``protocol=cil``), saved, hashed."""
+    """The protocol objects (partition; class stream under ``protocol=cil``), saved, hashed;
+    beside them ``class_names.json``, the name of class ``0``, ``1``, ... (the folder
+    format's file), so that a run's label ids read back as the data's own classes."""
     partition = build(cfg.partition, "partition")(graph, cfg.federation.clients, cfg.protocol.seed)
     save_protocol(partition, run_dir / "partition.json", resuming)
+    write_json(run_dir / CLASS_NAMES_FILE, list(graph.class_names), indent=None)
     hashes = {"partition": partition.hash}
     if cfg.protocol.get("stream") is None:
         return partition, None, hashes
@@ -195,7 +202,9 @@ def train_graph(
     ServerApp passes its own).
     """
     t0 = time.perf_counter()
-    validate(cfg)
+    validate(cfg)  # every rule the config alone decides, before any data is read
+    if not cfg.get("resume"):
+        check_algorithm_fits_protocol(build(cfg.algorithm, "algorithm"), cfg.protocol.get("stream"))
     if runner is None:  # first: a distributed runner joins its ranks here
         runner = build(cfg.runner, "runner")
     world = runner.world  # only rank 0 writes files; the others get its results
@@ -264,7 +273,7 @@ def train_graph(
     artifacts = []
     if world.is_main:
         artifacts = loop.write_artifacts(run_dir, f"{cfg.name} ({algorithm.name}, {graph.name})")
-    protocol_files = [run_dir / f for f in ("partition.json", "stream.json")]
+    protocol_files = [run_dir / f for f in ("partition.json", "stream.json", CLASS_NAMES_FILE)]
     return run.finish(
         summary,
         step=loop.completed_rounds,

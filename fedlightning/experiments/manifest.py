@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedlightning.config import build
+from fedlightning.config import build_stream
 from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize_checked
 from fedlightning.errors import ConfigError
 from fedlightning.runs import Run
@@ -19,7 +19,7 @@ def run_manifest(cfg: Any, out: Path) -> TemporalProtocol:
     to ``out``, print the Table 1 row and the checks, log them to MLflow."""
     if "manifest" not in cfg.protocol:
         raise ConfigError("protocol", "use protocol=temporal (or an experiment=temporal_* )")
-    stream = build(cfg.dataset, "dataset")
+    stream = build_stream(cfg)
     params, proto, reused = materialize_checked(stream, cfg.protocol)
     existing = out / "protocol.json"
     if existing.exists() and json.loads(existing.read_text())["hashes"] != proto.hashes:

@@ -2,7 +2,8 @@
 contexts, then every task of the manifest (:class:`~fedlightning.federation.tasks.TaskLoop`),
 with MLflow logging, a checkpoint per task and ``summary.json``.
 
-The run is tagged ``task=temporal`` and ``families=nc,lp`` (the families it ran, in order);
+The run is tagged ``task=temporal`` and ``families=nc,lp`` (the families it ran, in order;
+``families: auto`` resolved against the stream, so a label-free stream runs ``lp`` only);
 its metrics carry each family's AUCs under their own names (``auc_nc``; ``auc_tlp``,
 ``auc_ilp``), so reports select node classification or link prediction by the tag.
 
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.temporal_prompt import FAMILIES
-from fedlightning.config import build
+from fedlightning.config import build, build_stream
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.protocol import TemporalProtocol, materialize
 from fedlightning.errors import ConfigError, FedLightningError
@@ -40,6 +41,7 @@ from fedlightning.tracking import NullTracker
 
 log = logging.getLogger(__name__)
 
+AUTO = "auto"  # families: every family the stream supports
 LOG_EVERY = 10  # tasks per batch of MLflow metrics
 PAPER_MESSAGE_VALUES = 1050  # paper 001, Sec. 5.4: 0.40 MiB over 5 clients x 20 rounds
 
@@ -90,14 +92,40 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
 
 
 def check_families(families: Any, stream: EventStream | None) -> list[str]:
-    """The task families to run; node classification needs the stream's state labels."""
+    """The task families to run, checked against ``stream`` (``None``: before it is read).
+
+    ``families`` is a non-empty list of :data:`FAMILIES` or ``auto``: every family the stream
+    supports, in the order of :data:`FAMILIES` (link prediction always; node classification
+    when the stream has usable state labels, :attr:`EventStream.has_labels`), logged at INFO.
+    Before the stream is read, ``auto`` stands for every family. Node classification asked
+    for by name on a stream without usable labels is refused.
+
+    Raises:
+        ConfigError: one line naming ``families``.
+    """
+    if isinstance(families, str):
+        if families != AUTO:
+            raise ConfigError(
+                "families", f"`{AUTO}` or a non-empty list of {list(FAMILIES)}, got {families!r}"
+            )
+        if stream is None:
+            return list(FAMILIES)
+        fams = [f for f in FAMILIES if f != "nc" or stream.has_labels]
+        why = "state labels 0/1" if stream.has_labels else "no usable state labels"
+        log.info("families=auto: %s on %s (%s)", ",".join(fams), stream.name, why)
+        return fams
     fams = list(families or [])
     bad = [f for f in fams if f not in FAMILIES]
     if not fams or bad:
-        raise ConfigError("families", f"a non-empty list of {list(FAMILIES)}, got {fams}")
-    if stream is not None and "nc" in fams and stream.label is None:
         raise ConfigError(
-            "families", f"node classification needs state labels; {stream.name} has none"
+            "families", f"`{AUTO}` or a non-empty list of {list(FAMILIES)}, got {fams}"
+        )
+    if stream is not None and "nc" in fams and not stream.has_labels:
+        has = "none" if stream.label is None else "one value only"
+        raise ConfigError(
+            "families",
+            f"node classification needs state labels 0 and 1; {stream.name} has {has}: use "
+            f"families=[lp] or families={AUTO}",
         )
     return fams
 
@@ -158,7 +186,7 @@ def contexts_of(
 def temporal_inputs(cfg: DictConfig) -> dict[str, Any]:
     """A Flower node's :func:`contexts_of` from its own copy of the stream: the protocol,
     bank and contexts are materialized (or reused from its cache) as the server's were."""
-    stream = build(cfg.dataset, "dataset")
+    stream = build_stream(cfg)
     params = OmegaConf.to_container(cfg.protocol, resolve=True)
     proto, _ = materialize(stream, params, Path(params["cache_dir"]))
     bank = ensure_bank(

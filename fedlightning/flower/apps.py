@@ -34,7 +34,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
 
-from fedlightning.config import build
+from fedlightning.config import build, run_label
 from fedlightning.errors import ConfigError
 from fedlightning.flower.node import node_folder, open_node, setup_node
 from fedlightning.flower.records import (
@@ -78,8 +78,9 @@ def check_flower_task(cfg: DictConfig) -> None:
 
 
 def default_run_dir(cfg: DictConfig) -> Path:
-    """``outputs/<name>/<time>``, as ``fedlightning train`` names its runs."""
-    return Path("outputs") / str(cfg.name) / datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
+    """``outputs/<data>/<name>/<time>``, as ``fedlightning train`` names its runs."""
+    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
+    return Path("outputs") / run_label(cfg) / str(cfg.name) / stamp
 
 
 def serve(grid: Grid, overrides: list[str], run_dir: Path | None = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fedlightning.config import build
+from fedlightning.config import build_stream
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
 from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize_checked
@@ -63,7 +63,7 @@ def temporal_setup(cfg: DictConfig, run_dir: Path):
         bank_config(cfg)  # checked before a run directory is made
     cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
     bank_cfg = bank_config(cfg)  # on resume, the saved run's bank, not this invocation's
-    stream = build(cfg.dataset, "dataset")
+    stream = build_stream(cfg)
     _, proto, _ = materialize_checked(stream, cfg.protocol)
     saved = run_dir / "protocol.json"
     if resuming and saved.exists():

@@ -442,7 +442,8 @@ def test_bad_labels_as():
 
 def test_folder_config_passes_the_keys(tmp_path, compose):
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+
+    from fedlightning.config import dataset_node
 
     folder = write_small(tmp_path / "ds")
     (folder / "edges.csv").write_text("to,from\n1,0\n")
@@ -454,7 +455,6 @@ def test_folder_config_passes_the_keys(tmp_path, compose):
             "dataset.dst_column=to",
         ]
     )
-    node = OmegaConf.to_container(cfg.dataset, resolve=True)
-    node.pop("missing_rate", None)  # the default experiment's; the trainer takes it out
-    assert node["labels_as"] == "auto"
+    node, taken = dataset_node(cfg)  # the loader's arguments, as the trainer builds them
+    assert node["labels_as"] == "auto" and taken["display_name"] == "small"  # meta.json's
     assert instantiate(node).num_edges == 1

@@ -205,7 +205,7 @@ def sequential(compose, overrides: list[str], run_dir: Path) -> dict:
 def test_two_gloo_ranks_equal_the_sequential_run(tmp_env, dist_env, compose):
     r, _ = torchrun([*CORA, "runner=distributed"], tmp_env, dist_env)
     assert r.returncode == 0, r.stderr[-3000:]
-    (run,) = (tmp_env / "outputs" / "fedavg_cora").iterdir()  # rank 1 left no directory
+    (run,) = (tmp_env / "outputs" / "cora" / "fedavg_cora").iterdir()  # rank 1 left none
     dist = json.loads((run / "summary.json").read_text())
     seq = sequential(compose, CORA, tmp_env / "seq")
     assert dist["metrics"] == seq["metrics"]  # bitwise: the same floats

@@ -27,7 +27,8 @@ def fl(args: list[str], cwd: Path, env: dict | None = None, module: bool = False
 
 
 def run_dirs(root: Path, name: str) -> list[Path]:
-    return sorted(p for p in (root / "outputs" / name).iterdir() if p.is_dir())
+    """The runs of experiment ``name``: ``outputs/<data>/<name>/<time>``."""
+    return sorted(p for p in (root / "outputs").glob(f"*/{name}/*") if p.is_dir())
 
 
 @pytest.fixture

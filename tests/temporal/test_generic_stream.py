@@ -134,13 +134,13 @@ def test_equals_the_dedicated_loaders_on_the_real_files(tmp_path, shared_data):
 
 
 def test_config_entry_requires_bipartite(tmp_path, compose):
-    from fedlightning.config import build
+    from fedlightning.config import build_stream
 
     p = _write(tmp_path, "msgs.txt", MESSAGES)
     over = ["experiment=temporal_wikipedia", "dataset=interactions", f"dataset.path={p}"]
-    assert build(compose([*over, "dataset.bipartite=false"]).dataset, "dataset").num_nodes == 5
+    assert build_stream(compose([*over, "dataset.bipartite=false"])).num_nodes == 5
     with pytest.raises(ConfigError, match="dataset.bipartite"):  # one line, from the loader
-        build(compose(over).dataset, "dataset")
+        build_stream(compose(over))
 
 
 # (file text, keyword arguments, text expected in the message)
@@ -191,3 +191,34 @@ def test_bad_keys_name_the_config_key(tmp_path, kw, key):
 def test_missing_file(tmp_path):
     with pytest.raises(DataError, match="absent.txt"):
         load_interactions(tmp_path / "absent.txt", bipartite=False)
+
+
+# --- which task families a stream runs -----------------------------------------------------
+def _tiny(label):
+    """Four events of a who-messages-whom stream, with the state labels ``label``."""
+    return EventStream("tiny", np.array([0, 1, 2, 0]), np.array([1, 2, 0, 2]), np.arange(4),
+                       3, False, np.zeros(3, dtype=np.int64), label=label)  # fmt: skip
+
+
+def test_families_auto_is_every_family_the_stream_supports(caplog):
+    from fedlightning.experiments.temporal import check_families
+
+    labelled = _tiny(np.array([0, 1, 0, 0]))
+    with caplog.at_level(logging.INFO, logger="fedlightning.experiments.temporal"):
+        assert check_families("auto", labelled) == ["nc", "lp"]
+        assert check_families("auto", _tiny(None)) == ["lp"]
+        assert check_families("auto", _tiny(np.zeros(4, dtype=np.int64))) == ["lp"]  # all 0
+    said = [r.getMessage() for r in caplog.records]
+    assert "families=auto: nc,lp on tiny (state labels 0/1)" in said
+    assert "families=auto: lp on tiny (no usable state labels)" in said
+    assert check_families("auto", None) == ["nc", "lp"]  # before the stream is read
+    assert check_families(["lp", "nc"], labelled) == ["lp", "nc"]  # a list is kept as given
+    # node classification by name on a stream without usable labels: one line
+    for label, has in ((None, "has none"), (np.ones(4, dtype=np.int64), "has one value only")):
+        with pytest.raises(ConfigError, match="families") as err:
+            check_families(["nc"], _tiny(label))
+        assert has in str(err.value) and "families=auto" in str(err.value)
+        assert "\n" not in str(err.value)
+    for bad in ("all", [], ["nc", "xx"]):
+        with pytest.raises(ConfigError, match="`auto` or a non-empty list"):
+            check_families(bad, labelled)
