@@ -27,21 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from fedlightning.clients.temporal_prompt import stack_batches
-from fedlightning.config import build, build_stream
-from fedlightning.data.temporal.protocol import materialize
-from fedlightning.experiments.temporal import eval_batches, task_batches
+from fedlightning.config import build
+from fedlightning.experiments.temporal import check_families, temporal_inputs
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
 from fedlightning.federation.tasks import TaskLoop, evaluate
 from fedlightning.temporal.adapter import PromptAdapter
-from fedlightning.temporal.bank import BankConfig
-from fedlightning.temporal.contexts import cached_contexts, load_bank
-from fedlightning.temporal.encoders import time_encoder
-from fedlightning.temporal.setup import ensure_bank
-from fedlightning.tracking import NullTracker
 from fedlightning.utils.seeding import derive_seed
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -49,27 +42,16 @@ INPUTS = ("h_u", "h_i", "te", "x", "r_u", "r_i")
 
 
 def setup(experiment: str, tasks: int):
+    """The experiment's algorithm, first ``tasks`` tasks, server segments, dims and families,
+    read as a run reads them (protocol, bank and contexts built or reused from the cache)."""
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("train", overrides=[f"experiment={experiment}", "logger=none"])
-    stream = build_stream(cfg)
-    params = OmegaConf.to_container(cfg.protocol, resolve=True)
-    proto, _ = materialize(stream, params, Path(params["cache_dir"]))
-    bank_cfg = BankConfig(**OmegaConf.to_container(cfg.bank, resolve=True))
-    bank = ensure_bank(stream, proto, bank_cfg, int(cfg.seed), params["cache_dir"], NullTracker())
-    path, _, _ = cached_contexts(bank["path"], bank["hash"], proto, params["cache_dir"])
-    contexts = torch.load(path, weights_only=False)
-    enc = load_bank(bank["path"], stream)
-    te = time_encoder(enc)
-    d_e = 0 if stream.msg is None else stream.msg.shape[1]
-    dims = (enc.out_dim, te.out_channels, d_e)
+        cfg = compose(
+            "train", overrides=[f"experiment={experiment}", "logger=none", f"max_tasks={tasks}"]
+        )
+    inputs = temporal_inputs(cfg)
+    families = check_families(cfg.families, inputs["protocol"].stream)
     algorithm = build(cfg.algorithm, "algorithm")
-    return (
-        cfg,
-        algorithm,
-        task_batches(contexts, proto, te, tasks),
-        eval_batches(contexts, proto, te),
-        dims,
-    )
+    return cfg, algorithm, inputs["tasks"], inputs["evals"], inputs["dims"], families
 
 
 # ---------------------------------------------------------------- the plain-torch reference
@@ -213,8 +195,7 @@ def main() -> None:
     ap.add_argument("--skip-per-client", action="store_true", help="skip the slowest reference")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cfg, alg, tasks, evals, dims = setup(args.experiment, args.tasks)
-    families = list(cfg.families)
+    cfg, alg, tasks, evals, dims, families = setup(args.experiment, args.tasks)
     rounds, epochs, seed = (
         int(cfg.federation.rounds),
         int(cfg.federation.local_epochs),
