@@ -90,6 +90,14 @@ class CommLedger:
                 out[c] += v
         return dict(sorted(out.items()))
 
+    def by_scope(self, direction: str) -> dict[str, int]:
+        """Scope (a FedTIP task's ``task=<id>``) -> values sent in ``direction``."""
+        out: dict[str, int] = defaultdict(int)
+        for d, *_, v, _, scope in self.entries:
+            if d == direction:
+                out[scope] += v
+        return dict(out)
+
     def by_round(self, direction: str) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
         for d, r, _, _, v, *_ in self.entries:

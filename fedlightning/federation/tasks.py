@@ -266,10 +266,11 @@ class TaskLoop:
         out["message_values_per_client"] = {
             f: {str(k): n for k, n in v.items()} for f, v in sizes.items() if v
         }
+        up, down = self.ledger.by_scope(UP), self.ledger.by_scope(DOWN)
         out["per_task"] = {
             str(r["task"]): {
-                UP: self.ledger.total(UP, scope=task_scope(r["task"])),
-                DOWN: self.ledger.total(DOWN, scope=task_scope(r["task"])),
+                UP: up.get(task_scope(r["task"]), 0),
+                DOWN: down.get(task_scope(r["task"]), 0),
             }
             for r in self.results
         }
