@@ -180,9 +180,31 @@ def load_checkpoint(path: Path, identity: dict[str, Any] | None = None) -> dict[
     return state
 
 
+def _shapes(obj: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in a nested state, by its dotted path."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: tuple(obj.shape)}
+    items = (
+        obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    )
+    out: dict[str, tuple[int, ...]] = {}
+    for k, v in items:
+        out.update(_shapes(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
 def restore(loop: Any, path: Path, state: dict[str, Any]) -> None:
     """``loop.load_state_dict(state)``; one line naming ``path`` if the state does not fit the
     loop (a checkpoint of another model, or a partial one)."""
+    server = getattr(loop, "server", None)
+    if server is not None and isinstance(state, dict) and "server" in state:
+        ours, theirs = _shapes(server.state_dict()), _shapes(state["server"])
+        for key in sorted(ours.keys() & theirs.keys()):
+            if ours[key] != theirs[key]:
+                raise FedLightningError(
+                    f"{path}: a checkpoint of another model (`{key}` has shape "
+                    f"{list(theirs[key])}, this run's {list(ours[key])}); refusing to resume"
+                )
     try:
         loop.load_state_dict(state)
     except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:

@@ -48,12 +48,13 @@ def runs(tmp_path_factory, shared_data) -> tuple[Path, dict[str, str]]:
     assert killed.returncode == -9, killed.stderr
     assert (root / "synth" / "checkpoint.pt").exists()
     assert not (root / "synth" / "summary.json").exists()
+    shutil.copytree(root / "synth", root / "pristine")  # what copy_run copies, never resumed
     return root, env
 
 
 def copy_run(root: Path, name: str) -> Path:
     """A copy of the interrupted synthetic run, to break."""
-    shutil.copytree(root / "synth", root / name)
+    shutil.copytree(root / "pristine", root / name)
     return root / name
 
 
@@ -106,3 +107,32 @@ def test_interrupted_run_resumes(runs):
     summary = json.loads((root / "synth" / "summary.json").read_text())
     assert summary["experiment"] == "fedavg_synthetic" and summary["resumed"] is True
     assert summary["rounds"] == 2
+
+
+def test_another_models_checkpoint_without_identity_is_refused(runs):
+    import torch
+
+    root, env = runs
+    old = copy_run(root, "old_format")
+    state = torch.load(root / "cora" / "checkpoint.pt", weights_only=False)
+    state.pop("identity")
+    state["format"] = 2  # written before runs had an identity: no identity to check
+    torch.save(state, old / "checkpoint.pt")
+    (old / "identity.json").unlink()
+    r = fl(["train", "resume=old_format", "logger=none"], root, env)
+    assert_one_line_refusal(r, "checkpoint.pt", "another model")
+    assert not (old / "summary.json").exists()
+
+
+def test_identity_mismatch_names_the_first_differing_key():
+    from omegaconf import OmegaConf
+
+    from fedlightning.runs import identity_mismatch, run_identity
+
+    cfg = OmegaConf.create({"name": "x", "seed": 0, "federation": {"rounds": 2}, "runner": {}})
+    same = run_identity(OmegaConf.merge(cfg, {"runner": {"kill_at": "1:1"}}), {"partition": "a"})
+    assert identity_mismatch(same, run_identity(cfg, {"partition": "a"})) is None
+    other = run_identity(OmegaConf.merge(cfg, {"federation": {"rounds": 3}}), {"partition": "a"})
+    assert "`federation.rounds`" in identity_mismatch(other, run_identity(cfg, {"partition": "a"}))
+    moved = run_identity(cfg, {"partition": "b"})
+    assert "partition hash" in identity_mismatch(moved, run_identity(cfg, {"partition": "a"}))
