@@ -10,13 +10,17 @@ Every kind of run (graph federations, FedTIP's task protocol, the bank's pre-tra
   reports select by, a sweep trial's parent, and the same MLflow run again on resume;
 - :meth:`Run.finish`: ``summary.json``, the final metrics, the artifacts, the console table;
   a run that raises ends ``FAILED`` (``KILLED`` when stopped, as a pruned sweep trial);
-- :func:`load_checkpoint`: the checkpoint with its format version checked.
+- :func:`run_identity`: what a run is (experiment, config hash, protocol hashes), written to
+  ``identity.json`` and into every checkpoint; :func:`load_checkpoint` refuses a checkpoint
+  of another run, of an unknown format or that is not a checkpoint, with one line.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import pickle
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -25,18 +29,95 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError, RunStopped
-from fedlightning.federation.ledger import CHECKPOINT_FORMAT
+from fedlightning.federation.ledger import CHECKPOINT_FORMATS_READ
 from fedlightning.tracking import MlflowTracker, NullTracker, flatten
-from fedlightning.utils.io import write_json
+from fedlightning.utils.io import content_hash, write_json
 
 CONFIG_FILE, CHECKPOINT_FILE, SUMMARY_FILE = "config.yaml", "checkpoint.pt", "summary.json"
-MLFLOW_RUN_FILE = "mlflow_run.json"
+MLFLOW_RUN_FILE, IDENTITY_FILE = "mlflow_run.json", "identity.json"
+# What a resume may change without changing the run (how and where it runs, not what).
+RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra")
+# Any failure to unpickle a file that is not a torch checkpoint.
+_UNREADABLE = (
+    pickle.UnpicklingError,
+    zipfile.BadZipFile,
+    EOFError,
+    OSError,
+    RuntimeError,
+    ValueError,
+)
+
+
+def load_saved_config(path: Path) -> DictConfig:
+    """A run's saved ``config.yaml``; one line naming the file if it is not a run's config."""
+    try:
+        saved = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax, bad encoding, an unreadable file
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FedLightningError(
+            f"{path}: not a readable run config ({reason}); restore it or start a new run"
+        ) from None
+    if not isinstance(saved, DictConfig) or "name" not in saved or "task" not in saved:
+        raise FedLightningError(
+            f"{path}: not a run's config (a mapping with `name` and `task` was expected); "
+            "restore it or start a new run"
+        )
+    return saved
 
 
 def trained_config(cfg: DictConfig) -> DictConfig:
     """The config the run trains: ``cfg``, or on ``resume=DIR`` the saved run's."""
     saved = Path(str(cfg.get("resume") or "")) / CONFIG_FILE
-    return OmegaConf.load(saved) if cfg.get("resume") and saved.is_file() else cfg
+    return load_saved_config(saved) if cfg.get("resume") and saved.is_file() else cfg
+
+
+def run_identity(cfg: DictConfig, hashes: dict[str, str]) -> dict[str, Any]:
+    """What a run is: its experiment, the hash of its resolved config less the keys a
+    resume may change (:data:`RESUMABLE_KEYS`), a short hash per config key (to name the
+    first that differs) and its protocol ``hashes``."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    kept = {k: v for k, v in resolved.items() if k not in RESUMABLE_KEYS}
+    keys = {k: content_hash(v)[:8] for k, v in sorted(flatten(kept).items())}
+    return {
+        "experiment": str(cfg.name),
+        "config": content_hash(kept),
+        "config_keys": keys,
+        "hashes": {k: str(v) for k, v in sorted(hashes.items())},
+    }
+
+
+def identity_mismatch(found: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """What differs between two run identities (``None``: the same run)."""
+    if found.get("experiment") != expected["experiment"]:
+        return f"experiment {found.get('experiment')!r}, this run is {expected['experiment']!r}"
+    if found.get("config") != expected["config"]:
+        old, new = found.get("config_keys") or {}, expected["config_keys"]
+        diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        first = f", first at `{diff[0]}`" if diff else ""
+        return f"config hash {found.get('config')} != {expected['config']}{first}"
+    old_h, new_h = found.get("hashes") or {}, expected["hashes"]
+    for name in sorted(old_h.keys() | new_h.keys()):
+        if old_h.get(name) != new_h.get(name):
+            return f"{name} hash {old_h.get(name)} != {new_h.get(name)}"
+    return None
+
+
+def record_identity(run_dir: Path, identity: dict[str, Any], resuming: bool) -> None:
+    """Write ``identity.json``; on resume first refuse (one line) a directory whose saved
+    identity is another run's (a run directory of an older version has none: written now)."""
+    path = run_dir / IDENTITY_FILE
+    if resuming and path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            raise FedLightningError(
+                f"{path}: not readable JSON; restore it or start a new run"
+            ) from None
+        diff = identity_mismatch(saved if isinstance(saved, dict) else {}, identity)
+        if diff:
+            raise FedLightningError(f"{path}: belongs to another run ({diff}); refusing to resume")
+        return
+    write_json(path, identity)
 
 
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
@@ -56,7 +137,7 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
             raise ConfigError(
                 "resume", f"{old} already finished ({SUMMARY_FILE} exists); nothing to resume"
             )
-        saved = OmegaConf.load(old / CONFIG_FILE)
+        saved = load_saved_config(old / CONFIG_FILE)
         saved.runner, saved.logger = cfg.runner, cfg.logger
         saved.resume = str(old)
         return saved, old, True
@@ -72,16 +153,66 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
     return OmegaConf.load(run_dir / CONFIG_FILE), run_dir, False
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint at ``path``; one line naming the file if its format is unknown."""
-    state = torch.load(path, weights_only=False)
+def load_checkpoint(path: Path, identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint at ``path``; one line naming the file if it is not a torch file, its
+    format is unknown or (given this run's ``identity``) it is another run's. A checkpoint
+    written before runs had an identity (formats 1 and 2) still resumes."""
+    try:
+        state = torch.load(path, weights_only=False)
+    except _UNREADABLE as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FedLightningError(
+            f"{path}: not a readable checkpoint ({reason[:120]}); start a new run"
+        ) from None
     version = state.get("format", 1) if isinstance(state, dict) else None
-    if version not in (1, CHECKPOINT_FORMAT):
+    if version not in CHECKPOINT_FORMATS_READ:
         raise FedLightningError(
             f"{path}: checkpoint format {version!r} is not one this version reads "
-            f"(1 or {CHECKPOINT_FORMAT}); start a new run"
+            f"({', '.join(map(str, CHECKPOINT_FORMATS_READ))}); start a new run"
         )
+    found = state.get("identity")
+    if identity is not None and isinstance(found, dict):
+        diff = identity_mismatch(found, identity)
+        if diff:
+            raise FedLightningError(
+                f"{path}: a checkpoint of another run ({diff}); refusing to resume"
+            )
     return state
+
+
+def _shapes(obj: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in a nested state, by its dotted path."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: tuple(obj.shape)}
+    items = (
+        obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    )
+    out: dict[str, tuple[int, ...]] = {}
+    for k, v in items:
+        out.update(_shapes(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def restore(loop: Any, path: Path, state: dict[str, Any]) -> None:
+    """``loop.load_state_dict(state)``; one line naming ``path`` if the state does not fit the
+    loop (a checkpoint of another model, or a partial one)."""
+    server = getattr(loop, "server", None)
+    if server is not None and isinstance(state, dict) and "server" in state:
+        ours, theirs = _shapes(server.state_dict()), _shapes(state["server"])
+        for key in sorted(ours.keys() & theirs.keys()):
+            if ours[key] != theirs[key]:
+                raise FedLightningError(
+                    f"{path}: a checkpoint of another model (`{key}` has shape "
+                    f"{list(theirs[key])}, this run's {list(ours[key])}); refusing to resume"
+                )
+    try:
+        loop.load_state_dict(state)
+    except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FedLightningError(
+            f"{path}: does not fit this run's model and clients ({type(e).__name__}: "
+            f"{reason[:160]}); refusing to resume"
+        ) from None
 
 
 def make_tracker(cfg: Any) -> NullTracker:

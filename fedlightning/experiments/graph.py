@@ -28,6 +28,9 @@ from fedlightning.runs import (
     json_safe,
     load_checkpoint,
     prepare_run_dir,
+    record_identity,
+    restore,
+    run_identity,
     summary_table,
 )
 from fedlightning.utils.io import write_json
@@ -251,8 +254,12 @@ def train_graph(
             on_stage_end=lambda t, m: _report(run.tracker, observe, "stage", t, m),
             **common,
         )
+    loop.identity = identity = run_identity(cfg, hashes)
+    if resuming:  # another run's checkpoint, or one that does not fit, is refused here
+        state = world.on_main(load_checkpoint, run_dir / CHECKPOINT_FILE, identity)
+        restore(loop, run_dir / CHECKPOINT_FILE, state)
+    world.on_main(record_identity, run_dir, identity, resuming)
     if resuming:
-        loop.load_state_dict(world.on_main(load_checkpoint, run_dir / CHECKPOINT_FILE))
         log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
     tags = run_tags(cfg, graph, algorithm, hashes)
     with run.start(tags):

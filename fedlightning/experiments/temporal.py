@@ -31,7 +31,15 @@ from fedlightning.data.temporal.protocol import TemporalProtocol, materialize
 from fedlightning.errors import ConfigError, FedLightningError
 from fedlightning.federation.tasks import TaskBatches, as_single
 from fedlightning.federation.world import World
-from fedlightning.runs import CHECKPOINT_FILE, Run, load_checkpoint, summary_table
+from fedlightning.runs import (
+    CHECKPOINT_FILE,
+    Run,
+    load_checkpoint,
+    record_identity,
+    restore,
+    run_identity,
+    summary_table,
+)
 from fedlightning.runs import json_safe as run_json_safe
 from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
@@ -130,12 +138,13 @@ def check_families(families: Any, stream: EventStream | None) -> list[str]:
     return fams
 
 
-def saved_state(path: Path) -> dict[str, Any] | None:
+def saved_state(path: Path, identity: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The loop state checkpointed at ``path``; ``None`` before a first task ended. A
-    checkpoint of the format before one ledger per run is refused with one line."""
+    checkpoint of the format before one ledger per run, or (given this run's ``identity``)
+    of another run, is refused with one line."""
     if not path.exists():
         return None
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, identity)
     if "ledger" not in state:
         raise FedLightningError(
             f"{path}: written before FedTIP kept one ledger per run (checkpoint format 1); "
@@ -265,9 +274,13 @@ def train_temporal(
             on_task_end=on_task_end,
             progress=bool(cfg.runner.get("progress", True)) and world.is_main,
         )
-        state = world.on_main(saved_state, run_dir / CHECKPOINT_FILE) if resuming else None
+        loop.identity = identity = run_identity(cfg, hashes)
+        path = run_dir / CHECKPOINT_FILE
+        state = world.on_main(saved_state, path, identity) if resuming else None
         if state is not None:
-            loop.load_state_dict(state)
+            restore(loop, path, state)
+        world.on_main(record_identity, run_dir, identity, resuming)
+        if state is not None:
             log.info("resuming %s after task %d", run_dir, len(loop.results))
         results = loop.run()
     metrics = loop.final_metrics()

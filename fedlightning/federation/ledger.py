@@ -10,8 +10,11 @@ from fedlightning.messages import Message
 UP, DOWN = "up", "down"
 # The format of a run's checkpoint. 2: one ledger per run whose entries carry a scope
 # (FedTIP's tasks), and FedTIP's loop state holds that ledger. 1 (no ``format`` key): graph
-# runs, which still resume (their entries get the empty scope).
-CHECKPOINT_FORMAT = 2
+# runs, which still resume (their entries get the empty scope). 3: the run's identity
+# (``identity``: experiment, config hash, protocol hashes), which a resume checks; 1 and 2
+# (no identity) still resume.
+CHECKPOINT_FORMAT = 3
+CHECKPOINT_FORMATS_READ = (1, 2, 3)
 MIB = 1024**2
 
 

@@ -101,6 +101,10 @@ class FederatedLoop:
         on_round_end: ``(round, metrics) -> None``, e.g. MLflow logging.
     """
 
+    # The run's identity (experiment, config hash, protocol hashes), set by the program
+    # that builds the loop; saved in every checkpoint so that a resume can check it.
+    identity: dict[str, Any] | None = None
+
     def __init__(
         self,
         algorithm: Algorithm,
@@ -233,6 +237,7 @@ class FederatedLoop:
     def state_dict(self) -> dict[str, Any]:
         return {
             "format": CHECKPOINT_FORMAT,
+            "identity": self.identity,
             "extra": self.extra_state(),
             "completed_rounds": self.completed_rounds,
             "server": self.server.state_dict(),

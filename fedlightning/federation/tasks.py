@@ -133,6 +133,10 @@ class TaskLoop:
         on_task_end: ``(task_index, metrics) -> None`` after the checkpoint.
     """
 
+    # The run's identity (experiment, config hash, protocol hashes), set by the program
+    # that builds the loop; saved in every checkpoint so that a resume can check it.
+    identity: dict[str, Any] | None = None
+
     def __init__(
         self,
         algorithm: Any,
@@ -282,6 +286,7 @@ class TaskLoop:
     def state_dict(self) -> dict[str, Any]:
         return {
             "format": CHECKPOINT_FORMAT,
+            "identity": self.identity,
             "results": self.results,
             "ledger": self.ledger.state_dict(),
             "provisioned": sorted(self.provisioned),
