@@ -106,8 +106,8 @@ class StageProgress:
         self.log = logger or log
         self.every_s = PROGRESS_LOG_EVERY_S if every_s is None else every_s
         self.t0 = self.last = time.perf_counter()
-        self.bar = tqdm(total=self.total, desc=stage, unit="event", disable=None, leave=False)
         self.log.info("%s: %d events (%d threads)", stage, self.total, torch.get_num_threads())
+        self.bar = tqdm(total=self.total, desc=stage, unit="event", disable=None, leave=False)
 
     def update(self, n: int) -> None:
         self.done += n
