@@ -223,7 +223,8 @@ class TaskLoop:
         """Every task not done yet; returns the per-task metrics."""
         todo = self.tasks[len(self.results) :]
         bar = tqdm(todo, desc="tasks", unit="task", disable=None if self.progress else True)
-        for task in bar:
+        t0 = time.perf_counter()
+        for i, task in enumerate(bar, start=1):
             metrics = self.run_task(task)
             self.results.append(metrics)
             n = len(self.results)
@@ -231,14 +232,17 @@ class TaskLoop:
                 save_torch(self.checkpoint_path, self.state_dict())
             running = {k: v for k, v in self.final_metrics().items() if k.startswith("auc")}
             bar.set_postfix({k: f"{v:.3f}" for k, v in running.items() if not k.endswith("std")})
+            elapsed = time.perf_counter() - t0
             log.info(
-                "task %d/%d (%s): %s  up %.3f MiB  (%.1fs)",
+                "task %d/%d (%s): %s  up %.3f MiB  (%.1fs; %.0fs elapsed, eta %.0fs)",
                 n,
                 len(self.tasks),
                 task.task,
                 "  ".join(f"{k} {metrics[k]:.3f}" for k in sorted(metrics) if k.startswith("auc")),
                 metrics["uplink_mib"],
                 metrics["task_time_s"],
+                elapsed,
+                elapsed / i * (len(todo) - i),
             )
             if self.on_task_end:
                 self.on_task_end(n, metrics)

@@ -18,15 +18,22 @@ encoding, the state after streaming pre-training and pre-validation (memory, nei
 frequency and recency of every node) and the negative index (destination pool and
 historical pairs), saved as one versioned file. ``pretrained=False`` gives the untrained
 ablation bank: same state construction, initial weights.
+
+Streaming runs one batch of about 200 events at a time: small operations for which torch's
+intra-op threads cost more than they give (and, shared by several threads, float sums that
+change with the scheduling), so every streaming stage runs on one thread
+(:func:`streaming_threads`). Each stage reports its progress (:class:`StageProgress`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.functional.classification import binary_auroc, binary_average_precision
+from tqdm.auto import tqdm
 
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.temporal.encoders import ENCODERS
@@ -45,6 +53,91 @@ from fedlightning.utils.seeding import derive_seed
 log = logging.getLogger(__name__)
 
 BANK_VERSION = 2  # 2: the neighbour loader's event numbers map to stream indices
+STREAMING_THREADS = 1  # torch intra-op threads while streaming (module docstring)
+PROGRESS_LOG_EVERY_S = 60.0  # a streaming stage's INFO progress line, at most this often
+
+
+@contextmanager
+def streaming_threads(n: int = STREAMING_THREADS) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads; the caller's number is restored.
+
+    Measured on a shared two-core machine (docs/fedtip.md, "Cold start"): the bank's
+    pre-training streams about 10x faster on one thread than on the default two, and is
+    bitwise reproducible only there (two threads gave weights differing by up to 7e-5
+    between two runs of the same seed).
+    """
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def single_threaded(fn: Callable) -> Callable:
+    """``fn`` run under :func:`streaming_threads`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        with streaming_threads():
+            return fn(*args, **kw)
+
+    return wrapper
+
+
+class StageProgress:
+    """Progress of one streaming stage over ``total`` events: a tqdm bar on an interactive
+    terminal only (``disable=None``), an INFO line when the stage starts and at most every
+    ``every_s`` seconds while it runs (so the logs of a non-interactive run show progress
+    too), and a summary line with the elapsed time and the rate when it ends. It only
+    counts: nothing it does touches the streamed values."""
+
+    def __init__(
+        self,
+        stage: str,
+        total: int,
+        every_s: float | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.stage, self.total, self.done = stage, int(total), 0
+        self.log = logger or log
+        self.every_s = PROGRESS_LOG_EVERY_S if every_s is None else every_s
+        self.t0 = self.last = time.perf_counter()
+        self.log.info("%s: %d events (%d threads)", stage, self.total, torch.get_num_threads())
+        self.bar = tqdm(total=self.total, desc=stage, unit="event", disable=None, leave=False)
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        now = time.perf_counter()
+        if now - self.last >= self.every_s and self.done < self.total:
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            self.log.info(
+                "%s: %d/%d events  %.0fs  %.0f events/s  eta %.0fs",
+                self.stage,
+                self.done,
+                self.total,
+                now - self.t0,
+                rate,
+                (self.total - self.done) / max(rate, 1e-9),
+            )
+
+    def close(self) -> float:
+        """End the stage (summary line); return its seconds."""
+        self.bar.close()
+        seconds = time.perf_counter() - self.t0
+        self.log.info(
+            "%s done: %d events in %.1fs (%.0f events/s)",
+            self.stage,
+            self.done,
+            seconds,
+            self.done / max(seconds, 1e-9),
+        )
+        return seconds
 
 
 def pretraining_loss(hu: Tensor, hi: Tensor, hj: Tensor, tau: float) -> Tensor:
@@ -158,8 +251,10 @@ def stream_segment(
     rng: np.random.Generator,
     tau: float,
     step: Callable[[Tensor], None] | None = None,
+    progress: StageProgress | None = None,
 ) -> tuple[Tensor, Tensor, float]:
-    """Stream events ``idx`` in batches: score (and with ``step``, train), then ingest.
+    """Stream events ``idx`` in batches: score (and with ``step``, train), then ingest
+    (counted in ``progress``).
 
     Returns the positive and negative scores and the mean loss.
     """
@@ -180,6 +275,8 @@ def stream_segment(
         enc.ingest(src, dst, t, msg, torch.from_numpy(b))
         negatives.observe(b)
         enc.detach()
+        if progress is not None:
+            progress.update(len(b))
     return torch.cat(pos_all), torch.cat(neg_all), float(np.mean(losses)) if losses else math.nan
 
 
@@ -193,6 +290,7 @@ def link_metrics(pos: Tensor, neg: Tensor) -> dict[str, float]:
     }
 
 
+@single_threaded
 def pretrain(
     stream: EventStream,
     pre_idx: np.ndarray,
@@ -224,16 +322,18 @@ def pretrain(
         enc.reset_state()
         negatives.reset()
         rng = np.random.default_rng(derive_seed(seed, "bank", "neg", epoch))
+        progress = StageProgress(f"bank epoch {epoch}/{cfg.epochs}", len(pre_idx) + len(val_idx))
         t0 = time.perf_counter()
         _, _, loss = stream_segment(
-            enc, stream, pre_idx, cfg.batch_size, negatives, rng, cfg.tau, step
+            enc, stream, pre_idx, cfg.batch_size, negatives, rng, cfg.tau, step, progress
         )
         seconds = time.perf_counter() - t0
         enc.eval()
         val_rng = np.random.default_rng(derive_seed(seed, "bank", "val"))
         pos, neg, val_loss = stream_segment(
-            enc, stream, val_idx, cfg.batch_size, negatives, val_rng, cfg.tau
+            enc, stream, val_idx, cfg.batch_size, negatives, val_rng, cfg.tau, None, progress
         )
+        progress.close()
         row = {
             "epoch": epoch,
             "loss": loss,
@@ -263,6 +363,7 @@ def pretrain(
     return enc, history
 
 
+@single_threaded
 @torch.no_grad()
 def build_snapshot(
     enc, stream: EventStream, pre_idx: np.ndarray, val_idx: np.ndarray, cfg: BankConfig, seed: int
@@ -277,10 +378,14 @@ def build_snapshot(
     enc.reset_state()
     negatives = PretrainNegatives(stream, filtered=True)
     rng = np.random.default_rng(derive_seed(seed, "bank", "snapshot"))
-    stream_segment(enc, stream, pre_idx, cfg.batch_size, negatives, rng, cfg.tau)
+    progress = StageProgress("bank snapshot", len(pre_idx) + len(val_idx))
+    stream_segment(enc, stream, pre_idx, cfg.batch_size, negatives, rng, cfg.tau, None, progress)
     enc.eval()
     val_rng = np.random.default_rng(derive_seed(seed, "bank", "val"))
-    pos, neg, _ = stream_segment(enc, stream, val_idx, cfg.batch_size, negatives, val_rng, cfg.tau)
+    pos, neg, _ = stream_segment(
+        enc, stream, val_idx, cfg.batch_size, negatives, val_rng, cfg.tau, None, progress
+    )
+    progress.close()
     return link_metrics(pos, neg), negatives
 
 

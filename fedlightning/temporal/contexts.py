@@ -10,12 +10,14 @@ server. A client's states (Eq. (12)) add only its own preceding support events t
 snapshot: each client of each task streams its support the same way from its own copy.
 
 None of this depends on an adapter, so the contexts of a (bank, protocol) pair are computed
-once, saved, and read by every task and round.
+once, saved, and read by every task and round. Like the bank's streaming, they are computed
+on one thread and report their progress (:mod:`fedlightning.temporal.bank`).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,16 @@ from torch import Tensor
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
 from fedlightning.data.temporal.protocol import TemporalProtocol
-from fedlightning.temporal.bank import BankConfig, event_tensors, make_encoder
+from fedlightning.temporal.bank import (
+    BankConfig,
+    StageProgress,
+    event_tensors,
+    make_encoder,
+    single_threaded,
+)
 from fedlightning.utils.io import content_hash, save_torch
+
+log = logging.getLogger(__name__)
 
 CONTEXT_VERSION = 2  # 2: recencies and times
 
@@ -71,7 +81,12 @@ def load_bank(path: str | Path, stream: EventStream):
 
 @torch.no_grad()
 def stream_contexts(
-    enc, stream: EventStream, idx: np.ndarray, negatives: np.ndarray, batch_size: int = 200
+    enc,
+    stream: EventStream,
+    idx: np.ndarray,
+    negatives: np.ndarray,
+    batch_size: int = 200,
+    progress: StageProgress | None = None,
 ) -> dict[str, Tensor]:
     r"""States of each event's source, destination and negative destination, and their
     recencies :math:`\Delta_v(t) = t - t_{last}(v)` (Eq. (13)), all read from the state
@@ -97,6 +112,8 @@ def stream_contexts(
             parts[key].append(part.masked_fill(failed, 0.0) if key == "dt_neg" else part)
         parts["t"].append(t.float())
         enc.ingest(src, dst, t, msg, torch.from_numpy(b))
+        if progress is not None:
+            progress.update(len(b))
     out = {"events": torch.from_numpy(idx)}
     for key, xs in parts.items():
         empty = torch.zeros(0, enc.out_dim) if key in ("src", "dst", "neg") else torch.zeros(0)
@@ -125,6 +142,7 @@ def fork(enc):
     return twin
 
 
+@single_threaded
 def compute_contexts(
     bank_path: str | Path,
     protocol: TemporalProtocol,
@@ -140,9 +158,20 @@ def compute_contexts(
     mode = train_mode or neg["mode"]
     server = fork(snapshot)
     out: dict[str, Any] = {"mode": mode}
-    for name, outcome in (("down_val", DOWN_VAL), ("test", TEST)):
-        idx = manifest.indices(outcome)
-        out[name] = stream_contexts(server, stream, idx, np.array(neg["eval"][name]), batch_size)
+    segments = {
+        name: manifest.indices(outcome)
+        for name, outcome in (("down_val", DOWN_VAL), ("test", TEST))
+    }
+    supports = sum(len(events) for task in protocol.tasks.tasks for events in task.support.values())
+    progress = StageProgress(
+        f"contexts ({len(protocol.tasks.tasks)} tasks)",
+        sum(len(idx) for idx in segments.values()) + supports,
+        logger=log,
+    )
+    for name, idx in segments.items():
+        out[name] = stream_contexts(
+            server, stream, idx, np.array(neg["eval"][name]), batch_size, progress
+        )
     tasks: dict[int, dict[int, dict[str, Tensor]]] = {}
     for task in protocol.tasks.tasks:
         negs = dict(zip(task.events.tolist(), neg["tasks"][mode][str(task.task)], strict=True))
@@ -151,7 +180,8 @@ def compute_contexts(
             idx = np.asarray(events, dtype=np.int64)
             local = fork(snapshot)
             j = np.array([negs[e] for e in events])
-            tasks[task.task][k] = stream_contexts(local, stream, idx, j, batch_size)
+            tasks[task.task][k] = stream_contexts(local, stream, idx, j, batch_size, progress)
+    progress.close()
     out["tasks"] = tasks
     return out
 

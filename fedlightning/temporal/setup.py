@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,13 @@ def ensure_bank(
             reused=True,
         )  # fmt: skip
     pre_idx, val_idx = proto.manifest.indices(PRETRAIN), proto.manifest.indices(PREVAL)
+    t0 = time.perf_counter()
+    log.info(
+        "bank %s not in the cache: pre-training it (%d + %d events)",
+        path,
+        len(pre_idx),
+        len(val_idx),
+    )
     enc, history = pretrain(
         stream,
         pre_idx,
@@ -130,4 +138,10 @@ def ensure_bank(
         "history": history,
     }
     digest = save_bank(path, bank_state(enc, negatives), meta)
+    log.info(
+        "bank built in %.1fs: pre-validation auc %.4f  ap %.4f",
+        time.perf_counter() - t0,
+        metrics["auc"],
+        metrics["ap"],
+    )
     return dict(path=path, hash=digest, metrics=metrics, history=history, reused=False)
