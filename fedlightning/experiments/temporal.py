@@ -272,7 +272,7 @@ def train_temporal(
             bank_values=bank_values(bank["path"]),
             checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
             on_task_end=on_task_end,
-            progress=bool(cfg.runner.get("progress", True)) and world.is_main,
+            progress=world.is_main,  # the bar over tasks (runner.progress: the per-round bars)
         )
         loop.identity = identity = run_identity(cfg, hashes)
         path = run_dir / CHECKPOINT_FILE

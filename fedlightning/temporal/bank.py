@@ -52,7 +52,10 @@ from fedlightning.utils.seeding import derive_seed
 
 log = logging.getLogger(__name__)
 
-BANK_VERSION = 2  # 2: the neighbour loader's event numbers map to stream indices
+# 2: the neighbour loader's event numbers map to stream indices. 3: the hash leaves out the
+# measured rate (events/s) and unused neighbour slots are saved as zeros, so one seed gives
+# one bank hash.
+BANK_VERSION = 3
 STREAMING_THREADS = 1  # torch intra-op threads while streaming (module docstring)
 PROGRESS_LOG_EVERY_S = 60.0  # a streaming stage's INFO progress line, at most this often
 
@@ -394,7 +397,8 @@ def bank_state(enc, negatives: PretrainNegatives) -> dict[str, Any]:
     loader = enc.state.loader
     state: dict[str, Any] = {
         "weights": {k: v.clone() for k, v in enc.state_dict().items()},
-        "neighbors": loader.neighbors.clone(),
+        # unused slots (e_id < 0) hold uninitialised memory: saved as zeros, never read
+        "neighbors": loader.neighbors.masked_fill(loader.e_id < 0, 0),
         "neighbor_e_id": loader.e_id.clone(),
         "cur_e_id": int(loader.cur_e_id),
         "event_ids": enc.state.ids.clone(),
@@ -415,9 +419,11 @@ def bank_state(enc, negatives: PretrainNegatives) -> dict[str, Any]:
 
 def save_bank(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> str:
     """Write the bank file; return its hash (of the metadata and every tensor's bytes)."""
+    measured = ("events_per_s",)  # a rate, not a result: left out of the hash
+    history = [{k: v for k, v in row.items() if k not in measured} for row in meta["history"]]
     digest = content_hash(
         {
-            "meta": meta,
+            "meta": {**meta, "history": history},
             "tensors": {
                 k: content_hash(v.numpy().tobytes().hex()) if isinstance(v, Tensor) else str(v)
                 for k, v in sorted(state.items())

@@ -83,11 +83,13 @@ def test_cold_path_logs_progress_and_computes_the_same_bank_and_contexts(
     with caplog.at_level(logging.WARNING):
         quiet, quiet_ctx, _ = build(tmp_path / "quiet", caller_threads=1)
     assert not caplog.records
-    # progress and the caller's thread count change no value: bitwise the same bank
+    # progress and the caller's thread count change no value: bitwise the same bank, and
+    # so the same hash (no measured rate, no uninitialised neighbour slot in it)
     assert_bitwise_equal(
         {k: v for k, v in loud.items() if k not in ("hash", "meta")},
         {k: v for k, v in quiet.items() if k not in ("hash", "meta")},
     )
+    assert loud["hash"] == quiet["hash"]
     assert loud["meta"]["metrics"] == quiet["meta"]["metrics"]
     timing = "events_per_s"  # the only value that differs: a measured rate
     assert [{k: v for k, v in r.items() if k != timing} for r in loud["meta"]["history"]] == [
