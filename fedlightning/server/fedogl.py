@@ -1,7 +1,4 @@
-"""FedOGL's server memory as server modules: structural basis and prototype bank.
-
-Both see messages only (no dataset, no LightningModule, no Lightning import).
-"""
+"""FedOGL's server memory as server modules: structural basis and prototype bank (no Lightning)."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning.messages import ClientUpdate
+from fedlightning.server.aggregate import model_state
 from fedlightning.server.alignment import class_descriptors, refine_heads, similarity_consensus
 from fedlightning.server.basis import aggregate_bases
 from fedlightning.server.prototypes import (
@@ -30,13 +28,8 @@ BASIS_PREFIX, PROTO_PREFIX, COUNT_PREFIX = "basis.", "proto.", "proto_count."
 class BasisMemory(ServerModule):
     """The global structural basis ``U_t`` per protected weight, FedOGL Eq. (8).
 
-    At a stage's end the clients' residual bases (fields ``basis.<param>``, with the
-    scalar ``basis_nodes``) are merged by summing projectors with decay ``rho`` on the old
-    basis and keeping the top ``rank`` directions. Broadcast as ``basis.<param>``.
-
-    Args:
-        rank: ``r``, the global basis rank (default ``16``).
-        rho: decay of the previous basis's projector (default ``1.0``).
+    At a stage's end merges the clients' ``basis.<param>`` (weighted by ``basis_nodes``)
+    with :func:`aggregate_bases` (``rho``, ``rank``); broadcast as ``basis.<param>``.
     """
 
     def __init__(self, rank: int = 16, rho: float = 1.0) -> None:
@@ -91,19 +84,11 @@ def read_prototypes(update: ClientUpdate, side: str = "") -> list[tuple[int, Ten
 class PrototypeMemory(ServerModule):
     """The bounded per-class prototype bank and the head refinement, FedOGL Eqs. (12)-(14).
 
-    Every round, each uploaded prototype is consolidated into its class's bank (Eq. (12));
-    then the global head is refined on the prototype graph (Eqs. (13)-(14)) against the
-    count-weighted mean prediction of the client heads of the last ``window`` rounds,
-    weighted by ``gamma_t`` (``gamma`` once an old class exists, else ``0``).
-
-    Args:
-        slots: ``S`` slots per class (default ``4``). eta: merge threshold (default ``0.8``).
-        kappa: prototype-graph neighbours (default ``3``). gamma: ``gamma_t`` (default ``0.5``).
-        lambda_lab, lambda_tr: Eq. (14) weights (default ``1.0``).
-        steps, lr: SGD steps on the head per round (default ``5``, ``0.05``).
-        window: rounds of client heads behind ``q_cli`` (default ``3``).
-        head_prefix: key prefix of the head in the model state (default ``"head."``).
-        sides: one bank per side (``""``: the single bank of node classification).
+    Every round the uploaded prototypes enter the bank (Eq. (12)), then the global head is
+    refined (Eqs. (13)-(14)) against the client heads of the last ``window`` rounds, with
+    ``gamma_t = gamma`` once an old class exists, else ``0``. Arguments: docs/fedogl.md
+    (hyperparameters); ``head_prefix`` is the head's key prefix in the model state, and
+    ``sides`` names one bank per side (``""``: the single bank of node classification).
     """
 
     def __init__(
@@ -140,21 +125,18 @@ class PrototypeMemory(ServerModule):
                     bank.update(c, p, n)
         n = len(self.head_prefix)
         heads = [
-            {
-                k[len("model.") + n :]: v
-                for k, v in u.tensors.items()
-                if k.startswith("model." + self.head_prefix)
-            }
+            {k[n:]: v for k, v in model_state(u.tensors).items() if k.startswith(self.head_prefix)}
             for u in updates
         ]
         self.heads.append((heads, [max(u.num_examples, 1e-12) for u in updates]))
 
-    def known_prototypes(self, side: str, known: list[int]) -> tuple[Tensor, Tensor]:
-        """A bank's prototypes of known classes, propagated on their graph (Eq. (13))."""
+    def known_prototypes(self, side: str, known: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """A bank's prototypes of known classes: raw, propagated on their graph (Eq. (13)),
+        and their labels."""
         P, labels, _ = self.banks[side].prototypes()
         keep = torch.isin(labels, torch.tensor(known, dtype=labels.dtype))
         P, labels = P[keep], labels[keep]
-        return propagate(P, prototype_graph(P, labels, self.kappa)), labels
+        return P, propagate(P, prototype_graph(P, labels, self.kappa)), labels
 
     def update_global(self, round: int, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """Refine the head(s) of the aggregated global model on the memory, Eq. (14)."""
@@ -171,17 +153,13 @@ class PrototypeMemory(ServerModule):
 
     def refine(self, state: dict[str, Tensor], known: list[int]) -> dict[str, Tensor]:
         """Eq. (14) on the classification head."""
-        P, labels, counts = self.bank.prototypes()
-        keep = torch.isin(labels, torch.tensor(known))
-        P, labels, counts = P[keep], labels[keep], counts[keep]
+        P, p_tilde, labels = self.known_prototypes("", known)
         head = _linear(state, self.head_prefix)
-        p_tilde = propagate(P, prototype_graph(P, labels, self.kappa))
         q_cli = client_consensus(*self.client_heads(), p_tilde, known)
         self.last_refine = refine_head(
             head,
             P,
             labels,
-            counts,
             q_cli,
             known,
             self.kappa,
@@ -210,16 +188,12 @@ class PrototypeMemory(ServerModule):
 
 
 class AlignmentMemory(PrototypeMemory):
-    """The retrieval reading of Eqs. (12)-(14): a bank per modality, head alignment.
-
-    Prototypes arrive as ``proto.<modality>.<c>.<q>``; each modality's bank is consolidated
-    as in Eq. (12) and propagated on its own prototype graph (Eq. (13)); the projection
-    heads ``heads.<query>`` and ``heads.<item>`` of the global model are then aligned on
-    the class descriptors (:mod:`fedlightning.server.alignment`), weighted by ``gamma_t``.
+    """The retrieval reading of Eqs. (12)-(14): a bank and a graph per modality
+    (``proto.<modality>.<c>.<q>``), then the projection heads ``heads.<query>`` and
+    ``heads.<item>`` are aligned on the class descriptors (:mod:`~.alignment`).
 
     Args:
-        sides: ``(query, item)`` modality names.
-        temperature: the InfoNCE temperature ``T`` of the retrieval model.
+        sides: ``(query, item)`` modality names. temperature: the InfoNCE ``T``.
         **kw: as :class:`PrototypeMemory` (``head_prefix`` defaults to ``"heads."``).
     """
 
@@ -230,7 +204,9 @@ class AlignmentMemory(PrototypeMemory):
         self.temperature = temperature
 
     def refine(self, state: dict[str, Tensor], known: list[int]) -> dict[str, Tensor]:
-        (Pq, lq), (Pv, lv) = (self.known_prototypes(m, known) for m in (self.query, self.item))
+        (_, Pq, lq), (_, Pv, lv) = (
+            self.known_prototypes(m, known) for m in (self.query, self.item)
+        )
         classes = sorted(set(lq.tolist()) & set(lv.tolist()))
         if len(classes) < 2:
             return state  # nothing to contrast a class with

@@ -1,19 +1,7 @@
-r"""Prototype-guided memory consolidation of the FedOGL paper, Eqs. (11)-(14).
+r"""Prototype-guided memory consolidation of the FedOGL paper, Eqs. (11)-(14), over tensors.
 
-The mathematics only, as pure functions and one small class over tensors:
-
-- :func:`local_prototypes`, Eq. (11): a client's class prototypes with their support sizes
-  (optionally several within-class modes by a small deterministic k-means);
-- :class:`PrototypeBank`, Eq. (12): the server's bounded per-class memory, merging an
-  incoming prototype into its most similar slot or taking an empty / the weakest slot;
-- :func:`prototype_graph`, Eq. (13): cosine kNN edges plus same-class edges;
-- :func:`propagate`: one normalised propagation step over that graph;
-- :func:`client_consensus`: the soft targets :math:`\bar{\mathbf{q}}_{cli}` of Eq. (14);
-- :func:`refinement_loss` and :func:`refine_head`, Eq. (14): refining the global head.
-
-The descriptor of Eq. (10) is the client model's business; here prototypes are plain
-vectors. They must live in the input space of the head that :func:`refine_head` refines.
-No Lightning here.
+Prototypes are plain vectors (the descriptor of Eq. (10) is the client model's business) in
+the input space of the head that :func:`refine_head` refines. No Lightning here.
 """
 
 from __future__ import annotations
@@ -38,13 +26,9 @@ __all__ = [
 
 
 def _kmeans(x: Tensor, k: int, seed: int, iters: int) -> Tensor:
-    """Cluster index of each row of ``x`` by Lloyd's k-means, deterministic for a seed.
-
-    Initialisation: one row drawn with ``seed``, then repeatedly the row farthest from the
-    centres chosen so far (farthest-point seeding, ties to the lowest index), so obvious
-    clusters are found whatever the seed. Then ``iters`` Lloyd iterations; a centre that
-    loses all its rows keeps its position.
-    """
+    """Cluster index of each row of ``x``: one row drawn with ``seed``, farthest-point
+    seeding (ties to the lowest index), then at most ``iters`` Lloyd iterations (a centre
+    that loses all its rows keeps its position)."""
     n = x.shape[0]
     g = torch.Generator().manual_seed(int(seed))
     first = int(torch.randint(n, (1,), generator=g))
@@ -83,20 +67,10 @@ def local_prototypes(
         \sum_{i \in \mathcal{V}_{k,c,q}} \mathbf{z}_i, \qquad
         n_{k,c,q} = |\mathcal{V}_{k,c,q}|
 
-    With ``modes == 1`` the single mode of class :math:`c` is all its nodes. With
-    ``modes > 1`` the nodes of the class are split into :math:`\min(\text{modes}, n_c)`
-    modes :math:`\mathcal{V}_{k,c,q}` by k-means (one row drawn with ``seed``, then
-    farthest-point seeding, at most ``iters`` Lloyd iterations), so the result is the same
-    for the same inputs. Modes left empty by k-means are dropped, so every returned support
-    size is positive. Classes of ``classes`` without any node are left out.
-
-    Args:
-        z: node memory descriptors :math:`\mathbf{z}_i` of Eq. (10).
-        y: node labels.
-        classes: the classes to summarise (e.g. the client's current training classes).
-        modes: within-class modes per class. (default: :obj:`1`)
-        seed: seed of the k-means initialisation. (default: :obj:`0`)
-        iters: maximum number of Lloyd iterations. (default: :obj:`20`)
+    ``z`` holds the descriptors :math:`\mathbf{z}_i` of Eq. (10). With ``modes > 1`` a
+    class's nodes are split into :math:`\min(\text{modes}, n_c)` modes by the k-means of
+    :func:`_kmeans` (``seed``, ``iters``); empty modes are dropped, so every support is
+    positive. Classes without any node are left out.
 
     Shapes:
         - **input:** ``z`` :math:`(N, d)`, ``y`` :math:`(N,)`
@@ -146,26 +120,13 @@ class PrototypeBank:
         n_{c,j^*} + n_p\Big);
 
     otherwise :math:`\mathbf{p}` occupies an empty slot, or, when all :math:`S` slots are
-    taken, replaces the slot with the smallest support (the weakest).
-
-    Choices where the paper leaves room: the arg max runs over occupied slots only (an
-    empty slot has no direction); the merge averages the raw, unnormalised vectors exactly
-    as Eq. (12) writes it (cosine only decides the match), so a slot stays the mean
-    descriptor of all the nodes merged into it; the comparison is strict (:math:`>`);
-    replacement is unconditional, as the paper states, even when the incoming support is
-    smaller than the weakest slot's, and ties go to the lowest slot index; a replaced slot
-    takes the incoming prototype and its support (the old memory is dropped). Arithmetic is
-    in float64, stored in the incoming dtype.
+    taken, replaces the slot with the smallest support (ties to the lowest index). The
+    arg max runs over occupied slots; the merge averages raw vectors in float64 (choices
+    where the paper leaves room: docs/fedogl.md).
 
     Args:
-        slots: :math:`S`, the number of slots per class. (default: :obj:`4`)
-        eta: :math:`\eta`, the cosine above which a prototype merges into a slot.
-            (default: :obj:`0.8`)
+        slots: :math:`S`, slots per class. eta: :math:`\eta`, the merge threshold.
     """
-
-    MERGED = "merged"
-    FILLED = "filled"
-    REPLACED = "replaced"
 
     def __init__(self, slots: int = 4, eta: float = 0.8) -> None:
         if slots < 1:
@@ -205,22 +166,18 @@ class PrototypeBank:
                 q, m = bank[j]
                 merged = (m * q.double().to(p.device) + n * p.double()) / (m + n)
                 bank[j] = (merged.to(q.dtype), m + n)
-                return self.MERGED
+                return "merged"
         if len(bank) < self.slots:
             bank.append((p.clone(), n))
-            return self.FILLED
+            return "filled"
         weakest = min(range(len(bank)), key=lambda i: (bank[i][1], i))
         bank[weakest] = (p.clone(), n)
-        return self.REPLACED
+        return "replaced"
 
     def prototypes(self) -> tuple[Tensor, Tensor, Tensor]:
-        """All occupied slots, by class ascending then slot index.
-
-        Returns:
-            ``(P, labels, counts)`` of shapes :math:`(m, d)`, :math:`(m,)` (long) and
-            :math:`(m,)` (long). An empty bank gives :math:`(0, d)` (``d = 0`` if the bank
-            has never seen a prototype).
-        """
+        """``(P, labels, counts)`` :math:`(m, d)`, :math:`(m,)`, :math:`(m,)` of all occupied
+        slots, by class then slot index; an empty bank gives :math:`m = 0` (``d = 0`` if
+        it never saw a prototype)."""
         rows = [(c, q, n) for c in sorted(self._bank) for q, n in self._bank[c]]
         if not rows:
             return (
@@ -262,17 +219,9 @@ def prototype_graph(P: Tensor, labels: Tensor, kappa: int) -> Tensor:
     .. math::
         \mathcal{E}_P = \mathrm{KNN}_\kappa(\mathcal{P}) \cup \mathcal{E}_{same}
 
-    :math:`\mathrm{KNN}_\kappa` links each prototype to the :math:`\kappa` others with the
-    highest cosine similarity (fewer if there are fewer others; ties to the lower index),
-    symmetrised by maximum, :math:`A = \max(A, A^\top)`, so an edge exists if either end
-    chose it. :math:`\mathcal{E}_{same}` links every two prototypes of the same class.
-    No self loops; :func:`propagate` adds them. ``kappa = 0`` keeps only the same-class
-    edges.
-
-    Args:
-        P: prototypes, one per row.
-        labels: the class of each prototype.
-        kappa: :math:`\kappa`, neighbours per prototype.
+    :math:`\mathrm{KNN}_\kappa` links each prototype to its :math:`\kappa` most cosine-similar
+    others (ties to the lower index), symmetrised by maximum; :math:`\mathcal{E}_{same}`
+    links every two prototypes of a class. No self loops (:func:`propagate` adds them).
 
     Shapes:
         - **input:** ``P`` :math:`(m, d)`, ``labels`` :math:`(m,)`
@@ -308,13 +257,7 @@ def propagate(P: Tensor, A: Tensor) -> Tensor:
         \mathbf{D}^{-1/2} \mathbf{P}, \qquad
         \mathbf{D}_{ii} = \sum_j (\mathbf{A}_P + \mathbf{I})_{ij}
 
-    Args:
-        P: prototypes, one per row.
-        A: adjacency of :func:`prototype_graph` (symmetric, no self loops).
-
-    Shapes:
-        - **input:** ``P`` :math:`(m, d)`, ``A`` :math:`(m, m)`
-        - **output:** :math:`(m, d)`
+    ``P`` :math:`(m, d)`; ``A`` :math:`(m, m)` from :func:`prototype_graph`.
     """
     m = P.shape[0]
     if A.shape != (m, m):
@@ -359,16 +302,8 @@ def client_consensus(
         \operatorname{softmax}\big(\tilde{\mathbf{P}} \mathbf{W}_r^\top + \mathbf{b}_r
         \big)_{[:, \mathcal{C}_K]}
 
-    The softmax is over the known classes only, like the global head's in
-    :func:`refinement_loss`. The caller passes the heads of the last ``refine.window``
-    rounds with their weights (training-node counts), which is what makes the targets
-    "trajectory-aware".
-
-    Args:
-        heads: state dicts of :class:`torch.nn.Linear` heads (``weight``, optional ``bias``).
-        weights: one non-negative weight per head, not all zero.
-        P_tilde: propagated prototypes from :func:`propagate`.
-        known: the known class ids :math:`\mathcal{C}_K`, in the column order wanted.
+    ``heads`` are ``Linear`` state dicts (``weight``, optional ``bias``) of the recent
+    rounds' clients, with non-negative ``weights``; columns follow ``known``.
 
     Shapes:
         - **input:** ``P_tilde`` :math:`(m, d)`, ``weight`` :math:`(C, d)`
@@ -394,7 +329,6 @@ def refinement_loss(
     known: Tensor | Sequence[int],
     lambda_lab: float = 1.0,
     lambda_tr: float = 1.0,
-    weights: Tensor | None = None,
 ) -> Tensor:
     r"""The bracket of Eq. (14): label and trajectory terms on the propagated prototypes.
 
@@ -404,22 +338,9 @@ def refinement_loss(
         \qquad \mathbf{q}_\theta = \operatorname{softmax}\big(
         h_\theta(\tilde{\mathbf{P}})_{[:, \mathcal{C}_K]}\big)
 
-    Logits are restricted to the known classes (columns ``known`` of the head's output,
-    in that order), the cross-entropy targets are each prototype's label position in
-    ``known``, and both terms are means over prototypes (``weights`` makes them weighted
-    means instead). :math:`\gamma_t` is applied by :func:`refine_head`.
-
-    Args:
-        head: maps :math:`(m, d)` to logits :math:`(m, C)` over all classes.
-        P_tilde: propagated prototypes from :func:`propagate`.
-        labels: the class id of each prototype, all in ``known``.
-        q_cli: soft targets from :func:`client_consensus`, columns in ``known``'s order;
-            :obj:`None` drops the KL term.
-        known: the known class ids :math:`\mathcal{C}_K`.
-        lambda_lab: :math:`\lambda_{lab}`. (default: :obj:`1.0`)
-        lambda_tr: :math:`\lambda_{tr}`. (default: :obj:`1.0`)
-        weights: optional non-negative per-prototype weights (e.g. support sizes).
-            (default: :obj:`None`, uniform as in the paper)
+    Logits are the head's columns ``known`` (in that order), every label must be in
+    ``known``, and both terms are means over prototypes. ``q_cli`` (from
+    :func:`client_consensus`) of :obj:`None` drops the KL term.
 
     Shapes:
         - **input:** ``P_tilde`` :math:`(m, d)`, ``labels`` :math:`(m,)`, ``q_cli``
@@ -430,13 +351,7 @@ def refinement_loss(
     known = torch.as_tensor(known, dtype=torch.long, device=P_tilde.device)
     logits = head(P_tilde)[:, known]
     log_q = logits.log_softmax(dim=1)
-    if weights is None:
-        w = torch.full((m,), 1.0 / m, dtype=log_q.dtype, device=log_q.device)
-    else:
-        w = weights.to(device=log_q.device, dtype=log_q.dtype)
-        if w.shape != (m,) or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"weights must be [{m}], non-negative, not all zero")
-        w = w / w.sum()
+    w = torch.full((m,), 1.0 / m, dtype=log_q.dtype, device=log_q.device)
     target = _known_positions(labels.to(known.device), known)
     ce = -(log_q.gather(1, target.unsqueeze(1)).squeeze(1) * w).sum()
     loss = lambda_lab * ce
@@ -455,7 +370,6 @@ def refine_head(
     head: nn.Module,
     P: Tensor,
     labels: Tensor,
-    counts: Tensor | None,
     q_cli: Tensor | None,
     known: Tensor | Sequence[int],
     kappa: int,
@@ -464,7 +378,6 @@ def refine_head(
     lambda_tr: float = 1.0,
     steps: int = 5,
     lr: float = 0.01,
-    count_weighted: bool = False,
 ) -> dict[str, float]:
     r"""Refine the global head on the prototype memory, FedOGL Eqs. (13)-(14).
 
@@ -473,34 +386,10 @@ def refine_head(
         \theta) + \lambda_{tr} \mathrm{KL}(\bar{\mathbf{q}}_{cli} \,\|\, \mathbf{q}_\theta)
         \big]
 
-    Builds :math:`\mathcal{G}_P` with :func:`prototype_graph`, propagates once with
-    :func:`propagate`, then takes ``steps`` plain SGD steps
-    :math:`\theta \leftarrow \theta - \text{lr} \, \nabla_\theta \mathcal{L}_{mem}` on the
-    head's parameters, in place (no optimizer state, ``.grad`` is left untouched). With
-    ``gamma == 0`` (the paper's :math:`\gamma_t` while no old class exists) or an empty
-    memory the head is not changed. ``q_cli`` must be computed on the same
-    :math:`\tilde{\mathbf{P}}`, i.e. with the same ``kappa``
-    (see :func:`client_consensus`).
-
-    Args:
-        head: the global model's classification head (input dimension ``d``).
-        P: bank prototypes, e.g. from :meth:`PrototypeBank.prototypes`.
-        labels: their classes.
-        counts: their support sizes; used only with ``count_weighted``.
-        q_cli: soft targets :math:`(m, |\mathcal{C}_K|)` or :obj:`None` (no KL term).
-        known: the known class ids :math:`\mathcal{C}_K`.
-        kappa: :math:`\kappa` of Eq. (13).
-        gamma: :math:`\gamma_t`.
-        lambda_lab: :math:`\lambda_{lab}`. (default: :obj:`1.0`)
-        lambda_tr: :math:`\lambda_{tr}`. (default: :obj:`1.0`)
-        steps: SGD steps. (default: :obj:`5`)
-        lr: SGD learning rate. (default: :obj:`0.01`)
-        count_weighted: weight each prototype's terms by its support instead of the
-            paper's uniform mean. (default: :obj:`False`)
-
-    Returns:
-        ``{"loss_before", "loss_after"}``: the bracket of Eq. (14) (without
-        :math:`\gamma_t`) before and after the steps, NaN for an empty memory.
+    Propagates the bank prototypes ``P`` once on their graph (``kappa``), then takes
+    :func:`sgd_refine` steps on the head in place. ``q_cli`` must come from the same
+    :math:`\tilde{\mathbf{P}}` (same ``kappa``). Returns ``{"loss_before", "loss_after"}``,
+    NaN for an empty memory.
     """
     if P.shape[0] == 0:
         return {"loss_before": float("nan"), "loss_after": float("nan")}
@@ -509,16 +398,9 @@ def refine_head(
     P = P.detach().to(device=ref.device, dtype=ref.dtype)
     labels = labels.to(ref.device)
     P_tilde = propagate(P, prototype_graph(P, labels, kappa))
-    weights = None
-    if count_weighted:
-        if counts is None:
-            raise ValueError("count_weighted needs counts")
-        weights = counts.to(device=ref.device, dtype=ref.dtype)
 
     def loss_fn() -> Tensor:
-        return refinement_loss(
-            head, P_tilde, labels, q_cli, known, lambda_lab, lambda_tr, weights=weights
-        )
+        return refinement_loss(head, P_tilde, labels, q_cli, known, lambda_lab, lambda_tr)
 
     return sgd_refine(loss_fn, params, gamma, steps, lr)
 

@@ -287,7 +287,7 @@ def test_refine_head_gamma_zero_leaves_head_unchanged():
     torch.manual_seed(0)
     head = nn.Linear(4, 3)
     before = {k: v.clone() for k, v in head.state_dict().items()}
-    out = refine_head(head, P, labels, None, q_cli, [0, 1, 2], kappa=2, gamma=0.0)
+    out = refine_head(head, P, labels, q_cli, [0, 1, 2], kappa=2, gamma=0.0)
     for k, v in head.state_dict().items():
         assert torch.equal(v, before[k])
     assert out["loss_before"] == out["loss_after"]
@@ -298,9 +298,7 @@ def test_refine_head_lowers_the_loss_in_place():
     torch.manual_seed(0)
     head = nn.Linear(4, 3)
     w0 = head.weight.detach().clone()
-    out = refine_head(
-        head, P, labels, torch.ones(8), q_cli, [0, 1, 2], kappa=2, gamma=1.0, steps=5, lr=0.1
-    )
+    out = refine_head(head, P, labels, q_cli, [0, 1, 2], kappa=2, gamma=1.0, steps=5, lr=0.1)
     assert out["loss_after"] < out["loss_before"]
     assert not torch.equal(head.weight, w0)
     assert head.weight.grad is None  # no gradient left behind
@@ -313,18 +311,5 @@ def test_refine_head_lowers_the_loss_in_place():
 
 def test_refine_head_empty_memory_is_a_no_op():
     head = nn.Linear(4, 3)
-    out = refine_head(
-        head, torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), None, None, [0], 1, 1.0
-    )
+    out = refine_head(head, torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), None, [0], 1, 1.0)
     assert math.isnan(out["loss_before"]) and math.isnan(out["loss_after"])
-
-
-def test_refinement_loss_optional_weights():
-    head = _head(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.zeros(2))
-    P_tilde = torch.tensor([[math.log(3.0), 0.0], [math.log(3.0), 0.0]])
-    labels = torch.tensor([0, 1])
-    # per-prototype CE: ln(4/3) and ln 4
-    uniform = refinement_loss(head, P_tilde, labels, None, [0, 1])
-    weighted = refinement_loss(head, P_tilde, labels, None, [0, 1], weights=torch.tensor([1, 3]))
-    assert uniform.item() == pytest.approx((math.log(4 / 3) + math.log(4)) / 2, rel=1e-6)
-    assert weighted.item() == pytest.approx((math.log(4 / 3) + 3 * math.log(4)) / 4, rel=1e-6)
