@@ -1,7 +1,7 @@
 r"""Memory-drift diagnostics of the FedOGL paper: semantic, structural, federated (Eqs. 2-4).
 
-All are pure functions of embeddings, centroids, bases or prototypes; they compute in
-float64 and return Python floats (or tensors in the input dtype for centroids and bases).
+Pure functions; they compute in float64 and return floats (centroids and bases: tensors in
+the input dtype).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from fedlightning.server.basis import fix_signs
 
 __all__ = [
     "basis_drift",
@@ -34,13 +36,7 @@ def class_centroids(z: Tensor, y: Tensor, classes: Sequence[int]) -> dict[int, T
     .. math::
         \boldsymbol{\mu}_c = \frac{1}{|\{i : y_i = c\}|} \sum_{i : y_i = c} \mathbf{z}_i
 
-    Classes of ``classes`` without any node are left out of the result (they have no
-    centroid), so drift functions skip them.
-
-    Args:
-        z: node embeddings.
-        y: node labels.
-        classes: the classes to compute centroids for.
+    Classes without any node are left out (so drift functions skip them).
 
     Shapes:
         - **input:** ``z`` :math:`(N, d)`, ``y`` :math:`(N,)`
@@ -64,12 +60,8 @@ def semantic_drift(then: Mapping[int, Tensor], now: Mapping[int, Tensor]) -> flo
         D_{sem}(t) = \frac{1}{|\mathcal{C}^t_{old}|} \sum_{c \in \mathcal{C}^t_{old}}
         \Big[ 1 - \cos\big(\boldsymbol{\mu}_c^{t_c}, \boldsymbol{\mu}_c^{t}\big) \Big]
 
-    :math:`\mathcal{C}^t_{old}` is taken as the classes present in both mappings. NaN when
-    there is no common class.
-
-    Args:
-        then: centroid of each class when it first appeared (stage :math:`t_c`).
-        now: centroid of each class at stage :math:`t`.
+    ``then`` holds each class's centroid when it appeared (stage :math:`t_c`), ``now`` at
+    stage :math:`t`; :math:`\mathcal{C}^t_{old}` is the classes in both (NaN if none).
 
     Shapes:
         - **input:** ``{c: (d,)}`` each
@@ -87,14 +79,8 @@ def principal_basis(z: Tensor, r: int, center: bool = True) -> Tensor:
         \mathbf{Z} - \mathbf{1}\bar{\mathbf{z}}^\top = \mathbf{P} \boldsymbol{\Sigma}
         \mathbf{V}^\top, \qquad \mathbf{U} = \mathbf{V}_{:, :r}
 
-    Columns are orthonormal. Singular vectors are only defined up to sign, so each column
-    is flipped to make its largest-magnitude entry positive (first such entry on ties);
-    this makes the basis a deterministic function of the span and the data.
-
-    Args:
-        z: embeddings.
-        r: number of directions, :math:`1 \le r \le \min(N, d)`.
-        center: subtract the mean embedding first.
+    :math:`1 \le r \le \min(N, d)`; ``center=False`` skips the centring. Signs are fixed by
+    :func:`~fedlightning.server.basis.fix_signs`, so the basis is deterministic.
 
     Shapes:
         - **input:** :math:`(N, d)`
@@ -109,11 +95,7 @@ def principal_basis(z: Tensor, r: int, center: bool = True) -> Tensor:
     if center:
         x = x - x.mean(dim=0, keepdim=True)
     _, _, vh = torch.linalg.svd(x, full_matrices=False)
-    u = vh[:r].T  # [d, r]
-    idx = u.abs().argmax(dim=0)
-    sign = torch.sign(u[idx, torch.arange(r, device=u.device)])
-    sign[sign == 0] = 1.0
-    return (u * sign).to(z.dtype)
+    return fix_signs(vh[:r].T).to(z.dtype)
 
 
 def basis_drift(u_then: Tensor, u_now: Tensor) -> float:
@@ -123,12 +105,8 @@ def basis_drift(u_then: Tensor, u_now: Tensor) -> float:
         D_{str}(i \to t) = \frac{1}{\sqrt{2r}} \big\| \mathbf{U}^{(i)} \mathbf{U}^{(i)\top} -
         \mathbf{U}^{(t)} \mathbf{U}^{(t)\top} \big\|_F
 
-    It compares projectors, so it depends only on the spanned subspaces: 0 for the same
-    subspace (any rotation of the basis within it), 1 for orthogonal subspaces.
-
-    Args:
-        u_then: basis right after task :math:`i` (orthonormal columns).
-        u_now: basis of the same task after task :math:`t`.
+    0 for the same subspace, 1 for orthogonal ones (``u_then`` right after task :math:`i`,
+    ``u_now`` after task :math:`t`, orthonormal columns).
 
     Shapes:
         - **input:** :math:`(d, r)` each
@@ -154,14 +132,9 @@ def prototype_dispersion(
         \frac{1}{|\mathcal{K}_c|} \sum_{k \in \mathcal{K}_c}
         \Big[ 1 - \cos\big(\mathbf{p}_{k,c}, \bar{\mathbf{p}}_c\big) \Big]
 
-    Each class weighs the same whatever its number of clients. :math:`\mathcal{C}_K` is
-    taken as the classes with a global prototype and at least one local one. NaN when
-    there is no such class.
-
-    Args:
-        local: for each class, the local prototypes :math:`\mathbf{p}_{k,c}` of the clients
-            :math:`\mathcal{K}_c` observing it.
-        global_: the aggregated prototype :math:`\bar{\mathbf{p}}_c` of each class.
+    ``local[c]`` holds the prototypes :math:`\mathbf{p}_{k,c}` of the clients
+    :math:`\mathcal{K}_c`, ``global_[c]`` :math:`\bar{\mathbf{p}}_c`. :math:`\mathcal{C}_K` is
+    the classes with both (NaN if none); each class weighs the same.
 
     Shapes:
         - **input:** ``local`` ``{c: [(d,), ...]}``, ``global_`` ``{c: (d,)}``

@@ -1,17 +1,11 @@
-r"""Structure-basis memory shielding of FedOGL, Eqs. (7)-(9), as pure functions.
+r"""Structure-basis memory shielding of FedOGL, Eqs. (7)-(9), as pure ``torch`` functions.
 
-A protected structural weight :math:`W \in \mathbb{R}^{\mathrm{out} \times \mathrm{in}}`
-(PyTorch's layout) maps the tensor :math:`X` that multiplies it to :math:`X W^\top`. If a
-weight change :math:`\Delta W` satisfies :math:`\Delta W U = 0` for an orthonormal basis
-:math:`U` of the rows of the old stages' :math:`X`, the layer's linear output on those rows
-is unchanged. Clients extract a residual basis from their stage's inputs (Eq. (7)), the
-server merges the clients' bases by summing projectors (Eq. (8)), and the next stage
-removes the basis directions from the gradient (Eq. (9)) -- see
-:class:`fedlightning.callbacks.GradientProjection` for the training side.
-
-Everything here is plain ``torch`` (and PyG for :func:`protected_input`); the server never
-imports Lightning. Eigen-decompositions run in float64 and the result is cast back to the
-input's dtype.
+A weight :math:`W` (``(out, in)``) maps its input :math:`X` to :math:`X W^\top`; a change with
+:math:`\Delta W U = 0` for an orthonormal basis :math:`U` of the old stages' rows of
+:math:`X` leaves their linear output unchanged. Clients extract residual bases (Eq. (7)),
+the server merges them (Eq. (8)), later stages project gradients (Eq. (9), training side:
+:class:`fedlightning.callbacks.GradientProjection`). Eigen-decompositions run in float64;
+results are cast back to the input's dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from torch import Tensor
 EIG_RTOL = 1e-8
 
 
-def _fix_signs(u: Tensor) -> Tensor:
+def fix_signs(u: Tensor) -> Tensor:
     """Flip each column so that its largest-magnitude entry is positive (first on ties)."""
     if u.size(1) == 0:
         return u
@@ -50,19 +44,13 @@ def _check_basis(u: Tensor, d: int, what: str) -> None:
 
 
 def class_balanced_weights(y: Tensor) -> Tensor:
-    r"""Class-balanced sample weights :math:`\mathbf{W}_{k,t}` of Eq. (7).
+    r"""Class-balanced sample weights :math:`\mathbf{W}_{k,t}` of Eq. (7) for labels ``[n]``.
 
     .. math::
         w_i = \frac{n}{\sum_j 1/n_{y_j}} \cdot \frac{1}{n_{y_i}}
 
-    where :math:`n_c` is the number of nodes of class :math:`c`: every present class gets
-    the same total weight, and the weights sum to :math:`n`.
-
-    Args:
-        y (Tensor): integer labels ``[n]`` (non-negative).
-
-    Returns:
-        float weights ``[n]``.
+    (:math:`n_c` nodes of class :math:`c`): every present class gets the same total weight,
+    and the weights sum to :math:`n`.
     """
     if y.dim() != 1:
         raise ValueError(f"y must have shape [n], got {tuple(y.shape)}")
@@ -91,34 +79,21 @@ def residual_basis(
         \mathbf{C} = \widetilde{\mathbf{H}}^\top \mathbf{W} \widetilde{\mathbf{H}},\quad
         \mathbf{U}_{k,t} = \mathrm{TopEig}(\mathbf{C})
 
-    with :math:`\mathbf{W} = \mathrm{diag}(w)` (all ones without ``weights``). Eigenvalues
-    at or below ``1e-8`` times the reference eigenvalue (the largest eigenvalue of the
-    centred, non-residual :math:`\mathbf{H}^\top\mathbf{W}\mathbf{H}`, or
-    :math:`\sum_i w_i \lVert\boldsymbol{\mu}\rVert^2` if that is larger and
-    ``include_mean``) are dropped, so data already spanned by ``prev`` gives no vectors.
+    with :math:`\mathbf{W} = \mathrm{diag}(w)` (ones without ``weights``). ``z`` ``[n, d]``
+    is the protected weight's exact input (``models.structure.protected_input``), ``prev``
+    is :math:`\mathbf{U}_{t-1}` ``[d, r0]`` or ``None``. Eigenvalues at or below ``1e-8``
+    times the reference (the top eigenvalue of the non-residual
+    :math:`\mathbf{H}^\top\mathbf{W}\mathbf{H}`, or :math:`\sum_i w_i \lVert\boldsymbol{\mu}
+    \rVert^2` if larger and ``include_mean``) are dropped, so data spanned by ``prev``
+    gives no vectors.
 
-    With ``include_mean``, the unit mean direction -- which the centring removes, although
-    the layer's inputs (not their deviations) are what must keep their outputs -- is
-    residualised against ``prev`` and the chosen eigenvectors and appended, unless its
-    residual is negligible by the same tolerance (:math:`\sum_i w_i\lVert
-    \tilde{\boldsymbol{\mu}}\rVert^2`). ``rank`` bounds the total number of columns: with
-    ``include_mean`` the eigenvectors take at most ``rank - 1`` slots and the mean the
-    last; if the mean is negligible the ``rank``-th eigenvector takes its slot.
-
-    Args:
-        z (Tensor): structural embeddings ``[n, d]`` (for gradient shielding, the exact
-            input of the protected weight, see :func:`protected_input`).
-        prev (Tensor, optional): previous global basis ``U_{t-1}`` ``[d, r0]`` with
-            orthonormal columns, or ``None``.
-        rank (int): the most columns to return (``r_l``).
-        weights (Tensor, optional): sample weights ``[n]``, e.g.
-            :func:`class_balanced_weights`. (default: ``None``)
-        include_mean (bool, optional): append the residual mean direction.
-            (default: ``True``)
+    ``include_mean`` appends the unit mean direction (removed by the centring, though the
+    inputs themselves must keep their outputs), residualised against ``prev`` and the
+    eigenvectors, in the last of the ``rank`` columns, unless its residual is negligible by
+    the same tolerance (then the ``rank``-th eigenvector takes the slot).
 
     Returns:
-        ``[d, r]`` with ``r <= rank``, orthonormal columns, orthogonal to ``prev``, each
-        column's largest-magnitude entry positive.
+        ``[d, r]``, ``r <= rank``, orthonormal, orthogonal to ``prev``, :func:`fix_signs`.
     """
     if z.dim() != 2:
         raise ValueError(f"z must have shape [n, d], got {tuple(z.shape)}")
@@ -156,7 +131,7 @@ def residual_basis(
     cov_res = h_res.T @ (w.unsqueeze(1) * h_res)
     cand = _top_eig(cov_res, rank, ref)
     if not include_mean:
-        return _fix_signs(cand).to(dtype)
+        return fix_signs(cand).to(dtype)
 
     chosen = cand[:, : rank - 1]
     m = mu
@@ -169,7 +144,7 @@ def residual_basis(
         out = torch.cat([chosen, (m / m.norm()).unsqueeze(1)], dim=1)
     else:
         out = cand
-    return _fix_signs(out).to(dtype)
+    return fix_signs(out).to(dtype)
 
 
 def aggregate_bases(
@@ -187,21 +162,12 @@ def aggregate_bases(
         \alpha_k = \frac{n_{k,t}}{\sum_j n_{j,t}},\quad
         \mathbf{U}_t = \mathrm{TopEig}_r(\mathbf{S}_t)
 
-    Summing projectors, not basis vectors, makes the result independent of each client's
-    choice of basis (rotations, signs) for its subspace. Eigenvalues at or below ``1e-8``
-    times the largest are dropped, so the result can have fewer than ``rank`` columns.
-    Eigenvectors of a repeated eigenvalue are any orthonormal basis of its eigenspace.
-
-    Args:
-        prev (Tensor, optional): ``U_{t-1}`` ``[d, r0]``, or ``None`` at the first stage.
-        client_bases (list[Tensor]): ``U_{k,t}`` ``[d, r_k]`` (``r_k`` may be ``0``).
-        client_weights (list[float]): ``n_{k,t}`` (normalised here to ``alpha_k``).
-        rho (float): decay of the old projector.
-        rank (int): the most columns ``r`` to return.
+    Summing projectors makes the result independent of each client's choice of basis
+    for its subspace. ``prev`` ``[d, r0]`` may be ``None``; each ``U_{k,t}`` is ``[d, r_k]``
+    (``r_k`` may be 0). Eigenvalues at or below ``1e-8`` times the largest are dropped.
 
     Returns:
-        ``[d, r']`` with ``r' <= rank``, orthonormal columns, largest-magnitude entry of
-        each column positive, in the dtype of the inputs.
+        ``[d, r']``, ``r' <= rank``, orthonormal, :func:`fix_signs`, in the inputs' dtype.
     """
     if len(client_bases) != len(client_weights):
         raise ValueError(
@@ -230,7 +196,7 @@ def aggregate_bases(
             s += (wk / total) * (uk @ uk.T)
     s = 0.5 * (s + s.T)
     top = float(torch.linalg.eigvalsh(s)[-1])
-    return _fix_signs(_top_eig(s, rank, top)).to(dtype)
+    return fix_signs(_top_eig(s, rank, top)).to(dtype)
 
 
 def project_out(grad: Tensor, basis: Tensor) -> Tensor:
@@ -240,15 +206,8 @@ def project_out(grad: Tensor, basis: Tensor) -> Tensor:
         \mathcal{P}_\perp(\mathbf{G}) = \mathbf{G}(\mathbf{I} - \mathbf{U}\mathbf{U}^\top)
         = \mathbf{G} - (\mathbf{G}\mathbf{U})\mathbf{U}^\top
 
-    For a weight ``W`` with output ``X W^T``, a change ``G`` with ``G U = 0`` leaves
-    ``X W^T`` unchanged on every row of ``X`` in ``span(U)``.
-
-    Args:
-        grad (Tensor): a gradient or weight change ``[out, in]``.
-        basis (Tensor): ``U`` ``[in, r]`` with orthonormal columns (``r`` may be ``0``).
-
-    Returns:
-        ``[out, in]``, a new tensor.
+    ``grad`` ``[out, in]``, ``basis`` ``[in, r]`` orthonormal (``r`` may be 0); returns a
+    new ``[out, in]`` tensor.
     """
     if grad.dim() != 2 or basis.dim() != 2 or basis.size(0) != grad.size(1):
         raise ValueError(
