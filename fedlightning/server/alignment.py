@@ -1,19 +1,9 @@
-r"""The retrieval reading of FedOGL's server refinement, Eqs. (13)-(14) (methods.md).
+r"""The retrieval reading of FedOGL's server refinement, Eqs. (13)-(14) (docs/fedogl.md).
 
-For cross-modal retrieval the prototypes are per class and per modality: the tower output
-:math:`g_{i,m}` (before the projection head) averaged over a client's nodes of class
-:math:`c` that have modality :math:`m`. Each modality keeps its own bank (Eq. (12)) and its
-own prototype graph (Eq. (13)): the towers' spaces differ, so cosine neighbours across
-modalities mean nothing. After one propagation step per graph,
-
-.. math::
-    \mathbf{a}_c = \operatorname{mean}_{j:\,y_j = c} \tilde{\mathbf{P}}^{q}_j, \qquad
-    \mathbf{b}_c = \operatorname{mean}_{j:\,y_j = c} \tilde{\mathbf{P}}^{v}_j
-
-are the two modalities' class descriptors, for the known classes present in both banks.
-The projection heads :math:`H_q, H_v` (with L2 normalisation) map them into the shared
-space, :math:`S_{cc'} = \hat{H}_q(\mathbf{a}_c)^\top \hat{H}_v(\mathbf{b}_{c'})`, and the
-refinement aligns each class's two descriptors against the other classes':
+Per modality :math:`m` (own bank and graph), the class descriptors are the mean propagated
+prototypes :math:`\mathbf{a}_c, \mathbf{b}_c`; with :math:`S_{cc'} =
+\hat{H}_q(\mathbf{a}_c)^\top \hat{H}_v(\mathbf{b}_{c'})` (L2-normalised heads), only the heads
+are refined on
 
 .. math::
     \mathcal{L}_{align} = \gamma_t \Big[\lambda_{lab}\, \mathcal{L}_{nce}(S / T)
@@ -21,10 +11,7 @@ refinement aligns each class's two descriptors against the other classes':
     \sigma(S/T)) + \mathrm{KL}(\bar{\mathbf{q}}^{\top}_{cli} \,\|\, \sigma(S^\top/T))\big)
     \Big]
 
-with :math:`\bar{\mathbf{q}}_{cli}` the count-weighted mean of the same row (and column)
-softmaxes under the recent client heads (:func:`similarity_consensus`), the counterpart of
-:func:`~fedlightning.server.prototypes.client_consensus`. Only the heads change. No
-Lightning here.
+No Lightning here.
 """
 
 from __future__ import annotations
@@ -42,12 +29,7 @@ __all__ = ["alignment_loss", "class_descriptors", "refine_heads", "similarity_co
 
 
 def class_descriptors(P_tilde: Tensor, labels: Tensor, classes: Sequence[int]) -> Tensor:
-    r"""Mean propagated prototype of each class, in the order of ``classes``.
-
-    Shapes:
-        - **input:** ``P_tilde`` :math:`(m, d)`, ``labels`` :math:`(m,)`
-        - **output:** :math:`(|C|, d)`
-    """
+    r"""Mean propagated prototype :math:`(|C|, d)` of each class, in ``classes``' order."""
     rows = []
     for c in classes:
         hit = labels == c
@@ -70,24 +52,16 @@ def similarity_consensus(
     B: Tensor,
     temperature: float,
 ) -> tuple[Tensor, Tensor]:
-    r"""Soft targets :math:`\bar{\mathbf{q}}_{cli}` of the alignment: client similarity rows
-    and columns.
+    r"""Soft targets of the alignment, the counterpart of
+    :func:`~fedlightning.server.prototypes.client_consensus`:
 
     .. math::
         \bar{\mathbf{q}}_{cli} = \sum_r \frac{w_r}{\sum_s w_s}
         \sigma\big(\hat{H}^r_q(\mathbf{A}) \hat{H}^r_v(\mathbf{B})^\top / T\big)
 
-    (row softmax; the column targets use the transposed similarity).
-
-    Args:
-        heads: ``(query head, item head)`` state dicts of each recent client.
-        weights: one non-negative weight per client head pair, not all zero.
-        A, B: class descriptors of the query and item modality (rows pair by class).
-        temperature: :math:`T`.
-
-    Shapes:
-        - **input:** ``A``, ``B`` :math:`(n, d)`
-        - **output:** two :math:`(n, n)` tensors whose rows sum to 1
+    ``heads`` are the recent clients' ``(query, item)`` head state dicts; ``A``, ``B``
+    :math:`(n, d)` pair by row. Returns the row and the column (transposed) targets,
+    :math:`(n, n)` each, rows summing to 1.
     """
     w = normalized_weights(heads, weights)
     a, b = A.detach().double(), B.detach().double()
@@ -108,20 +82,8 @@ def alignment_loss(
     lambda_lab: float = 1.0,
     lambda_tr: float = 1.0,
 ) -> Tensor:
-    r"""The bracket of :math:`\mathcal{L}_{align}`: class InfoNCE plus KL to the clients.
-
-    Args:
-        eq, ev: L2-normalised class embeddings of the two modalities (row ``c`` pairs
-            with row ``c``).
-        targets: ``(rows, cols)`` from :func:`similarity_consensus`; :obj:`None` drops the
-            KL term.
-        temperature: :math:`T`.
-        lambda_lab, lambda_tr: the weights of Eq. (14).
-
-    Shapes:
-        - **input:** ``eq``, ``ev`` :math:`(n, d)`
-        - **output:** scalar
-    """
+    r"""The bracket of :math:`\mathcal{L}_{align}` on L2-normalised class embeddings ``eq``,
+    ``ev`` :math:`(n, d)` (row pairs); ``targets`` of :obj:`None` drops the KL term."""
     loss = lambda_lab * symmetric_info_nce(eq, ev, temperature)
     if targets is not None:
         s = eq @ ev.T / temperature
@@ -145,12 +107,8 @@ def refine_heads(
     steps: int = 5,
     lr: float = 0.05,
 ) -> dict[str, float]:
-    r"""``steps`` plain SGD steps on both projection heads, in place, against
-    :math:`\gamma_t \cdot` :func:`alignment_loss`.
-
-    Returns ``{"loss_before", "loss_after"}`` (the bracket, without :math:`\gamma_t`).
-    With ``gamma == 0`` or ``steps <= 0`` the heads are not changed.
-    """
+    r""":func:`~fedlightning.server.prototypes.sgd_refine` on both projection heads, in
+    place, against :math:`\gamma_t \cdot` :func:`alignment_loss`."""
     params = [*head_q.parameters(), *head_v.parameters()]
     A, B = A.detach().to(params[0]), B.detach().to(params[0])
 

@@ -1,19 +1,17 @@
 r"""FedTIP's server mathematics (paper 001, Sec. 3.5 and 4.3-4.4), Lightning-free.
 
-One equation, one function: label coverage (Eq. 27), the median update norm (Eq. 28),
-reliability (Eq. 29) and weights (Eq. 30); the additive sufficient statistics of Eq. (6),
-through which the prompt update (Eq. 31) and the anchor prototypes (Eqs. 23-24) are
-computed, so that a secure-summation transport can replace the plain sums
-(:func:`pairwise_masks` shows the sums survive masking); and the clipped, Gaussian
-prototype release of Eqs. (4), (5), (7). The client side (adapter, losses) comes with the
-FedTIP client module.
+One equation, one function: Eqs. (27)-(30); the prompt update (Eq. 31) and anchors
+(Eqs. 23-24) go through the additive statistics of Eq. (6), so secure summation could
+replace the plain sums (:func:`pairwise_masks`); the private prototype of Eqs. (4), (5), (7).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import reduce
 
 import torch
 from torch import Tensor
@@ -24,12 +22,8 @@ EPS = 1e-8
 
 
 def label_coverage(counts: Mapping[int, int], classes: Sequence[int]) -> float:
-    r"""Eq. (27): :math:`b_k = 1 - \frac12 \sum_{c \in \mathcal{Y}} |p_{k,c} - 1/|\mathcal{Y}||`.
-
-    ``counts`` are the client's support events per class (absent classes count 0);
-    ``classes`` is the task's label set :math:`\mathcal{Y}`. One for a balanced support,
-    smaller as it concentrates on fewer labels.
-    """
+    r"""Eq. (27): :math:`b_k = 1 - \frac12 \sum_{c \in \mathcal{Y}} |p_{k,c} - 1/|\mathcal{Y}||`
+    from support ``counts`` per class (absent: 0) over the label set ``classes``."""
     n = sum(counts.get(c, 0) for c in classes)
     if n <= 0 or not classes:
         raise ValueError(f"label_coverage needs a non-empty support over {list(classes)}")
@@ -59,14 +53,9 @@ def aggregation_weights(sizes: Sequence[float], reliabilities: Sequence[float]) 
 
 @dataclass
 class ClientSummary:
-    """What a client's uplink message of Eq. (2) carries, as the server reads it.
-
-    Attributes:
-        delta: the adapter update :math:`\\Delta\\Omega_k` (flattened).
-        prototypes: class -> local prototype :math:`\\mathbf{q}_{k,c}`.
-        counts: class -> support count :math:`n_{k,c}`.
-        coverage: :math:`b_k` (Eq. 27). norm: :math:`\\lVert\\Delta\\Omega_k\\rVert_2`.
-    """
+    r"""A client's uplink message of Eq. (2) as the server reads it: flat
+    :math:`\Delta\Omega_k`, class -> :math:`\mathbf{q}_{k,c}` and :math:`n_{k,c}`,
+    :math:`b_k` (Eq. 27) and :math:`\lVert\Delta\Omega_k\rVert_2`."""
 
     delta: Tensor
     prototypes: dict[int, Tensor]
@@ -92,16 +81,14 @@ class SufficientStatistics:
     def __add__(self, other: SufficientStatistics) -> SufficientStatistics:
         classes = set(self.s_class) | set(other.s_class)
 
-        def add(a: dict, b: dict, c: int) -> Tensor:
-            if c not in a:
-                return b[c]
-            return a[c] if c not in b else a[c] + b[c]
+        def add(a: dict, b: dict) -> dict[int, Tensor]:
+            return {c: a[c] + b[c] if c in a and c in b else a.get(c, b.get(c)) for c in classes}
 
         return SufficientStatistics(
             self.s_omega + other.s_omega,
             self.z_omega + other.z_omega,
-            {c: add(self.s_class, other.s_class, c) for c in classes},
-            {c: add(self.z_class, other.z_class, c) for c in classes},
+            add(self.s_class, other.s_class),
+            add(self.z_class, other.z_class),
         )
 
 
@@ -149,11 +136,9 @@ def aggregate(
     beta: float = 0.1,
     reliability_weights: bool = True,
 ) -> tuple[Tensor, dict[int, Tensor], list[float]]:
-    """One round on the server: Eqs. (28)-(31) and (23)-(24) through Eq. (6).
-
-    ``reliability_weights=False`` gives support-weighted FedAvg (every :math:`r_k = 1`),
-    the ablation of paper Table 4. Returns the new adapter, anchors and the :math:`r_k`.
-    """
+    """One round on the server, Eqs. (28)-(31) and (23)-(24) through Eq. (6): the new
+    adapter, anchors and :math:`r_k` (all 1 without ``reliability_weights``: support-weighted
+    FedAvg, the ablation of paper Table 4)."""
     gamma = median_norm([m.delta for m in messages])
     r = [reliability(m.coverage, m.norm, gamma) if reliability_weights else 1.0 for m in messages]
     total = _sum_statistics(messages, r)
@@ -191,22 +176,11 @@ def private_prototype(
 
 
 class FedTIPServer:
-    r"""One task's server: the global adapter :math:`\Omega^{(r)}` (flat) and the anchors.
-
-    It answers the verbs of every server: :meth:`broadcast` (the adapter, field
-    ``<field>``, and the anchors, ``anchor.<c>``) and :meth:`aggregate` (:func:`aggregate` on
-    the round's messages). ``anchors=False`` (the ablation without prototype anchoring, and
-    the FedAvg prompt) keeps no anchors and broadcasts none; node classification is then
-    scored against the count-weighted mean of the last round's uploaded prototypes
-    (docs/fedtip.md), which :meth:`class_prototypes` returns.
-
-    Args:
-        omega: the initial adapter as ``name -> tensor``.
-        eta_s: the server step of Eq. (31). beta: the anchor momentum of Eq. (24).
-        reliability_weights: Eqs. (27)-(30) (``False``: support-weighted FedAvg).
-        anchors: keep and broadcast anchor prototypes.
-        field: the broadcast field that carries :math:`\Omega` (``adapter``; ``model`` for
-            the full-model comparator).
+    r"""One task's server: the flat global adapter :math:`\Omega^{(r)}` (broadcast as
+    ``field``: ``adapter``, or ``model`` for the full-model comparator) and the anchors
+    (``anchor.<c>``), with ``eta_s`` (Eq. 31), ``beta`` (Eq. 24), ``reliability_weights``
+    (Eqs. 27-30). ``anchors=False`` keeps and broadcasts none; :meth:`class_prototypes` is
+    then the count-weighted mean of the last round's uploaded prototypes (docs/fedtip.md).
     """
 
     def __init__(
@@ -294,7 +268,4 @@ def read_update(update: ClientUpdate) -> ClientSummary:
 
 
 def _sum_statistics(messages: Sequence[ClientSummary], r: Sequence[float]) -> SufficientStatistics:
-    total = client_statistics(messages[0], r[0])
-    for m, rk in zip(messages[1:], r[1:], strict=True):
-        total = total + client_statistics(m, rk)
-    return total
+    return reduce(operator.add, map(client_statistics, messages, r))
