@@ -31,13 +31,8 @@ class AccuracyMatrix(Metric):
         \hat{y}_i^{t} = y_i\}}{\sum_k |\mathcal{V}^{test}_{k,j}|}
 
     where :math:`\mathcal{V}^{test}_{k,j}` are client :math:`k`'s test nodes whose class was
-    introduced at stage :math:`j`. Pooling over clients is calling :meth:`update` once per
-    client; counts (not per-client accuracies) are summed, so clients are weighted by their
-    test nodes. The states are ``[T, T]`` count tensors with sum reduction, so the metric
-    also reduces correctly across DDP processes.
-
-    Args:
-        num_stages: number of stages :math:`T` of the stream.
+    introduced at stage :math:`j`: :meth:`update` once per client sums counts, so clients
+    weigh by test nodes (``[T, T]`` sum states, so DDP reduces correctly too).
 
     Shapes:
         - **update input:** ``node_stage`` :math:`(N,)` int, ``correct`` :math:`(N,)` bool
@@ -61,15 +56,9 @@ class AccuracyMatrix(Metric):
         self.add_state("total", default=zeros.clone(), dist_reduce_fx="sum")
 
     def update(self, stage: int, node_stage: Tensor, correct: Tensor) -> None:
-        """Count one client's (or batch's) evaluated nodes after training stage ``stage``.
-
-        Args:
-            stage: 0-based stage ``t`` just trained.
-            node_stage: for each node, the 0-based stage that introduced its class. Nodes
-                with ``node_stage > stage`` (classes not yet seen, e.g. open-world
-                unknowns) are ignored.
-            correct: for each node, whether its (closed-set) prediction was right.
-        """
+        """Count one client's (or batch's) nodes after training stage ``stage``: each node's
+        introducing stage (``> stage``, e.g. open-world unknowns: ignored) and whether its
+        closed-set prediction was right."""
         T = self.num_stages
         if not 0 <= stage < T:
             raise ValueError(f"stage must be in [0, {T}), got {stage}")
@@ -84,7 +73,6 @@ class AccuracyMatrix(Metric):
             raise ValueError("node_stage must be >= 0 (a stage index)")
         seen = node_stage <= stage
         js = node_stage[seen]
-        # bincount over the seen stages gives row `stage` in one shot, no Python loop.
         self.total[stage] += torch.bincount(js, minlength=T)[:T]
         self.correct[stage] += torch.bincount(js[correct[seen]], minlength=T)[:T]
 
@@ -115,14 +103,8 @@ def average_accuracy(M: Tensor) -> float:
     .. math::
         \mathrm{AM} = \frac{1}{T} \sum_{j=0}^{T-1} M_{T-1,j}
 
-    Tasks without a measured value (NaN, e.g. no test node of that task) are left out of
-    the mean. NaN if no entry of the final row is finite.
-
-    Args:
-        M: accuracy matrix (row ``t`` = after stage ``t``).
-
-    Shapes:
-        - **input:** :math:`(T, T)`
+    Tasks without a measured value (NaN) are left out of the mean; NaN if none is finite.
+    ``M`` :math:`(T, T)`, row ``t`` = after stage ``t`` (as for every function here).
     """
     M = _as_matrix(M)
     return _finite_mean(M[-1])
@@ -155,16 +137,9 @@ def forgetting(M: Tensor) -> float:
         \mathrm{FM} = \frac{1}{T-1} \sum_{j=0}^{T-2}
         \Big( \max_{j \le t < T-1} M_{t,j} - M_{T-1,j} \Big)
 
-    The drop is signed (a task that ends above its best earlier value contributes a
-    negative term), as in the FedOGL paper's definition. NaN entries are skipped inside
-    the max, and a task with no finite reference or final value is left out of the mean.
-    With :math:`T = 1` there is no old task and FM is 0.
-
-    Args:
-        M: accuracy matrix (row ``t`` = after stage ``t``).
-
-    Shapes:
-        - **input:** :math:`(T, T)`
+    The drop is signed, as in the FedOGL paper. NaN entries are skipped inside the max; a
+    task with no finite reference or final value is left out of the mean; 0 when
+    :math:`T = 1`.
     """
     return _forgetting(M, diag=False)
 
@@ -176,12 +151,6 @@ def forgetting_diag(M: Tensor) -> float:
         \mathrm{FM}_{diag} = \frac{1}{T-1} \sum_{j=0}^{T-2} \big( M_{j,j} - M_{T-1,j} \big)
 
     Signed; tasks with a non-finite term are left out; 0 when :math:`T = 1`.
-
-    Args:
-        M: accuracy matrix (row ``t`` = after stage ``t``).
-
-    Shapes:
-        - **input:** :math:`(T, T)`
     """
     return _forgetting(M, diag=True)
 
@@ -192,15 +161,8 @@ def seen_accuracy_curve(M: Tensor) -> list[float]:
     .. math::
         a_t = \frac{1}{t+1} \sum_{j=0}^{t} M_{t,j}, \qquad t = 0, \dots, T-1
 
-    Non-finite entries are left out of each mean (NaN if a row has none). The last value
+    Non-finite entries are left out of each mean (NaN if a row has none); the last value
     equals :func:`average_accuracy`.
-
-    Args:
-        M: accuracy matrix (row ``t`` = after stage ``t``).
-
-    Shapes:
-        - **input:** :math:`(T, T)`
-        - **output:** list of :math:`T` floats
     """
     M = _as_matrix(M)
     return [_finite_mean(M[t, : t + 1]) for t in range(M.shape[0])]

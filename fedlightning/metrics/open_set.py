@@ -51,12 +51,7 @@ def msp_score(logits: Tensor, known: Tensor) -> Tensor:
         \rho_i = \max_{c \in \mathcal{C}_K} \frac{\exp(\ell_{i,c})}
         {\sum_{c' \in \mathcal{C}_K} \exp(\ell_{i,c'})}
 
-    Logits of classes outside :math:`\mathcal{C}_K` are dropped before the softmax, so
-    heads of not-yet-introduced classes cannot take probability mass.
-
-    Args:
-        logits: class logits.
-        known: bool mask of the known classes.
+    Logits outside :math:`\mathcal{C}_K` (bool mask ``known``) are dropped before the softmax.
 
     Shapes:
         - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
@@ -69,12 +64,7 @@ def energy_score(logits: Tensor, known: Tensor, temperature: float = 1.0) -> Ten
     r"""Negative free energy over the known classes (Liu et al., 2020); higher = more known.
 
     .. math::
-        s_i = T \log \sum_{c \in \mathcal{C}_K} \exp(\ell_{i,c} / T)
-
-    Args:
-        logits: class logits.
-        known: bool mask of the known classes.
-        temperature: :math:`T > 0`.
+        s_i = T \log \sum_{c \in \mathcal{C}_K} \exp(\ell_{i,c} / T), \qquad T > 0
 
     Shapes:
         - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
@@ -99,16 +89,9 @@ def threshold_at_tpr(known_scores: Tensor, tpr: float = 0.95) -> float:
         \delta = \max \Big\{ \delta' : \frac{1}{n} \sum_i [s_i \ge \delta'] \ge \mathrm{tpr}
         \Big\} = s_{(\lceil \mathrm{tpr} \cdot n \rceil)}
 
-    where :math:`s_{(k)}` is the :math:`k`-th largest score. With ties the accepted fraction
-    can exceed ``tpr``. Used to calibrate :math:`\delta_t` of Eq. (6) on validation
-    known-class nodes, and by FPR95 on test nodes.
-
-    Args:
-        known_scores: scores of known-class nodes (not empty).
-        tpr: target true-positive rate in (0, 1].
-
-    Shapes:
-        - **input:** :math:`(n,)`
+    where :math:`s_{(k)}` is the :math:`k`-th largest of the (non-empty) known scores; with
+    ties the accepted fraction can exceed ``tpr`` in (0, 1]. Calibrates :math:`\delta_t` of
+    Eq. (6) on validation known-class nodes; FPR95 uses it on test nodes.
     """
     s = _scores(known_scores)
     if not 0.0 < tpr <= 1.0:
@@ -116,18 +99,13 @@ def threshold_at_tpr(known_scores: Tensor, tpr: float = 0.95) -> float:
     n = s.numel()
     if n == 0:
         raise ValueError("no known scores to calibrate a threshold on")
-    # Round before ceil so float noise in tpr * n (e.g. 0.95 * n landing a hair above an
-    # integer) does not demand one more accepted node than the definition does.
+    # round before ceil: float noise in tpr * n must not demand one more accepted node
     k = max(1, math.ceil(round(tpr * n, 6)))
     return float(torch.sort(s, descending=True).values[k - 1])
 
 
 def fpr_at_threshold(unknown_scores: Tensor, threshold: float) -> float:
-    """Fraction of unknown-class scores accepted (``>= threshold``); NaN if there are none.
-
-    Shapes:
-        - **input:** ``unknown_scores`` :math:`(m,)`
-    """
+    """Fraction of unknown-class scores accepted (``>= threshold``); NaN if there are none."""
     u = _scores(unknown_scores)
     if u.numel() == 0:
         return math.nan
@@ -142,14 +120,6 @@ def fpr_at_tpr(known_scores: Tensor, unknown_scores: Tensor, tpr: float = 0.95) 
         \qquad \delta = \texttt{threshold\_at\_tpr}(s, \mathrm{tpr})
 
     NaN if either side is empty.
-
-    Args:
-        known_scores: scores of known-class nodes (positives).
-        unknown_scores: scores of unknown-class nodes.
-        tpr: target true-positive rate in (0, 1].
-
-    Shapes:
-        - **input:** ``known_scores`` :math:`(n,)`, ``unknown_scores`` :math:`(m,)`
     """
     s, u = _scores(known_scores), _scores(unknown_scores)
     if s.numel() == 0 or u.numel() == 0:
@@ -163,13 +133,8 @@ def auroc_known_vs_unknown(known_scores: Tensor, unknown_scores: Tensor) -> floa
     .. math::
         \mathrm{AUROC} = P(s > u) + \tfrac{1}{2} P(s = u)
 
-    NaN if either side is empty. Scores are replaced by their dense ranks scaled to [0, 1]
-    first: ``binary_auroc`` applies a sigmoid to scores outside [0, 1], which saturates in
-    float32 (energy scores of 20 and 30 would tie) and would change the value; ranks keep
-    order and ties exactly.
-
-    Shapes:
-        - **input:** ``known_scores`` :math:`(n,)`, ``unknown_scores`` :math:`(m,)`
+    NaN if either side is empty. Scores become dense ranks scaled to [0, 1] first, keeping
+    order and ties: ``binary_auroc``'s sigmoid on scores outside [0, 1] saturates in float32.
     """
     s, u = _scores(known_scores), _scores(unknown_scores)
     if s.numel() == 0 or u.numel() == 0:
@@ -192,14 +157,7 @@ def open_set_predict(
         \hat{y}_i = \begin{cases} \arg\max_{c \in \mathcal{C}_K} \ell_{i,c}, & \rho_i \ge
         \delta \\ -1, & \rho_i < \delta \end{cases}
 
-    The argmax over known logits equals the argmax of their softmax. Returned labels are
-    indices into the full class axis of ``logits``.
-
-    Args:
-        logits: class logits.
-        known: bool mask of the known classes.
-        threshold: :math:`\delta`, e.g. from :func:`threshold_at_tpr` on validation nodes.
-        score_fn: ``(logits, known) -> scores``, :func:`msp_score` by default.
+    Labels index the full class axis; ``score_fn(logits, known)`` gives :math:`\rho`.
 
     Shapes:
         - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
@@ -220,9 +178,6 @@ def open_accuracy(pred: Tensor, y: Tensor, is_known: Tensor) -> float:
         \text{ known} \\ [\hat{y}_i = -1], & i \text{ unknown} \end{cases}
 
     A rejected known node counts as an error. NaN for no nodes.
-
-    Shapes:
-        - **input:** ``pred``, ``y``, ``is_known`` :math:`(N,)`
     """
     pred, y = pred.flatten(), y.flatten().to(pred.device)
     is_known = torch.as_tensor(is_known, device=pred.device).bool().flatten()
@@ -266,11 +221,7 @@ class _KnownUnknownScores(Metric):
 
 
 class FPR95(_KnownUnknownScores):
-    """FPR of unknowns at the threshold accepting ``tpr`` of knowns; see :func:`fpr_at_tpr`.
-
-    Args:
-        tpr: target true-positive rate on known nodes, 0.95 for FPR95.
-    """
+    """FPR of unknowns at the threshold accepting ``tpr`` of knowns; see :func:`fpr_at_tpr`."""
 
     higher_is_better = False
 
