@@ -36,15 +36,8 @@ def recall_at_k(queries: Tensor, items: Tensor, k: int = 1) -> Tensor:
         \mathrm{rank}_i = \#\{l : S_{i,l} > S_{i,i}\} + \#\{l \ne i : S_{i,l} = S_{i,i}\},
         \qquad \mathrm{hit}_i = [\mathrm{rank}_i < k]
 
-    Ties are broken pessimistically: every other item with the same similarity as the
-    paired one is ranked above it, so a degenerate encoder (e.g. constant embeddings)
-    scores 0 instead of getting credit from an arbitrary tie order. ``hit.float().mean()``
-    is Recall@k.
-
-    Args:
-        queries: query embeddings; row ``i`` pairs with row ``i`` of ``items``.
-        items: item embeddings.
-        k: cutoff, at least 1.
+    Ties rank above the pair (pessimistic), so a degenerate encoder (e.g. constant
+    embeddings) scores 0. ``hit.float().mean()`` is Recall@k, :math:`k \ge 1`.
 
     Shapes:
         - **input:** ``queries`` :math:`(n, d)`, ``items`` :math:`(n, d)`
@@ -57,8 +50,7 @@ def recall_at_k(queries: Tensor, items: Tensor, k: int = 1) -> Tensor:
             f"queries and items must pair row by row, got {queries.shape[0]} and {items.shape[0]}"
         )
     sim = cosine_similarity_matrix(queries, items)
-    # The paired similarity is read from the same matrix, so ties compare bit-identical
-    # values and are detected exactly.
+    # read from the same matrix, so ties compare bit-identical values
     pos = sim.diagonal().unsqueeze(1)
     above = (sim > pos).sum(dim=1)
     ties = (sim == pos).sum(dim=1) - 1  # minus the paired item itself
@@ -70,8 +62,6 @@ def max_similarity(queries: Tensor, items: Tensor) -> Tensor:
 
     .. math::
         s_i = \max_{l} \cos(q_i, v_l)
-
-    Higher means "more known"; use it with :mod:`fedlightning.metrics.open_set`.
 
     Shapes:
         - **input:** ``queries`` :math:`(n, d)`, ``items`` :math:`(m, d)`, :math:`m \ge 1`

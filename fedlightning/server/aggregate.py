@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -10,6 +11,18 @@ from torch import Tensor
 from fedlightning.messages import ClientUpdate
 
 MODEL_PREFIX = "model."
+
+
+def normalized_weights(items: Sequence[Any], weights: Sequence[float], what: str) -> Tensor:
+    """One non-negative weight per state dict or head (``what``), scaled to sum to one."""
+    if len(items) != len(weights) or not items:
+        raise ValueError(
+            f"need one weight per {what}, got {len(items)} {what}s, {len(weights)} weights"
+        )
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    if (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"weights must be non-negative and not all zero, got {list(weights)}")
+    return w / w.sum()
 
 
 def weighted_average(
@@ -20,22 +33,10 @@ def weighted_average(
     .. math::
         \bar{w} = \sum_k \frac{n_k}{\sum_j n_j} w_k
 
-    Floating tensors are averaged in float64 and cast back. Integer tensors (buffers such
-    as BatchNorm's ``num_batches_tracked``) are averaged the same way and rounded, so
-    buffers are aggregated rather than dropped.
-
-    Args:
-        states: one state dict per client; all with the same keys and shapes.
-        weights: one non-negative weight per client (e.g. training examples), not all zero.
+    In float64, cast back; integer buffers (e.g. ``num_batches_tracked``) are rounded.
+    ``states`` share keys and shapes; ``weights`` are non-negative, not all zero.
     """
-    if len(states) != len(weights) or not states:
-        raise ValueError(
-            f"need one weight per state, got {len(states)} states, {len(weights)} weights"
-        )
-    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
-    if (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights must be non-negative and not all zero, got {list(weights)}")
-    w = w / w.sum()
+    w = normalized_weights(states, weights, "state")
     keys = list(states[0])
     for s in states[1:]:
         if list(s) != keys:
@@ -61,12 +62,9 @@ def as_model_fields(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def fedavg(updates: Sequence[ClientUpdate]) -> dict[str, Tensor]:
-    """FedAvg (McMahan et al., 2017): average of the clients' models weighted by ``num_examples``.
-
-    Parameters and buffers alike. If no client trained on any example (possible in a
-    class-incremental stage whose sampled clients observe no new class), the models are
-    averaged with equal weights.
-    """
+    """FedAvg (McMahan et al., 2017): the clients' models (parameters and buffers) weighted by
+    ``num_examples``, or equally if no client trained on any example (possible in a
+    class-incremental stage)."""
     weights = [u.num_examples for u in updates]
     if sum(weights) <= 0:
         weights = [1.0] * len(updates)

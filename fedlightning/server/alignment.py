@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedlightning.objectives import symmetric_info_nce
-from fedlightning.server.prototypes import normalized_weights, sgd_refine
+from fedlightning.server.aggregate import normalized_weights
+from fedlightning.server.prototypes import sgd_refine
 
 __all__ = ["alignment_loss", "class_descriptors", "refine_heads", "similarity_consensus"]
 
@@ -63,7 +64,7 @@ def similarity_consensus(
     :math:`(n, d)` pair by row. Returns the row and the column (transposed) targets,
     :math:`(n, n)` each, rows summing to 1.
     """
-    w = normalized_weights(heads, weights)
+    w = normalized_weights(heads, weights, "head pair")
     a, b = A.detach().double(), B.detach().double()
     rows = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64)
     cols = torch.zeros(b.shape[0], a.shape[0], dtype=torch.float64)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedlightning.server.aggregate import normalized_weights
+
 __all__ = [
     "PrototypeBank",
     "client_consensus",
@@ -279,16 +281,6 @@ def _known_positions(labels: Tensor, known: Tensor) -> Tensor:
     return hit.long().argmax(1)
 
 
-def normalized_weights(heads: Sequence[Any], weights: Sequence[float]) -> Tensor:
-    """One non-negative weight per client head, scaled to sum to one (float64)."""
-    if len(heads) != len(weights) or not heads:
-        raise ValueError(f"need one weight per head, got {len(heads)} heads, {len(weights)}")
-    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
-    if (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights must be non-negative and not all zero, got {list(weights)}")
-    return w / w.sum()
-
-
 def client_consensus(
     heads: Sequence[Mapping[str, Tensor]],
     weights: Sequence[float],
@@ -309,7 +301,7 @@ def client_consensus(
         - **input:** ``P_tilde`` :math:`(m, d)`, ``weight`` :math:`(C, d)`
         - **output:** :math:`(m, |\mathcal{C}_K|)`, rows sum to 1
     """
-    w = normalized_weights(heads, weights)
+    w = normalized_weights(heads, weights, "head")
     known = torch.as_tensor(known, dtype=torch.long, device=P_tilde.device)
     x = P_tilde.detach().double()
     q = torch.zeros(x.shape[0], known.numel(), dtype=torch.float64, device=x.device)
