@@ -36,9 +36,6 @@ class BasisMemory(ServerModule):
         self.rank, self.rho = rank, rho
         self.bases: dict[str, Tensor] = {}
 
-    def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
-        pass  # the basis changes only at a stage's end
-
     def end_stage(self, stage: int, updates: Sequence[ClientUpdate]) -> None:
         names = sorted(
             {
@@ -89,6 +86,7 @@ class PrototypeMemory(ServerModule):
     ``gamma_t = gamma`` once an old class exists, else ``0``. Arguments: docs/fedogl.md
     (hyperparameters); ``head_prefix`` is the head's key prefix in the model state, and
     ``sides`` names one bank per side (``""``: the single bank of node classification).
+    The bank is never broadcast; it reaches clients through the head.
     """
 
     def __init__(
@@ -170,9 +168,6 @@ class PrototypeMemory(ServerModule):
             self.lr,
         )
         return {**state, **_linear_state(head, self.head_prefix)}
-
-    def broadcast_fields(self) -> dict[str, Tensor]:
-        return {}  # the bank stays on the server; its effect reaches clients through the head
 
     def state_dict(self) -> dict[str, Any]:
         return {

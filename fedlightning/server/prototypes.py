@@ -107,8 +107,7 @@ def local_prototypes(
 class PrototypeBank:
     r"""Server-side bounded prototype memory, one bank of ``slots`` slots per class, Eq. (12).
 
-    For an incoming prototype :math:`\mathbf{p}` of class :math:`c` with support
-    :math:`n_p`:
+    For an incoming prototype :math:`\mathbf{p}` of class :math:`c` with support :math:`n_p`,
 
     .. math::
         j^* = \arg\max_{j \le S} \cos(\mathbf{p}, \bar{\mathbf{p}}_{c,j}),
@@ -141,15 +140,9 @@ class PrototypeBank:
     def __len__(self) -> int:
         return sum(len(v) for v in self._bank.values())
 
-    def classes(self) -> list[int]:
-        """The classes with at least one occupied slot, ascending."""
-        return sorted(self._bank)
-
     def update(self, c: int, p: Tensor, n: int) -> str:
-        """Consolidate one incoming prototype ``p`` of class ``c`` with support ``n``.
-
-        Returns ``"merged"``, ``"filled"`` or ``"replaced"``.
-        """
+        """Consolidate prototype ``p`` of class ``c`` with support ``n``: ``"merged"``,
+        ``"filled"`` or ``"replaced"``."""
         p = p.detach()
         if p.dim() != 1:
             raise ValueError(f"a prototype is a vector [d], got shape {tuple(p.shape)}")

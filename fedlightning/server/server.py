@@ -16,9 +16,7 @@ Aggregator = Callable[[Sequence[ClientUpdate]], dict[str, Tensor]]
 class ServerModule:
     """Method-specific server memory (bases, prototype banks) that plugs into a :class:`Server`.
 
-    A module sees messages only. Every verb has a default that does nothing, so a module
-    declares just what it provides.
-    """
+    A module sees messages only; every verb defaults to doing nothing."""
 
     def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
         """Take in one round's updates (after the model aggregation)."""
@@ -44,14 +42,9 @@ class ServerModule:
 class Server:
     """Holds the global model and turns client updates into the next global model.
 
-    Method-specific server memory (bases, prototype banks, anchors) plugs in as
-    ``modules`` (:class:`ServerModule`). Every server, FedTIP's included, answers the same
-    verbs: :meth:`broadcast`, :meth:`aggregate`, :meth:`end_stage`, :meth:`state_dict`.
-
-    Args:
-        global_state: the initial global model state dict (parameters and buffers).
-        aggregator: ``updates -> new global state``; default :func:`fedavg`.
-        modules: named server modules, run after the model aggregation in order.
+    ``aggregator`` maps ``updates -> new global state``; named ``modules`` (method-specific
+    memory) run after it in order. Every server, FedTIP's included, answers the same verbs:
+    :meth:`broadcast`, :meth:`aggregate`, :meth:`end_stage`, :meth:`state_dict`.
     """
 
     def __init__(
