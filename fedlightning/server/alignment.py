@@ -1,9 +1,9 @@
 r"""The retrieval reading of FedOGL's server refinement, Eqs. (13)-(14) (docs/fedogl.md).
 
-Per modality (own bank, Eq. (12), and graph, Eq. (13)), the class descriptors are the mean propagated
-prototypes :math:`\mathbf{a}_c, \mathbf{b}_c`; with :math:`S_{cc'} =
-\hat{H}_q(\mathbf{a}_c)^\top \hat{H}_v(\mathbf{b}_{c'})` (L2-normalised heads), only the heads
-are refined on
+Per modality (own bank, Eq. (12), and graph, Eq. (13)), the class descriptors are the mean
+propagated prototypes :math:`\mathbf{a}_c, \mathbf{b}_c`; with :math:`S_{cc'} =
+\hat{H}_q(\mathbf{a}_c)^\top \hat{H}_v(\mathbf{b}_{c'})` (L2-normalised heads), only the
+heads are refined on
 
 .. math::
     \mathcal{L}_{align} = \gamma_t \Big[\lambda_{lab}\, \mathcal{L}_{nce}(S / T)
