@@ -1,8 +1,8 @@
 r"""FedTIP's client: the prompt adapter's local fit (paper 001, Sec. 4.3, Eq. (26)).
 
 Only the adapter :math:`\Omega` of Eq. (17) trains; the bank's states, recencies and time
-encoding arrive precomputed in the batch (:func:`fedlightning.temporal.contexts.event_batch`),
-so a local fit touches nothing but the adapter. The module computes
+encoding arrive precomputed in the batch (:func:`fedlightning.temporal.contexts.event_batch`).
+The module computes
 
 .. math::
     \mathcal{L}_k = \mathcal{L}_k^{task} + \lambda_p \lVert \Omega_k - \Omega^{(r)} \rVert_2^2
@@ -11,13 +11,8 @@ so a local fit touches nothing but the adapter. The module computes
 with the prototypical loss (Eqs. 18-19) for node classification (``family="nc"``) or the
 two-way softmax over the positive and the client-visible negative destination (Eqs. 20-21,
 25) for link prediction (``family="lp"``), whose "classes" are the negative (0) and the
-positive pair (1) (methods.md). The anchor term (Eq. 22) skips classes the server has no
-anchor for yet.
-
-The active clients of a round train together: their batches are stacked on a leading axis
-(:func:`stack_batches`) and the adapter holds one parameter set per client (see
-:mod:`fedlightning.temporal.adapter`); the loss is the sum of the clients' losses, so each
-client's parameters follow exactly their own gradient.
+positive pair (1) (methods.md). The active clients of a round train together, stacked
+(:func:`stack_batches`, :mod:`fedlightning.temporal.adapter`).
 """
 
 from __future__ import annotations
@@ -48,15 +43,14 @@ def stack_batches(batches: Sequence[Batch], length: int = 0) -> Batch:
     ``n_k``, or to ``length`` if larger: a share of a round padded as the round's stack) with
     ``mask`` ``[K, N]`` marking the real events."""
     n = max(length, *(len(b["h_u"]) for b in batches))
-    out: Batch = {}
-    for key in batches[0]:
-        first = batches[0][key]
-        full = torch.zeros((len(batches), n, *first.shape[1:]), dtype=first.dtype)
-        for k, b in enumerate(batches):
-            full[k, : len(b[key])] = b[key]
-        out[key] = full
+    out = {
+        k: torch.zeros((len(batches), n, *v.shape[1:]), dtype=v.dtype)
+        for k, v in batches[0].items()
+    }
     out["mask"] = torch.zeros(len(batches), n, dtype=torch.bool)
     for k, b in enumerate(batches):
+        for key in batches[0]:
+            out[key][k, : len(b[key])] = b[key]
         out["mask"][k, : len(b["h_u"])] = True
     return out
 
@@ -87,9 +81,7 @@ def family_prototypes(views: tuple[Tensor, ...], family: str) -> tuple[Tensor, T
         h, y, mask = views
         return class_prototypes(h, y, mask, NUM_CLASSES)
     h_pos, _, h_neg, _, mask = views
-    y = torch.cat(
-        [torch.zeros_like(mask, dtype=torch.long), torch.ones_like(mask, dtype=torch.long)], 1
-    )
+    y = torch.cat([torch.zeros_like(mask), torch.ones_like(mask)], 1).long()
     return class_prototypes(
         torch.cat([h_neg, h_pos], 1), y, torch.cat([mask, mask], 1), NUM_CLASSES
     )
