@@ -13,10 +13,8 @@ from fedlightning.models.multimodal import GNNEncoder
 
 
 class CrossModalGNN(nn.Module):
-    r"""Two modality towers with graph propagation that embed queries and items in one space.
-
-    For the query modality :math:`q` and the item modality :math:`v` (e.g. ``text`` and
-    ``bow``), each side :math:`m \in \{q, v\}` has its own encoder, GNN and projection head:
+    r"""Two modality towers (query :math:`q`, item :math:`v`), each with its own encoder, GNN
+    and projection head, that embed queries and items in one space:
 
     .. math::
         h_{i,m} = a_{i,m}\, \mathrm{ReLU}(W_m x_{i,m} + b_m), \qquad
@@ -24,31 +22,24 @@ class CrossModalGNN(nn.Module):
         e_{i,m} = \frac{P_m g_{i,m}}{\lVert P_m g_{i,m} \rVert_2}
 
     where :math:`a_{i,m} \in \{0, 1\}` is the availability of modality :math:`m` at node
-    :math:`i`: a missing modality sends zeros into the propagation instead of made-up
-    features. The similarity :math:`S_{i,l} = e_{i,q}^\top e_{l,v}` is the cosine
-    similarity used by the symmetric InfoNCE loss (the retrieval reading of FedOGL
-    Eq. (5), see :func:`~fedlightning.objectives.symmetric_info_nce`), by Recall@1
-    and by the rejection score :math:`\max_l S_{i,l}` (the retrieval reading of Eq. (6)).
-    The last GNN layer of each tower is the retrieval model's structural layer
-    (:math:`\Omega_{\mathrm{str}}` of Eq. (9)).
+    :math:`i` (a missing modality propagates zeros). :math:`S_{i,l} = e_{i,q}^\top e_{l,v}`
+    is the cosine similarity of the symmetric InfoNCE (the retrieval reading of FedOGL
+    Eq. (5)), of Recall@1 and of the rejection score :math:`\max_l S_{i,l}` (Eq. (6)). The
+    last GNN layer of each tower is the structural layer (:math:`\Omega_{\mathrm{str}}` of
+    Eq. (9)).
 
     Args:
         in_dims: modality name -> feature width (all modalities of the graph).
-        num_classes: accepted so that the model is built like
-            :class:`~fedlightning.models.MultimodalGNN`; unused (retrieval has no head).
-        query: the query modality (default ``"text"``).
-        item: the item modality (default ``"bow"``).
-        hidden: width of encoders, GNNs and the shared embedding space (default ``64``).
-        gnn_layers: GNN depth per tower (default ``2``).
-        conv: ``"gcn"`` or ``"sage"`` (default ``"gcn"``).
-        dropout: on input features (an :class:`~fedlightning.models.dropout.InputDropout`)
+        num_classes: unused (retrieval has no head); accepted as ``MultimodalGNN`` takes it.
+        query, item: the two modalities (default ``"text"``, ``"bow"``).
+        hidden: width of encoders, GNNs and the embedding space (default ``64``).
+        gnn_layers: GNN depth per tower (default ``2``). conv: ``"gcn"`` or ``"sage"``.
+        dropout: on input features (:class:`~fedlightning.models.dropout.InputDropout`)
             and between GNN layers (default ``0.5``).
 
-    Shapes:
-        - **input:** a PyG ``Data`` with ``x_<modality>`` :math:`(N, d_m)`,
-          ``modality_mask`` :math:`(N, M)` (columns in the order of ``in_dims``),
-          ``edge_index`` :math:`(2, E)`
-        - **output:** ``(q, k)``, each :math:`(N, \text{hidden})`, rows of unit L2 norm
+    Input: a PyG ``Data`` with ``x_<modality>`` ``[N, d_m]``, ``modality_mask`` ``[N, M]``
+    (columns in ``in_dims`` order), ``edge_index``; output: ``(q, k)``, each
+    ``[N, hidden]`` with rows of unit L2 norm.
     """
 
     def __init__(

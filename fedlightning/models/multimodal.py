@@ -11,32 +11,17 @@ from fedlightning.models.dropout import InputDropout
 
 
 def masked_fusion(embeddings: list[Tensor], mask: Tensor) -> Tensor:
-    r"""Mean of the available modalities' embeddings; a missing modality is left out.
-
-    .. math::
-        s_i = \frac{\sum_m a_{i,m} h_{i,m}}{\max(1, \sum_m a_{i,m})}
-
-    Args:
-        embeddings: ``M`` tensors of shape ``[N, d]``.
-        mask: bool ``[N, M]`` availability ``a``.
-
-    Returns:
-        ``[N, d]``. A node with no modality gets zeros.
-    """
+    r""":math:`s_i = \sum_m a_{i,m} h_{i,m} / \max(1, \sum_m a_{i,m})` of ``M`` embeddings
+    ``[N, d]`` and the availability ``mask`` ``a`` ``[N, M]``; ``[N, d]`` (zeros for a node
+    with no modality)."""
     stacked = torch.stack(embeddings, dim=1)  # [N, M, d]
     a = mask.to(stacked.dtype).unsqueeze(-1)
     return (stacked * a).sum(1) / a.sum(1).clamp(min=1.0)
 
 
 class ModalityEncoders(nn.Module):
-    """One MLP encoder per modality over precomputed features.
-
-    Args:
-        in_dims: modality name -> input width.
-        hidden: output width of every encoder (default ``64``).
-        dropout: dropout on the input features (default ``0.5``), an :class:`InputDropout`:
-            the distribution of ``nn.Dropout`` at the cost of the inputs' non-zero entries.
-    """
+    """One linear+ReLU encoder per modality (``in_dims``: name -> width) to ``hidden``, after
+    an :class:`InputDropout` of the features."""
 
     def __init__(self, in_dims: dict[str, int], hidden: int = 64, dropout: float = 0.5) -> None:
         super().__init__()
