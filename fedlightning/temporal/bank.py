@@ -22,7 +22,6 @@ start") and reports its progress (:class:`StageProgress`).
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
 import time
@@ -58,25 +57,15 @@ MSG_STORES = ("msg_s_store", "msg_d_store")  # TGN memory's pending messages, in
 
 @contextmanager
 def streaming_threads(n: int = STREAMING_THREADS) -> Iterator[None]:
-    """Run the block with ``n`` torch intra-op threads, then restore the caller's number: about
-    10x faster than two threads, and bitwise reproducible (docs/fedtip.md, "Cold start")."""
+    """Run the block (or, as ``@streaming_threads()``, the function) with ``n`` torch intra-op
+    threads, then restore the caller's number: about 10x faster than two threads, and
+    bitwise reproducible (docs/fedtip.md, "Cold start")."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def single_threaded(fn: Callable) -> Callable:
-    """``fn`` run under :func:`streaming_threads`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kw: Any) -> Any:
-        with streaming_threads():
-            return fn(*args, **kw)
-
-    return wrapper
 
 
 class StageProgress:
@@ -301,7 +290,7 @@ def stream_and_validate(
     return loss, seconds, link_metrics(pos, neg), val_loss
 
 
-@single_threaded
+@streaming_threads()
 def pretrain(
     stream: EventStream,
     pre_idx: np.ndarray,
@@ -366,7 +355,7 @@ def pretrain(
     return enc, history
 
 
-@single_threaded
+@streaming_threads()
 @torch.no_grad()
 def build_snapshot(
     enc, stream: EventStream, pre_idx: np.ndarray, val_idx: np.ndarray, cfg: BankConfig, seed: int

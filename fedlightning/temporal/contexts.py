@@ -28,7 +28,7 @@ from fedlightning.temporal.bank import (
     StageProgress,
     event_tensors,
     make_encoder,
-    single_threaded,
+    streaming_threads,
 )
 from fedlightning.utils.io import content_hash, save_torch
 
@@ -156,7 +156,7 @@ def fork(enc):
     return twin
 
 
-@single_threaded
+@streaming_threads()
 def compute_contexts(
     bank_path: str | Path,
     protocol: TemporalProtocol,
