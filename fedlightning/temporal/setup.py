@@ -92,15 +92,8 @@ def ensure_bank(
 
     Returns ``path``, ``hash``, ``metrics`` (pre-validation AUC/AP), ``history``, ``reused``.
     """
-    key = content_hash(
-        {
-            "version": BANK_VERSION,
-            "stream": stream.fingerprint,
-            "manifest": proto.manifest.hash,
-            "bank": bank_cfg.key(),
-            "seed": seed,
-        }
-    )
+    ident = {"stream": stream.fingerprint, "manifest": proto.manifest.hash}
+    key = content_hash({"version": BANK_VERSION, **ident, "bank": bank_cfg.key(), "seed": seed})
     variant = bank_variant(bank_cfg)
     path = Path(cache_dir) / "banks" / f"{stream.name}-{bank_cfg.encoder}-{variant}-{key}.pt"
     if path.exists():
@@ -132,8 +125,7 @@ def ensure_bank(
         "encoder": bank_cfg.encoder,
         "config": bank_cfg.key(),
         "variant": variant,
-        "stream": stream.fingerprint,
-        "manifest": proto.manifest.hash,
+        **ident,
         "metrics": metrics,
         "history": history,
     }
