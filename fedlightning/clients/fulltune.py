@@ -51,15 +51,9 @@ def stream_support(enc, stream: EventStream, batch: Batch) -> Batch:
 
 
 class FullTuneClient(pl.LightningModule):
-    """Encoder and adapter trained together on one client's support (module docstring).
-
-    Args:
-        encoder: a copy of the bank's encoder with its snapshot state (trainable).
-        snapshot: the bank's frozen snapshot (each epoch restarts from its state).
-        adapter: the prompt adapter (one copy).
-        stream: the event stream. family: ``"nc"`` or ``"lp"``. tau: as FedTIP's.
-        lr: Adam's for the adapter; encoder_lr: for the encoder. weight_decay: Adam's.
-    """
+    """Encoder (a trainable copy of the bank's) and adapter (one copy) trained together on
+    one client's support; every step restarts from ``snapshot``'s state. ``lr`` is the
+    adapter's Adam step, ``encoder_lr`` the encoder's."""
 
     def __init__(
         self,
@@ -85,10 +79,8 @@ class FullTuneClient(pl.LightningModule):
         self.last_loss = float("nan")
 
     def train(self, mode: bool = True) -> FullTuneClient:
-        """The adapter follows ``mode``; the encoder always streams as the bank's contexts
-        were built (evaluation mode: no attention dropout, TGN's memory read as stored), so
-        that training and the server's scoring see the same kind of states. Gradients
-        still reach every encoder parameter through the states and the memory updates."""
+        """The adapter follows ``mode``; the encoder stays in evaluation mode, as the bank's
+        contexts were built (gradients still reach all of its parameters)."""
         super().train(mode)
         self.encoder.eval()
         return self

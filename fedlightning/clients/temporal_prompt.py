@@ -60,10 +60,9 @@ def family_views(adapter: PromptAdapter, batch: Batch, family: str) -> tuple[Ten
 
     ``"nc"``: :math:`(\tilde{\mathbf{h}}_e, y, \mathrm{mask})` (Eq. 16).
     ``"lp"``: :math:`(\tilde{\mathbf{h}}_{u,i,t}, \mathbf{h}_i, \tilde{\mathbf{h}}_{u,j,t},
-    \mathbf{h}_j, \mathrm{mask})` (Eq. 16 with the pre-event states of the positive and the
-    negative destination; both share TE and the event's features), masked to the events
-    whose negative exists: the argument order of
-    :func:`~fedlightning.temporal.adapter.link_loss`.
+    \mathbf{h}_j, \mathrm{mask})` (positive and negative share TE and the features), masked
+    to the events whose negative exists: :func:`~fedlightning.temporal.adapter.link_loss`'s
+    argument order.
     """
     b = batch
 
@@ -106,16 +105,9 @@ def task_loss(views: tuple[Tensor, ...], family: str, tau: float) -> Tensor:
 
 
 class FedTIPClient(pl.LightningModule):
-    """The local objective of Eq. (26) over the stacked supports of a round's clients.
-
-    Args:
-        adapter: the prompt adapter :math:`\\Omega` (the only trainable part).
-        family: ``"nc"`` or ``"lp"``.
-        tau: the temperature of Eqs. (19)-(21) (default ``0.1``).
-        lambda_p: the proximal weight :math:`\\lambda_p` (default ``1e-2``).
-        lambda_a: the anchor weight :math:`\\lambda_a` (default ``1e-1``).
-        lr, weight_decay: Adam's (defaults ``1e-3``, ``1e-5``).
-    """
+    """The local objective of Eq. (26) over the stacked supports of a round's clients:
+    ``tau`` is the temperature of Eqs. (19)-(21), ``lambda_p`` and ``lambda_a`` the proximal
+    and anchor weights, ``lr`` and ``weight_decay`` Adam's."""
 
     def __init__(
         self,
@@ -146,10 +138,9 @@ class FedTIPClient(pl.LightningModule):
         first: int = 0,
         total: int | None = None,
     ) -> None:
-        r"""Start a round of ``copies`` clients from the server's :math:`\Omega^{(r)}` and
-        anchors :math:`\bar{\mathbf{q}}_c^{(r)}`: the round's clients ``first .. first +
-        copies - 1`` of ``total`` (default: all of them; see
-        :meth:`~fedlightning.temporal.adapter.PromptAdapter.place`)."""
+        r"""Start ``copies`` clients (the round's ``first ..`` of ``total``, default all:
+        :meth:`~fedlightning.temporal.adapter.PromptAdapter.place`) from the server's
+        :math:`\Omega^{(r)}` and anchors :math:`\bar{\mathbf{q}}_c^{(r)}`."""
         if self.adapter.copies != copies:
             self.adapter = self.adapter.stacked(copies)
         self.adapter.place(first, copies if total is None else total)

@@ -70,19 +70,13 @@ def streaming_threads(n: int = STREAMING_THREADS) -> Iterator[None]:
 
 class StageProgress:
     """Progress of one streaming stage over ``total`` events: a tqdm bar on an interactive
-    terminal only, an INFO line when the stage starts and at most every ``every_s`` seconds
-    while it runs, and a summary line (elapsed time, rate) when it ends."""
+    terminal only, an INFO line when the stage starts and at most every
+    :data:`PROGRESS_LOG_EVERY_S` while it runs, and a summary line when it ends."""
 
-    def __init__(
-        self,
-        stage: str,
-        total: int,
-        every_s: float | None = None,
-        logger: logging.Logger | None = None,
-    ) -> None:
+    def __init__(self, stage: str, total: int, logger: logging.Logger | None = None) -> None:
         self.stage, self.total, self.done = stage, int(total), 0
         self.log = logger or log
-        self.every_s = PROGRESS_LOG_EVERY_S if every_s is None else every_s
+        self.every_s = PROGRESS_LOG_EVERY_S
         self.t0 = self.last = time.perf_counter()
         self.log.info("%s: %d events (%d threads)", stage, self.total, torch.get_num_threads())
         self.bar = tqdm(total=self.total, desc=stage, unit="event", disable=None, leave=False)

@@ -7,6 +7,7 @@ file needs neither ``pyplot`` nor a GUI backend.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,10 +88,7 @@ def plot_optimization_history(
     """Objective of each finished trial (in trial order) and the best so far."""
     fig, ax = _subplots(figsize=(5.5, 3.6))
     xs = list(range(len(values)))
-    best, run = [], None
-    for v in values:
-        run = v if run is None else (max(run, v) if maximize else min(run, v))
-        best.append(run)
+    best = list(itertools.accumulate(values, max if maximize else min))
     ax.plot(xs, values, "o", label="trial")
     ax.step(xs, best, where="post", color="C3", label="best so far")
     ax.set(xlabel="trial", ylabel=metric or "objective", title="optimization history")
