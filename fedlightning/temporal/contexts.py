@@ -74,14 +74,8 @@ def load_bank(path: str | Path, stream: EventStream):
     with torch.no_grad():
         enc.eval()  # TGN's memory flushes its (empty) message store here, before the state
     enc.load_state_dict(saved["weights"])
-    set_stream_state(
-        enc,
-        saved["neighbors"],
-        saved["neighbor_e_id"],
-        saved["cur_e_id"],
-        saved["event_ids"],
-        saved,
-    )
+    loader_state = ("neighbors", "neighbor_e_id", "cur_e_id", "event_ids")
+    set_stream_state(enc, *(saved[k] for k in loader_state), saved)
     enc.state.frequency.copy_(saved["frequency"])
     enc.state.last_time.copy_(saved["last_time"])
     return enc
@@ -104,13 +98,10 @@ def stream_contexts(
     batch_size: int = 200,
     progress: StageProgress | None = None,
 ) -> dict[str, Tensor]:
-    r"""States of each event's source, destination and negative destination, and their
-    recencies :math:`\Delta_v(t) = t - t_{last}(v)` (Eq. (13)), all read from the state
-    before the event's timestamp group is ingested; a failed negative (``-1``) gets zeros.
-
-    Returns ``events`` ``[n]``, ``t`` ``[n]`` (from the stream's start), ``src``, ``dst``,
-    ``neg`` ``[n, d_h]`` and ``dt_src``, ``dt_dst``, ``dt_neg`` ``[n]``.
-    """
+    r"""States ``src``, ``dst``, ``neg`` ``[n, d_h]`` of each event's source, destination and
+    negative and their recencies ``dt_*`` ``[n]``, :math:`\Delta_v(t) = t - t_{last}(v)`
+    (Eq. (13)), read before the event's timestamp group is ingested (zeros for a failed
+    negative, ``-1``); with ``events`` and ``t`` ``[n]`` (from the stream's start)."""
     neg_of = dict(zip(idx.tolist(), negatives.tolist(), strict=True))
     parts: dict[str, list[Tensor]] = {
         k: [] for k in ("t", "src", "dst", "neg", "dt_src", "dt_dst", "dt_neg")
@@ -207,8 +198,8 @@ def cached_contexts(
     cache_dir: str | Path,
     train_mode: str | None = None,
 ) -> tuple[Path, str, bool]:
-    """Compute the contexts once per (bank, protocol, training negatives); return their
-    file, hash and whether they were reused."""
+    """The contexts' file, hash and whether they were reused: computed once per (bank,
+    protocol, training negatives)."""
     mode = train_mode or protocol.negatives["mode"]
     key = content_hash(
         {"version": CONTEXT_VERSION, "bank": bank_hash, "train_mode": mode, **protocol.hashes}
@@ -228,16 +219,11 @@ def event_batch(
     negatives: np.ndarray,
     inductive: np.ndarray | None = None,
 ) -> dict[str, Tensor]:
-    r"""The adapter's inputs for the events of one context block (Eq. (13)).
-
-    ``h_u``, ``h_i``, ``h_j``: the source's, destination's and negative's states;
-    ``te``: :math:`\mathrm{TE}(t - t_{last}(u))` from the frozen bank; ``x``: the event
-    features (width 0 when the stream has none, Bitcoin's label-encoding rating excluded);
-    ``r_u``, ``r_i``, ``r_j``: recencies as :math:`\log(1 + \Delta)` (raw seconds would
-    swamp the context); ``y``: state labels (``-1`` without); ``neg_ok``: a negative exists;
-    ``inductive``: the test event touches an inductive node (all false when not given);
-    ``events``, ``neg_id``: the stream indices of the events and their negatives.
-    """
+    r"""The adapter's inputs for the events of one context block (Eq. (13)): states
+    ``h_u``, ``h_i``, ``h_j``; ``te`` :math:`\mathrm{TE}(t - t_{last}(u))`; event features
+    ``x`` (width 0 without); recencies ``r_*`` as :math:`\log(1 + \Delta)`; state labels
+    ``y`` (``-1`` without); ``neg_ok``; ``inductive`` (all false when not given); the
+    stream indices ``events`` and ``neg_id``."""
     idx = ctx["events"].numpy()
     n = len(idx)
     msg = stream.msg
