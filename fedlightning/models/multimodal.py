@@ -34,12 +34,8 @@ class ModalityEncoders(nn.Module):
 
 
 class GNNEncoder(nn.Module):
-    """A stack of PyG convolutions (``gcn`` or ``sage``) with ReLU and dropout between layers.
-
-    Args:
-        in_dim: input width. hidden: width of every layer. layers: depth (default ``2``).
-        conv: ``"gcn"`` or ``"sage"``. dropout: between layers (default ``0.5``).
-    """
+    """``layers`` PyG convolutions (``gcn`` or ``sage``) of width ``hidden``, with ReLU and
+    dropout between layers."""
 
     CONVS = {"gcn": GCNConv, "sage": SAGEConv}
 
@@ -81,18 +77,9 @@ class MultimodalGNN(nn.Module):
         s_i = \mathrm{fuse}(\{h_{i,m}\}),\quad g_i = \mathrm{GNN}(s)_i,\quad
         z_i = \Pi_\omega([s_i \,\|\, g_i \,\|\, a_i]),\quad \hat{y}_i = W z_i
 
-    (FedOGL, Eq. (10)); ``a_i`` is the modality-availability indicator.
-
-    Args:
-        in_dims: modality name -> feature width.
-        num_classes: output classes.
-        hidden: width of encoders, GNN and ``z`` (default ``64``).
-        gnn_layers: GNN depth (default ``2``). conv: ``"gcn"`` or ``"sage"`` (default ``"gcn"``).
-        dropout: default ``0.5``.
-
-    Shapes:
-        input: a PyG ``Data`` with ``x_<modality>`` ``[N, d_m]``, ``modality_mask`` ``[N, M]``,
-        ``edge_index`` ``[2, E]``; output: logits ``[N, num_classes]``.
+    (FedOGL, Eq. (10)); ``a_i`` is the modality-availability indicator, ``hidden`` the width
+    of encoders, GNN and ``z``. Input: a PyG ``Data`` with ``x_<modality>`` ``[N, d_m]``,
+    ``modality_mask`` ``[N, M]``, ``edge_index``; output: logits ``[N, num_classes]``.
     """
 
     def __init__(

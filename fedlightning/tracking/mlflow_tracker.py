@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}} -> {"a.b": 1}``; lists become strings."""
+    """``{"a": {"b": 1}} -> {"a.b": 1}`` (nested mappings only)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
