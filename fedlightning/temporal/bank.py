@@ -264,12 +264,13 @@ def stream_and_validate(
     seed: int,
     negatives: PretrainNegatives,
     rng: np.random.Generator,
-    progress: StageProgress,
+    stage: str,
     step: Callable[[Tensor], None] | None = None,
 ) -> tuple[float, float, dict[str, float], float]:
     """Stream ``pre_idx`` in ``enc``'s mode (training with ``step``), then score ``val_idx``
-    in evaluation mode and close ``progress``. Returns the pre-training loss and seconds,
-    the validation metrics and loss."""
+    in evaluation mode, as one :class:`StageProgress`. Returns the pre-training loss and
+    seconds, the validation metrics and loss."""
+    progress = StageProgress(stage, len(pre_idx) + len(val_idx))
     t0 = time.perf_counter()
     _, _, loss = stream_segment(
         enc, stream, pre_idx, cfg.batch_size, negatives, rng, cfg.tau, step, progress
@@ -316,9 +317,9 @@ def pretrain(
         enc.reset_state()
         negatives.reset()
         rng = np.random.default_rng(derive_seed(seed, "bank", "neg", epoch))
-        progress = StageProgress(f"bank epoch {epoch}/{cfg.epochs}", len(pre_idx) + len(val_idx))
+        stage = f"bank epoch {epoch}/{cfg.epochs}"
         loss, seconds, metrics, val_loss = stream_and_validate(
-            enc, stream, pre_idx, val_idx, cfg, seed, negatives, rng, progress, step
+            enc, stream, pre_idx, val_idx, cfg, seed, negatives, rng, stage, step
         )
         row = {
             "epoch": epoch,
@@ -364,9 +365,8 @@ def build_snapshot(
     enc.reset_state()
     negatives = PretrainNegatives(stream, filtered=True)
     rng = np.random.default_rng(derive_seed(seed, "bank", "snapshot"))
-    progress = StageProgress("bank snapshot", len(pre_idx) + len(val_idx))
     _, _, metrics, _ = stream_and_validate(
-        enc, stream, pre_idx, val_idx, cfg, seed, negatives, rng, progress
+        enc, stream, pre_idx, val_idx, cfg, seed, negatives, rng, "bank snapshot"
     )
     return metrics, negatives
 
