@@ -93,13 +93,9 @@ class CrossModalGNN(nn.Module):
         """Each GNN's input on ``data``, by module name: ``{"gnns.<m>": h_m}``."""
         return {f"gnns.{m}": self.tower_input(data, m) for m in self.sides}
 
-    def head(self, g: Tensor, modality: str) -> Tensor:
-        """``e_m``: projection head and L2 normalisation of a tower output ``[n, hidden]``."""
-        return F.normalize(self.heads[modality](g), dim=-1)
-
     def embed(self, data: Data, modality: str) -> Tensor:
-        """One tower: encoder, masked propagation, projection, L2 normalisation ``[N, hidden]``."""
-        return self.head(self.tower(data, modality), modality)
+        """``e_m``: one tower, its projection head and L2 normalisation ``[N, hidden]``."""
+        return F.normalize(self.heads[modality](self.tower(data, modality)), dim=-1)
 
     def forward(self, data: Data) -> tuple[Tensor, Tensor]:
         return self.embed(data, self.query), self.embed(data, self.item)
