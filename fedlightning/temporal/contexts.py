@@ -111,11 +111,10 @@ def stream_contexts(
         j = torch.tensor([neg_of[e] for e in b.tolist()])
         failed = j < 0
         h, dt = pre_event_states(enc, src, dst, t, j.clamp(min=0))
-        for key, part in zip(("src", "dst", "neg"), h.split(len(b)), strict=True):
-            parts[key].append(part.masked_fill(failed.unsqueeze(1), 0.0) if key == "neg" else part)
-        for key, part in zip(("dt_src", "dt_dst", "dt_neg"), dt.split(len(b)), strict=True):
-            parts[key].append(part.masked_fill(failed, 0.0) if key == "dt_neg" else part)
-        parts["t"].append(t.float())
+        (h_u, h_i, h_j), (dt_u, dt_i, dt_j) = h.split(len(b)), dt.split(len(b))
+        h_j, dt_j = h_j.masked_fill(failed.unsqueeze(1), 0.0), dt_j.masked_fill(failed, 0.0)
+        for key, part in zip(parts, (t.float(), h_u, h_i, h_j, dt_u, dt_i, dt_j), strict=True):
+            parts[key].append(part)
         enc.ingest(src, dst, t, msg, torch.from_numpy(b))
         if progress is not None:
             progress.update(len(b))
