@@ -88,15 +88,9 @@ class PromptAdapter(nn.Module):
     \mathbf{h}_u` to its low-rank map, whose output layer starts at zero: training starts
     from the pre-training similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)` of Eq. (10)
     (Sec. 4.3; docs/fedtip.md). ``static=True`` is the static-prompt ablation (gates that
-    ignore the event).
-
-    Args:
-        d_h, d_t, d_e: bank state, time-encoding and edge-feature widths.
-        bottleneck, rank: gate bottleneck width and template rank (default ``2`` each).
-        static: the static-prompt ablation (default ``False``).
-        dropout: a :class:`StackDropout` on the bottleneck activations (default ``0``).
-        copies: independent parameter sets (clients) stacked on a leading axis.
-        residual: add the gated source state to the template's output (default ``True``).
+    ignore the event). ``d_h``, ``d_t``, ``d_e``: bank state, time-encoding and edge-feature
+    widths; ``dropout``: a :class:`StackDropout` on the bottleneck activations; ``copies``:
+    parameter sets (clients) stacked on a leading axis.
     """
 
     def __init__(

@@ -52,13 +52,8 @@ class NullTracker:
 
 
 class MlflowTracker(NullTracker):
-    """Logs one federated run to MLflow.
-
-    Args:
-        tracking_uri: default ``sqlite:///mlflow.db`` (the local store ``mlflow ui`` reads);
-            any MLflow URI works (``http://host:5000``, ``file:./mlruns``).
-        experiment_name: MLflow experiment (default ``"fedlightning"``).
-    """
+    """Logs one federated run to MLflow, at any MLflow URI (default: the local store that
+    ``mlflow ui`` reads)."""
 
     def __init__(
         self, tracking_uri: str = "sqlite:///mlflow.db", experiment_name: str = "fedlightning"

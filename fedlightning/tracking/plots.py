@@ -1,9 +1,5 @@
-"""Plots of runs, sweeps and reports, as PNG files.
-
-matplotlib is imported by the first plot, not with this module (a run imports it only to
-draw its end-of-run figures), and through its object-oriented API: a ``Figure`` saved to a
-file needs neither ``pyplot`` nor a GUI backend.
-"""
+"""Plots of runs, sweeps and reports, as PNG files. matplotlib is imported by the first plot,
+and used through ``Figure`` (neither ``pyplot`` nor a GUI backend is needed)."""
 
 from __future__ import annotations
 
