@@ -28,18 +28,8 @@ class CrossModalGNN(nn.Module):
     last GNN layer of each tower is the structural layer (:math:`\Omega_{\mathrm{str}}` of
     Eq. (9)).
 
-    Args:
-        in_dims: modality name -> feature width (all modalities of the graph).
-        num_classes: unused (retrieval has no head); accepted as ``MultimodalGNN`` takes it.
-        query, item: the two modalities (default ``"text"``, ``"bow"``).
-        hidden: width of encoders, GNNs and the embedding space (default ``64``).
-        gnn_layers: GNN depth per tower (default ``2``). conv: ``"gcn"`` or ``"sage"``.
-        dropout: on input features (:class:`~fedlightning.models.dropout.InputDropout`)
-            and between GNN layers (default ``0.5``).
-
-    Input: a PyG ``Data`` with ``x_<modality>`` ``[N, d_m]``, ``modality_mask`` ``[N, M]``
-    (columns in ``in_dims`` order), ``edge_index``; output: ``(q, k)``, each
-    ``[N, hidden]`` with rows of unit L2 norm.
+    Built like :class:`~fedlightning.models.MultimodalGNN` (``num_classes`` is unused), with
+    the same input; the output is ``(q, k)``, each ``[N, hidden]`` with rows of unit norm.
     """
 
     def __init__(
