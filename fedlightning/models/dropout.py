@@ -18,11 +18,11 @@ MAX_DENSITY = 0.3
 #: The density is that of an evenly spaced sample of about this many entries (cost only).
 DENSITY_SAMPLE = 4096
 
-_COMPRESSED = {
-    torch.sparse_csr: "crow_indices",
-    torch.sparse_bsr: "crow_indices",
-    torch.sparse_csc: "ccol_indices",
-    torch.sparse_bsc: "ccol_indices",
+_COMPRESSED = {  # layout -> its compressed and its plain index getters
+    torch.sparse_csr: ("crow_indices", "col_indices"),
+    torch.sparse_bsr: ("crow_indices", "col_indices"),
+    torch.sparse_csc: ("ccol_indices", "row_indices"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices"),
 }
 
 
@@ -70,11 +70,10 @@ def nonzero_dropout(
             is_coalesced=True,
         )
     if x.layout in _COMPRESSED:
+        compressed, plain = _COMPRESSED[x.layout]
         return torch.sparse_compressed_tensor(
-            getattr(x, _COMPRESSED[x.layout])(),
-            x.row_indices()
-            if x.layout in (torch.sparse_csc, torch.sparse_bsc)
-            else x.col_indices(),
+            getattr(x, compressed)(),
+            getattr(x, plain)(),
             _dropped(x.values(), p),
             x.shape,
             dtype=x.dtype,

@@ -162,10 +162,7 @@ def compute_contexts(
     mode = train_mode or neg["mode"]
     server = fork(snapshot)
     out: dict[str, Any] = {"mode": mode}
-    segments = {
-        name: manifest.indices(outcome)
-        for name, outcome in (("down_val", DOWN_VAL), ("test", TEST))
-    }
+    segments = {"down_val": manifest.indices(DOWN_VAL), "test": manifest.indices(TEST)}
     supports = sum(len(events) for task in protocol.tasks.tasks for events in task.support.values())
     progress = StageProgress(
         f"contexts ({len(protocol.tasks.tasks)} tasks)",
