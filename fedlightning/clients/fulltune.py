@@ -30,10 +30,9 @@ Batch = dict[str, Tensor]
 
 
 def stream_support(enc, stream: EventStream, batch: Batch) -> Batch:
-    """The client's support (one batch, as the contexts embed a support) embedded from
-    ``enc``'s current state, then ingested: the adapter's inputs (as
-    :func:`~fedlightning.temporal.contexts.event_batch`, one client stacked), with gradients
-    to the encoder."""
+    """The adapter's inputs (:func:`~fedlightning.temporal.contexts.event_batch`'s, one client
+    stacked) of the support, embedded as one batch from ``enc``'s current state (gradients
+    to the encoder), which then ingests it."""
     idx = batch["events"].numpy()
     if len(idx) == 0:
         raise ValueError("a client's support has no event")

@@ -56,14 +56,11 @@ def stack_batches(batches: Sequence[Batch], length: int = 0) -> Batch:
 
 
 def family_views(adapter: PromptAdapter, batch: Batch, family: str) -> tuple[Tensor, ...]:
-    r"""The prompted representations a family's loss and prototypes read.
-
-    ``"nc"``: :math:`(\tilde{\mathbf{h}}_e, y, \mathrm{mask})` (Eq. 16).
-    ``"lp"``: :math:`(\tilde{\mathbf{h}}_{u,i,t}, \mathbf{h}_i, \tilde{\mathbf{h}}_{u,j,t},
-    \mathbf{h}_j, \mathrm{mask})` (positive and negative share TE and the features), masked
-    to the events whose negative exists: :func:`~fedlightning.temporal.adapter.link_loss`'s
-    argument order.
-    """
+    r"""The prompted representations (Eq. 16) a family's loss and prototypes read: ``"nc"``
+    :math:`(\tilde{\mathbf{h}}_e, y, \mathrm{mask})`; ``"lp"`` (in
+    :func:`~fedlightning.temporal.adapter.link_loss`'s order) :math:`(\tilde{\mathbf{h}}_{u,i,t},
+    \mathbf{h}_i, \tilde{\mathbf{h}}_{u,j,t}, \mathbf{h}_j, \mathrm{mask})`, positive and
+    negative sharing TE and the features, masked to the events whose negative exists."""
     b = batch
 
     def prompt(side: str) -> Tensor:

@@ -5,11 +5,10 @@ bottleneck gates on the event context (Eqs. 13-15) and a low-rank task template 
 The losses: prototypical node classification (Eqs. 18-19), two-way link prediction
 (Eqs. 20-21), the anchor term (Eq. 22) and the proximal term of Eq. (26).
 
-Everything is *stacked*: an adapter holds ``copies`` independent parameter sets (one per
-client of a round), inputs carry a leading client axis ``[K, N, ...]`` with a mask
-``[K, N]`` of real events, and the losses are sums over clients, so one stacked fit is K
-independent local fits (docs/fedtip.md, "Fast path"). ``copies=1`` with 2-D inputs is the
-single-client form.
+Everything is *stacked*: ``copies`` independent parameter sets (one per client of a round),
+inputs ``[K, N, ...]`` with a mask ``[K, N]`` of real events, losses summed over clients: one
+stacked fit is K independent local fits (docs/fedtip.md, "Fast path"); ``copies=1`` takes 2-D
+inputs too.
 """
 
 from __future__ import annotations

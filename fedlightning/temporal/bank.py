@@ -46,9 +46,8 @@ from fedlightning.utils.seeding import derive_seed
 
 log = logging.getLogger(__name__)
 
-# 2: the neighbour loader's event numbers map to stream indices. 3: the hash leaves out the
-# measured rate (events/s) and unused neighbour slots are saved as zeros, so one seed gives
-# one bank hash.
+# 2: loader event numbers map to stream indices. 3: one seed, one hash (no measured rate in
+# it, unused neighbour slots saved as zeros).
 BANK_VERSION = 3
 STREAMING_THREADS = 1  # torch intra-op threads while streaming (module docstring)
 PROGRESS_LOG_EVERY_S = 60.0  # a streaming stage's INFO progress line, at most this often
