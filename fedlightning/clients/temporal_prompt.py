@@ -11,7 +11,8 @@ The module computes
 with the prototypical loss (Eqs. 18-19) for node classification (``family="nc"``) or the
 two-way softmax over the positive and the client-visible negative destination (Eqs. 20-21,
 25) for link prediction (``family="lp"``), whose "classes" are the negative (0) and the
-positive pair (1) (methods.md). The active clients of a round train together, stacked
+positive pair (1) (methods.md). The anchor term (Eq. 22) skips classes the server has no
+anchor for yet. The active clients of a round train together, stacked
 (:func:`stack_batches`, :mod:`fedlightning.temporal.adapter`).
 """
 

@@ -82,13 +82,13 @@ class PromptAdapter(nn.Module):
         \alpha^t \odot \mathrm{TE}(t),\ \mathbf{x})
 
     :math:`\varphi_f, \varphi_t` are one-layer ReLU bottlenecks of width ``bottleneck``;
-    :math:`\psi` is a low-rank linear template (``rank``) to :math:`d_p = d_h` (methods.md).
-    With ``residual=True`` :math:`\psi` adds the gated source state :math:`\alpha^f_u \odot
-    \mathbf{h}_u` to its low-rank map, whose output layer starts at zero: training starts
-    from the pre-training similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)` of Eq. (10)
-    (Sec. 4.3; docs/fedtip.md). ``static=True`` is the static-prompt ablation (gates that
-    ignore the event). ``d_h``, ``d_t``, ``d_e``: bank state, time-encoding and edge-feature
-    widths; ``dropout``: a :class:`StackDropout` on the bottleneck activations; ``copies``:
+    :math:`\psi` is a low-rank linear template (``rank``) to :math:`d_p = d_h`, so that the
+    cosine of Eq. (20) with a bank state is defined (methods.md). With ``residual=True``
+    :math:`\psi` adds the gated source state :math:`\alpha^f_u \odot \mathbf{h}_u` to its
+    low-rank map, whose output layer starts at zero: training starts from the pre-training
+    similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)` of Eq. (10) (Sec. 4.3; docs/fedtip.md).
+    ``static=True`` is the static-prompt ablation (gates that ignore the event). ``d_h``,
+    ``d_t``, ``d_e``: bank state, time-encoding and edge-feature widths; ``dropout``: a :class:`StackDropout` on the bottleneck activations; ``copies``:
     parameter sets (clients) stacked on a leading axis.
     """
 

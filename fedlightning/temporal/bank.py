@@ -97,8 +97,8 @@ class StageProgress:
                 (self.total - self.done) / max(rate, 1e-9),
             )
 
-    def close(self) -> float:
-        """End the stage (summary line); return its seconds."""
+    def close(self) -> None:
+        """End the stage (summary line)."""
         self.bar.close()
         seconds = time.perf_counter() - self.t0
         self.log.info(
@@ -108,7 +108,6 @@ class StageProgress:
             seconds,
             self.done / max(seconds, 1e-9),
         )
-        return seconds
 
 
 def pretraining_loss(hu: Tensor, hi: Tensor, hj: Tensor, tau: float) -> Tensor:
