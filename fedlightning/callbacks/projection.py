@@ -15,35 +15,22 @@ from fedlightning.server.basis import project_out
 class GradientProjection(pl.Callback):
     r"""Keep protected weights from moving inside the span of their structural basis.
 
-    For every protected weight :math:`W` (``[out, in]``) with input-space basis
-    :math:`U` (``[in, r]``, orthonormal columns), the gradient is replaced after the
-    backward pass by Eq. (9):
-
-    .. math::
-        \widetilde{\nabla}_W \mathcal{L} = \nabla_W \mathcal{L}\,(\mathbf{I} - UU^\top)
-
-    That alone keeps :math:`XW^\top` fixed on the old inputs :math:`X \subset
-    \mathrm{span}(U)` only for plain SGD without weight decay: Adam's per-coordinate
-    scaling and weight decay move the weight inside :math:`\mathrm{span}(U)` again. With
-    ``project_update`` the callback therefore also projects the weight change of each
-    optimizer step, :math:`W \leftarrow W_0 + (W - W_0)(\mathbf{I} - UU^\top)`, which
-    makes the guarantee hold for any optimizer. Biases named in ``frozen_biases`` get a
-    zero gradient and, with ``project_update``, their change is reverted ("protected biases
-    are frozen after the first stage").
-
-    Works with a real ``lightning.Trainer`` and with
-    :class:`~fedlightning.federation.executors.LeanExecutor` (it never reads ``trainer``).
-    The weight change is taken between ``on_before_optimizer_step`` and
-    ``on_train_batch_end``, so several optimizer steps within one batch (manual
-    optimisation) are projected together, which is the same because the map is linear.
+    For every protected weight :math:`W` ``[out, in]`` with input-space basis :math:`U`
+    ``[in, r]`` (orthonormal columns), the gradient after the backward pass becomes Eq. (9):
+    :math:`\widetilde{\nabla}_W \mathcal{L} = \nabla_W \mathcal{L}\,(\mathbf{I} - UU^\top)`.
+    That keeps :math:`XW^\top` fixed on :math:`X \subset \mathrm{span}(U)` only for plain
+    SGD (Adam's scaling and weight decay move :math:`W` inside the span), so with
+    ``project_update`` each optimizer step's change is projected too, :math:`W \leftarrow
+    W_0 + (W - W_0)(\mathbf{I} - UU^\top)` (taken between ``on_before_optimizer_step`` and
+    ``on_train_batch_end``; the map is linear, so several steps of a batch project alike).
+    ``frozen_biases`` get a zero gradient and, with ``project_update``, their change is
+    reverted. Never reads ``trainer``: works in a ``lightning.Trainer`` and the LeanExecutor.
 
     Args:
-        bases (dict[str, Tensor], optional): parameter name of the module (as
-            ``pl_module.named_parameters()`` names it, e.g.
-            ``"net.gnn.convs.1.lin.weight"``) -> basis ``[in, r]``. (default: ``None``)
-        project_update (bool, optional): also project each step's weight change and revert
-            frozen biases. (default: ``True``)
-        frozen_biases (list[str], optional): parameter names to freeze. (default: ``None``)
+        bases: parameter name as ``pl_module.named_parameters()`` names it (e.g.
+            ``"net.gnn.convs.1.lin.weight"``) -> basis ``[in, r]``.
+        project_update: also project each step's weight change and revert frozen biases.
+        frozen_biases: parameter names to freeze.
     """
 
     def __init__(
@@ -77,8 +64,6 @@ class GradientProjection(pl.Callback):
         self._cast.clear()
         self._snapshot.clear()
 
-    # -- helpers -------------------------------------------------------------------------
-
     def _params(self, pl_module: nn.Module) -> dict[str, nn.Parameter]:
         params = dict(pl_module.named_parameters())
         missing = [n for n in [*self.bases, *self.frozen_biases] if n not in params]
@@ -102,8 +87,6 @@ class GradientProjection(pl.Callback):
             u = self.bases[name].to(device=like.device, dtype=like.dtype)
             self._cast[name] = u
         return u
-
-    # -- hooks ---------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: Any, pl_module: pl.LightningModule) -> None:
         self._snapshot.clear()
@@ -150,8 +133,6 @@ class GradientProjection(pl.Callback):
             elif self.bases[name].size(1) > 0:
                 p.copy_(before + project_out(p - before, self._basis(name, p)))
         self._snapshot.clear()
-
-    # -- checkpointing -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         return {

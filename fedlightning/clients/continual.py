@@ -17,21 +17,13 @@ DISTILL_ON = ("replay", "current", "both")
 
 
 class ContinualNodeClassifier(NodeClassifier):
-    r"""Local training at stage ``t`` with FedOGL's retention objective, Eq. (5).
-
-    Logits are restricted to the known classes :math:`\mathcal{C}_K^t`. The loss is CE on
-    the client's supervised nodes of the current stage (``batch.sup_mask``), plus
-    ``lambda_rep`` x CE on its replayed nodes (``batch.replay_mask``), plus
-    ``lambda_dis * tau^2 * KL(teacher || student)`` over the teacher's known classes on the
-    nodes that ``distill_on`` names, plus FedProx's term when ``prox_mu > 0``. Turning
-    replay off does not turn distillation off.
-
-    Args:
-        net, optimizer, prox_mu: as in :class:`NodeClassifier`.
-        lambda_rep: replay weight (default ``1.0``).
-        lambda_dis: distillation weight; ``0`` disables the teacher (default ``0.0``).
-        tau: distillation temperature (default ``2.0``).
-        distill_on: ``"replay"``, ``"current"`` or ``"both"`` (default ``"replay"``).
+    r"""Local training at stage ``t`` with FedOGL's retention objective, Eq. (5), over logits
+    restricted to the known classes :math:`\mathcal{C}_K^t`: CE on ``batch.sup_mask``, plus
+    ``lambda_rep`` x CE on ``batch.replay_mask``, plus ``lambda_dis * tau^2 * KL(teacher ||
+    student)`` over the teacher's known classes on the nodes ``distill_on`` names
+    (``"replay"``, ``"current"`` or ``"both"``), plus FedProx's term when ``prox_mu > 0``.
+    ``lambda_dis=0`` disables the teacher; replay off leaves distillation on. ``net``,
+    ``optimizer``, ``prox_mu``: as in :class:`NodeClassifier`.
     """
 
     def __init__(

@@ -1,9 +1,7 @@
-r"""Class-incremental cross-modal retrieval: symmetric InfoNCE, similarity distillation, client.
-
-The retrieval reading of FedOGL's retention objective, Eq. (5): cross-entropy over classes
-becomes the symmetric InfoNCE over paired nodes (query modality of node :math:`i` against
-item modality of node :math:`i`, every other paired node a negative), and the task-start
-distillation acts on the frozen teacher's similarity logits instead of its class logits.
+r"""Class-incremental cross-modal retrieval: the retrieval reading of FedOGL's retention
+objective, Eq. (5). Cross-entropy becomes the symmetric InfoNCE over paired nodes (node
+:math:`i`'s query modality against its item modality, every other paired node a negative);
+the task-start distillation acts on the teacher's similarity logits.
 """
 
 from __future__ import annotations
@@ -21,24 +19,10 @@ __all__ = ["ContinualRetrievalClient", "similarity_distillation_kl", "symmetric_
 
 
 def similarity_distillation_kl(student_sim: Tensor, teacher_sim: Tensor, tau: float) -> Tensor:
-    r"""Task-start distillation of Eq. (5) on similarity logits, without its weight.
-
-    .. math::
-        \tau^2 \frac{1}{n} \sum_{i=1}^{n} \mathrm{KL}\big(\sigma(S^{-}_{i,:}/\tau)
-        \,\|\, \sigma(S_{i,:}/\tau)\big)
-
-    where :math:`S^{-}` are the frozen teacher's similarity logits and :math:`S` the
-    student's over the same nodes, and :math:`\sigma` is the row softmax. Zero iff the
-    rows agree up to a constant shift.
-
-    Args:
-        student_sim, teacher_sim: similarity logits (e.g. ``q k^T / T``).
-        tau: distillation temperature :math:`\tau > 0`.
-
-    Shapes:
-        - **input:** :math:`(n, m)` each
-        - **output:** scalar
-    """
+    r"""Task-start distillation of Eq. (5) on similarity logits ``[n, m]``, without its
+    weight: :math:`\tau^2 \frac{1}{n} \sum_i \mathrm{KL}(\sigma(S^{-}_{i,:}/\tau) \,\|\,
+    \sigma(S_{i,:}/\tau))`, :math:`S^{-}` the frozen teacher's, :math:`S` the student's,
+    :math:`\sigma` the row softmax; a scalar."""
     if student_sim.shape != teacher_sim.shape:
         raise ValueError(
             f"student and teacher similarities differ in shape: {tuple(student_sim.shape)} vs "
@@ -59,26 +43,12 @@ class ContinualRetrievalClient(ContinualNodeClassifier):
         \sigma(S/\tau)) + \mathrm{KL}(\sigma(S^{-\top}/\tau) \| \sigma(S^\top/\tau))\big]
         + \frac{\mu}{2}\lVert w - w^t \rVert^2
 
-    (FedOGL Eq. (5), with the symmetric InfoNCE of :func:`symmetric_info_nce` in place of
-    CE). Only nodes that have both modalities (``net.pair_mask``) form pairs. The current
-    term uses the paired nodes of ``batch.sup_mask`` (in-batch negatives among them), the
-    replay term those of ``batch.replay_mask``, and the distillation the paired nodes that
-    ``distill_on`` names, with :math:`S = q k^\top / T` of the student and :math:`S^-` of
-    the frozen task-start teacher (eval mode, no gradient), in both retrieval directions.
-    The proximal term is FedProx's (``prox_mu > 0``). Turning replay off does not turn
-    distillation off.
-
-    Args:
-        net: a retrieval model returning ``(q, k)`` and offering ``pair_mask(data)``
-            (e.g. :class:`~fedlightning.models.cross_modal.CrossModalGNN`).
-        optimizer: a partial optimizer, called with the parameters; created afresh on every
-            local fit (standard FedAvg).
-        prox_mu: FedProx coefficient (default ``0.0``).
-        lambda_rep: replay weight (default ``1.0``).
-        lambda_dis: distillation weight; ``0`` disables the teacher (default ``0.0``).
-        tau: distillation temperature (default ``2.0``).
-        distill_on: ``"replay"``, ``"current"`` or ``"both"`` (default ``"replay"``).
-        temperature: InfoNCE temperature :math:`T` (default ``0.1``).
+    over the paired nodes (``net.pair_mask``) of ``batch.sup_mask`` (in-batch negatives),
+    of ``batch.replay_mask``, and, for the distillation, of what ``distill_on`` names, with
+    :math:`S = q k^\top / T` of the student and :math:`S^-` of the frozen task-start
+    teacher. Arguments as :class:`ContinualNodeClassifier`'s; ``net`` returns ``(q, k)``
+    (e.g. :class:`~fedlightning.models.cross_modal.CrossModalGNN`); ``temperature`` is the
+    InfoNCE temperature :math:`T` (default ``0.1``).
     """
 
     def __init__(
@@ -96,9 +66,6 @@ class ContinualRetrievalClient(ContinualNodeClassifier):
             raise ValueError(f"temperature and tau must be > 0, got {temperature}, {tau}")
         super().__init__(net, optimizer, prox_mu, lambda_rep, lambda_dis, tau, distill_on)
         self.temperature = temperature
-
-    def forward(self, data: Data) -> tuple[Tensor, Tensor]:
-        return self.net(data)
 
     def _distill(self, batch: Data, q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad():

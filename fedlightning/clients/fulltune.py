@@ -1,12 +1,10 @@
 r"""The full-model FedAvg comparator's client: the bank's encoder fine-tuned with the adapter.
 
-FedTIP freezes the bank and federates only the adapter; this comparator (paper 001, Table 3
-and Sec. 5.4, "full-model FedAvg") trains the encoder too, so its message is the whole
-model. A local fit restarts from the bank's snapshot state every epoch and streams the
-client's support in time order (Eq. 12): each group of equal timestamps is embedded with
-the encoder's current weights (gradients flow through the states, TGN's memory updates and
-the time encoding), then ingested. The task loss is the family's (Eqs. 19 or 20-21) over
-the prompted representations, as for FedTIP, without proximal or anchor terms.
+Paper 001, Table 3 and Sec. 5.4: the encoder trains too, so the message is the whole model.
+Every step restarts from the bank's snapshot state and embeds the client's support (Eq. 12)
+with the encoder's current weights (gradients flow through the states, TGN's memory updates
+and the time encoding). The task loss is the family's (Eqs. 19 or 20-21), as for FedTIP,
+without proximal or anchor terms.
 """
 
 from __future__ import annotations
@@ -25,36 +23,26 @@ from fedlightning.clients.temporal_prompt import (
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.temporal.bank import event_tensors
-from fedlightning.temporal.contexts import group_batches, restore_state
+from fedlightning.temporal.contexts import pre_event_states, restore_state
 from fedlightning.temporal.encoders import time_encoder
 
 Batch = dict[str, Tensor]
 
 
 def stream_support(enc, stream: EventStream, batch: Batch) -> Batch:
-    """The client's support streamed through ``enc`` from its current state: the adapter's
-    inputs (as :func:`~fedlightning.temporal.contexts.event_batch`, one client stacked),
-    with gradients to the encoder."""
+    """The adapter's inputs (:func:`~fedlightning.temporal.contexts.event_batch`'s, one client
+    stacked) of the support, embedded as one batch from ``enc``'s current state (gradients
+    to the encoder), which then ingests it."""
     idx = batch["events"].numpy()
-    order = {int(e): n for n, e in enumerate(idx.tolist())}
-    te_fn = time_encoder(enc)
-    rows: dict[str, list[Tensor]] = {
-        k: [] for k in ("h_u", "h_i", "h_j", "te", "r_u", "r_i", "r_j")
-    }
-    for g in group_batches(stream.t, idx, len(idx)):
-        pos = torch.tensor([order[int(e)] for e in g.tolist()])
-        src, dst, t, msg = event_tensors(enc, stream, g)
-        j = batch["neg_id"][pos].clamp(min=0)
-        nodes = torch.cat([src, dst, j])
-        h = enc.embed(nodes, torch.cat([t, t, t]))
-        dt = (torch.cat([t, t, t]).float() - enc.state.last_time[nodes]).clamp(min=0)
-        for key, part in zip(("h_u", "h_i", "h_j"), h.split(len(g)), strict=True):
-            rows[key].append(part)
-        for key, part in zip(("r_u", "r_i", "r_j"), dt.log1p().split(len(g)), strict=True):
-            rows[key].append(part)
-        rows["te"].append(te_fn(dt[: len(g)]).float())
-        enc.ingest(src, dst, t, msg, torch.from_numpy(np.ascontiguousarray(g)))
-    out = {k: torch.cat(v).unsqueeze(0) for k, v in rows.items()}
+    if len(idx) == 0:
+        raise ValueError("a client's support has no event")
+    src, dst, t, msg = event_tensors(enc, stream, idx)
+    h, dt = pre_event_states(enc, src, dst, t, batch["neg_id"].clamp(min=0))
+    out = dict(zip(("h_u", "h_i", "h_j"), h.split(len(idx)), strict=True))
+    out["te"] = time_encoder(enc)(dt[: len(idx)]).float()
+    out.update(zip(("r_u", "r_i", "r_j"), dt.log1p().split(len(idx)), strict=True))
+    enc.ingest(src, dst, t, msg, torch.from_numpy(np.ascontiguousarray(idx)))
+    out = {k: v.unsqueeze(0) for k, v in out.items()}
     for key in ("x", "y", "neg_ok"):
         out[key] = batch[key].unsqueeze(0)
     out["mask"] = torch.ones(1, len(idx), dtype=torch.bool)
@@ -62,15 +50,9 @@ def stream_support(enc, stream: EventStream, batch: Batch) -> Batch:
 
 
 class FullTuneClient(pl.LightningModule):
-    """Encoder and adapter trained together on one client's support (module docstring).
-
-    Args:
-        encoder: a copy of the bank's encoder with its snapshot state (trainable).
-        snapshot: the bank's frozen snapshot (each epoch restarts from its state).
-        adapter: the prompt adapter (one copy).
-        stream: the event stream. family: ``"nc"`` or ``"lp"``. tau: as FedTIP's.
-        lr: Adam's for the adapter; encoder_lr: for the encoder. weight_decay: Adam's.
-    """
+    """Encoder (a trainable copy of the bank's) and adapter (one copy) trained together on
+    one client's support; every step restarts from ``snapshot``'s state. ``lr`` is the
+    adapter's Adam step, ``encoder_lr`` the encoder's."""
 
     def __init__(
         self,
@@ -96,10 +78,8 @@ class FullTuneClient(pl.LightningModule):
         self.last_loss = float("nan")
 
     def train(self, mode: bool = True) -> FullTuneClient:
-        """The adapter follows ``mode``; the encoder always streams as the bank's contexts
-        were built (evaluation mode: no attention dropout, TGN's memory read as stored), so
-        that training and the server's scoring see the same kind of states. Gradients
-        still reach every encoder parameter through the states and the memory updates."""
+        """The adapter follows ``mode``; the encoder stays in evaluation mode, as the bank's
+        contexts were built (gradients still reach all of its parameters)."""
         super().train(mode)
         self.encoder.eval()
         return self

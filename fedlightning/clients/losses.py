@@ -11,16 +11,9 @@ from torch import Tensor
 def proximal_term(
     params: Iterable[tuple[str, Tensor]], anchor: dict[str, Tensor], mu: float
 ) -> Tensor:
-    r"""FedProx's proximal term (Li et al., 2020, Eq. (2)).
-
-    .. math::
-        \frac{\mu}{2} \lVert w - w^t \rVert_2^2
-
-    Args:
-        params: ``(name, parameter)`` pairs of the local model ``w``.
-        anchor: name -> the global weights ``w^t`` received this round (no gradient).
-        mu: the proximal coefficient (``0`` gives FedAvg).
-    """
+    r"""FedProx's proximal term (Li et al., 2020, Eq. (2)), :math:`\frac{\mu}{2} \lVert w -
+    w^t \rVert_2^2`, over ``(name, parameter)`` pairs of ``w`` and the round's global
+    weights ``anchor`` (name -> :math:`w^t`)."""
     total = torch.zeros(())
     for name, p in params:
         total = total + (p - anchor[name]).pow(2).sum()
@@ -33,18 +26,9 @@ def restrict_logits(logits: Tensor, classes: Tensor) -> Tensor:
 
 
 def distillation_kl(student_logits: Tensor, teacher_logits: Tensor, tau: float) -> Tensor:
-    r"""Task-start distillation term of FedOGL Eq. (5), without its weight.
-
-    .. math::
-        \tau^2\, \mathrm{KL}\big(\sigma(z^{-}/\tau) \,\|\, \sigma(z/\tau)\big)
-
-    averaged over nodes; ``z^-`` are the frozen teacher's logits and ``z`` the student's,
-    both restricted to the teacher's known classes.
-
-    Args:
-        student_logits, teacher_logits: ``[n, C_old]``.
-        tau: temperature.
-    """
+    r"""Task-start distillation term of FedOGL Eq. (5), without its weight:
+    :math:`\tau^2 \mathrm{KL}(\sigma(z^{-}/\tau) \,\|\, \sigma(z/\tau))` averaged over
+    nodes, ``z^-`` the frozen teacher's logits ``[n, C_old]``, ``z`` the student's."""
     log_p_student = torch.log_softmax(student_logits / tau, dim=-1)
     log_p_teacher = torch.log_softmax(teacher_logits / tau, dim=-1)
     kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1).mean()

@@ -17,21 +17,10 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
 
 class NodeClassifier(pl.LightningModule):
-    r"""Local training of a node classifier: cross-entropy on the client's training nodes.
-
-    .. math::
-        \mathcal{L} = \mathrm{CE}(f(G_k)_{V^{tr}_k}, y_{V^{tr}_k})
-        + \frac{\mu}{2}\lVert w - w^t\rVert^2
-
-    The proximal part is FedProx's (``prox_mu > 0``); with ``prox_mu = 0`` this is FedAvg's
-    client. One training step is one full-batch pass over the client's subgraph.
-
-    Args:
-        net: the backbone (e.g. :class:`~fedlightning.models.MultimodalGNN`).
-        optimizer: a partial optimizer, called with the parameters; created afresh on every
-            local fit (standard FedAvg).
-        prox_mu: FedProx coefficient (default ``0``).
-    """
+    r"""Local training of a node classifier, one full-batch step per pass over the client's
+    subgraph: :math:`\mathrm{CE}(f(G_k)_{V^{tr}_k}, y_{V^{tr}_k}) + \frac{\mu}{2}\lVert w -
+    w^t\rVert^2` (FedProx's term when ``prox_mu > 0``, else FedAvg's client). ``optimizer``
+    is a partial optimizer, called with the parameters on every local fit."""
 
     def __init__(self, net: nn.Module, optimizer: OptimizerFactory, prox_mu: float = 0.0) -> None:
         super().__init__()

@@ -10,12 +10,8 @@ from torch_geometric.data import Data
 def class_balanced_sample(
     nodes: Tensor, labels: Tensor, budget: int, generator: torch.Generator
 ) -> Tensor:
-    """Up to ``budget`` nodes of each class, uniformly without replacement (sorted).
-
-    Args:
-        nodes: candidate node indices ``[n]``. labels: their classes ``[n]``.
-        budget: per-class budget; ``0`` keeps nothing.
-    """
+    """Up to ``budget`` of the candidate ``nodes`` ``[n]`` of each class (``labels`` ``[n]``),
+    uniformly without replacement, sorted; ``budget=0`` keeps nothing."""
     if budget <= 0 or nodes.numel() == 0:
         return nodes[:0]
     keep = []
@@ -27,12 +23,9 @@ def class_balanced_sample(
 
 
 def stage_batch(data: Data, known: Tensor, supervised_classes: Tensor, replay: Tensor) -> Data:
-    """A client's training graph at a stage: induced on its nodes of known classes.
-
-    Unknown-class nodes and their edges are absent, so they can only appear in evaluation.
-    ``sup_mask`` marks the training nodes of the classes the client observes this stage;
-    ``replay_mask`` marks the replayed nodes (indices into ``data``).
-    """
+    """A client's training graph at a stage, induced on its nodes of known classes (so
+    unknown-class nodes appear only in evaluation), with ``sup_mask`` (training nodes of the
+    classes it observes this stage) and ``replay_mask`` (the ``replay`` nodes)."""
     keep = torch.isin(data.y, known)
     sup = data.train_mask & torch.isin(data.y, supervised_classes)
     rep = torch.zeros_like(sup)

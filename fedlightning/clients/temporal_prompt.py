@@ -1,8 +1,8 @@
 r"""FedTIP's client: the prompt adapter's local fit (paper 001, Sec. 4.3, Eq. (26)).
 
 Only the adapter :math:`\Omega` of Eq. (17) trains; the bank's states, recencies and time
-encoding arrive precomputed in the batch (:func:`fedlightning.temporal.contexts.event_batch`),
-so a local fit touches nothing but the adapter. The module computes
+encoding arrive precomputed in the batch (:func:`fedlightning.temporal.contexts.event_batch`).
+The module computes
 
 .. math::
     \mathcal{L}_k = \mathcal{L}_k^{task} + \lambda_p \lVert \Omega_k - \Omega^{(r)} \rVert_2^2
@@ -12,12 +12,8 @@ with the prototypical loss (Eqs. 18-19) for node classification (``family="nc"``
 two-way softmax over the positive and the client-visible negative destination (Eqs. 20-21,
 25) for link prediction (``family="lp"``), whose "classes" are the negative (0) and the
 positive pair (1) (methods.md). The anchor term (Eq. 22) skips classes the server has no
-anchor for yet.
-
-The active clients of a round train together: their batches are stacked on a leading axis
-(:func:`stack_batches`) and the adapter holds one parameter set per client (see
-:mod:`fedlightning.temporal.adapter`); the loss is the sum of the clients' losses, so each
-client's parameters follow exactly their own gradient.
+anchor for yet. The active clients of a round train together, stacked
+(:func:`stack_batches`, :mod:`fedlightning.temporal.adapter`).
 """
 
 from __future__ import annotations
@@ -48,29 +44,24 @@ def stack_batches(batches: Sequence[Batch], length: int = 0) -> Batch:
     ``n_k``, or to ``length`` if larger: a share of a round padded as the round's stack) with
     ``mask`` ``[K, N]`` marking the real events."""
     n = max(length, *(len(b["h_u"]) for b in batches))
-    out: Batch = {}
-    for key in batches[0]:
-        first = batches[0][key]
-        full = torch.zeros((len(batches), n, *first.shape[1:]), dtype=first.dtype)
-        for k, b in enumerate(batches):
-            full[k, : len(b[key])] = b[key]
-        out[key] = full
+    out = {
+        k: torch.zeros((len(batches), n, *v.shape[1:]), dtype=v.dtype)
+        for k, v in batches[0].items()
+    }
     out["mask"] = torch.zeros(len(batches), n, dtype=torch.bool)
     for k, b in enumerate(batches):
+        for key in batches[0]:
+            out[key][k, : len(b[key])] = b[key]
         out["mask"][k, : len(b["h_u"])] = True
     return out
 
 
 def family_views(adapter: PromptAdapter, batch: Batch, family: str) -> tuple[Tensor, ...]:
-    r"""The prompted representations a family's loss and prototypes read.
-
-    ``"nc"``: :math:`(\tilde{\mathbf{h}}_e, y, \mathrm{mask})` (Eq. 16).
-    ``"lp"``: :math:`(\tilde{\mathbf{h}}_{u,i,t}, \mathbf{h}_i, \tilde{\mathbf{h}}_{u,j,t},
-    \mathbf{h}_j, \mathrm{mask})` (Eq. 16 with the pre-event states of the positive and the
-    negative destination; both share TE and the event's features), masked to the events
-    whose negative exists: the argument order of
-    :func:`~fedlightning.temporal.adapter.link_loss`.
-    """
+    r"""The prompted representations (Eq. 16) a family's loss and prototypes read: ``"nc"``
+    :math:`(\tilde{\mathbf{h}}_e, y, \mathrm{mask})`; ``"lp"`` (in
+    :func:`~fedlightning.temporal.adapter.link_loss`'s order) :math:`(\tilde{\mathbf{h}}_{u,i,t},
+    \mathbf{h}_i, \tilde{\mathbf{h}}_{u,j,t}, \mathbf{h}_j, \mathrm{mask})`, positive and
+    negative sharing TE and the features, masked to the events whose negative exists."""
     b = batch
 
     def prompt(side: str) -> Tensor:
@@ -87,9 +78,7 @@ def family_prototypes(views: tuple[Tensor, ...], family: str) -> tuple[Tensor, T
         h, y, mask = views
         return class_prototypes(h, y, mask, NUM_CLASSES)
     h_pos, _, h_neg, _, mask = views
-    y = torch.cat(
-        [torch.zeros_like(mask, dtype=torch.long), torch.ones_like(mask, dtype=torch.long)], 1
-    )
+    y = torch.cat([torch.zeros_like(mask), torch.ones_like(mask)], 1).long()
     return class_prototypes(
         torch.cat([h_neg, h_pos], 1), y, torch.cat([mask, mask], 1), NUM_CLASSES
     )
@@ -114,16 +103,9 @@ def task_loss(views: tuple[Tensor, ...], family: str, tau: float) -> Tensor:
 
 
 class FedTIPClient(pl.LightningModule):
-    """The local objective of Eq. (26) over the stacked supports of a round's clients.
-
-    Args:
-        adapter: the prompt adapter :math:`\\Omega` (the only trainable part).
-        family: ``"nc"`` or ``"lp"``.
-        tau: the temperature of Eqs. (19)-(21) (default ``0.1``).
-        lambda_p: the proximal weight :math:`\\lambda_p` (default ``1e-2``).
-        lambda_a: the anchor weight :math:`\\lambda_a` (default ``1e-1``).
-        lr, weight_decay: Adam's (defaults ``1e-3``, ``1e-5``).
-    """
+    """The local objective of Eq. (26) over the stacked supports of a round's clients:
+    ``tau`` is the temperature of Eqs. (19)-(21), ``lambda_p`` and ``lambda_a`` the proximal
+    and anchor weights, ``lr`` and ``weight_decay`` Adam's."""
 
     def __init__(
         self,
@@ -154,10 +136,9 @@ class FedTIPClient(pl.LightningModule):
         first: int = 0,
         total: int | None = None,
     ) -> None:
-        r"""Start a round of ``copies`` clients from the server's :math:`\Omega^{(r)}` and
-        anchors :math:`\bar{\mathbf{q}}_c^{(r)}`: the round's clients ``first .. first +
-        copies - 1`` of ``total`` (default: all of them; see
-        :meth:`~fedlightning.temporal.adapter.PromptAdapter.place`)."""
+        r"""Start ``copies`` clients (the round's ``first ..`` of ``total``, default all:
+        :meth:`~fedlightning.temporal.adapter.PromptAdapter.place`) from the server's
+        :math:`\Omega^{(r)}` and anchors :math:`\bar{\mathbf{q}}_c^{(r)}`."""
         if self.adapter.copies != copies:
             self.adapter = self.adapter.stacked(copies)
         self.adapter.place(first, copies if total is None else total)

@@ -13,10 +13,8 @@ from fedlightning.models.multimodal import GNNEncoder
 
 
 class CrossModalGNN(nn.Module):
-    r"""Two modality towers with graph propagation that embed queries and items in one space.
-
-    For the query modality :math:`q` and the item modality :math:`v` (e.g. ``text`` and
-    ``bow``), each side :math:`m \in \{q, v\}` has its own encoder, GNN and projection head:
+    r"""Two modality towers (query :math:`q`, item :math:`v`), each with its own encoder, GNN
+    and projection head, that embed queries and items in one space:
 
     .. math::
         h_{i,m} = a_{i,m}\, \mathrm{ReLU}(W_m x_{i,m} + b_m), \qquad
@@ -24,31 +22,14 @@ class CrossModalGNN(nn.Module):
         e_{i,m} = \frac{P_m g_{i,m}}{\lVert P_m g_{i,m} \rVert_2}
 
     where :math:`a_{i,m} \in \{0, 1\}` is the availability of modality :math:`m` at node
-    :math:`i`: a missing modality sends zeros into the propagation instead of made-up
-    features. The similarity :math:`S_{i,l} = e_{i,q}^\top e_{l,v}` is the cosine
-    similarity used by the symmetric InfoNCE loss (the retrieval reading of FedOGL
-    Eq. (5), see :func:`~fedlightning.objectives.symmetric_info_nce`), by Recall@1
-    and by the rejection score :math:`\max_l S_{i,l}` (the retrieval reading of Eq. (6)).
-    The last GNN layer of each tower is the retrieval model's structural layer
-    (:math:`\Omega_{\mathrm{str}}` of Eq. (9)).
+    :math:`i` (a missing modality propagates zeros). :math:`S_{i,l} = e_{i,q}^\top e_{l,v}`
+    is the cosine similarity of the symmetric InfoNCE (the retrieval reading of FedOGL
+    Eq. (5)), of Recall@1 and of the rejection score :math:`\max_l S_{i,l}` (Eq. (6)). The
+    last GNN layer of each tower is the structural layer (:math:`\Omega_{\mathrm{str}}` of
+    Eq. (9)).
 
-    Args:
-        in_dims: modality name -> feature width (all modalities of the graph).
-        num_classes: accepted so that the model is built like
-            :class:`~fedlightning.models.MultimodalGNN`; unused (retrieval has no head).
-        query: the query modality (default ``"text"``).
-        item: the item modality (default ``"bow"``).
-        hidden: width of encoders, GNNs and the shared embedding space (default ``64``).
-        gnn_layers: GNN depth per tower (default ``2``).
-        conv: ``"gcn"`` or ``"sage"`` (default ``"gcn"``).
-        dropout: on input features (an :class:`~fedlightning.models.dropout.InputDropout`)
-            and between GNN layers (default ``0.5``).
-
-    Shapes:
-        - **input:** a PyG ``Data`` with ``x_<modality>`` :math:`(N, d_m)`,
-          ``modality_mask`` :math:`(N, M)` (columns in the order of ``in_dims``),
-          ``edge_index`` :math:`(2, E)`
-        - **output:** ``(q, k)``, each :math:`(N, \text{hidden})`, rows of unit L2 norm
+    Built like :class:`~fedlightning.models.MultimodalGNN` (``num_classes`` is unused), with
+    the same input; the output is ``(q, k)``, each ``[N, hidden]`` with rows of unit norm.
     """
 
     def __init__(
@@ -102,13 +83,9 @@ class CrossModalGNN(nn.Module):
         """Each GNN's input on ``data``, by module name: ``{"gnns.<m>": h_m}``."""
         return {f"gnns.{m}": self.tower_input(data, m) for m in self.sides}
 
-    def head(self, g: Tensor, modality: str) -> Tensor:
-        """``e_m``: projection head and L2 normalisation of a tower output ``[n, hidden]``."""
-        return F.normalize(self.heads[modality](g), dim=-1)
-
     def embed(self, data: Data, modality: str) -> Tensor:
-        """One tower: encoder, masked propagation, projection, L2 normalisation ``[N, hidden]``."""
-        return self.head(self.tower(data, modality), modality)
+        """``e_m``: one tower, its projection head and L2 normalisation ``[N, hidden]``."""
+        return F.normalize(self.heads[modality](self.tower(data, modality)), dim=-1)
 
     def forward(self, data: Data) -> tuple[Tensor, Tensor]:
         return self.embed(data, self.query), self.embed(data, self.item)

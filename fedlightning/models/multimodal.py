@@ -11,32 +11,17 @@ from fedlightning.models.dropout import InputDropout
 
 
 def masked_fusion(embeddings: list[Tensor], mask: Tensor) -> Tensor:
-    r"""Mean of the available modalities' embeddings; a missing modality is left out.
-
-    .. math::
-        s_i = \frac{\sum_m a_{i,m} h_{i,m}}{\max(1, \sum_m a_{i,m})}
-
-    Args:
-        embeddings: ``M`` tensors of shape ``[N, d]``.
-        mask: bool ``[N, M]`` availability ``a``.
-
-    Returns:
-        ``[N, d]``. A node with no modality gets zeros.
-    """
+    r""":math:`s_i = \sum_m a_{i,m} h_{i,m} / \max(1, \sum_m a_{i,m})` of ``M`` embeddings
+    ``[N, d]`` and the availability ``mask`` ``a`` ``[N, M]``; ``[N, d]`` (zeros for a node
+    with no modality)."""
     stacked = torch.stack(embeddings, dim=1)  # [N, M, d]
     a = mask.to(stacked.dtype).unsqueeze(-1)
     return (stacked * a).sum(1) / a.sum(1).clamp(min=1.0)
 
 
 class ModalityEncoders(nn.Module):
-    """One MLP encoder per modality over precomputed features.
-
-    Args:
-        in_dims: modality name -> input width.
-        hidden: output width of every encoder (default ``64``).
-        dropout: dropout on the input features (default ``0.5``), an :class:`InputDropout`:
-            the distribution of ``nn.Dropout`` at the cost of the inputs' non-zero entries.
-    """
+    """One linear+ReLU encoder per modality (``in_dims``: name -> width) to ``hidden``, after
+    an :class:`InputDropout` of the features."""
 
     def __init__(self, in_dims: dict[str, int], hidden: int = 64, dropout: float = 0.5) -> None:
         super().__init__()
@@ -49,12 +34,8 @@ class ModalityEncoders(nn.Module):
 
 
 class GNNEncoder(nn.Module):
-    """A stack of PyG convolutions (``gcn`` or ``sage``) with ReLU and dropout between layers.
-
-    Args:
-        in_dim: input width. hidden: width of every layer. layers: depth (default ``2``).
-        conv: ``"gcn"`` or ``"sage"``. dropout: between layers (default ``0.5``).
-    """
+    """``layers`` PyG convolutions (``gcn`` or ``sage``) of width ``hidden``, with ReLU and
+    dropout between layers."""
 
     CONVS = {"gcn": GCNConv, "sage": SAGEConv}
 
@@ -96,18 +77,9 @@ class MultimodalGNN(nn.Module):
         s_i = \mathrm{fuse}(\{h_{i,m}\}),\quad g_i = \mathrm{GNN}(s)_i,\quad
         z_i = \Pi_\omega([s_i \,\|\, g_i \,\|\, a_i]),\quad \hat{y}_i = W z_i
 
-    (FedOGL, Eq. (10)); ``a_i`` is the modality-availability indicator.
-
-    Args:
-        in_dims: modality name -> feature width.
-        num_classes: output classes.
-        hidden: width of encoders, GNN and ``z`` (default ``64``).
-        gnn_layers: GNN depth (default ``2``). conv: ``"gcn"`` or ``"sage"`` (default ``"gcn"``).
-        dropout: default ``0.5``.
-
-    Shapes:
-        input: a PyG ``Data`` with ``x_<modality>`` ``[N, d_m]``, ``modality_mask`` ``[N, M]``,
-        ``edge_index`` ``[2, E]``; output: logits ``[N, num_classes]``.
+    (FedOGL, Eq. (10)); ``a_i`` is the modality-availability indicator, ``hidden`` the width
+    of encoders, GNN and ``z``. Input: a PyG ``Data`` with ``x_<modality>`` ``[N, d_m]``,
+    ``modality_mask`` ``[N, M]``, ``edge_index``; output: logits ``[N, num_classes]``.
     """
 
     def __init__(

@@ -23,39 +23,18 @@ def protected_input(
 ) -> Tensor | dict[str, Tensor]:
     r"""The exact tensor that multiplies a PyG layer's weight, the space of its basis.
 
-    For :class:`~torch_geometric.nn.conv.GCNConv`, which applies ``lin`` before
-    propagating, :math:`\hat{\mathbf{A}}(\mathbf{X}\mathbf{W}^\top) =
-    (\hat{\mathbf{A}}\mathbf{X})\mathbf{W}^\top`, so the input of ``lin.weight`` is the
-    normalised aggregated input
+    :class:`~torch_geometric.nn.conv.GCNConv` applies ``lin`` before propagating, so
+    ``lin.weight`` multiplies :math:`\hat{\mathbf{A}}\mathbf{X}`, :math:`\hat{\mathbf{A}}
+    = \mathbf{D}^{-1/2}(\mathbf{A}+\mathbf{I})\mathbf{D}^{-1/2}` (the layer's own
+    self-loop and normalisation settings): ``conv(x) == A_hat_x @ lin.weight.T + bias``.
+    :class:`~torch_geometric.nn.conv.SAGEConv`: :math:`\mathbf{x}'_i = \mathbf{W}_l
+    \mathrm{aggr}_{j\in\mathcal{N}(i)} \mathbf{x}_j + \mathbf{b}_l + \mathbf{W}_r
+    \mathbf{x}_i` (aggregated after ``project`` when set; before the final L2 normalisation
+    when ``normalize=True``), so the result is ``{"lin_l": aggr, "lin_r": x}`` (no
+    ``"lin_r"`` when ``root_weight=False``).
 
-    .. math::
-        \hat{\mathbf{A}}\mathbf{X},\quad
-        \hat{\mathbf{A}} = \mathbf{D}^{-1/2}(\mathbf{A}+\mathbf{I})\mathbf{D}^{-1/2}
-
-    (with the layer's own ``add_self_loops``, ``improved`` and ``normalize`` settings), and
-    ``conv(x) == A_hat_x @ lin.weight.T + bias``.
-
-    For :class:`~torch_geometric.nn.conv.SAGEConv`, ``lin_l`` multiplies the aggregated
-    neighbours (mean by default; after the layer's ``project`` transform when it has one)
-    and ``lin_r`` the root features:
-
-    .. math::
-        \mathbf{x}'_i = \mathbf{W}_l\, \mathrm{aggr}_{j\in\mathcal{N}(i)} \mathbf{x}_j
-        + \mathbf{b}_l + \mathbf{W}_r \mathbf{x}_i
-
-    so the function returns ``{"lin_l": aggr, "lin_r": x}`` (without ``"lin_r"`` when
-    ``root_weight=False``); with ``normalize=True`` the identity holds before the layer's
-    final L2 normalisation.
-
-    Args:
-        conv: a ``GCNConv`` or ``SAGEConv`` layer.
-        x (Tensor): the layer's input ``[n, in]`` (what the model feeds it, e.g. after the
-            previous layer's activation; dropout off).
-        edge_index (Tensor): ``[2, E]``.
-        edge_weight (Tensor, optional): ``[E]``, ``GCNConv`` only. (default: ``None``)
-
-    Returns:
-        ``[n, in]`` for ``GCNConv``; ``dict[str, Tensor]`` of ``[n, in]`` for ``SAGEConv``.
+    ``x`` is the layer's input ``[n, in]`` (dropout off); ``edge_weight`` ``[E]`` is for
+    ``GCNConv`` only. Returns ``[n, in]``, or a dict of ``[n, in]`` for ``SAGEConv``.
     """
     if isinstance(conv, GCNConv):
         ei, ew = edge_index, edge_weight
@@ -84,15 +63,9 @@ def protected_input(
 
 
 def protected_inputs(net: nn.Module, data: Any, layer: int = -1) -> dict[str, Tensor]:
-    """Protected weights of every GNN of a backbone and their inputs on ``data``.
-
-    Returns parameter name (relative to ``net``) -> the tensor that multiplies it
-    (:func:`protected_input`), for layer ``layer`` of each GNN that ``net.gnn_inputs(data)``
-    names (``gnn`` of :class:`~fedlightning.models.MultimodalGNN`, ``gnns.<m>`` of each
-    tower of :class:`~fedlightning.models.cross_modal.CrossModalGNN`): for a GCN layer
-    ``<gnn>.convs.L.lin.weight``, for a SAGE layer ``<gnn>.convs.L.lin_l.weight`` and
-    ``<gnn>.convs.L.lin_r.weight``.
-    """
+    """Parameter name (relative to ``net``) -> the tensor that multiplies it on ``data``
+    (:func:`protected_input`), for layer ``layer`` of each GNN that ``net.gnn_inputs``
+    names: ``<gnn>.convs.L.lin.weight`` (GCN), ``<gnn>.convs.L.lin_{l,r}.weight`` (SAGE)."""
     out = {}
     for name, x in net.gnn_inputs(data).items():
         gnn = net.get_submodule(name)
@@ -108,8 +81,7 @@ def protected_inputs(net: nn.Module, data: Any, layer: int = -1) -> dict[str, Te
 
 
 def protected_biases(net: nn.Module, layer: int = -1) -> list[str]:
-    """The biases of the protected layer of every GNN of ``net`` (frozen after the first
-    stage)."""
+    """The biases of the protected layer of every GNN of ``net`` (frozen after stage 1)."""
     own = dict(net.named_parameters())
     names = []
     for name, gnn in net.named_modules():

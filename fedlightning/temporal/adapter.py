@@ -2,19 +2,13 @@ r"""FedTIP's interaction-conditioned prompt adapter and its task losses (paper 0
 
 The adapter :math:`\Omega` of Eq. (17) is all that trains and travels: two parallel
 bottleneck gates on the event context (Eqs. 13-15) and a low-rank task template (Eq. 16).
-The losses are functions of the prompted representations: prototypical node
-classification (Eqs. 18-19), two-way link prediction (Eqs. 20-21), the anchor term (Eq. 22)
-and the proximal term of Eq. (26).
+The losses: prototypical node classification (Eqs. 18-19), two-way link prediction
+(Eqs. 20-21), the anchor term (Eq. 22) and the proximal term of Eq. (26).
 
-Everything is *stacked*: an adapter holds ``copies`` independent sets of parameters (one
-per client of a round) and every input carries a leading client axis ``[K, N, ...]`` with
-a mask ``[K, N]`` of real (not padded) events. The losses are sums over clients, so each
-client's gradient is its own and Adam's element-wise steps keep the clients independent:
-one stacked fit is K local fits in one pass. ``copies=1`` with 2-D inputs is the plain
-single-client form. Dropout draws its mask for the round's whole stack
-(:class:`StackDropout`), so a client's fit does not depend on which other clients share its
-stack: one stack or several (``runner=distributed`` fits a share of the clients per rank)
-give bitwise the same adapters on CPU.
+Everything is *stacked*: ``copies`` independent parameter sets (one per client of a round),
+inputs ``[K, N, ...]`` with a mask ``[K, N]`` of real events, losses summed over clients: one
+stacked fit is K independent local fits (docs/fedtip.md, "Fast path"); ``copies=1`` takes 2-D
+inputs too.
 """
 
 from __future__ import annotations
@@ -58,15 +52,10 @@ class StackedLinear(nn.Module):
 
 class StackDropout(nn.Module):
     """Dropout on ``[K, N, d]`` whose mask is drawn for a round of ``total`` stacked copies,
-    of which this stack holds copies ``first .. first + K - 1`` (:attr:`window`).
-
-    A copy's mask then depends only on its place in the round, not on how the round's
-    copies are split into stacks. For the whole round (``window=None``, the default) the
-    draws, the mask and the output are :func:`torch.nn.functional.dropout`'s on CPU.
-
-    Args:
-        p: the probability of dropping a value, in ``[0, 1)``.
-    """
+    of which this stack holds copies ``first .. first + K - 1`` (:attr:`window`), so a
+    copy's mask does not depend on how the round is split into stacks (one stack or one
+    per rank give bitwise the same adapters on CPU). With ``window=None`` (the whole round)
+    it is :func:`torch.nn.functional.dropout` on CPU. ``p`` lies in ``[0, 1)``."""
 
     def __init__(self, p: float) -> None:
         super().__init__()
@@ -95,22 +84,12 @@ class PromptAdapter(nn.Module):
     :math:`\varphi_f, \varphi_t` are one-layer ReLU bottlenecks of width ``bottleneck``;
     :math:`\psi` is a low-rank linear template (``rank``) to :math:`d_p = d_h`, so that the
     cosine of Eq. (20) with a bank state is defined (methods.md). With ``residual=True``
-    (default) :math:`\psi` adds the gated source state :math:`\alpha^f_u \odot
-    \mathbf{h}_u` to its low-rank map: "FedTIP uses the same similarity template as
-    pre-training" (Sec. 4.3), whose score is :math:`s(\mathbf{h}_u, \mathbf{h}_i)`
-    (Eq. 10), and a rank-2 map alone cannot express it (it discards the bank's similarity:
-    docs/fedtip.md). It adds no parameter; the map's output layer starts at zero, so
-    training starts from the bank's similarity. ``static=True`` gives the static-prompt
-    ablation: gates that ignore the event (learned constants).
-
-    Args:
-        d_h: bank state width. d_t: time-encoding width. d_e: edge-feature width.
-        bottleneck: gate bottleneck width (default ``2``). rank: template rank (default ``2``).
-        static: the static-prompt ablation (default ``False``).
-        dropout: dropout on the bottleneck activations (default ``0``; the paper's ``0.1``
-            is set in config), a :class:`StackDropout`.
-        copies: independent parameter sets (clients) stacked on a leading axis.
-        residual: add the gated source state to the template's output (default ``True``).
+    :math:`\psi` adds the gated source state :math:`\alpha^f_u \odot \mathbf{h}_u` to its
+    low-rank map, whose output layer starts at zero: training starts from the pre-training
+    similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)` of Eq. (10) (Sec. 4.3; docs/fedtip.md).
+    ``static=True`` is the static-prompt ablation (gates that ignore the event). ``d_h``,
+    ``d_t``, ``d_e``: bank state, time-encoding and edge-feature widths; ``dropout``: a :class:`StackDropout` on the bottleneck activations; ``copies``:
+    parameter sets (clients) stacked on a leading axis.
     """
 
     def __init__(

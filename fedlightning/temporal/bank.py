@@ -1,34 +1,27 @@
 r"""Building the frozen temporal knowledge bank of FedTIP (paper 001, Sec. 4.2, Eqs. (8)-(11)).
 
-The encoder streams the pre-training segment in time order, in batches: for each batch it
-embeds sources, destinations and one negative destination per event from the state before
-the batch, takes a step on
+The encoder streams the pre-training segment in time order, in batches: each batch's sources,
+destinations and one negative destination per event are embedded from the state before the
+batch, a step is taken on
 
 .. math::
     \mathcal{L}_{pre} = -\log \frac{e^{s(h_u, h_i)/\tau}}{e^{s(h_u, h_i)/\tau} +
     e^{s(h_u, h_j)/\tau}}, \qquad s = \cos
 
-(Eq. (10)), then ingests the batch. Negatives (Eq. (9)) are destination-side nodes
-:math:`j` with :math:`(u, j)` not seen in the pre-training history up to :math:`t`
-(``negatives="filtered"``) or any destination-side node (``"unfiltered"``, an ablation).
-After each epoch the pre-validation segment is scored the same way (AUC-ROC and average
-precision, torchmetrics); the best epoch's weights are kept (early stopping with
-``patience``). The bank :math:`\mathcal{B}_0` of Eq. (11) is then the frozen encoder, its time
-encoding, the state after streaming pre-training and pre-validation (memory, neighbours,
-frequency and recency of every node) and the negative index (destination pool and
-historical pairs), saved as one versioned file. ``pretrained=False`` gives the untrained
-ablation bank: same state construction, initial weights.
+(Eq. (10)), then the batch is ingested. Negatives (Eq. (9)) are destination-side nodes
+:math:`j` with :math:`(u, j)` not seen up to :math:`t` (``negatives="filtered"``) or any
+destination-side node (``"unfiltered"``, an ablation). Early stopping on the pre-validation
+AP; the bank :math:`\mathcal{B}_0` of Eq. (11) is the frozen encoder with its time encoding,
+the state after streaming pre-training and pre-validation and the negative index, saved as
+one versioned file (docs/temporal.md). ``pretrained=False`` gives the untrained ablation bank.
 
-Streaming runs one batch of about 200 events at a time: small operations for which torch's
-intra-op threads cost more than they give (and, shared by several threads, float sums that
-change with the scheduling), so every streaming stage runs on one thread
-(:func:`streaming_threads`). Each stage reports its progress (:class:`StageProgress`).
+Every streaming stage runs on one thread (:func:`streaming_threads`; docs/fedtip.md, "Cold
+start") and reports its progress (:class:`StageProgress`).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
 import time
@@ -42,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 from torchmetrics.functional.classification import binary_auroc, binary_average_precision
 from tqdm.auto import tqdm
 
@@ -52,27 +46,20 @@ from fedlightning.utils.seeding import derive_seed
 
 log = logging.getLogger(__name__)
 
-# 2: the neighbour loader's event numbers map to stream indices. 3: the hash leaves out the
-# measured rate (events/s) and unused neighbour slots are saved as zeros, so one seed gives
-# one bank hash.
+# 2: loader event numbers map to stream indices. 3: one seed, one hash (no measured rate in
+# it, unused neighbour slots saved as zeros).
 BANK_VERSION = 3
 STREAMING_THREADS = 1  # torch intra-op threads while streaming (module docstring)
 PROGRESS_LOG_EVERY_S = 60.0  # a streaming stage's INFO progress line, at most this often
+MSG_STORES = ("msg_s_store", "msg_d_store")  # TGN memory's pending messages, in the bank
 
 
 @contextmanager
 def streaming_threads(n: int = STREAMING_THREADS) -> Iterator[None]:
-    """Run the block with ``n`` torch intra-op threads; the caller's number is restored.
-
-    Measured on a shared two-core machine (docs/fedtip.md, "Cold start"): the bank's
-    pre-training streams about 10x faster on one thread than on the default two, and is
-    bitwise reproducible only there (two threads gave weights differing by up to 7e-5
-    between two runs of the same seed).
-    """
+    """Run the block (or, as ``@streaming_threads()``, the function) with ``n`` torch intra-op
+    threads, then restore the caller's number: about 10x faster than two threads, and
+    bitwise reproducible (docs/fedtip.md, "Cold start")."""
     before = torch.get_num_threads()
-    if before == n:
-        yield
-        return
     torch.set_num_threads(n)
     try:
         yield
@@ -80,34 +67,15 @@ def streaming_threads(n: int = STREAMING_THREADS) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def single_threaded(fn: Callable) -> Callable:
-    """``fn`` run under :func:`streaming_threads`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kw: Any) -> Any:
-        with streaming_threads():
-            return fn(*args, **kw)
-
-    return wrapper
-
-
 class StageProgress:
     """Progress of one streaming stage over ``total`` events: a tqdm bar on an interactive
-    terminal only (``disable=None``), an INFO line when the stage starts and at most every
-    ``every_s`` seconds while it runs (so the logs of a non-interactive run show progress
-    too), and a summary line with the elapsed time and the rate when it ends. It only
-    counts: nothing it does touches the streamed values."""
+    terminal only, an INFO line when the stage starts and at most every
+    :data:`PROGRESS_LOG_EVERY_S` while it runs, and a summary line when it ends."""
 
-    def __init__(
-        self,
-        stage: str,
-        total: int,
-        every_s: float | None = None,
-        logger: logging.Logger | None = None,
-    ) -> None:
+    def __init__(self, stage: str, total: int, logger: logging.Logger | None = None) -> None:
         self.stage, self.total, self.done = stage, int(total), 0
         self.log = logger or log
-        self.every_s = PROGRESS_LOG_EVERY_S if every_s is None else every_s
+        self.every_s = PROGRESS_LOG_EVERY_S
         self.t0 = self.last = time.perf_counter()
         self.log.info("%s: %d events (%d threads)", stage, self.total, torch.get_num_threads())
         self.bar = tqdm(total=self.total, desc=stage, unit="event", disable=None, leave=False)
@@ -129,8 +97,8 @@ class StageProgress:
                 (self.total - self.done) / max(rate, 1e-9),
             )
 
-    def close(self) -> float:
-        """End the stage (summary line); return its seconds."""
+    def close(self) -> None:
+        """End the stage (summary line)."""
         self.bar.close()
         seconds = time.perf_counter() - self.t0
         self.log.info(
@@ -140,7 +108,6 @@ class StageProgress:
             seconds,
             self.done / max(seconds, 1e-9),
         )
-        return seconds
 
 
 def pretraining_loss(hu: Tensor, hi: Tensor, hj: Tensor, tau: float) -> Tensor:
@@ -210,18 +177,14 @@ class BankConfig:
         return {k: v for k, v in self.__dict__.items() if k != "extra"}
 
 
-def event_features(stream: EventStream) -> np.ndarray:
-    """The events' features ``[E, d]``; one zero column when the stream has none (PyG's
-    memory needs a non-empty message)."""
-    if stream.msg is None or stream.msg.shape[1] == 0:
-        return np.zeros((stream.num_events, 1), dtype=np.float32)
-    return stream.msg.astype(np.float32)
-
-
 def make_encoder(stream: EventStream, cfg: BankConfig):
+    """The encoder of ``cfg`` on ``stream``, initial weights and empty state."""
     if cfg.encoder not in ENCODERS:
         raise ValueError(f"bank.encoder must be one of {sorted(ENCODERS)}, got {cfg.encoder!r}")
-    msg = torch.from_numpy(event_features(stream))
+    if stream.msg is None or stream.msg.shape[1] == 0:  # PyG's memory needs a message
+        msg = torch.zeros(stream.num_events, 1)
+    else:
+        msg = torch.from_numpy(stream.msg.astype(np.float32))
     enc = ENCODERS[cfg.encoder](
         stream.num_nodes,
         msg.shape[1],
@@ -256,11 +219,8 @@ def stream_segment(
     step: Callable[[Tensor], None] | None = None,
     progress: StageProgress | None = None,
 ) -> tuple[Tensor, Tensor, float]:
-    """Stream events ``idx`` in batches: score (and with ``step``, train), then ingest
-    (counted in ``progress``).
-
-    Returns the positive and negative scores and the mean loss.
-    """
+    """Stream events ``idx`` in batches: score (and with ``step``, train), then ingest.
+    Returns the positive and negative scores and the mean loss."""
     pos_all, neg_all, losses = [], [], []
     for start in range(0, len(idx), batch_size):
         b = idx[start : start + batch_size]
@@ -293,7 +253,37 @@ def link_metrics(pos: Tensor, neg: Tensor) -> dict[str, float]:
     }
 
 
-@single_threaded
+def stream_and_validate(
+    enc,
+    stream: EventStream,
+    pre_idx: np.ndarray,
+    val_idx: np.ndarray,
+    cfg: BankConfig,
+    seed: int,
+    negatives: PretrainNegatives,
+    rng: np.random.Generator,
+    stage: str,
+    step: Callable[[Tensor], None] | None = None,
+) -> tuple[float, float, dict[str, float], float]:
+    """Stream ``pre_idx`` in ``enc``'s mode (training with ``step``), then score ``val_idx``
+    in evaluation mode, as one :class:`StageProgress`. Returns the pre-training loss and
+    seconds, the validation metrics and loss."""
+    progress = StageProgress(stage, len(pre_idx) + len(val_idx))
+    t0 = time.perf_counter()
+    _, _, loss = stream_segment(
+        enc, stream, pre_idx, cfg.batch_size, negatives, rng, cfg.tau, step, progress
+    )
+    seconds = time.perf_counter() - t0
+    enc.eval()
+    val_rng = np.random.default_rng(derive_seed(seed, "bank", "val"))
+    pos, neg, val_loss = stream_segment(
+        enc, stream, val_idx, cfg.batch_size, negatives, val_rng, cfg.tau, None, progress
+    )
+    progress.close()
+    return loss, seconds, link_metrics(pos, neg), val_loss
+
+
+@streaming_threads()
 def pretrain(
     stream: EventStream,
     pre_idx: np.ndarray,
@@ -325,23 +315,15 @@ def pretrain(
         enc.reset_state()
         negatives.reset()
         rng = np.random.default_rng(derive_seed(seed, "bank", "neg", epoch))
-        progress = StageProgress(f"bank epoch {epoch}/{cfg.epochs}", len(pre_idx) + len(val_idx))
-        t0 = time.perf_counter()
-        _, _, loss = stream_segment(
-            enc, stream, pre_idx, cfg.batch_size, negatives, rng, cfg.tau, step, progress
+        stage = f"bank epoch {epoch}/{cfg.epochs}"
+        loss, seconds, metrics, val_loss = stream_and_validate(
+            enc, stream, pre_idx, val_idx, cfg, seed, negatives, rng, stage, step
         )
-        seconds = time.perf_counter() - t0
-        enc.eval()
-        val_rng = np.random.default_rng(derive_seed(seed, "bank", "val"))
-        pos, neg, val_loss = stream_segment(
-            enc, stream, val_idx, cfg.batch_size, negatives, val_rng, cfg.tau, None, progress
-        )
-        progress.close()
         row = {
             "epoch": epoch,
             "loss": loss,
             "val_loss": val_loss,
-            **{f"val_{k}": v for k, v in link_metrics(pos, neg).items()},
+            **{f"val_{k}": v for k, v in metrics.items()},
             "events_per_s": len(pre_idx) / seconds,
         }
         history.append(row)
@@ -366,13 +348,13 @@ def pretrain(
     return enc, history
 
 
-@single_threaded
+@streaming_threads()
 @torch.no_grad()
 def build_snapshot(
     enc, stream: EventStream, pre_idx: np.ndarray, val_idx: np.ndarray, cfg: BankConfig, seed: int
 ):
-    """Freeze the encoder, stream pre-training then pre-validation; score pre-validation
-    (filtered negatives, deterministic); return the bank's state and the metrics."""
+    """Freeze the encoder, stream pre-training then pre-validation (filtered negatives);
+    return the pre-validation metrics and the negative index."""
     for p in enc.parameters():
         p.requires_grad_(False)
     # The state is built as during pre-training (TGN's memory applies a node's messages
@@ -381,15 +363,10 @@ def build_snapshot(
     enc.reset_state()
     negatives = PretrainNegatives(stream, filtered=True)
     rng = np.random.default_rng(derive_seed(seed, "bank", "snapshot"))
-    progress = StageProgress("bank snapshot", len(pre_idx) + len(val_idx))
-    stream_segment(enc, stream, pre_idx, cfg.batch_size, negatives, rng, cfg.tau, None, progress)
-    enc.eval()
-    val_rng = np.random.default_rng(derive_seed(seed, "bank", "val"))
-    pos, neg, _ = stream_segment(
-        enc, stream, val_idx, cfg.batch_size, negatives, val_rng, cfg.tau, None, progress
+    _, _, metrics, _ = stream_and_validate(
+        enc, stream, pre_idx, val_idx, cfg, seed, negatives, rng, "bank snapshot"
     )
-    progress.close()
-    return link_metrics(pos, neg), negatives
+    return metrics, negatives
 
 
 def bank_state(enc, negatives: PretrainNegatives) -> dict[str, Any]:
@@ -408,31 +385,29 @@ def bank_state(enc, negatives: PretrainNegatives) -> dict[str, Any]:
         "historical_pairs": torch.tensor(sorted(negatives.seen), dtype=torch.long).view(-1, 2),
     }
     if hasattr(enc, "memory"):
-        state["msg_s_store"] = {
-            k: tuple(x.clone() for x in v) for k, v in enc.memory.msg_s_store.items()
-        }
-        state["msg_d_store"] = {
-            k: tuple(x.clone() for x in v) for k, v in enc.memory.msg_d_store.items()
-        }
+        for store in MSG_STORES:
+            messages = getattr(enc.memory, store).items()
+            state[store] = {k: tuple(x.clone() for x in v) for k, v in messages}
     return state
 
 
 def save_bank(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> str:
     """Write the bank file; return its hash (of the metadata and every tensor's bytes)."""
-    measured = ("events_per_s",)  # a rate, not a result: left out of the hash
-    history = [{k: v for k, v in row.items() if k not in measured} for row in meta["history"]]
+
+    def tensor_hash(v: Tensor) -> str:
+        return content_hash(v.numpy().tobytes().hex())
+
+    # the measured rate is not a result: left out of the hash
+    history = [{k: v for k, v in row.items() if k != "events_per_s"} for row in meta["history"]]
     digest = content_hash(
         {
             "meta": {**meta, "history": history},
             "tensors": {
-                k: content_hash(v.numpy().tobytes().hex()) if isinstance(v, Tensor) else str(v)
+                k: tensor_hash(v) if isinstance(v, Tensor) else str(v)
                 for k, v in sorted(state.items())
-                if k not in ("msg_s_store", "msg_d_store", "weights")
+                if k not in (*MSG_STORES, "weights")
             },
-            "weights": {
-                k: content_hash(v.numpy().tobytes().hex())
-                for k, v in sorted(state["weights"].items())
-            },
+            "weights": {k: tensor_hash(v) for k, v in sorted(state["weights"].items())},
         }
     )
     save_torch(path, {"version": BANK_VERSION, "hash": digest, "meta": meta, **state})
@@ -444,14 +419,5 @@ def bank_values(path: str | Path) -> int:
     the encoder with its time encoding and memory, the neighbour store, the recency and
     frequency statistics and the negative index (every tensor of the bank file)."""
     saved = torch.load(path, weights_only=False)
-
-    def count(x: Any) -> int:
-        if isinstance(x, Tensor):
-            return x.numel()
-        if isinstance(x, dict):
-            return sum(count(v) for v in x.values())
-        if isinstance(x, (tuple, list)):
-            return sum(count(v) for v in x)
-        return 0
-
-    return count({k: v for k, v in saved.items() if k not in ("meta", "hash", "version")})
+    bank = [v for k, v in saved.items() if k not in ("meta", "hash", "version")]
+    return sum(x.numel() for x in tree_leaves(bank) if isinstance(x, Tensor))

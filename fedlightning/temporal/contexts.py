@@ -1,17 +1,11 @@
 r"""Event contexts from the frozen bank (FedTIP Sec. 4.2, Eq. (12); methods.md, state
-construction).
+construction; docs/temporal.md).
 
-The bank's parameters stay frozen and only its memory streams. The server starts from the
-bank snapshot (pre-training and pre-validation ingested) and goes through the downstream
-validation and then the test segment in time order, in batches that never split a group of
-equal timestamps: each batch is scored (source, destination and its materialized negative)
-from the state before it, then ingested. The candidate window is never ingested by the
-server. A client's states (Eq. (12)) add only its own preceding support events to the
-snapshot: each client of each task streams its support the same way from its own copy.
-
-None of this depends on an adapter, so the contexts of a (bank, protocol) pair are computed
-once, saved, and read by every task and round. Like the bank's streaming, they are computed
-on one thread and report their progress (:mod:`fedlightning.temporal.bank`).
+From the bank snapshot the server streams the downstream validation, then the test segment,
+in batches that never split a group of equal timestamps: each batch is scored from the
+state before it, then ingested (the candidate window never is). Each client of each task
+streams its own support from its own copy of the snapshot (Eq. (12)). Nothing here depends
+on an adapter: the contexts of a (bank, protocol) pair are computed once, on one thread.
 """
 
 from __future__ import annotations
@@ -29,11 +23,12 @@ from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
 from fedlightning.data.temporal.protocol import TemporalProtocol
 from fedlightning.temporal.bank import (
+    MSG_STORES,
     BankConfig,
     StageProgress,
     event_tensors,
     make_encoder,
-    single_threaded,
+    streaming_threads,
 )
 from fedlightning.utils.io import content_hash, save_torch
 
@@ -55,6 +50,19 @@ def group_batches(t: np.ndarray, idx: np.ndarray, size: int) -> list[np.ndarray]
     return out
 
 
+def set_stream_state(enc, neighbors: Tensor, e_id: Tensor, cur_e_id: int, ids: Tensor, stores):
+    """Set ``enc``'s neighbour store, event ids and TGN message stores (``stores``, a
+    mapping with :data:`~fedlightning.temporal.bank.MSG_STORES`, is read only with memory)."""
+    loader = enc.state.loader
+    loader.neighbors.copy_(neighbors)
+    loader.e_id.copy_(e_id)
+    loader.cur_e_id = cur_e_id
+    enc.state.ids = ids.clone()
+    if hasattr(enc, "memory"):
+        for store in MSG_STORES:
+            setattr(enc.memory, store, dict(stores[store]))
+
+
 def load_bank(path: str | Path, stream: EventStream):
     """The frozen encoder with the bank's streaming state, in evaluation mode."""
     saved = torch.load(path, weights_only=False)
@@ -66,17 +74,19 @@ def load_bank(path: str | Path, stream: EventStream):
     with torch.no_grad():
         enc.eval()  # TGN's memory flushes its (empty) message store here, before the state
     enc.load_state_dict(saved["weights"])
-    loader = enc.state.loader
-    loader.neighbors.copy_(saved["neighbors"])
-    loader.e_id.copy_(saved["neighbor_e_id"])
-    loader.cur_e_id = saved["cur_e_id"]
-    enc.state.ids = saved["event_ids"].clone()
+    loader_state = ("neighbors", "neighbor_e_id", "cur_e_id", "event_ids")
+    set_stream_state(enc, *(saved[k] for k in loader_state), saved)
     enc.state.frequency.copy_(saved["frequency"])
     enc.state.last_time.copy_(saved["last_time"])
-    if hasattr(enc, "memory"):
-        enc.memory.msg_s_store = dict(saved["msg_s_store"])
-        enc.memory.msg_d_store = dict(saved["msg_d_store"])
     return enc
+
+
+def pre_event_states(enc, src: Tensor, dst: Tensor, t: Tensor, j: Tensor) -> tuple[Tensor, Tensor]:
+    """States ``[3n, d_h]`` of the sources, destinations and negatives ``j`` (stacked in
+    that order) from ``enc``'s current state, and their recencies ``t - t_last`` ``[3n]``."""
+    nodes, times = torch.cat([src, dst, j]), torch.cat([t, t, t])
+    h = enc.embed(nodes, times)
+    return h, (times.float() - enc.state.last_time[nodes]).clamp(min=0)
 
 
 @torch.no_grad()
@@ -88,13 +98,10 @@ def stream_contexts(
     batch_size: int = 200,
     progress: StageProgress | None = None,
 ) -> dict[str, Tensor]:
-    r"""States of each event's source, destination and negative destination, and their
-    recencies :math:`\Delta_v(t) = t - t_{last}(v)` (Eq. (13)), all read from the state
-    before the event's timestamp group is ingested; a failed negative (``-1``) gets zeros.
-
-    Returns ``events`` ``[n]``, ``t`` ``[n]`` (from the stream's start), ``src``, ``dst``,
-    ``neg`` ``[n, d_h]`` and ``dt_src``, ``dt_dst``, ``dt_neg`` ``[n]``.
-    """
+    r"""States ``src``, ``dst``, ``neg`` ``[n, d_h]`` of each event's source, destination and
+    negative and their recencies ``dt_*`` ``[n]``, :math:`\Delta_v(t) = t - t_{last}(v)`
+    (Eq. (13)), read before the event's timestamp group is ingested (zeros for a failed
+    negative, ``-1``); with ``events`` and ``t`` ``[n]`` (from the stream's start)."""
     neg_of = dict(zip(idx.tolist(), negatives.tolist(), strict=True))
     parts: dict[str, list[Tensor]] = {
         k: [] for k in ("t", "src", "dst", "neg", "dt_src", "dt_dst", "dt_neg")
@@ -103,14 +110,11 @@ def stream_contexts(
         src, dst, t, msg = event_tensors(enc, stream, b)
         j = torch.tensor([neg_of[e] for e in b.tolist()])
         failed = j < 0
-        nodes = torch.cat([src, dst, j.clamp(min=0)])
-        h = enc.embed(nodes, torch.cat([t, t, t]))
-        dt = (torch.cat([t, t, t]).float() - enc.state.last_time[nodes]).clamp(min=0)
-        for key, part in zip(("src", "dst", "neg"), h.split(len(b)), strict=True):
-            parts[key].append(part.masked_fill(failed.unsqueeze(1), 0.0) if key == "neg" else part)
-        for key, part in zip(("dt_src", "dt_dst", "dt_neg"), dt.split(len(b)), strict=True):
-            parts[key].append(part.masked_fill(failed, 0.0) if key == "dt_neg" else part)
-        parts["t"].append(t.float())
+        h, dt = pre_event_states(enc, src, dst, t, j.clamp(min=0))
+        (h_u, h_i, h_j), (dt_u, dt_i, dt_j) = h.split(len(b)), dt.split(len(b))
+        h_j, dt_j = h_j.masked_fill(failed.unsqueeze(1), 0.0), dt_j.masked_fill(failed, 0.0)
+        for key, part in zip(parts, (t.float(), h_u, h_i, h_j, dt_u, dt_i, dt_j), strict=True):
+            parts[key].append(part)
         enc.ingest(src, dst, t, msg, torch.from_numpy(b))
         if progress is not None:
             progress.update(len(b))
@@ -126,23 +130,23 @@ def fork(enc):
     the stream's event arrays and the TGN message-store entries (replaced, not changed)."""
     t, m = enc.state.event_t, enc.state.event_msg
     memory = getattr(enc, "memory", None)
-    stores = (memory.msg_s_store, memory.msg_d_store) if memory is not None else None
+    stores = {s: getattr(memory, s) for s in MSG_STORES} if memory is not None else {}
     enc.state.event_t = enc.state.event_msg = None
-    if memory is not None:
-        memory.msg_s_store, memory.msg_d_store = {}, {}
+    for s in stores:
+        setattr(memory, s, {})
     try:
         twin = copy.deepcopy(enc)
     finally:
         enc.state.attach(t, m)
-        if memory is not None:
-            memory.msg_s_store, memory.msg_d_store = stores
+        for s, store in stores.items():
+            setattr(memory, s, store)
     twin.state.attach(t, m)
-    if memory is not None:
-        twin.memory.msg_s_store, twin.memory.msg_d_store = dict(stores[0]), dict(stores[1])
+    for s, store in stores.items():
+        setattr(twin.memory, s, dict(store))
     return twin
 
 
-@single_threaded
+@streaming_threads()
 def compute_contexts(
     bank_path: str | Path,
     protocol: TemporalProtocol,
@@ -158,10 +162,7 @@ def compute_contexts(
     mode = train_mode or neg["mode"]
     server = fork(snapshot)
     out: dict[str, Any] = {"mode": mode}
-    segments = {
-        name: manifest.indices(outcome)
-        for name, outcome in (("down_val", DOWN_VAL), ("test", TEST))
-    }
+    segments = {"down_val": manifest.indices(DOWN_VAL), "test": manifest.indices(TEST)}
     supports = sum(len(events) for task in protocol.tasks.tasks for events in task.support.values())
     progress = StageProgress(
         f"contexts ({len(protocol.tasks.tasks)} tasks)",
@@ -193,8 +194,8 @@ def cached_contexts(
     cache_dir: str | Path,
     train_mode: str | None = None,
 ) -> tuple[Path, str, bool]:
-    """Compute the contexts once per (bank, protocol, training negatives); return their
-    file, hash and whether they were reused."""
+    """The contexts' file, hash and whether they were reused: computed once per (bank,
+    protocol, training negatives)."""
     mode = train_mode or protocol.negatives["mode"]
     key = content_hash(
         {"version": CONTEXT_VERSION, "bank": bank_hash, "train_mode": mode, **protocol.hashes}
@@ -214,16 +215,11 @@ def event_batch(
     negatives: np.ndarray,
     inductive: np.ndarray | None = None,
 ) -> dict[str, Tensor]:
-    r"""The adapter's inputs for the events of one context block (Eq. (13)).
-
-    ``h_u``, ``h_i``, ``h_j``: the source's, destination's and negative's states;
-    ``te``: :math:`\mathrm{TE}(t - t_{last}(u))` from the frozen bank; ``x``: the event
-    features (width 0 when the stream has none, Bitcoin's label-encoding rating excluded);
-    ``r_u``, ``r_i``, ``r_j``: recencies as :math:`\log(1 + \Delta)` (raw seconds would
-    swamp the context); ``y``: state labels (``-1`` without); ``neg_ok``: a negative exists;
-    ``inductive``: the test event touches an inductive node (all false when not given);
-    ``events``, ``neg_id``: the stream indices of the events and their negatives.
-    """
+    r"""The adapter's inputs for the events of one context block (Eq. (13)): states
+    ``h_u``, ``h_i``, ``h_j``; ``te`` :math:`\mathrm{TE}(t - t_{last}(u))`; event features
+    ``x`` (width 0 without); recencies ``r_*`` as :math:`\log(1 + \Delta)`; state labels
+    ``y`` (``-1`` without); ``neg_ok``; ``inductive`` (all false when not given); the
+    stream indices ``events`` and ``neg_id``."""
     idx = ctx["events"].numpy()
     n = len(idx)
     msg = stream.msg
@@ -255,11 +251,9 @@ def restore_state(enc, snapshot) -> None:
     enc.detach()
     for buf, ref in zip(enc.buffers(), snapshot.buffers(), strict=True):
         buf.copy_(ref)
-    mine, theirs = enc.state.loader, snapshot.state.loader
-    mine.neighbors.copy_(theirs.neighbors)
-    mine.e_id.copy_(theirs.e_id)
-    mine.cur_e_id = theirs.cur_e_id
-    enc.state.ids = snapshot.state.ids.clone()
-    if hasattr(enc, "memory"):
-        enc.memory.msg_s_store = dict(snapshot.memory.msg_s_store)
-        enc.memory.msg_d_store = dict(snapshot.memory.msg_d_store)
+    theirs = snapshot.state.loader
+    memory = getattr(snapshot, "memory", None)
+    stores = {s: getattr(memory, s) for s in MSG_STORES} if memory is not None else {}
+    set_stream_state(
+        enc, theirs.neighbors, theirs.e_id, theirs.cur_e_id, snapshot.state.ids, stores
+    )

@@ -1,18 +1,12 @@
-r"""Temporal encoders of the FedTIP knowledge bank (paper 001, Sec. 4.2, Eq. (8)).
+r"""Temporal encoders of the FedTIP knowledge bank (paper 001, Sec. 4.2, Eq. (8); docs/temporal.md).
 
-Both keep a streaming state and expose the same three verbs: :meth:`embed` node states
-:math:`\mathbf{h}_v^{t^-}` from the state before a batch, :meth:`ingest` a batch of events
-into the state, :meth:`reset_state`. Neither needs PyG's compiled extensions.
-
-- :class:`TGNEncoder`: PyG's :class:`~torch_geometric.nn.TGNMemory` (identity message, last
-  aggregator, GRU memory), :class:`~torch_geometric.nn.models.tgn.LastNeighborLoader` and a
-  graph-attention embedding (:class:`~torch_geometric.nn.TransformerConv` over the most recent
-  neighbours, edges carrying the time encoding of :math:`t_{last}(v) - t_e` and the event
-  features), as in Rossi et al. (2020).
-- :class:`TGATEncoder`: temporal attention over the most recent neighbours, no memory
-  (Xu et al., 2020): the query is the node's own statistics (log frequency and log time since
-  its last event) with :math:`\mathrm{TE}(0)`, the keys and values each neighbour's
-  statistics, the event's features and :math:`\mathrm{TE}(t - t_e)`.
+Both keep a streaming state and share three verbs: :meth:`embed` node states
+:math:`\mathbf{h}_v^{t^-}` from the state before a batch, :meth:`ingest` a batch of events,
+:meth:`reset_state`. TGN (Rossi et al., 2020): PyG's memory, last-neighbour loader and a
+``TransformerConv`` whose edges carry :math:`\mathrm{TE}(t_{last}(v) - t_e)` and the event
+features. TGAT (Xu et al., 2020), no memory: the query is the node's statistics with
+:math:`\mathrm{TE}(0)`, keys and values each neighbour's statistics, the event's features and
+:math:`\mathrm{TE}(t - t_e)`.
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ class StreamState(nn.Module):
         self.loader = LastNeighborLoader(num_nodes, size=neighbors)
         self.register_buffer("frequency", torch.zeros(num_nodes))
         self.register_buffer("last_time", torch.zeros(num_nodes))
-        # The neighbour loader numbers events in the order it sees them; this maps its
-        # numbers to stream indices (a client ingests its own, non-contiguous events).
+        # the loader's event numbers (in ingestion order) -> stream indices
         self.ids = torch.zeros(0, dtype=torch.long)
         self.event_t = torch.zeros(0)
         self.event_msg = torch.zeros(0, 0)
@@ -74,13 +67,7 @@ class StreamState(nn.Module):
 
 
 class TGNEncoder(nn.Module):
-    """TGN: memory + graph attention over the most recent neighbours (module docstring).
-
-    Args:
-        num_nodes: nodes of the stream. msg_dim: event feature width (``0`` allowed).
-        memory_dim, time_dim, embedding_dim: widths (default ``64`` each).
-        neighbors: most recent neighbours kept per node (default ``10``).
-    """
+    """TGN: memory + graph attention over the ``neighbors`` most recent neighbours."""
 
     def __init__(
         self,
@@ -132,13 +119,8 @@ class TGNEncoder(nn.Module):
 
 
 class TGATEncoder(nn.Module):
-    """TGAT-style temporal attention over the most recent neighbours, no memory.
-
-    Args:
-        num_nodes: nodes of the stream. msg_dim: event feature width (``0`` allowed).
-        time_dim, embedding_dim: widths (default ``64``). neighbors: default ``10``.
-        heads: attention heads (default ``2``).
-    """
+    """TGAT-style temporal attention over the ``neighbors`` most recent neighbours, no
+    memory (``memory_dim`` is accepted for a uniform config and ignored)."""
 
     STATS = 2
 
@@ -150,7 +132,7 @@ class TGATEncoder(nn.Module):
         embedding_dim: int = 64,
         neighbors: int = 10,
         heads: int = 2,
-        memory_dim: int | None = None,  # accepted for a uniform config; TGAT has no memory
+        memory_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.state = StreamState(num_nodes, neighbors)

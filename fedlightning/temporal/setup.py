@@ -55,11 +55,8 @@ def bank_config(cfg: DictConfig) -> BankConfig:
 
 
 def temporal_setup(cfg: DictConfig, run_dir: Path):
-    """The run directory, the stream, the bank config and the materialized protocol
-    (written into the run directory), with every input checked before any training.
-
-    Returns ``(cfg, run_dir, resuming, stream, bank_cfg, protocol, protocol_files)``.
-    """
+    """``(cfg, run_dir, resuming, stream, bank_cfg, protocol, protocol_files)``, the protocol
+    materialized into the run directory, every input checked before any training."""
     if not cfg.get("resume"):
         bank_config(cfg)  # checked before a run directory is made
     cfg, run_dir, resuming = prepare_run_dir(cfg, Path(run_dir))
@@ -87,20 +84,11 @@ def ensure_bank(
     cache_dir: str | Path,
     tracker: Any,
 ) -> dict[str, Any]:
-    """The bank of (stream, manifest, bank config, seed): reused from the cache, or
-    pre-trained (per-epoch metrics to ``tracker``), snapshotted and saved.
-
-    Returns ``path``, ``hash``, ``metrics`` (pre-validation AUC/AP), ``history``, ``reused``.
-    """
-    key = content_hash(
-        {
-            "version": BANK_VERSION,
-            "stream": stream.fingerprint,
-            "manifest": proto.manifest.hash,
-            "bank": bank_cfg.key(),
-            "seed": seed,
-        }
-    )
+    """The bank of (stream, manifest, bank config, seed), reused from the cache or pre-trained
+    (per-epoch metrics to ``tracker``), snapshotted and saved: its ``path``, ``hash``,
+    ``metrics`` (pre-validation AUC/AP), ``history`` and whether it was ``reused``."""
+    ident = {"stream": stream.fingerprint, "manifest": proto.manifest.hash}
+    key = content_hash({"version": BANK_VERSION, **ident, "bank": bank_cfg.key(), "seed": seed})
     variant = bank_variant(bank_cfg)
     path = Path(cache_dir) / "banks" / f"{stream.name}-{bank_cfg.encoder}-{variant}-{key}.pt"
     if path.exists():
@@ -132,8 +120,7 @@ def ensure_bank(
         "encoder": bank_cfg.encoder,
         "config": bank_cfg.key(),
         "variant": variant,
-        "stream": stream.fingerprint,
-        "manifest": proto.manifest.hash,
+        **ident,
         "metrics": metrics,
         "history": history,
     }

@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}} -> {"a.b": 1}``; lists become strings."""
+    """``{"a": {"b": 1}} -> {"a.b": 1}`` (nested mappings only)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
@@ -52,13 +52,8 @@ class NullTracker:
 
 
 class MlflowTracker(NullTracker):
-    """Logs one federated run to MLflow.
-
-    Args:
-        tracking_uri: default ``sqlite:///mlflow.db`` (the local store ``mlflow ui`` reads);
-            any MLflow URI works (``http://host:5000``, ``file:./mlruns``).
-        experiment_name: MLflow experiment (default ``"fedlightning"``).
-    """
+    """Logs one federated run to MLflow, at any MLflow URI (default: the local store that
+    ``mlflow ui`` reads)."""
 
     def __init__(
         self, tracking_uri: str = "sqlite:///mlflow.db", experiment_name: str = "fedlightning"

@@ -1,12 +1,9 @@
-"""Plots of runs, sweeps and reports, as PNG files.
-
-matplotlib is imported by the first plot, not with this module (a run imports it only to
-draw its end-of-run figures), and through its object-oriented API: a ``Figure`` saved to a
-file needs neither ``pyplot`` nor a GUI backend.
-"""
+"""Plots of runs, sweeps and reports, as PNG files. matplotlib is imported by the first plot,
+and used through ``Figure`` (neither ``pyplot`` nor a GUI backend is needed)."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,10 +84,7 @@ def plot_optimization_history(
     """Objective of each finished trial (in trial order) and the best so far."""
     fig, ax = _subplots(figsize=(5.5, 3.6))
     xs = list(range(len(values)))
-    best, run = [], None
-    for v in values:
-        run = v if run is None else (max(run, v) if maximize else min(run, v))
-        best.append(run)
+    best = list(itertools.accumulate(values, max if maximize else min))
     ax.plot(xs, values, "o", label="trial")
     ax.step(xs, best, where="post", color="C3", label="best so far")
     ax.set(xlabel="trial", ylabel=metric or "objective", title="optimization history")
