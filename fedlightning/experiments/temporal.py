@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +32,10 @@ from fedlightning.federation.tasks import TaskBatches, as_single
 from fedlightning.federation.world import World
 from fedlightning.runs import (
     CHECKPOINT_FILE,
+    Observer,
     Run,
     load_checkpoint,
-    record_identity,
-    restore,
-    run_identity,
+    resume_loop,
     summary_table,
 )
 from fedlightning.runs import json_safe as run_json_safe
@@ -207,7 +205,7 @@ def temporal_inputs(cfg: DictConfig) -> dict[str, Any]:
 def train_temporal(
     cfg: DictConfig,
     run_dir: Path,
-    observe: Callable[[str, int, dict[str, float]], None] | None = None,
+    observe: Observer | None = None,
     verbose: bool = True,
     runner: Any = None,
 ) -> dict[str, Any]:
@@ -274,13 +272,7 @@ def train_temporal(
             on_task_end=on_task_end,
             progress=world.is_main,  # the bar over tasks (runner.progress: the per-round bars)
         )
-        loop.identity = identity = run_identity(cfg, hashes)
-        path = run_dir / CHECKPOINT_FILE
-        state = world.on_main(saved_state, path, identity) if resuming else None
-        if state is not None:
-            restore(loop, path, state)
-        world.on_main(record_identity, run_dir, identity, resuming)
-        if state is not None:
+        if resume_loop(loop, world, cfg, run_dir, hashes, resuming, saved_state):
             log.info("resuming %s after task %d", run_dir, len(loop.results))
         results = loop.run()
     metrics = loop.final_metrics()
