@@ -1,16 +1,9 @@
 """Optuna studies over Hydra configs: ``fedlightning sweep sweeps/<name>.yaml``.
 
-A sweep file names an experiment, a search space of config keys, a validation objective
-and how to search (see ``docs/experiments.md``). Every trial runs the experiment once per
-seed with the sampled overrides, in process, and its value is the mean of the objective
-over the seeds. The study lives in an Optuna storage (default ``sqlite:///optuna.db``), so
-it resumes after an interruption and several processes can share it: a trial whose process
-died is marked failed and its parameters are run again, resuming its checkpointed runs.
-
-In MLflow the study is a parent run; each trial a nested run (its params, objective, run
-directories); each training run of a trial nests under the trial. At the end the parent
-gets the best parameters, the optimization history, the parameter importances and one
-sensitivity curve per parameter (mean and std over seeds).
+Every trial runs the file's experiment once per seed with the sampled overrides, in process;
+its value is the objective's mean over the seeds. The study lives in an Optuna storage, so
+it resumes and can be shared by several processes: a trial whose process died is marked
+failed and its parameters run again, resuming its checkpointed runs (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -204,8 +197,8 @@ def _alive(owner: str) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
@@ -253,8 +246,9 @@ class Sweep:
             self.tracker = SweepTracker(base.logger.tracking_uri, base.logger.experiment_name)
 
     # --------------------------------------------------------------------- study
-    def study(self) -> optuna.Study:
-        return optuna.create_study(
+    def run(self) -> optuna.Study:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(
             study_name=self.spec.study_name,
             storage=self.spec.storage,
             sampler=make_sampler(self.spec),
@@ -262,10 +256,6 @@ class Sweep:
             direction=self.spec.direction,
             load_if_exists=True,
         )
-
-    def run(self) -> optuna.Study:
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study = self.study()
         for key, value in (("metric", self.spec.metric), ("experiment", self.spec.experiment)):
             if study.user_attrs.get(key, value) != value:
                 raise _fail(
@@ -310,29 +300,30 @@ class Sweep:
         trial_dir = self.out_dir / study.study_name / f"trial_{home}"
         run = self.tracker.trial(parent, trial, params) if self.tracker else None
         values: list[float] = []
+
+        def end(status: str, value: float | None) -> None:
+            if run:
+                self.tracker.end_trial(run, status, value, values, trial_dir)
+
         try:
             for i, seed in enumerate(self.spec.seeds):
                 observe = self.pruning_observer(trial) if i == 0 else None
                 summary = self.run_seed(trial_dir / f"seed_{seed}", params, seed, run, observe)
                 values.append(float(summary["metrics"].get(self.spec.metric, math.nan)))
         except RunStopped:
-            if run:
-                self.tracker.end_trial(run, "KILLED", None, values, trial_dir)
+            end("KILLED", None)
             return TrialState.PRUNED, None
         except BaseException:
-            if run:
-                self.tracker.end_trial(run, "FAILED", None, values, trial_dir)
+            end("FAILED", None)
             study.tell(trial, state=TrialState.FAIL)
             raise
         value = statistics.fmean(values)
         trial.set_user_attr("seed_values", values)
         trial.set_user_attr("run_dir", str(trial_dir))
         if math.isnan(value):
-            if run:
-                self.tracker.end_trial(run, "FAILED", value, values, trial_dir)
+            end("FAILED", value)
             return TrialState.FAIL, None
-        if run:
-            self.tracker.end_trial(run, "FINISHED", value, values, trial_dir)
+        end("FINISHED", value)
         return TrialState.COMPLETE, value
 
     def run_seed(self, run_dir: Path, params, seed: int, run, observe) -> dict[str, Any]:
