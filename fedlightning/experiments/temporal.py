@@ -1,15 +1,9 @@
 """``fedlightning train experiment=fedtip_*`` (``task=temporal``): protocol, bank, cached
 contexts, then every task of the manifest (:class:`~fedlightning.federation.tasks.TaskLoop`),
-with MLflow logging, a checkpoint per task and ``summary.json``.
-
-The run is tagged ``task=temporal`` and ``families=nc,lp`` (the families it ran, in order;
-``families: auto`` resolved against the stream, so a label-free stream runs ``lp`` only);
-its metrics carry each family's AUCs under their own names (``auc_nc``; ``auc_tlp``,
-``auc_ilp``), so reports select node classification or link prediction by the tag.
-
-Under ``runner=distributed`` rank 0 alone makes the run directory, the protocol, the bank and
-the contexts (in the cache), checkpoints, logs and writes; the other ranks get its results
-(:meth:`~fedlightning.federation.world.World.on_main`) and read the cached files."""
+with MLflow logging, a checkpoint per task and ``summary.json`` (docs/fedtip.md). The run is
+tagged ``families=nc,lp`` (those it ran), its metrics named per family (``auc_nc``,
+``auc_tlp``, ``auc_ilp``). Under ``runner=distributed`` rank 0 alone writes; the other ranks
+get its results (:meth:`~fedlightning.federation.world.World.on_main`) and read the cache."""
 
 from __future__ import annotations
 
@@ -98,17 +92,10 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
 
 
 def check_families(families: Any, stream: EventStream | None) -> list[str]:
-    """The task families to run, checked against ``stream`` (``None``: before it is read).
-
-    ``families`` is a non-empty list of :data:`FAMILIES` or ``auto``: every family the stream
-    supports, in the order of :data:`FAMILIES` (link prediction always; node classification
-    when the stream has usable state labels, :attr:`EventStream.has_labels`), logged at INFO.
-    Before the stream is read, ``auto`` stands for every family. Node classification asked
-    for by name on a stream without usable labels is refused.
-
-    Raises:
-        ConfigError: one line naming ``families``.
-    """
+    """The task families to run: a non-empty list of :data:`FAMILIES`, or ``auto``: every
+    family ``stream`` supports (``nc`` only if :attr:`EventStream.has_labels`), logged; every
+    family before the stream is read (``stream=None``). A :class:`ConfigError` naming
+    ``families`` for a bad value or ``nc`` on a stream without usable labels."""
     if isinstance(families, str):
         if families != AUTO:
             raise ConfigError(
@@ -137,9 +124,8 @@ def check_families(families: Any, stream: EventStream | None) -> list[str]:
 
 
 def saved_state(path: Path, identity: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """The loop state checkpointed at ``path``; ``None`` before a first task ended. A
-    checkpoint of the format before one ledger per run, or (given this run's ``identity``)
-    of another run, is refused with one line."""
+    """The loop state checkpointed at ``path`` (``None`` before a first task ended); one
+    line refusing a checkpoint of format 1 or (given ``identity``) of another run."""
     if not path.exists():
         return None
     state = load_checkpoint(path, identity)
