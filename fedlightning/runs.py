@@ -117,12 +117,9 @@ def record_identity(run_dir: Path, identity: dict[str, Any], resuming: bool) -> 
 
 
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
-    """The config and directory to run in; on ``resume`` the earlier run's own.
-
-    A resumed run takes its saved config whole, except ``runner`` and ``logger`` (how and
-    where it runs, which cannot change results) from this invocation. A fresh run refuses
-    a directory that already holds a run, so nothing saved is overwritten.
-    """
+    """The config and directory to run in, and whether it resumes: on ``resume`` the earlier
+    run's own (its saved config, with this invocation's ``runner`` and ``logger``); a fresh
+    run refuses a directory that already holds a run."""
     if cfg.get("resume"):
         old = Path(cfg.resume)
         if not (old / CONFIG_FILE).is_file():
@@ -257,14 +254,8 @@ def summary_table(rows: list[tuple[str, Any]], summary: dict[str, Any]) -> str:
 
 
 class Run:
-    """One run of any kind: its directory, tracker and summary (module docstring).
-
-    Args:
-        cfg: the config the run trains (after :func:`prepare_run_dir`).
-        run_dir: its directory.
-        is_main: this process writes and logs (rank 0 of a distributed run).
-        resuming: the run continues an earlier one.
-    """
+    """One run of any kind in ``run_dir``, with ``cfg`` from :func:`prepare_run_dir`;
+    ``is_main``: this process writes and logs (rank 0 of a distributed run)."""
 
     def __init__(self, cfg: Any, run_dir: Path, is_main: bool = True, resuming: bool = False):
         self.cfg, self.run_dir, self.is_main, self.resuming = cfg, Path(run_dir), is_main, resuming

@@ -22,12 +22,8 @@ PARENT_ATTR = "mlflow_parent_run_id"
 
 
 class SweepTracker:
-    """Parent and trial runs of a study in one MLflow experiment.
-
-    Args:
-        tracking_uri: the MLflow store (the experiment's ``logger.tracking_uri``).
-        experiment_name: the MLflow experiment (the experiment's ``logger.experiment_name``).
-    """
+    """Parent and trial runs of a study in one MLflow experiment (the experiment's
+    ``logger.tracking_uri`` and ``logger.experiment_name``)."""
 
     def __init__(self, tracking_uri: str, experiment_name: str) -> None:
         from mlflow.tracking import MlflowClient

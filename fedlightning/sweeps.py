@@ -14,7 +14,7 @@ import math
 import os
 import socket
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +35,21 @@ STAGE_PROXY = {"val_am": "val_seen_acc", "val_fpr95": "val_fpr95"}
 
 @dataclass
 class SweepSpec:
-    """A validated sweep file. Fields as in the file; ``path`` for error messages."""
+    """A sweep file checked by :func:`load_spec`, its defaults filled in; ``path`` for
+    error messages."""
 
     path: Path
     experiment: str
     space: dict[str, dict[str, Any]]
     metric: str
-    direction: str = "maximize"
-    trials: int = 10
-    seeds: list[int] = field(default_factory=lambda: [0])
-    overrides: list[str] = field(default_factory=list)
-    sampler: dict[str, Any] = field(default_factory=lambda: {"name": "tpe", "seed": 0})
-    pruner: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
-    storage: str = "sqlite:///optuna.db"
-    study_name: str = ""
+    direction: str
+    trials: int
+    seeds: list[int]
+    overrides: list[str]
+    sampler: dict[str, Any]
+    pruner: dict[str, Any]
+    storage: str
+    study_name: str
 
     def grid(self) -> dict[str, list[Any]]:
         return {k: list(p["choices"]) for k, p in self.space.items()}
@@ -77,11 +78,8 @@ def _check_param(path: Path, key: str, p: Any) -> dict[str, Any]:
 
 
 def load_spec(path: str | Path) -> SweepSpec:
-    """Read and check a sweep file; every error names the file and the field.
-
-    The objective must be a validation metric (``val_*``, DESIGN.md): a sweep never tunes
-    on test data.
-    """
+    """Read and check a sweep file; every error names the file and the field. The objective
+    must be a validation metric (``val_*``): a sweep never tunes on test data."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), "sweep file not found")
@@ -120,12 +118,21 @@ def load_spec(path: str | Path) -> SweepSpec:
     pruner = dict(raw.get("pruner") or {"name": "none"})
     if pruner.get("name") not in PRUNERS:
         raise _fail(path, "pruner.name", f"one of {PRUNERS}, got {pruner.get('name')!r}")
-    spec = SweepSpec(
+    if sampler["name"] == "grid" and any(p["type"] != "categorical" for p in space.values()):
+        raise _fail(path, "space", "the grid sampler needs categorical parameters (choices)")
+    size = math.prod(len(p["choices"]) for p in space.values()) if sampler["name"] == "grid" else 0
+    trials = raw.get("trials", size or 10)
+    if not isinstance(trials, int) or trials < 1:
+        raise _fail(path, "trials", f"a positive integer, got {trials!r}")
+    if size and trials > size:
+        raise _fail(path, "trials", f"{trials} trials exceed the grid's {size} points")
+    return SweepSpec(
         path=path,
         experiment=raw["experiment"],
         space=space,
         metric=metric,
         direction=direction,
+        trials=trials,
         seeds=seeds,
         overrides=[str(o) for o in raw.get("overrides", [])],
         sampler=sampler,
@@ -133,16 +140,6 @@ def load_spec(path: str | Path) -> SweepSpec:
         storage=str(raw.get("storage") or "sqlite:///optuna.db"),
         study_name=str(raw.get("study_name") or path.stem),
     )
-    if sampler["name"] == "grid" and any(p["type"] != "categorical" for p in space.values()):
-        raise _fail(path, "space", "the grid sampler needs categorical parameters (choices)")
-    size = math.prod(len(c) for c in spec.grid().values()) if sampler["name"] == "grid" else 0
-    trials = raw.get("trials", size or 10)
-    if not isinstance(trials, int) or trials < 1:
-        raise _fail(path, "trials", f"a positive integer, got {trials!r}")
-    if size and trials > size:
-        raise _fail(path, "trials", f"{trials} trials exceed the grid's {size} points")
-    spec.trials = trials
-    return spec
 
 
 class AskTellGridSampler(optuna.samplers.GridSampler):
@@ -226,7 +223,7 @@ class Sweep:
         spec: a checked sweep file.
         out_dir: where trial runs go: ``<out_dir>/<study>/trial_<n>/seed_<s>``.
         overrides: extra Hydra overrides for every run (after the file's own).
-        compose: ``overrides -> DictConfig`` (the CLI's composition of ``conf/train.yaml``).
+        compose: ``overrides -> DictConfig`` (:func:`fedlightning.config.compose`).
         train: ``(cfg, run_dir, observe) -> summary``.
     """
 

@@ -129,12 +129,9 @@ def _protocol(config_yaml: str, data_root: str | None) -> tuple[DictConfig, Any,
 
 
 class StateFiles:
-    """A client's persistent state on its node's disk, one ``state_<round>.pt`` per fit.
-
-    :meth:`load` for round ``r`` gives the state saved after the client's newest fit before
-    ``r`` (``{}`` before its first), so a round that a resumed run repeats starts from the
-    same state as the first time; :meth:`save` keeps that state and the new one.
-    """
+    """A client's persistent state on its node's disk, one ``state_<round>.pt`` per fit. A
+    round that a resumed run repeats starts from the same state as the first time: :meth:`save`
+    keeps the newest earlier state beside the new one."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -143,8 +140,8 @@ class StateFiles:
         return {int(p.stem.split("_")[1]): p for p in self.folder.glob("state_*.pt")}
 
     def load(self, round: int, inclusive: bool = False) -> dict[str, Any]:
-        """The state after the newest fit before ``round`` (``inclusive``: up to and with
-        ``round``, as the stage-end exchange after a round's fits needs)."""
+        """The state after the newest fit before ``round`` (``{}`` before the first;
+        ``inclusive``: up to and with ``round``, for the stage-end exchange)."""
         earlier = [r for r in self.rounds() if r < round or (inclusive and r == round)]
         if not earlier:
             return {}
@@ -158,13 +155,8 @@ class StateFiles:
 
 
 class NodeClient:
-    """One client of one run on this node: its data, model and executor, rebuilt from its
-    folder (see the module docstring).
-
-    Args:
-        folder: ``<root>/<run key>/client_<k>``, made by :func:`setup_node`.
-        client_id: ``k``.
-    """
+    """Client ``client_id`` of one run on this node: its data, model and executor, rebuilt
+    from its ``folder`` (made by :func:`setup_node`)."""
 
     def __init__(self, folder: Path, client_id: int) -> None:
         if not (folder / CLIENT).is_file():

@@ -56,21 +56,15 @@ def run_clients(cfg: DictConfig) -> int:
 
 
 class FlowerRunner(Runner):
-    """Sends each round's clients to their Flower nodes through a ServerApp's ``Grid``.
-
-    Built by the ServerApp (:mod:`fedlightning.flower.apps`), which passes its ``grid``; the
-    config alone cannot build it.
+    """Sends each round's clients to their Flower nodes through the ``grid`` of the
+    ServerApp that builds it (the config alone cannot).
 
     Args:
         executor: the local-fit executor; the nodes build their own from ``runner.executor``.
-        grid: the ServerApp's Flower ``Grid``.
-        timeout_s: seconds to wait for every reply of one exchange (default ``600``); a node
-            that has not answered by then fails the run with :class:`NodeLost`.
-        connect_timeout_s: seconds to wait for one node per client to connect and answer the
-            set-up query (default ``300``).
-        client_cpus: Flower simulation only: CPUs per virtual node (default ``1``).
-        progress: as every runner's (the schedules read it); a Flower round shows in the
-            log, with no bar of its own.
+        timeout_s: seconds to wait for every reply of one exchange, else :class:`NodeLost`.
+        connect_timeout_s: seconds to wait for one node per client to answer the set-up.
+        client_cpus: Flower simulation only: CPUs per virtual node.
+        progress: as every runner's; a Flower round shows in the log, with no bar.
     """
 
     name = "flower"
