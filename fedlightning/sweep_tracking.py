@@ -49,14 +49,9 @@ class SweepTracker:
         }
         run = self.client.create_run(self.exp_id, run_name=f"sweep-{study.study_name}", tags=tags)
         run_id = run.info.run_id
-        params = {
-            "trials": spec.trials,
-            "seeds": json.dumps(spec.seeds),
-            "sampler": json.dumps(spec.sampler),
-            "pruner": json.dumps(spec.pruner),
-            "overrides": json.dumps(spec.overrides),
-            **{f"space.{k}": json.dumps(v) for k, v in spec.space.items()},
-        }
+        keys = ("trials", "seeds", "sampler", "pruner", "overrides")
+        params = {k: json.dumps(getattr(spec, k)) for k in keys}
+        params |= {f"space.{k}": json.dumps(v) for k, v in spec.space.items()}
         for k, v in params.items():
             self.client.log_param(run_id, k, str(v)[:6000])
         study.set_user_attr(PARENT_ATTR, run_id)
