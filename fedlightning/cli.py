@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import logging
 import sys
+from collections import Counter
 from pathlib import Path
 
 import hydra
@@ -118,7 +121,6 @@ def _train_lightning_rank(cfg: DictConfig) -> dict:
     """A rank Lightning's DDP launcher started: the same federated loop, so that every local
     fit has its partner, in a scratch directory (rank 0 alone writes the run directory,
     logs and prints); with ``resume``, from a copy of the run's checkpoint."""
-    import logging
     import shutil
     import tempfile
 
@@ -160,31 +162,23 @@ def _wait_for_lightning_ranks(timeout_s: float = 60.0) -> None:
 
 def _resume_run_dir(args: list[str]) -> list[str]:
     """On ``resume=DIR``, keep the resuming invocation's Hydra files inside ``DIR/.resume``."""
-    if any(a.startswith("resume=") and a != "resume=null" for a in args):
-        ignored = [a for a in args if not a.startswith(("resume=", "runner", "logger", "hydra"))]
-        if ignored:
-            print(
-                f"warning: a resumed run keeps its saved config; ignoring {' '.join(ignored)} "
-                "(only runner.* and logger.* may change)",
-                file=sys.stderr,
-            )
-    for a in args:
-        if (
-            a.startswith("resume=")
-            and a != "resume=null"
-            and not any(x.startswith("hydra.run.dir=") for x in args)
-        ):
-            return [
-                *args,
-                f"hydra.run.dir={a.split('=', 1)[1]}/.resume/${{now:%Y-%m-%d_%H-%M-%S-%f}}",
-            ]
-    return args
+    resume = next((a for a in args if a.startswith("resume=") and a != "resume=null"), None)
+    if resume is None:
+        return args
+    ignored = [a for a in args if not a.startswith(("resume=", "runner", "logger", "hydra"))]
+    if ignored:
+        print(
+            f"warning: a resumed run keeps its saved config; ignoring {' '.join(ignored)} "
+            "(only runner.* and logger.* may change)",
+            file=sys.stderr,
+        )
+    if any(a.startswith("hydra.run.dir=") for a in args):
+        return args
+    folder = resume.split("=", 1)[1]
+    return [*args, f"hydra.run.dir={folder}/.resume/${{now:%Y-%m-%d_%H-%M-%S-%f}}"]
 
 
 def _sweep(rest: list[str]) -> int:
-    import argparse
-    import logging
-
     from fedlightning.sweeps import Sweep, load_spec
     from fedlightning.train import train
 
@@ -207,14 +201,11 @@ def _sweep(rest: list[str]) -> int:
         return train(cfg, run_dir, observe, verbose=False)
 
     study = Sweep(spec, args.out, overrides, compose, quiet_train).run()
-    done = [t for t in study.trials if t.state.name == "COMPLETE"]
+    states = Counter(t.state.name for t in study.trials)
     print("-" * 55)
     print(f"study            {study.study_name} ({spec.storage})")
-    states = {}
-    for t in study.trials:
-        states[t.state.name] = states.get(t.state.name, 0) + 1
     print(f"trials           {', '.join(f'{n} {k.lower()}' for k, n in sorted(states.items()))}")
-    if done:
+    if states["COMPLETE"]:
         print(f"best {spec.metric:<11} {study.best_value:.4f} (trial {study.best_trial.number})")
         for k, v in study.best_params.items():
             print(f"  {k} = {v}")
@@ -222,9 +213,6 @@ def _sweep(rest: list[str]) -> int:
 
 
 def _flower_sim(rest: list[str]) -> int:
-    import argparse
-    import logging
-
     ap = argparse.ArgumentParser(
         prog="fedlightning flower-sim",
         description="Run an experiment as a Flower app in Flower's simulation engine, one "
@@ -246,8 +234,6 @@ def _flower_sim(rest: list[str]) -> int:
 
 
 def _manifest(rest: list[str]) -> int:
-    import argparse
-
     from fedlightning.experiments.manifest import run_manifest
 
     ap = argparse.ArgumentParser(
@@ -262,9 +248,6 @@ def _manifest(rest: list[str]) -> int:
 
 
 def _data(rest: list[str]) -> int:
-    import argparse
-    import logging
-
     if rest[:1] == ["manifest"]:
         return _manifest(rest[1:])
     from fedlightning.data.features import extract
@@ -291,21 +274,8 @@ def _data(rest: list[str]) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(rest)
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
-    record = extract(
-        args.raw,
-        args.out,
-        nodes=args.nodes,
-        id_column=args.id_column,
-        text_column=args.text_column,
-        label_column=args.label_column,
-        images=args.images,
-        text_model=args.text_model,
-        image_model=args.image_model,
-        image_weights=args.image_weights,
-        batch_size=args.batch_size,
-        progress=not args.no_progress,
-        name=args.name,
-    )
+    options = {k: v for k, v in vars(args).items() if k not in ("action", "no_progress")}
+    record = extract(**options, progress=not args.no_progress)
     print("-" * 55)
     print(f"nodes            {record['nodes']}")
     for m, rec in record["modalities"].items():
@@ -318,18 +288,19 @@ def _data(rest: list[str]) -> int:
     return 0
 
 
-def _run_tool(command: str, rest: list[str]) -> int:
-    """``sweep`` and ``report``: user errors as one line, exit status 2."""
-    try:
-        if command == "sweep":
-            return _sweep(rest)
-        if command == "data":
-            return _data(rest)
-        if command == "flower-sim":
-            return _flower_sim(rest)
-        from fedlightning.report import main as report_main
+def _report(rest: list[str]) -> int:
+    from fedlightning.report import main as report_main
 
-        return report_main(rest)
+    return report_main(rest)
+
+
+TOOLS = {"sweep": _sweep, "report": _report, "data": _data, "flower-sim": _flower_sim}
+
+
+def _run_tool(command: str, rest: list[str]) -> int:
+    """The commands but ``train``: user errors as one line, exit status 2."""
+    try:
+        return TOOLS[command](rest)
     except FedLightningError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -349,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     command, rest = args[0], args[1:]
-    if command in ("sweep", "report", "data", "flower-sim"):
+    if command in TOOLS:
         sys.exit(_run_tool(command, rest))
     if command != "train":
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -1,6 +1,5 @@
-"""The config: composition (:func:`compose`), checks run before any data is read or any model
-is built (:func:`validate`), and instantiation that reports errors against the key
-(:func:`build`)."""
+"""The config: composition (:func:`compose`), checks before any data is read
+(:func:`validate`), and instantiation that reports errors against the key (:func:`build`)."""
 
 from __future__ import annotations
 
@@ -29,16 +28,11 @@ GRAPH_ONLY_KEYS = ("missing_rate",)
 
 
 def data_name(value: Any, kind: str = "name", override: Any = None) -> str:
-    """The name a run takes from its data: the resolver ``${fl.data_name:VALUE,KIND,NAME}``
-    of the dataset configs' ``display_name`` (the run's folder and MLflow run name).
-
-    ``override`` (the dataset's ``name`` key) when set; else ``value`` read by ``kind``:
-    ``file``, the file name without its suffix (``messages.txt`` -> ``messages``);
-    ``folder``, a folder in the folder format: the name its ``meta.json`` gives (as the
-    loader names the graph), else the folder's own name (``data/my_graph/`` -> ``my_graph``);
-    ``dir``, the folder's own name; ``name``, as is. Characters other than letters, digits,
-    ``.``, ``-`` and ``_`` become ``_``, so the name is one folder name. Nothing but a
-    folder's ``meta.json`` is read (an unreadable one is left to the loader to report).
+    """The resolver ``${fl.data_name:VALUE,KIND,NAME}`` of the dataset configs'
+    ``display_name`` (docs/datasets.md): ``override`` when set, else ``value`` read by
+    ``kind``: ``file`` (its stem), ``folder`` (its ``meta.json`` name, else the folder's
+    name), ``dir`` (the folder's name) or ``name`` (as is); characters other than letters,
+    digits, ``.``, ``-``, ``_`` become ``_``. An unreadable ``meta.json`` is left to the loader.
     """
     if override is not None and str(override) != "":
         raw = str(override)
@@ -55,7 +49,6 @@ def data_name(value: Any, kind: str = "name", override: Any = None) -> str:
 
 
 def _meta_name(folder: Path) -> str | None:
-    """The ``name`` of ``folder/meta.json``, if it is there and readable."""
     try:
         name = json.loads((folder / "meta.json").read_text(encoding="utf-8")).get("name")
     except (OSError, ValueError, AttributeError):
@@ -64,8 +57,7 @@ def _meta_name(folder: Path) -> str | None:
 
 
 def run_label(cfg: Any) -> str:
-    """The dataset's ``display_name`` (``data`` for a config without one, such as a run
-    saved before the key existed)."""
+    """The dataset's ``display_name`` (``data`` for a config without one)."""
     return str(OmegaConf.select(cfg, f"dataset.{DISPLAY_NAME_KEY}", default=None) or "data")
 
 
@@ -121,15 +113,9 @@ def dataset_label(cfg: DictConfig) -> str:
 
 
 def validate_protocol(cfg: DictConfig) -> None:
-    """The rules of the partition and of the class-incremental stream that the config alone
-    decides (``docs/datasets.md``), checked before any data is read: the partitioner's
-    parameters (``partition.split``, ``partition.alpha``, ...), and under ``protocol=cil``
-    the stage layout (against the number of classes where the config fixes it),
-    ``protocol.stream.client_fraction`` and a validation fraction > 0.
-
-    Raises:
-        ConfigError: one line naming the key.
-    """
+    """The partitioner's parameters and, under ``protocol=cil``, the stage layout (against
+    the number of classes where the config fixes it), ``client_fraction`` and a validation
+    fraction > 0 (docs/datasets.md); a :class:`ConfigError` naming the key."""
     from fedlightning.data.streams import STAGES_KEY, check_stages, config_num_classes
 
     stream = OmegaConf.select(cfg, "protocol.stream", default=None)
@@ -188,22 +174,16 @@ def validate(cfg: DictConfig) -> None:
 
 
 def dataset_node(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
-    """``cfg.dataset`` (resolved) as its loader takes it, and the keys taken out of it:
-    ``display_name`` (what the run is named after) and the graph keys applied after loading
-    (``missing_rate``), which the default experiment sets for any dataset."""
+    """``cfg.dataset`` (resolved) as its loader takes it, and the keys taken out of it
+    (``display_name`` and the graph keys applied after loading, ``missing_rate``)."""
     node = OmegaConf.to_container(cfg.dataset, resolve=True)
     taken = {k: node.pop(k) for k in (DISPLAY_NAME_KEY, *GRAPH_ONLY_KEYS) if k in node}
     return OmegaConf.create(node), taken
 
 
 def build_stream(cfg: DictConfig) -> EventStream:
-    """The temporal event stream of ``cfg.dataset``, without the graph keys a composed config
-    may carry (``dataset.missing_rate`` of the default experiment: a stream has no
-    modalities to hide). Every program that reads a stream builds it here.
-
-    Raises:
-        ConfigError: naming ``dataset`` when it is not an interaction stream.
-    """
+    """The temporal event stream of ``cfg.dataset`` (graph keys such as ``missing_rate``
+    ignored); a :class:`ConfigError` naming ``dataset`` when it is not a stream."""
     from fedlightning.data.temporal.events import EventStream
 
     node, taken = dataset_node(cfg)
@@ -221,11 +201,8 @@ def build_stream(cfg: DictConfig) -> EventStream:
 
 
 def build(node: Any, key: str, **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate`` that reports errors against the config key.
-
-    Our own errors (bad data, bad values) come through unwrapped; anything else becomes a
-    :class:`ConfigError` naming ``key``.
-    """
+    """``hydra.utils.instantiate``: our own errors come through unwrapped, anything else
+    becomes a :class:`ConfigError` naming ``key``."""
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as e:

@@ -1,37 +1,9 @@
 """Paper-style tables and plots from finished runs: ``fedlightning report``.
 
-Runs come from MLflow, selected by the tags every run carries (``task``, ``dataset``,
-``method``, ``variant``, ``experiment``; DESIGN.md), or from ``summary.json`` files under
-directories (``--dirs multirun/``). Each run's numbers are its ``summary.json`` (in MLflow,
-the run's artifact), so a table cell is exactly the mean and the sample standard deviation
-(n - 1) over the seeds of the runs' ``summary.json`` values. When the same configuration
-and seed ran more than once, the newest run counts. ``--tag k=v`` narrows the selection
-(e.g. ``--tag experiment=cil_fedogl_cora``); ``--family nc`` (or ``lp``) keeps the FedTIP
-runs of that task family (their ``families`` tag; for runs made before that tag, the
-families their ``summary.json`` lists) and shows that family's AUCs.
-
-Layouts:
-
-- ``main`` (FedOGL Table 1): one row per method (baselines with their variant, e.g.
-  ``fedavg+replay``; ablations left out), for each dataset the columns AM, FM, FPR95.
-- ``ablation`` (FedOGL Table 2): one row per variant of ``--method`` (default ``fedogl``).
-
-With ``--task temporal`` (FedTIP) the same layouts give paper 001's tables: ``main`` is
-Table 2/3 (one row per method and backbone, columns AUC-ROC of node classification,
-transductive and inductive link prediction and the uplink MiB per task), ``ablation
---method fedtip`` is Table 4. A FedTIP run already averages its tasks, so a cell of a
-single run shows the mean and standard deviation over its tasks (``<metric>_std``); over
-several seeds, the std is over the seeds' task means.
-
-``--metrics`` picks the columns (any ``summary.json`` metric, and ``s_per_round``: wall time
-per round). The best mean of each column is bold (highest AM, lowest FM and FPR95). Files written to
-``--out``: ``<name>.md``, ``<name>.tex``, ``<name>.json`` (exact means and stds),
-``uplink_vs_<metric>.png`` (every run: whole-run uplink against the first metric) and
-``acc_matrix_<row>_<dataset>.png`` (the accuracy matrix averaged over seeds), and with
-``--sensitivity KEY`` one ``sensitivity_<KEY>_<row>_<dataset>.png`` (the first metric
-against a config value, mean and std over seeds, e.g. after
-``train -m algorithm.basis.rank=4,8,16 seed=0,1,2``). ``--log``
-logs them to a new MLflow run tagged ``task=report``.
+Runs come from MLflow (selected by their tags) or from the ``summary.json`` files under
+``--dirs``; of runs with the same configuration and seed the newest counts. A cell is the
+mean and sample std (n - 1) over seeds of the runs' ``summary.json`` values (a single FedTIP
+run: over its tasks, ``<metric>_std``). Layouts, options and files: docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -39,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import tempfile
 from collections import defaultdict
@@ -70,12 +43,8 @@ def runs_from_dirs(dirs: list[Path]) -> list[dict[str, Any]]:
             s = json.loads(f.read_text())
             config = f.parent / "config.yaml"
             if config.exists():
-                s["params"] = {
-                    k: str(v)
-                    for k, v in flatten(
-                        OmegaConf.to_container(OmegaConf.load(config), resolve=False)
-                    ).items()
-                }
+                params = flatten(OmegaConf.to_container(OmegaConf.load(config), resolve=False))
+                s["params"] = {k: str(v) for k, v in params.items()}
             out.append(s)
     return out
 
@@ -142,15 +111,11 @@ def row_label(tags: dict[str, str], layout: str) -> str:
 
 def select(runs: list[dict], layout: str, method: str | None) -> list[dict]:
     """Keep the runs of the layout; of runs with the same config and seed, the newest."""
-    keep = []
-    for s in runs:
-        t = s.get("tags", {})
-        ablation = t.get("variant", "full").startswith("no_")
-        if layout == "main" and ablation:
-            continue
-        if layout == "ablation" and t.get("method") != (method or "fedogl"):
-            continue
-        keep.append(s)
+    keep = runs
+    if layout == "main":  # no ablations
+        keep = [s for s in runs if not s.get("tags", {}).get("variant", "full").startswith("no_")]
+    elif layout == "ablation":
+        keep = [s for s in runs if s.get("tags", {}).get("method") == (method or "fedogl")]
     newest: dict[tuple, dict] = {}
     for s in sorted(keep, key=lambda s: s.get("start_time", 0)):
         t = s.get("tags", {})
@@ -228,21 +193,18 @@ def render(table: dict, metrics: list[str], digits: int, fmt: str) -> str:
             text = f"**{text}**" if fmt == "md" else rf"\textbf{{{text}}}"
         return text
 
+    rows = {row: [cell(row, d, m) for d in datasets for m in metrics] for row in table}
     if fmt == "md":
         head = "| method | " + " | ".join(f"{d} {n}" for d in datasets for n in names) + " |"
         lines = [head, "|---" * (1 + len(datasets) * len(metrics)) + "|"]
-        for row in table:
-            cells = [cell(row, d, m) for d in datasets for m in metrics]
-            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+        lines += [f"| {row} | " + " | ".join(cells) + " |" for row, cells in rows.items()]
         return "\n".join(lines) + "\n"
     cols = "l" + "c" * len(datasets) * len(metrics)
     lines = [rf"\begin{{tabular}}{{{cols}}}", r"\toprule"]
     groups = " & ".join(rf"\multicolumn{{{len(metrics)}}}{{c}}{{{_tex(d)}}}" for d in datasets)
     lines += [f" & {groups} \\\\", "method & " + " & ".join(names * len(datasets)) + r" \\"]
     lines.append(r"\midrule")
-    for row in table:
-        cells = [cell(row, d, m) for d in datasets for m in metrics]
-        lines.append(f"{_tex(row)} & " + " & ".join(cells) + r" \\")
+    lines += [f"{_tex(row)} & " + " & ".join(cells) + r" \\" for row, cells in rows.items()]
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"
 
@@ -330,8 +292,6 @@ def main(argv: list[str]) -> int:
         "--sensitivity", metavar="KEY", help="also plot the first metric against config KEY"
     )
     args = ap.parse_args(argv)
-    import os
-
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
     if args.dirs:
         runs = runs_from_dirs(args.dirs)
@@ -366,11 +326,8 @@ def main(argv: list[str]) -> int:
         from fedlightning.tracking import MlflowTracker
 
         tracker = MlflowTracker(uri, args.experiment_name)
-        tracker.start(f"report-{stem}", {"task": "report", "layout": args.layout}, vars_(args))
+        params = {k: str(v) for k, v in vars(args).items()}
+        tracker.start(f"report-{stem}", {"task": "report", "layout": args.layout}, params)
         tracker.log_artifacts(files)
         tracker.end()
     return 0
-
-
-def vars_(args: argparse.Namespace) -> dict[str, str]:
-    return {k: str(v) for k, v in vars(args).items()}

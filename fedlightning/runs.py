@@ -1,18 +1,8 @@
-"""The run wrapper: one run directory, resume, tags, the tracker, the summary and its table.
-
-Every kind of run (graph federations, FedTIP's task protocol, the bank's pre-training, the
-``data manifest`` command) goes through :class:`Run`, so each of these is written once:
-
-- :func:`prepare_run_dir`: a fresh run refuses a directory that already holds a run; a
-  resumed run takes its saved config (only ``runner`` and ``logger`` come from the resuming
-  command);
-- :meth:`Run.start`: the MLflow run with the resolved config as parameters, the tags
-  reports select by, a sweep trial's parent, and the same MLflow run again on resume;
-- :meth:`Run.finish`: ``summary.json``, the final metrics, the artifacts, the console table;
-  a run that raises ends ``FAILED`` (``KILLED`` when stopped, as a pruned sweep trial);
-- :func:`run_identity`: what a run is (experiment, config hash, protocol hashes), written to
-  ``identity.json`` and into every checkpoint; :func:`load_checkpoint` refuses a checkpoint
-  of another run, of an unknown format or that is not a checkpoint, with one line.
+"""The run wrapper every kind of run goes through (graph federations, FedTIP's task
+protocol, the bank, ``data manifest``): the run directory and resume
+(:func:`prepare_run_dir`), the MLflow run (:meth:`Run.start`), ``summary.json``, final
+metrics, artifacts and console table (:meth:`Run.finish`), and the run identity that a
+resume checks (:func:`run_identity`, :func:`load_checkpoint`; docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -21,7 +11,7 @@ import json
 import math
 import pickle
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +25,8 @@ from fedlightning.utils.io import content_hash, write_json
 
 CONFIG_FILE, CHECKPOINT_FILE, SUMMARY_FILE = "config.yaml", "checkpoint.pt", "summary.json"
 MLFLOW_RUN_FILE, IDENTITY_FILE = "mlflow_run.json", "identity.json"
+# observe(kind, step, metrics): see fedlightning.train.train
+Observer = Callable[[str, int, dict[str, float]], None]
 # What a resume may change without changing the run (how and where it runs, not what).
 RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra")
 # Any failure to unpickle a file that is not a torch checkpoint.
@@ -48,14 +40,18 @@ _UNREADABLE = (
 )
 
 
+def _reason(e: BaseException) -> str:
+    """The first line of an exception's message, else its type's name."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def load_saved_config(path: Path) -> DictConfig:
     """A run's saved ``config.yaml``; one line naming the file if it is not a run's config."""
     try:
         saved = OmegaConf.load(path)
     except Exception as e:  # YAML syntax, bad encoding, an unreadable file
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FedLightningError(
-            f"{path}: not a readable run config ({reason}); restore it or start a new run"
+            f"{path}: not a readable run config ({_reason(e)}); restore it or start a new run"
         ) from None
     if not isinstance(saved, DictConfig) or "name" not in saved or "task" not in saved:
         raise FedLightningError(
@@ -121,12 +117,9 @@ def record_identity(run_dir: Path, identity: dict[str, Any], resuming: bool) -> 
 
 
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
-    """The config and directory to run in; on ``resume`` the earlier run's own.
-
-    A resumed run takes its saved config whole, except ``runner`` and ``logger`` (how and
-    where it runs, which cannot change results) from this invocation. A fresh run refuses
-    a directory that already holds a run, so nothing saved is overwritten.
-    """
+    """The config and directory to run in, and whether it resumes: on ``resume`` the earlier
+    run's own (its saved config, with this invocation's ``runner`` and ``logger``); a fresh
+    run refuses a directory that already holds a run."""
     if cfg.get("resume"):
         old = Path(cfg.resume)
         if not (old / CONFIG_FILE).is_file():
@@ -160,9 +153,8 @@ def load_checkpoint(path: Path, identity: dict[str, Any] | None = None) -> dict[
     try:
         state = torch.load(path, weights_only=False)
     except _UNREADABLE as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FedLightningError(
-            f"{path}: not a readable checkpoint ({reason[:120]}); start a new run"
+            f"{path}: not a readable checkpoint ({_reason(e)[:120]}); start a new run"
         ) from None
     version = state.get("format", 1) if isinstance(state, dict) else None
     if version not in CHECKPOINT_FORMATS_READ:
@@ -178,6 +170,27 @@ def load_checkpoint(path: Path, identity: dict[str, Any] | None = None) -> dict[
                 f"{path}: a checkpoint of another run ({diff}); refusing to resume"
             )
     return state
+
+
+def resume_loop(
+    loop: Any,
+    world: Any,
+    cfg: DictConfig,
+    run_dir: Path,
+    hashes: dict[str, str],
+    resuming: bool,
+    load: Callable[..., dict[str, Any] | None] = load_checkpoint,
+) -> bool:
+    """Give ``loop`` this run's identity; on resume restore it from the checkpoint that
+    ``load(path, identity)`` reads (another run's, or one that does not fit, is refused);
+    then record ``identity.json``. Whether a checkpoint was restored."""
+    loop.identity = identity = run_identity(cfg, hashes)
+    path = run_dir / CHECKPOINT_FILE
+    state = world.on_main(load, path, identity) if resuming else None
+    if state is not None:
+        restore(loop, path, state)
+    world.on_main(record_identity, run_dir, identity, resuming)
+    return state is not None
 
 
 def _shapes(obj: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
@@ -208,10 +221,9 @@ def restore(loop: Any, path: Path, state: dict[str, Any]) -> None:
     try:
         loop.load_state_dict(state)
     except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FedLightningError(
             f"{path}: does not fit this run's model and clients ({type(e).__name__}: "
-            f"{reason[:160]}); refusing to resume"
+            f"{_reason(e)[:160]}); refusing to resume"
         ) from None
 
 
@@ -242,14 +254,8 @@ def summary_table(rows: list[tuple[str, Any]], summary: dict[str, Any]) -> str:
 
 
 class Run:
-    """One run of any kind: its directory, tracker and summary (module docstring).
-
-    Args:
-        cfg: the config the run trains (after :func:`prepare_run_dir`).
-        run_dir: its directory.
-        is_main: this process writes and logs (rank 0 of a distributed run).
-        resuming: the run continues an earlier one.
-    """
+    """One run of any kind in ``run_dir``, with ``cfg`` from :func:`prepare_run_dir`;
+    ``is_main``: this process writes and logs (rank 0 of a distributed run)."""
 
     def __init__(self, cfg: Any, run_dir: Path, is_main: bool = True, resuming: bool = False):
         self.cfg, self.run_dir, self.is_main, self.resuming = cfg, Path(run_dir), is_main, resuming

@@ -22,12 +22,8 @@ PARENT_ATTR = "mlflow_parent_run_id"
 
 
 class SweepTracker:
-    """Parent and trial runs of a study in one MLflow experiment.
-
-    Args:
-        tracking_uri: the MLflow store (the experiment's ``logger.tracking_uri``).
-        experiment_name: the MLflow experiment (the experiment's ``logger.experiment_name``).
-    """
+    """Parent and trial runs of a study in one MLflow experiment (the experiment's
+    ``logger.tracking_uri`` and ``logger.experiment_name``)."""
 
     def __init__(self, tracking_uri: str, experiment_name: str) -> None:
         from mlflow.tracking import MlflowClient
@@ -53,14 +49,9 @@ class SweepTracker:
         }
         run = self.client.create_run(self.exp_id, run_name=f"sweep-{study.study_name}", tags=tags)
         run_id = run.info.run_id
-        params = {
-            "trials": spec.trials,
-            "seeds": json.dumps(spec.seeds),
-            "sampler": json.dumps(spec.sampler),
-            "pruner": json.dumps(spec.pruner),
-            "overrides": json.dumps(spec.overrides),
-            **{f"space.{k}": json.dumps(v) for k, v in spec.space.items()},
-        }
+        keys = ("trials", "seeds", "sampler", "pruner", "overrides")
+        params = {k: json.dumps(getattr(spec, k)) for k in keys}
+        params |= {f"space.{k}": json.dumps(v) for k, v in spec.space.items()}
         for k, v in params.items():
             self.client.log_param(run_id, k, str(v)[:6000])
         study.set_user_attr(PARENT_ATTR, run_id)

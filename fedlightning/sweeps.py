@@ -1,16 +1,9 @@
 """Optuna studies over Hydra configs: ``fedlightning sweep sweeps/<name>.yaml``.
 
-A sweep file names an experiment, a search space of config keys, a validation objective
-and how to search (see ``docs/experiments.md``). Every trial runs the experiment once per
-seed with the sampled overrides, in process, and its value is the mean of the objective
-over the seeds. The study lives in an Optuna storage (default ``sqlite:///optuna.db``), so
-it resumes after an interruption and several processes can share it: a trial whose process
-died is marked failed and its parameters are run again, resuming its checkpointed runs.
-
-In MLflow the study is a parent run; each trial a nested run (its params, objective, run
-directories); each training run of a trial nests under the trial. At the end the parent
-gets the best parameters, the optimization history, the parameter importances and one
-sensitivity curve per parameter (mean and std over seeds).
+Every trial runs the file's experiment once per seed with the sampled overrides, in process;
+its value is the objective's mean over the seeds. The study lives in an Optuna storage, so
+it resumes and can be shared by several processes: a trial whose process died is marked
+failed and its parameters run again, resuming its checkpointed runs (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import math
 import os
 import socket
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +35,21 @@ STAGE_PROXY = {"val_am": "val_seen_acc", "val_fpr95": "val_fpr95"}
 
 @dataclass
 class SweepSpec:
-    """A validated sweep file. Fields as in the file; ``path`` for error messages."""
+    """A sweep file checked by :func:`load_spec`, its defaults filled in; ``path`` for
+    error messages."""
 
     path: Path
     experiment: str
     space: dict[str, dict[str, Any]]
     metric: str
-    direction: str = "maximize"
-    trials: int = 10
-    seeds: list[int] = field(default_factory=lambda: [0])
-    overrides: list[str] = field(default_factory=list)
-    sampler: dict[str, Any] = field(default_factory=lambda: {"name": "tpe", "seed": 0})
-    pruner: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
-    storage: str = "sqlite:///optuna.db"
-    study_name: str = ""
+    direction: str
+    trials: int
+    seeds: list[int]
+    overrides: list[str]
+    sampler: dict[str, Any]
+    pruner: dict[str, Any]
+    storage: str
+    study_name: str
 
     def grid(self) -> dict[str, list[Any]]:
         return {k: list(p["choices"]) for k, p in self.space.items()}
@@ -84,11 +78,8 @@ def _check_param(path: Path, key: str, p: Any) -> dict[str, Any]:
 
 
 def load_spec(path: str | Path) -> SweepSpec:
-    """Read and check a sweep file; every error names the file and the field.
-
-    The objective must be a validation metric (``val_*``, DESIGN.md): a sweep never tunes
-    on test data.
-    """
+    """Read and check a sweep file; every error names the file and the field. The objective
+    must be a validation metric (``val_*``): a sweep never tunes on test data."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), "sweep file not found")
@@ -127,12 +118,21 @@ def load_spec(path: str | Path) -> SweepSpec:
     pruner = dict(raw.get("pruner") or {"name": "none"})
     if pruner.get("name") not in PRUNERS:
         raise _fail(path, "pruner.name", f"one of {PRUNERS}, got {pruner.get('name')!r}")
-    spec = SweepSpec(
+    if sampler["name"] == "grid" and any(p["type"] != "categorical" for p in space.values()):
+        raise _fail(path, "space", "the grid sampler needs categorical parameters (choices)")
+    size = math.prod(len(p["choices"]) for p in space.values()) if sampler["name"] == "grid" else 0
+    trials = raw.get("trials", size or 10)
+    if not isinstance(trials, int) or trials < 1:
+        raise _fail(path, "trials", f"a positive integer, got {trials!r}")
+    if size and trials > size:
+        raise _fail(path, "trials", f"{trials} trials exceed the grid's {size} points")
+    return SweepSpec(
         path=path,
         experiment=raw["experiment"],
         space=space,
         metric=metric,
         direction=direction,
+        trials=trials,
         seeds=seeds,
         overrides=[str(o) for o in raw.get("overrides", [])],
         sampler=sampler,
@@ -140,16 +140,6 @@ def load_spec(path: str | Path) -> SweepSpec:
         storage=str(raw.get("storage") or "sqlite:///optuna.db"),
         study_name=str(raw.get("study_name") or path.stem),
     )
-    if sampler["name"] == "grid" and any(p["type"] != "categorical" for p in space.values()):
-        raise _fail(path, "space", "the grid sampler needs categorical parameters (choices)")
-    size = math.prod(len(c) for c in spec.grid().values()) if sampler["name"] == "grid" else 0
-    trials = raw.get("trials", size or 10)
-    if not isinstance(trials, int) or trials < 1:
-        raise _fail(path, "trials", f"a positive integer, got {trials!r}")
-    if size and trials > size:
-        raise _fail(path, "trials", f"{trials} trials exceed the grid's {size} points")
-    spec.trials = trials
-    return spec
 
 
 class AskTellGridSampler(optuna.samplers.GridSampler):
@@ -204,8 +194,8 @@ def _alive(owner: str) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
@@ -233,7 +223,7 @@ class Sweep:
         spec: a checked sweep file.
         out_dir: where trial runs go: ``<out_dir>/<study>/trial_<n>/seed_<s>``.
         overrides: extra Hydra overrides for every run (after the file's own).
-        compose: ``overrides -> DictConfig`` (the CLI's composition of ``conf/train.yaml``).
+        compose: ``overrides -> DictConfig`` (:func:`fedlightning.config.compose`).
         train: ``(cfg, run_dir, observe) -> summary``.
     """
 
@@ -253,8 +243,9 @@ class Sweep:
             self.tracker = SweepTracker(base.logger.tracking_uri, base.logger.experiment_name)
 
     # --------------------------------------------------------------------- study
-    def study(self) -> optuna.Study:
-        return optuna.create_study(
+    def run(self) -> optuna.Study:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(
             study_name=self.spec.study_name,
             storage=self.spec.storage,
             sampler=make_sampler(self.spec),
@@ -262,10 +253,6 @@ class Sweep:
             direction=self.spec.direction,
             load_if_exists=True,
         )
-
-    def run(self) -> optuna.Study:
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study = self.study()
         for key, value in (("metric", self.spec.metric), ("experiment", self.spec.experiment)):
             if study.user_attrs.get(key, value) != value:
                 raise _fail(
@@ -310,29 +297,30 @@ class Sweep:
         trial_dir = self.out_dir / study.study_name / f"trial_{home}"
         run = self.tracker.trial(parent, trial, params) if self.tracker else None
         values: list[float] = []
+
+        def end(status: str, value: float | None) -> None:
+            if run:
+                self.tracker.end_trial(run, status, value, values, trial_dir)
+
         try:
             for i, seed in enumerate(self.spec.seeds):
                 observe = self.pruning_observer(trial) if i == 0 else None
                 summary = self.run_seed(trial_dir / f"seed_{seed}", params, seed, run, observe)
                 values.append(float(summary["metrics"].get(self.spec.metric, math.nan)))
         except RunStopped:
-            if run:
-                self.tracker.end_trial(run, "KILLED", None, values, trial_dir)
+            end("KILLED", None)
             return TrialState.PRUNED, None
         except BaseException:
-            if run:
-                self.tracker.end_trial(run, "FAILED", None, values, trial_dir)
+            end("FAILED", None)
             study.tell(trial, state=TrialState.FAIL)
             raise
         value = statistics.fmean(values)
         trial.set_user_attr("seed_values", values)
         trial.set_user_attr("run_dir", str(trial_dir))
         if math.isnan(value):
-            if run:
-                self.tracker.end_trial(run, "FAILED", value, values, trial_dir)
+            end("FAILED", value)
             return TrialState.FAIL, None
-        if run:
-            self.tracker.end_trial(run, "FINISHED", value, values, trial_dir)
+        end("FINISHED", value)
         return TrialState.COMPLETE, value
 
     def run_seed(self, run_dir: Path, params, seed: int, run, observe) -> dict[str, Any]:

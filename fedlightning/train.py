@@ -1,40 +1,15 @@
-"""``fedlightning train``'s entry point: one experiment of any kind, from a composed config.
-
-The run's ``task`` picks the program (:mod:`fedlightning.experiments`): a graph federation
-(``fl``, ``cil``, ``cir``), FedTIP's task protocol (``temporal``) or the bank's pre-training
-(``bank``). Nothing in the package imports this module; it imports the programs.
-"""
+"""``fedlightning train``'s entry point: the run's ``task`` picks the program
+(:mod:`fedlightning.experiments`): ``fl``/``cil``/``cir``, ``temporal`` or ``bank``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError
-from fedlightning.runs import trained_config
-
-Observer = Callable[[str, int, dict[str, float]], None]
-
-
-def run_task(cfg: DictConfig) -> str:
-    """The task the run trains (so that ``fedlightning train resume=DIR`` needs no other
-    argument, whatever the run was)."""
-    return str(trained_config(cfg).get("task"))
-
-
-def check_runner_fits_task(cfg: DictConfig) -> None:
-    """``runner=distributed`` spreads the clients of a round; the bank's pre-training
-    (``task=bank``) is centralized and has none."""
-    target = str(OmegaConf.select(cfg, "runner._target_", default=""))
-    if target.endswith(".DistributedRunner") and run_task(cfg) == "bank":
-        raise ConfigError(
-            "runner",
-            "runner=distributed does not support task=bank: the bank is pre-trained "
-            "centrally, in one process; use runner=sequential",
-        )
+from fedlightning.runs import Observer, trained_config
 
 
 def train(
@@ -52,8 +27,14 @@ def train(
     summary table on stdout. ``runner``, when given, replaces the one ``cfg.runner`` builds
     (a Flower ServerApp passes its own).
     """
-    check_runner_fits_task(cfg)
-    task = run_task(cfg)
+    task = str(trained_config(cfg).get("task"))  # resume=DIR: the saved run's task
+    target = str(OmegaConf.select(cfg, "runner._target_", default=""))
+    if target.endswith(".DistributedRunner") and task == "bank":
+        raise ConfigError(
+            "runner",
+            "runner=distributed does not support task=bank: the bank is pre-trained "
+            "centrally, in one process; use runner=sequential",
+        )
     if task == "bank":  # FedTIP's temporal bank: no federation
         from fedlightning.experiments.bank import train_bank
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,11 @@ from fedlightning.federation.loop import FederatedLoop
 from fedlightning.federation.stages import ContinualLoop
 from fedlightning.runs import (
     CHECKPOINT_FILE,
+    Observer,
     Run,
     json_safe,
-    load_checkpoint,
     prepare_run_dir,
-    record_identity,
-    restore,
-    run_identity,
+    resume_loop,
     summary_table,
 )
 from fedlightning.utils.io import write_json
@@ -175,9 +172,6 @@ def build_protocol(
     return partition, stream, hashes
 
 
-Observer = Callable[[str, int, dict[str, float]], None]
-
-
 def _report(tracker: Any, observe: Observer | None, kind: str, step: int, m: dict) -> None:
     """Log a round's metrics (or a stage's, as ``stage_<name>``), then show them to
     ``observe``."""
@@ -196,14 +190,8 @@ def train_graph(
     verbose: bool = True,
     runner: Any = None,
 ) -> dict[str, Any]:
-    """Run the graph federation ``cfg`` in ``run_dir``; return the summary (also written).
-
-    ``observe(kind, step, metrics)`` sees every round's (``"round"``) and stage's
-    (``"stage"``) metrics after they are checkpointed and logged; raising
-    :class:`~fedlightning.errors.RunStopped` there ends the run as ``KILLED`` (a pruned
-    sweep trial). ``runner``, when given, replaces the one ``cfg.runner`` builds (a Flower
-    ServerApp passes its own).
-    """
+    """:func:`fedlightning.train.train` for ``task=fl``, ``cil``, ``cir``; ``observe`` sees
+    ``"round"`` and ``"stage"`` metrics."""
     t0 = time.perf_counter()
     validate(cfg)  # every rule the config alone decides, before any data is read
     if not cfg.get("resume"):
@@ -254,12 +242,7 @@ def train_graph(
             on_stage_end=lambda t, m: _report(run.tracker, observe, "stage", t, m),
             **common,
         )
-    loop.identity = identity = run_identity(cfg, hashes)
-    if resuming:  # another run's checkpoint, or one that does not fit, is refused here
-        state = world.on_main(load_checkpoint, run_dir / CHECKPOINT_FILE, identity)
-        restore(loop, run_dir / CHECKPOINT_FILE, state)
-    world.on_main(record_identity, run_dir, identity, resuming)
-    if resuming:
+    if resume_loop(loop, world, cfg, run_dir, hashes, resuming):
         log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
     tags = run_tags(cfg, graph, algorithm, hashes)
     with run.start(tags):

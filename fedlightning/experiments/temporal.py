@@ -1,21 +1,14 @@
 """``fedlightning train experiment=fedtip_*`` (``task=temporal``): protocol, bank, cached
 contexts, then every task of the manifest (:class:`~fedlightning.federation.tasks.TaskLoop`),
-with MLflow logging, a checkpoint per task and ``summary.json``.
-
-The run is tagged ``task=temporal`` and ``families=nc,lp`` (the families it ran, in order;
-``families: auto`` resolved against the stream, so a label-free stream runs ``lp`` only);
-its metrics carry each family's AUCs under their own names (``auc_nc``; ``auc_tlp``,
-``auc_ilp``), so reports select node classification or link prediction by the tag.
-
-Under ``runner=distributed`` rank 0 alone makes the run directory, the protocol, the bank and
-the contexts (in the cache), checkpoints, logs and writes; the other ranks get its results
-(:meth:`~fedlightning.federation.world.World.on_main`) and read the cached files."""
+with MLflow logging, a checkpoint per task and ``summary.json`` (docs/fedtip.md). The run is
+tagged ``families=nc,lp`` (those it ran), its metrics named per family (``auc_nc``,
+``auc_tlp``, ``auc_ilp``). Under ``runner=distributed`` rank 0 alone writes; the other ranks
+get its results (:meth:`~fedlightning.federation.world.World.on_main`) and read the cache."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +26,10 @@ from fedlightning.federation.tasks import TaskBatches, as_single
 from fedlightning.federation.world import World
 from fedlightning.runs import (
     CHECKPOINT_FILE,
+    Observer,
     Run,
     load_checkpoint,
-    record_identity,
-    restore,
-    run_identity,
+    resume_loop,
     summary_table,
 )
 from fedlightning.runs import json_safe as run_json_safe
@@ -100,17 +92,10 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
 
 
 def check_families(families: Any, stream: EventStream | None) -> list[str]:
-    """The task families to run, checked against ``stream`` (``None``: before it is read).
-
-    ``families`` is a non-empty list of :data:`FAMILIES` or ``auto``: every family the stream
-    supports, in the order of :data:`FAMILIES` (link prediction always; node classification
-    when the stream has usable state labels, :attr:`EventStream.has_labels`), logged at INFO.
-    Before the stream is read, ``auto`` stands for every family. Node classification asked
-    for by name on a stream without usable labels is refused.
-
-    Raises:
-        ConfigError: one line naming ``families``.
-    """
+    """The task families to run: a non-empty list of :data:`FAMILIES`, or ``auto``: every
+    family ``stream`` supports (``nc`` only if :attr:`EventStream.has_labels`), logged; every
+    family before the stream is read (``stream=None``). A :class:`ConfigError` naming
+    ``families`` for a bad value or ``nc`` on a stream without usable labels."""
     if isinstance(families, str):
         if families != AUTO:
             raise ConfigError(
@@ -139,9 +124,8 @@ def check_families(families: Any, stream: EventStream | None) -> list[str]:
 
 
 def saved_state(path: Path, identity: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """The loop state checkpointed at ``path``; ``None`` before a first task ended. A
-    checkpoint of the format before one ledger per run, or (given this run's ``identity``)
-    of another run, is refused with one line."""
+    """The loop state checkpointed at ``path`` (``None`` before a first task ended); one
+    line refusing a checkpoint of format 1 or (given ``identity``) of another run."""
     if not path.exists():
         return None
     state = load_checkpoint(path, identity)
@@ -207,7 +191,7 @@ def temporal_inputs(cfg: DictConfig) -> dict[str, Any]:
 def train_temporal(
     cfg: DictConfig,
     run_dir: Path,
-    observe: Callable[[str, int, dict[str, float]], None] | None = None,
+    observe: Observer | None = None,
     verbose: bool = True,
     runner: Any = None,
 ) -> dict[str, Any]:
@@ -274,13 +258,7 @@ def train_temporal(
             on_task_end=on_task_end,
             progress=world.is_main,  # the bar over tasks (runner.progress: the per-round bars)
         )
-        loop.identity = identity = run_identity(cfg, hashes)
-        path = run_dir / CHECKPOINT_FILE
-        state = world.on_main(saved_state, path, identity) if resuming else None
-        if state is not None:
-            restore(loop, path, state)
-        world.on_main(record_identity, run_dir, identity, resuming)
-        if state is not None:
+        if resume_loop(loop, world, cfg, run_dir, hashes, resuming, saved_state):
             log.info("resuming %s after task %d", run_dir, len(loop.results))
         results = loop.run()
     metrics = loop.final_metrics()

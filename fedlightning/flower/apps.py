@@ -1,20 +1,12 @@
-"""The Flower ``ServerApp`` and ``ClientApp`` of fedlightning, and its Flower simulation.
+"""The Flower ``ServerApp`` and ``ClientApp`` of fedlightning, and its simulation
+(docs/scaling.md).
 
-- ``server_app`` runs :func:`fedlightning.train.train` with ``runner=flower``
-  (:class:`~fedlightning.flower.runner.FlowerRunner`): our round loop, server, ledger,
-  checkpoints and MLflow logging, with the clients' work sent to the nodes. Its run config
-  (``flwr run ... --run-config``) takes ``overrides`` (Hydra overrides, as for
-  ``fedlightning train``), ``run-dir`` and ``resume``.
-- ``client_app`` answers the three message types on a node: ``query`` (set up: build the
-  client's data, check the partition hash), ``train`` (the local fit of our client
-  LightningModule through our executor) and ``evaluate`` (counts of the global model on
-  the client's data). Its node config takes ``partition-id`` (the client it holds),
-  ``state-dir`` (where the client's folder lives, default ``~/.cache/fedlightning/flower``)
-  and ``data-root`` (default ``$FEDLIGHTNING_DATA`` or the server's).
-- :func:`simulate` runs both in Flower's simulation engine on this machine
-  (``fedlightning flower-sim``), one virtual node per client.
-
-``tools/flower/pyproject.toml`` is the Flower app project that ``flwr run`` deploys.
+- ``server_app`` runs :func:`fedlightning.train.train` with ``runner=flower``; its run
+  config takes ``overrides`` (Hydra overrides), ``run-dir`` and ``resume``.
+- ``client_app`` answers ``query`` (set up the node's client), ``train`` and ``evaluate``;
+  its node config takes ``partition-id``, ``num-partitions``, ``state-dir`` (default
+  ``~/.cache/fedlightning/flower``) and ``data-root`` (default ``$FEDLIGHTNING_DATA``).
+- :func:`simulate`: both in Flower's simulation engine (``fedlightning flower-sim``).
 """
 
 from __future__ import annotations
@@ -56,25 +48,22 @@ DEFAULT_STATE_DIR = "~/.cache/fedlightning/flower"
 # ---------------------------------------------------------------------------- server
 def flower_configs(overrides: list[str]) -> tuple[DictConfig, DictConfig]:
     """This invocation's config (with ``runner=flower``) and the config the run trains: the
-    same, or on ``resume=DIR`` the saved one."""
+    same, or on ``resume=DIR`` the saved one; any federated schedule, but not ``task=bank``
+    (the bank is pre-trained centrally)."""
     from fedlightning.config import compose
     from fedlightning.runs import CONFIG_FILE, trained_config
 
     cfg = compose([*overrides, "runner=flower"])
     if cfg.get("resume") and not (Path(cfg.resume) / CONFIG_FILE).is_file():
         raise ConfigError("resume", f"{cfg.resume} holds no {CONFIG_FILE}; pass a run directory")
-    return cfg, trained_config(cfg)
-
-
-def check_flower_task(cfg: DictConfig) -> None:
-    """``runner=flower`` runs every federated schedule (``task=fl``, ``cil``, ``cir``,
-    ``temporal``); the bank's pre-training (``task=bank``) is centralized and has none."""
-    if cfg.get("task") == "bank":
+    trained = trained_config(cfg)
+    if trained.get("task") == "bank":
         raise ConfigError(
             "runner",
-            f"runner=flower runs federated rounds; task=bank (experiment {cfg.get('name')}) "
+            f"runner=flower runs federated rounds; task=bank (experiment {trained.get('name')}) "
             "pre-trains the bank centrally: use runner=sequential",
         )
+    return cfg, trained
 
 
 def default_run_dir(cfg: DictConfig) -> Path:
@@ -87,8 +76,7 @@ def serve(grid: Grid, overrides: list[str], run_dir: Path | None = None) -> dict
     """Train the experiment ``overrides`` with its clients on ``grid``'s nodes."""
     from fedlightning.train import train
 
-    cfg, trained = flower_configs(overrides)
-    check_flower_task(trained)
+    cfg, _ = flower_configs(overrides)
     runner = build(cfg.runner, "runner", grid=grid)
     return train(cfg, run_dir or default_run_dir(cfg), runner=runner)
 
@@ -113,11 +101,9 @@ def make_server_app(
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        args, folder = (
-            run_config_overrides(dict(context.run_config))
-            if overrides is None
-            else (overrides, run_dir)
-        )
+        args, folder = overrides, run_dir
+        if overrides is None:
+            args, folder = run_config_overrides(dict(context.run_config))
         try:
             summary = serve(grid, args, folder)
         except BaseException as e:
@@ -138,7 +124,12 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
     app = ClientApp()
 
     def folder(context: Context, task: Any) -> tuple[Path, int]:
-        k = partition_id(context)
+        if "partition-id" not in context.node_config:
+            raise ConfigError(
+                "partition-id",
+                "this SuperNode has no client: start it with --node-config 'partition-id=K'",
+            )
+        k = int(context.node_config["partition-id"])
         root = context.node_config.get("state-dir") or state_dir or DEFAULT_STATE_DIR
         return node_folder(str(root), str(task["run"]), k), k
 
@@ -188,15 +179,6 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
     return app
 
 
-def partition_id(context: Context) -> int:
-    if "partition-id" not in context.node_config:
-        raise ConfigError(
-            "partition-id",
-            "this SuperNode has no client: start it with --node-config 'partition-id=K'",
-        )
-    return int(context.node_config["partition-id"])
-
-
 server_app = make_server_app()
 client_app = make_client_app()
 
@@ -210,7 +192,6 @@ def simulate(overrides: list[str], run_dir: Path | None = None) -> dict[str, Any
     from flwr.simulation import run_simulation
 
     cfg, trained = flower_configs(overrides)
-    check_flower_task(trained)
     if cfg.get("resume"):
         run_dir = Path(cfg.resume)
     run_dir = Path(run_dir or default_run_dir(cfg)).resolve()

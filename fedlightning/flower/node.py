@@ -1,22 +1,16 @@
-"""A Flower node's side of a run: its client's data, model and persisted state.
-
-Each node keeps one folder per run and client, ``<root>/<run key>/client_<k>/``, on its own
-disk (the server never sees it):
+"""A Flower node's side of a run: one folder per run and client on the node's own disk,
+``<root>/<run key>/client_<k>/`` (docs/scaling.md):
 
 - ``config.yaml``: the run's resolved config, as the server sent it at set-up;
-- ``client.pt``: the client's subgraph (train/val/test masks), the model's input sizes and
-  (class-incremental runs) the class stream, or a FedTIP client's support in every task it
-  takes part in (from the node's own protocol, bank and contexts), built once at set-up
-  from the node's data, whose protocol hashes must equal the server's;
-- ``state_<round>.pt``: the client's persistent :attr:`FederatedClient.state` (replay memory,
-  teacher, bases, prompt adapters, ...) after its fit in ``round``; a fit in round ``r``
-  starts from the newest one before ``r``, so a resumed run that repeats a round starts that
-  round's fit from the same state as the first time;
-- ``sent.jsonl``: an audit log of every reply the node sent: its records, fields and sizes.
+- ``client.pt``: the client built at set-up from the node's data (whose protocol hashes
+  must equal the server's): a graph client's subgraph, input sizes and class stream, or a
+  FedTIP client's support in every task it takes part in;
+- ``state_<round>.pt``: the client's persistent state after its fit in ``round``
+  (:class:`StateFiles`);
+- ``sent.jsonl``: an audit log of every reply the node sent.
 
-Flower starts a fresh ClientApp process for each message in a deployment, so everything a
-fit needs is read from this folder; a simulation reuses its processes and the in-memory
-cache of :func:`open_node`.
+A deployment starts a fresh ClientApp process per message, so a fit reads everything from
+this folder; a simulation reuses its processes and :func:`open_node`'s cache.
 """
 
 from __future__ import annotations
@@ -135,12 +129,9 @@ def _protocol(config_yaml: str, data_root: str | None) -> tuple[DictConfig, Any,
 
 
 class StateFiles:
-    """A client's persistent state on its node's disk, one ``state_<round>.pt`` per fit.
-
-    :meth:`load` for round ``r`` gives the state saved after the client's newest fit before
-    ``r`` (``{}`` before its first), so a round that a resumed run repeats starts from the
-    same state as the first time; :meth:`save` keeps that state and the new one.
-    """
+    """A client's persistent state on its node's disk, one ``state_<round>.pt`` per fit. A
+    round that a resumed run repeats starts from the same state as the first time: :meth:`save`
+    keeps the newest earlier state beside the new one."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -149,8 +140,8 @@ class StateFiles:
         return {int(p.stem.split("_")[1]): p for p in self.folder.glob("state_*.pt")}
 
     def load(self, round: int, inclusive: bool = False) -> dict[str, Any]:
-        """The state after the newest fit before ``round`` (``inclusive``: up to and with
-        ``round``, as the stage-end exchange after a round's fits needs)."""
+        """The state after the newest fit before ``round`` (``{}`` before the first;
+        ``inclusive``: up to and with ``round``, for the stage-end exchange)."""
         earlier = [r for r in self.rounds() if r < round or (inclusive and r == round)]
         if not earlier:
             return {}
@@ -164,13 +155,8 @@ class StateFiles:
 
 
 class NodeClient:
-    """One client of one run on this node: its data, model and executor, rebuilt from its
-    folder (see the module docstring).
-
-    Args:
-        folder: ``<root>/<run key>/client_<k>``, made by :func:`setup_node`.
-        client_id: ``k``.
-    """
+    """Client ``client_id`` of one run on this node: its data, model and executor, rebuilt
+    from its ``folder`` (made by :func:`setup_node`)."""
 
     def __init__(self, folder: Path, client_id: int) -> None:
         if not (folder / CLIENT).is_file():

@@ -1,10 +1,6 @@
-"""Our typed messages as Flower records, and back. Nothing else crosses the wire.
-
-A :class:`~fedlightning.messages.Message` becomes a ``RecordDict`` with two
-records: ``tensors`` (an ``ArrayRecord``, one ``Array`` per tensor field, dtype and shape
-kept) and ``scalars`` (a ``MetricRecord``, one float per scalar field). Decoding gives back
-the same field names and bitwise the same values, so the ledger counts a message the same
-whether it crossed a Flower wire or stayed in one process.
+"""Our typed messages as Flower records, and back: a ``RecordDict`` of ``tensors`` (an
+``ArrayRecord``, dtype and shape kept) and ``scalars`` (a ``MetricRecord``). Decoding gives
+bitwise the same fields, so the ledger counts a message the same on a wire or in process.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """``runner=flower``: each round's clients run on Flower nodes, one node per client.
 
-The schedule, the server step, the ledger and the checkpoints stay in the ServerApp's
-process, exactly as with the in-process runners; only the clients' work moves. Every round
-of :func:`~fedlightning.federation.round.federated_round` is a ``train`` exchange of typed
-messages over Flower's ``Grid``: the broadcast and the work's kind and parameters to each
-client (``fit``: a local fit; ``stage_end``: FedOGL's stage-end basis; ``task_fit``: a
-FedTIP client's fit in a task), its :class:`~fedlightning.messages.ClientUpdate` (or no
-message) back. A plain run's evaluation is an ``evaluate`` exchange (the global model to
-every client, its correct/total counts back); the stage and task evaluations of the
-class-incremental and temporal schedules stay with the server, which holds the evaluation
-data of the simulation. Before the first round, a ``query`` exchange sets the nodes up:
-each node answers with the client it holds (its ``partition-id``) and checks that its data
-gives the run's protocol hashes.
+The schedule, server step, ledger and checkpoints stay in the ServerApp's process; every
+round is a ``train`` exchange (work kinds ``fit``, ``stage_end``, ``task_fit``), a plain
+run's evaluation an ``evaluate`` exchange, and a ``query`` exchange sets the nodes up
+first (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -64,21 +56,15 @@ def run_clients(cfg: DictConfig) -> int:
 
 
 class FlowerRunner(Runner):
-    """Sends each round's clients to their Flower nodes through a ServerApp's ``Grid``.
-
-    Built by the ServerApp (:mod:`fedlightning.flower.apps`), which passes its ``grid``; the
-    config alone cannot build it.
+    """Sends each round's clients to their Flower nodes through the ``grid`` of the
+    ServerApp that builds it (the config alone cannot).
 
     Args:
         executor: the local-fit executor; the nodes build their own from ``runner.executor``.
-        grid: the ServerApp's Flower ``Grid``.
-        timeout_s: seconds to wait for every reply of one exchange (default ``600``); a node
-            that has not answered by then fails the run with :class:`NodeLost`.
-        connect_timeout_s: seconds to wait for one node per client to connect and answer the
-            set-up query (default ``300``).
-        client_cpus: Flower simulation only: CPUs per virtual node (default ``1``).
-        progress: as every runner's (the schedules read it); a Flower round shows in the
-            log, with no bar of its own.
+        timeout_s: seconds to wait for every reply of one exchange, else :class:`NodeLost`.
+        connect_timeout_s: seconds to wait for one node per client to answer the set-up.
+        client_cpus: Flower simulation only: CPUs per virtual node.
+        progress: as every runner's; a Flower round shows in the log, with no bar.
     """
 
     name = "flower"

@@ -12,14 +12,10 @@ from typing import Any
 import torch
 
 
-def canonical_json(obj: Any) -> str:
-    """JSON with sorted keys and no whitespace: the bytes that a content hash is taken of."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
 def content_hash(obj: Any) -> str:
-    """sha256 (first 16 hex chars) of the canonical JSON of ``obj``."""
-    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:16]
+    """sha256 (first 16 hex chars) of ``obj``'s canonical JSON (sorted keys, no whitespace)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _atomic(path: Path, write) -> None:

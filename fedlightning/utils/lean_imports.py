@@ -1,37 +1,20 @@
 """Lean start-up: PyG and torchmetrics imported without the heavy optional packages they probe.
 
-``import torch_geometric`` runs PyG's ``__init__``, which imports ``torch_geometric.datasets``
-and through it ``torch_geometric.llm``; that imports ``transformers`` whenever it is installed
-(the ``features`` extra installs it), only to name a type in annotations. ``torchmetrics``,
-which Lightning imports unconditionally, imports ``matplotlib.pyplot`` (for ``Metric.plot``),
-``scipy.signal`` (a compatibility patch for an audio metric) and ``transformers`` (text
-metrics) whenever they are installed. No narrower import avoids either: every submodule of a
-package runs the package's ``__init__`` first. Together these were a third of the start-up of
-every run, and the package uses none of them.
+``import torch_geometric`` imports ``transformers`` (through ``torch_geometric.llm``) and
+``torchmetrics`` imports ``matplotlib.pyplot``, ``scipy.signal`` and ``transformers``
+whenever they are installed; the package uses none of them (docs/scaling.md, "Start-up
+time"). :func:`install` (called by ``fedlightning/__init__.py``) puts one finder first on
+``sys.meta_path``: while a guarded package's ``__init__`` runs, and only in the importing
+thread, its probed packages (:data:`GUARDED`) look absent (``ModuleNotFoundError``, no
+distribution metadata), so it takes its own "not installed" branch. Once every guarded
+package is imported the finder removes itself and the probed packages import normally.
 
-:func:`install` (called by ``fedlightning/__init__.py``) puts one finder first on
-``sys.meta_path``. It does nothing until the first import of a guarded package; while that
-package's ``__init__`` runs, and only in the importing thread, the packages it would probe
-(:data:`GUARDED`) look absent: importing them raises ``ModuleNotFoundError`` and their
-distribution metadata is not found, so the guarded package takes its own "not installed"
-branch, which every such import in PyG and torchmetrics has. When the last guarded package is
-imported the finder removes itself, and the probed packages import normally from then on.
-
-What stays behind, and why it is safe (``tests/test_lean_imports.py`` checks that both
-libraries work, and that ``transformers`` imports and PyG's LLM models load afterwards):
-
-- PyG: ``torch_geometric.llm.models.llm.BatchEncoding`` is ``Dict`` (used only in
-  annotations), ``torch_geometric.datasets.tag_dataset.PreTrainedTokenizerBase`` is ``None``
-  (an annotation) and its ``WITH_TRANSFORMERS`` flag (unused) is ``False``. PyG imports
-  ``transformers`` inside the functions that need it, so its LLM models work unchanged.
-- torchmetrics: it behaves as if ``matplotlib``, ``scipy`` and ``transformers`` were not
-  installed: ``Metric.plot`` and the transformer-based metrics (BERTScore, InfoLM, CLIPScore)
-  are unavailable. The package uses none of them (its plots are its own,
-  ``fedlightning.tracking.plots``).
-
-``FEDLIGHTNING_LEAN_IMPORTS=0`` switches the guard off; it is also off for a guarded package
-that is already imported when ``fedlightning`` is, and a probed package already imported is
-never hidden.
+Left behind (``tests/test_lean_imports.py`` checks both libraries still work): in PyG,
+annotation-only names (``BatchEncoding`` is ``Dict``, ``PreTrainedTokenizerBase`` is
+``None``, the unused ``WITH_TRANSFORMERS`` is ``False``); PyG imports ``transformers`` where
+it needs it. In torchmetrics, ``Metric.plot`` and the transformer-based metrics are
+unavailable. ``FEDLIGHTNING_LEAN_IMPORTS=0`` switches the guard off; a guarded package
+already imported is not guarded and a probed package already imported is never hidden.
 """
 
 from __future__ import annotations
@@ -40,6 +23,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +37,6 @@ GUARDED: dict[str, tuple[str, ...]] = {
 }
 
 ENV_SWITCH = "FEDLIGHTNING_LEAN_IMPORTS"
-
-
-def _top(name: str) -> str:
-    return name.partition(".")[0]
 
 
 class _GuardedLoader:
@@ -91,8 +71,21 @@ class LeanImportFinder:
     def hidden_now(self) -> frozenset[str]:
         return getattr(self._state, "hidden", frozenset())
 
-    def hiding(self, names: frozenset[str]) -> _Hiding:
-        return _Hiding(self, names)
+    @contextmanager
+    def hiding(self, names: frozenset[str]) -> Iterator[None]:
+        before = self.hidden_now()
+        self._state.hidden = before | names
+        try:
+            yield
+        finally:
+            self._state.hidden = before
+            # lightning_utilities caches "is this package importable?": forget the answers
+            # given while packages were hidden
+            utilities = sys.modules.get("lightning_utilities.core.imports")
+            for name in ("package_available", "module_available"):
+                cached = getattr(utilities, name, None)
+                if hasattr(cached, "cache_clear"):
+                    cached.cache_clear()
 
     def done(self, package: str) -> None:
         self.pending.pop(package, None)
@@ -102,7 +95,7 @@ class LeanImportFinder:
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        if _top(fullname) in self.hidden_now():
+        if fullname.partition(".")[0] in self.hidden_now():
             raise ModuleNotFoundError(
                 f"{fullname} is hidden while a guarded package imports "
                 f"(fedlightning.utils.lean_imports; {ENV_SWITCH}=0 switches this off)",
@@ -130,27 +123,6 @@ class LeanImportFinder:
 
             raise PackageNotFoundError(name)
         return iter(())
-
-
-class _Hiding:
-    def __init__(self, finder: LeanImportFinder, names: frozenset[str]) -> None:
-        self._finder = finder
-        self._names = names
-
-    def __enter__(self) -> None:
-        state = self._finder._state
-        self._before = getattr(state, "hidden", frozenset())
-        state.hidden = self._before | self._names
-
-    def __exit__(self, *exc: object) -> None:
-        self._finder._state.hidden = self._before
-        # lightning_utilities caches "is this package importable?": forget the answers given
-        # while packages were hidden
-        utilities = sys.modules.get("lightning_utilities.core.imports")
-        for name in ("package_available", "module_available"):
-            cached = getattr(utilities, name, None)
-            if hasattr(cached, "cache_clear"):
-                cached.cache_clear()
 
 
 _finder: LeanImportFinder | None = None

@@ -19,12 +19,8 @@ def _key_int(key: Any) -> int:
 
 
 def derive_seed(*keys: Any) -> int:
-    """A 63-bit seed determined by ``keys`` (ints or strings), e.g. ``(seed, round, client)``.
-
-    The same keys give the same seed in any process, on any runner, in any order of
-    execution: this is what makes a run resumable and a distributed runner equal to the
-    sequential one.
-    """
+    """A 63-bit seed determined by ``keys`` (ints or strings), e.g. ``(seed, round, client)``:
+    the same in any process, runner and order, so runs resume and runners agree."""
     ss = np.random.SeedSequence([_key_int(k) for k in keys])
     return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
