@@ -32,4 +32,4 @@ def stage_batch(data: Data, known: Tensor, supervised_classes: Tensor, replay: T
     rep[replay] = True
     batch = data.clone()
     batch.sup_mask, batch.replay_mask = sup, rep & ~sup
-    return batch.subgraph(keep)
+    return batch.subgraph(keep.nonzero().view(-1))  # indices: a sparse modality too

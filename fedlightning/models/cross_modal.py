@@ -10,6 +10,7 @@ from torch_geometric.data import Data
 from fedlightning.errors import ConfigError
 from fedlightning.models.dropout import InputDropout
 from fedlightning.models.multimodal import GNNEncoder
+from fedlightning.models.sparse import SparseLinear
 
 
 class CrossModalGNN(nn.Module):
@@ -55,7 +56,7 @@ class CrossModalGNN(nn.Module):
         self.modalities = list(in_dims)
         self.query, self.item, self.conv = query, item, conv
         self.sides = (query, item)
-        self.encoders = nn.ModuleDict({m: nn.Linear(in_dims[m], hidden) for m in self.sides})
+        self.encoders = nn.ModuleDict({m: SparseLinear(in_dims[m], hidden) for m in self.sides})
         self.gnns = nn.ModuleDict(
             {m: GNNEncoder(hidden, hidden, gnn_layers, conv, dropout) for m in self.sides}
         )

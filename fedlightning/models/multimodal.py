@@ -8,6 +8,7 @@ from torch_geometric.data import Data
 from torch_geometric.nn import GCNConv, SAGEConv
 
 from fedlightning.models.dropout import InputDropout
+from fedlightning.models.sparse import SparseLinear
 
 
 def masked_fusion(embeddings: list[Tensor], mask: Tensor) -> Tensor:
@@ -21,12 +22,12 @@ def masked_fusion(embeddings: list[Tensor], mask: Tensor) -> Tensor:
 
 class ModalityEncoders(nn.Module):
     """One linear+ReLU encoder per modality (``in_dims``: name -> width) to ``hidden``, after
-    an :class:`InputDropout` of the features."""
+    an :class:`InputDropout` of the features; a modality may be dense or sparse COO."""
 
     def __init__(self, in_dims: dict[str, int], hidden: int = 64, dropout: float = 0.5) -> None:
         super().__init__()
         self.modalities = list(in_dims)
-        self.encoders = nn.ModuleDict({m: nn.Linear(d, hidden) for m, d in in_dims.items()})
+        self.encoders = nn.ModuleDict({m: SparseLinear(d, hidden) for m, d in in_dims.items()})
         self.dropout = InputDropout(dropout)
 
     def forward(self, features: dict[str, Tensor]) -> list[Tensor]:
