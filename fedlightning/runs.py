@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import zipfile
 from collections.abc import Callable, Iterable
@@ -28,7 +29,7 @@ MLFLOW_RUN_FILE, IDENTITY_FILE = "mlflow_run.json", "identity.json"
 # observe(kind, step, metrics): see fedlightning.train.train
 Observer = Callable[[str, int, dict[str, float]], None]
 # What a resume may change without changing the run (how and where it runs, not what).
-RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra")
+RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra", "threads")
 # Any failure to unpickle a file that is not a torch checkpoint.
 _UNREADABLE = (
     pickle.UnpicklingError,
@@ -65,6 +66,23 @@ def trained_config(cfg: DictConfig) -> DictConfig:
     """The config the run trains: ``cfg``, or on ``resume=DIR`` the saved run's."""
     saved = Path(str(cfg.get("resume") or "")) / CONFIG_FILE
     return load_saved_config(saved) if cfg.get("resume") and saved.is_file() else cfg
+
+
+def apply_threads(setting: Any) -> int:
+    """Set torch's intra-op threads of this process from the run's ``threads`` and return
+    them: a positive number, or ``auto``: torch's default (the cores, or
+    ``OMP_NUM_THREADS``), divided among the processes that share this machine
+    (``LOCAL_WORLD_SIZE`` of torchrun) when ``OMP_NUM_THREADS`` is unset."""
+    if setting is None or setting == "auto":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+            torch.set_num_threads(max(1, (cpus or os.cpu_count() or 1) // local))
+        return torch.get_num_threads()
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ConfigError("threads", f"expected a positive integer or 'auto', got {setting!r}")
+    torch.set_num_threads(setting)
+    return setting
 
 
 def run_identity(cfg: DictConfig, hashes: dict[str, str]) -> dict[str, Any]:
@@ -132,6 +150,7 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
             )
         saved = load_saved_config(old / CONFIG_FILE)
         saved.runner, saved.logger = cfg.runner, cfg.logger
+        saved.threads = cfg.get("threads", "auto")
         saved.resume = str(old)
         return saved, old, True
     for name in (SUMMARY_FILE, CHECKPOINT_FILE):
@@ -282,6 +301,7 @@ class Run:
         mlflow_tags = {**self.tags, "mlflow.parentRunId": str(parent)} if parent else self.tags
         if params is None:
             params = flatten(OmegaConf.to_container(self.cfg, resolve=True))
+        params = {**params, "threads_used": torch.get_num_threads()}
         from fedlightning.config import run_label  # (Hydra only when a run starts)
 
         name = name or f"{run_label(self.cfg)}-{self.cfg.name}-{self.run_dir.name}"
@@ -308,7 +328,7 @@ class Run:
     ) -> dict[str, Any]:
         """Write ``summary.json`` (and ``extra`` JSON files by name), log the final metrics
         at ``step`` and ``files`` as artifacts, end the MLflow run, print ``table``."""
-        summary = json_safe(summary)
+        summary = json_safe({**summary, "threads": torch.get_num_threads()})
         if not self.is_main:  # the same state on every rank; rank 0 writes and logs it
             return summary
         written = []

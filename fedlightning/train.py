@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError
-from fedlightning.runs import Observer, trained_config
+from fedlightning.runs import Observer, apply_threads, trained_config
 
 
 def train(
@@ -28,6 +29,8 @@ def train(
     (a Flower ServerApp passes its own).
     """
     task = str(trained_config(cfg).get("task"))  # resume=DIR: the saved run's task
+    threads = apply_threads(cfg.get("threads", "auto"))  # before any work: every runner's
+    logging.getLogger("fedlightning").info("threads: %d (threads=%s)", threads, cfg.get("threads"))
     target = str(OmegaConf.select(cfg, "runner._target_", default=""))
     if target.endswith(".DistributedRunner") and task == "bank":
         raise ConfigError(

@@ -85,3 +85,36 @@ def test_a_ledger_of_format_1_loads_with_an_empty_scope():
     ledger.load_state_dict({"entries": [("up", 1, 0, "w", 4, 16), ("down", 1, 0, "w", 4, 16)]})
     assert ledger.entries[0] == ("up", 1, 0, "w", 4, 16, "")
     assert ledger.total("up") == 4 and ledger.total("down", scope="") == 4
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_setting_is_applied_and_checked(monkeypatch, restore_threads):
+    from fedlightning.runs import apply_threads
+
+    assert apply_threads(1) == 1 and torch.get_num_threads() == 1
+    for bad in (0, -2, "two", 1.5, True):
+        with pytest.raises(ConfigError, match="threads"):
+            apply_threads(bad)
+    # auto: several processes on this machine share its CPUs, unless OMP_NUM_THREADS says
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert apply_threads("auto") == 2 and torch.get_num_threads() == 2
+    torch.set_num_threads(3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert apply_threads("auto") == 3  # torch's default, which honours OMP_NUM_THREADS
+
+
+def test_threads_are_recorded_and_a_resume_may_change_them(tmp_path, restore_threads):
+    run = {"name": "demo", "task": "fl", "runner": {}, "logger": {}}
+    cfg = OmegaConf.create({**run, "resume": None, "threads": 1})
+    saved, run_dir, resuming = prepare_run_dir(cfg, tmp_path / "run")
+    assert saved.threads == 1 and not resuming
+    again = OmegaConf.create({**run, "resume": str(run_dir), "threads": 2})
+    assert prepare_run_dir(again, tmp_path / "other")[0].threads == 2

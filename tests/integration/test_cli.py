@@ -72,6 +72,8 @@ def test_default_demo_logs_everything_to_mlflow(tmp_path, cli_env):
     assert mrun.data.params["federation.rounds"] == "2"
     assert mrun.data.params["dataset.missing_rate"] == "0.2"  # some nodes lack a modality
     assert mrun.data.params["algorithm._target_"] == "fedlightning.algorithms.fedogl.FedOGL"
+    assert mrun.data.params["threads"] == "auto"  # the setting, and the number it gave
+    assert int(mrun.data.params["threads_used"]) == summary["threads"] >= 1
     hist = client.get_metric_history(run_id, "test_acc")
     assert [m.step for m in hist] == [1, 2, 3, 4, 5, 6]
     for key in ("am", "fm", "fpr95", "val_am", "d_sem"):
