@@ -85,7 +85,34 @@ class LocalEvaluate:
         return self.module.evaluate(client.data)
 
 
-class FederatedLoop:
+class Schedule:
+    """What every schedule keeps: the run's ledger, a checkpoint after each step, and the
+    run's ``identity`` (experiment, config hash, protocol hashes), set by the program that
+    builds the schedule and saved in every checkpoint so that a resume can check it."""
+
+    identity: dict[str, Any] | None = None
+
+    def __init__(self, checkpoint_path: str | Path | None) -> None:
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.ledger = CommLedger()
+
+    def checkpoint(self) -> None:
+        """Write :meth:`state_dict` to ``checkpoint_path`` (if any)."""
+        if self.checkpoint_path:
+            save_torch(self.checkpoint_path, self.state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "identity": self.identity,
+            "ledger": self.ledger.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ledger.load_state_dict(state["ledger"])
+
+
+class FederatedLoop(Schedule):
     """Runs rounds ``start..rounds`` and checkpoints the whole federated state after each.
 
     Args:
@@ -98,12 +125,8 @@ class FederatedLoop:
         rounds, participation, local_epochs: from ``federation``.
         seed: the training seed; every local fit is seeded by ``(seed, round, client)``.
         checkpoint_path: where to write the state after every round (``None``: nowhere).
-        on_round_end: ``(round, metrics) -> None``, e.g. MLflow logging.
+        on_round_end: ``(round, metrics) -> None`` after the checkpoint, e.g. MLflow logging.
     """
-
-    # The run's identity (experiment, config hash, protocol hashes), set by the program
-    # that builds the loop; saved in every checkpoint so that a resume can check it.
-    identity: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -120,17 +143,14 @@ class FederatedLoop:
         checkpoint_path: str | Path | None = None,
         on_round_end: Callable[[int, dict[str, float]], None] | None = None,
     ) -> None:
+        super().__init__(checkpoint_path)
         self.algorithm, self.module, self.server = algorithm, module, server
         self.clients, self.runner = list(clients), runner
         self.rounds, self.participation = rounds, participation
         self.local_epochs, self.seed = local_epochs, seed
-        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.on_round_end = on_round_end
-        self.ledger = CommLedger()
         self.history: list[dict[str, float]] = []
         self.completed_rounds = 0
-        self.on_stage_end: Callable[[int, dict[str, float]], None] | None = None
-        self.pending_stage_logs: list[tuple[int, dict[str, float]]] = []
 
     # ------------------------------------------------------------------ one round
     def run_round(self, round: int) -> dict[str, float]:
@@ -179,7 +199,7 @@ class FederatedLoop:
     def run(self) -> list[dict[str, float]]:
         for r in range(self.completed_rounds + 1, self.rounds + 1):
             metrics = self.run_round(r)
-            metrics.update(self.end_of_round(r))
+            self.end_of_round(r)
             self.history.append({"round": r, **metrics})
             self.completed_rounds = r
             log.info(
@@ -192,19 +212,17 @@ class FederatedLoop:
                 metrics["uplink_mib"],
                 metrics["round_time_s"],
             )
-            if self.checkpoint_path:  # before logging: a resumed run never logs a step twice
-                save_torch(self.checkpoint_path, self.state_dict())
-            if self.on_round_end:
-                self.on_round_end(r, metrics)
-            for stage, stage_metrics in self.pending_stage_logs:
-                if self.on_stage_end:
-                    self.on_stage_end(stage, stage_metrics)
-            self.pending_stage_logs = []
+            self.checkpoint()  # before reporting: a resumed run never logs a step twice
+            self.report(r, metrics)
         return self.history
 
-    def end_of_round(self, round: int) -> dict[str, float]:
-        """Extra work after a round's evaluation (a stage's end, say); extra metrics."""
-        return {}
+    def end_of_round(self, round: int) -> None:
+        """Extra work after a round's evaluation (a stage's end, say)."""
+
+    def report(self, round: int, metrics: dict[str, float]) -> None:
+        """Hand a finished, checkpointed round's metrics to ``on_round_end``."""
+        if self.on_round_end:
+            self.on_round_end(round, metrics)
 
     def final_metrics(self) -> dict[str, float]:
         """Final-round metrics and the test accuracy at the round of best validation accuracy."""
@@ -236,13 +254,11 @@ class FederatedLoop:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "format": CHECKPOINT_FORMAT,
-            "identity": self.identity,
+            **super().state_dict(),
             "extra": self.extra_state(),
             "completed_rounds": self.completed_rounds,
             "server": self.server.state_dict(),
             "clients": {c.client_id: c.state for c in self.clients},
-            "ledger": self.ledger.state_dict(),
             "history": self.history,
             "rng": rng_state(),
         }
@@ -252,7 +268,7 @@ class FederatedLoop:
         self.server.load_state_dict(state["server"])
         for c in self.clients:
             c.state = state["clients"][c.client_id]
-        self.ledger.load_state_dict(state["ledger"])
+        super().load_state_dict(state)
         self.history = list(state["history"])
         self.load_extra_state(state["extra"])
         set_rng_state(state["rng"])

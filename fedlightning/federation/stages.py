@@ -109,21 +109,26 @@ class ContinualLoop(FederatedLoop):
         return (net.head(reps["z"]) if "z" in reps else net(data)), reps
 
     def evaluate(self, round: int) -> dict[str, float]:
-        """Closed-set accuracy over the known classes of the current stage, pooled."""
+        """:meth:`known_hits` over the known classes of the current stage, per split, pooled."""
         known = torch.tensor(self.stream.known(self.stage_of(round)), dtype=torch.long)
         totals = {s: [0, 0] for s in ("train", *SPLITS)}
-        for c, logits, _ in self._forward_all():
-            pred = known[logits[:, known].argmax(-1)]
+        for c, *outputs in self._forward_all():
             is_known = torch.isin(c.data.y, known)
             for s in totals:
-                m = c.data[f"{s}_mask"] & is_known
-                totals[s][0] += int((pred[m] == c.data.y[m]).sum())
-                totals[s][1] += int(m.sum())
+                hits = self.known_hits(c.data, outputs, known, c.data[f"{s}_mask"] & is_known)
+                totals[s][0] += int(hits.sum())
+                totals[s][1] += hits.numel()
         return {f"{s}_acc": a / n if n else math.nan for s, (a, n) in totals.items()}
 
-    def end_of_round(self, round: int) -> dict[str, float]:
+    @staticmethod
+    def known_hits(data: Any, outputs: list[Any], known: Tensor, m: Tensor) -> Tensor:
+        """Closed-set hits of the nodes ``m``: the argmax over the known classes is right."""
+        logits = outputs[0]
+        return known[logits[m][:, known].argmax(-1)] == data.y[m]
+
+    def end_of_round(self, round: int) -> None:
         if round % self.rounds_per_stage:
-            return {}
+            return
         t = self.stage_of(round)
         res = self.evaluate_stage(t)
         self.stage_results.append(res)
@@ -136,17 +141,20 @@ class ContinualLoop(FederatedLoop):
             res["auroc_ood"],
             res["open_acc"],
         )
-        self.pending_stage_logs.append((t + 1, res))  # logged after the round's checkpoint
         self.stage_end_exchange(t, round)
-        return {}
+
+    def report(self, round: int, metrics: dict[str, float]) -> None:
+        """The round's metrics, then (at a stage's end) the stage's to ``on_stage_end``."""
+        super().report(round, metrics)
+        if round % self.rounds_per_stage == 0 and self.on_stage_end:
+            self.on_stage_end(self.stage_of(round) + 1, self.stage_results[-1])
 
     def stage_end_exchange(self, t: int, round: int) -> None:
-        """A method's stage-end messages (FedOGL's residual bases, Eq. (7)), all counted: a
-        round of its own kind through the runner. The server sends the stage's final global
-        model to every client that took part in the stage (sampled in one of its rounds: the
-        server knows it without reading client state, which may live on the clients' nodes);
-        each answers with
-        ``algorithm.stage_end_update`` (or nothing); the server's modules take them in."""
+        """A method's stage-end messages (FedOGL's residual bases, Eq. (7)): a round of its
+        own kind, all counted. The stage's final global model goes to every client sampled
+        in one of the stage's rounds (the server knows them without reading client state);
+        each answers with ``algorithm.stage_end_update`` (or nothing), and the server's
+        modules take the answers in (``server.end_stage``)."""
         if not self.algorithm.stage_end_exchange:
             return
         rounds = range(t * self.rounds_per_stage + 1, (t + 1) * self.rounds_per_stage + 1)
