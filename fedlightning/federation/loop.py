@@ -24,16 +24,12 @@ log = logging.getLogger(__name__)
 
 
 def sample_clients(seed: int, round: int, num_clients: int, fraction: float) -> list[int]:
-    """The clients taking part in ``round``: ``max(1, round(fraction K))`` of them, seeded."""
-    m = max(1, round_half_up(fraction * num_clients))
+    """The clients taking part in ``round``: ``max(1, round(fraction K))`` (half up), seeded."""
+    m = max(1, int(np.floor(fraction * num_clients + 0.5)))
     if m >= num_clients:
         return list(range(num_clients))
     rng = np.random.default_rng(derive_seed(seed, "sample", round))
     return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
-
-
-def round_half_up(x: float) -> int:
-    return int(np.floor(x + 0.5))
 
 
 def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
@@ -54,9 +50,8 @@ def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
 class LocalFit:
     """One client's part of a round: receive the broadcast, fit locally, return the update.
 
-    The same call runs wherever a client runs: in this process, on another rank, or in a
-    Flower ClientApp on the client's own node (which builds its own module and executor).
-    It is seeded by ``(seed, "fit", round, client)``, so the result does not depend on where.
+    The same call runs in this process, on another rank or on the client's Flower node;
+    seeded by ``(seed, "fit", round, client)``, its result does not depend on where.
     """
 
     algorithm: Algorithm
@@ -191,8 +186,7 @@ class FederatedLoop(Schedule):
         return ClientWork(one=fit, kind="fit", params={"epochs": int(self.local_epochs)})
 
     def evaluate(self, round: int) -> dict[str, float]:
-        """The global model on every client's whole subgraph (a simulator measurement,
-        not a protocol message: it is not counted in the ledger)."""
+        """The global model on every client's whole subgraph (a measurement, not counted)."""
         evaluate = LocalEvaluate(self.module, self.server.global_state)
         return pooled_metrics(self.runner.evaluate(round, self.clients, evaluate))
 

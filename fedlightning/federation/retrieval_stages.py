@@ -64,6 +64,9 @@ class RetrievalLoop(ContinualLoop):
         *args, **kw: as :class:`ContinualLoop`.
     """
 
+    # and final-stage Recall@1 over all known-class queries, pooled over clients
+    final_stage_metrics = (*ContinualLoop.final_stage_metrics, "recall_at_1", "val_recall_at_1")
+
     def __init__(self, algorithm: Any, *args: Any, **kw: Any) -> None:
         if getattr(algorithm, "score", "similarity") != "similarity":
             raise ValueError(f"RetrievalLoop rejects by similarity, not {algorithm.score!r}")
@@ -152,17 +155,6 @@ class RetrievalLoop(ContinualLoop):
             "val_fpr95": fpr_at_tpr(val_known, val_unknown),
             "val_auroc_ood": auroc_known_vs_unknown(val_known, val_unknown),
         }
-
-    # ------------------------------------------------------------------ results
-    def final_metrics(self) -> dict[str, float]:
-        """The base loop's metrics (AM/FM from the Recall@1 matrix, FPR95, ...) and
-        ``recall_at_1`` / ``val_recall_at_1``: final-stage Recall@1 over all known-class
-        queries, pooled over clients."""
-        out = super().final_metrics()
-        last = self.stage_results[-1]
-        out["recall_at_1"] = last["recall_at_1"]
-        out["val_recall_at_1"] = last["val_recall_at_1"]
-        return out
 
 
 def _mean(x: Tensor) -> float:

@@ -1,10 +1,10 @@
-"""Runners decide where clients run. Same seed, same result, whichever runner.
+"""Runners decide where clients run (docs/scaling.md). Same seed, same result, whichever runner.
 
-Every runner is a :class:`Runner`: it has an ``executor`` (how one local fit runs), a ``world``
+A :class:`Runner` has an ``executor`` (how one local fit runs), a ``world``
 (:class:`~fedlightning.federation.world.World`: which process writes files),
-``run_round(round, clients, fit)``, which returns the clients' updates in the order given, and
-``evaluate(round, clients, evaluate)``, which returns each client's evaluation counts.
-Flower's runner (:mod:`fedlightning.flower`) is one too: its clients run on Flower nodes.
+``run_round(round, clients, fit)`` (the updates, in the order given) and
+``evaluate(round, clients, evaluate)`` (each client's evaluation counts). Flower's runner
+(:mod:`fedlightning.flower`) is one too.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ class Runner:
     world: World
 
     def begin(self, cfg: Any, run_dir: Any, hashes: dict[str, str]) -> None:
-        """Called once the run's config, directory and protocol hashes are known, before the
-        first round (a Flower runner sets its nodes up here)."""
+        """Before the first round, once the run's config, directory and protocol hashes are
+        known (a Flower runner sets its nodes up here)."""
 
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
@@ -51,8 +51,8 @@ class Runner:
     def evaluate(
         self, round: int, clients: Sequence[Any], evaluate: Callable[[Any], dict[str, int]]
     ) -> dict[int, dict[str, int]]:
-        """Client id -> ``evaluate(client)``, for every client (here: in this process, which
-        holds every client's data, as every rank of a distributed run does)."""
+        """Client id -> ``evaluate(client)``, in this process (which holds every client's
+        data, as every rank of a distributed run does)."""
         return {c.client_id: evaluate(c) for c in clients}
 
 
@@ -62,9 +62,9 @@ class SequentialRunner(Runner):
     Args:
         executor: the local-fit executor (:class:`~fedlightning.federation.executors.LeanExecutor`
             or :class:`~fedlightning.federation.executors.TrainerExecutor`).
-        progress: show a progress bar over clients when the terminal is interactive.
-        kill_at: fault injection for resume tests, ``"ROUND:N"``: the process kills itself
-            with SIGKILL after the N-th client fit of that round (mid-round, as a crash).
+        progress: a progress bar over clients when the terminal is interactive.
+        kill_at: fault injection for resume tests, ``"ROUND:N"``: SIGKILL this process
+            after the N-th client fit of that round (mid-round, as a crash).
     """
 
     name = "sequential"
@@ -78,7 +78,6 @@ class SequentialRunner(Runner):
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
     ) -> list[ClientUpdate]:
-        """Fit each client and return their updates in the order given."""
         updates = []
         for n, client in enumerate(client_bar(clients, round, desc, self.progress), start=1):
             updates.append(fit(client))
@@ -104,27 +103,21 @@ def kill_if(kill_at: tuple[int, int] | None, round: int, n: int) -> None:
 
 
 def contiguous_shares(n: int, size: int) -> list[range]:
-    """Positions ``0..n-1`` cut into ``size`` contiguous shares, in rank order, whose lengths
-    differ by at most one: rank ``r`` gets ``range(r n // size, (r + 1) n // size)``."""
+    """Positions ``0..n-1`` cut into ``size`` contiguous shares in rank order: rank ``r`` gets
+    ``range(r n // size, (r + 1) n // size)``."""
     return [range(r * n // size, (r + 1) * n // size) for r in range(size)]
 
 
 class DistributedRunner(Runner):
-    """Spreads each round's clients over the processes of a ``torchrun`` job.
+    """Spreads each round's clients over the processes of a ``torchrun`` job (docs/scaling.md).
 
-    Every rank holds the whole federated state (server, clients' data and state, ledger,
-    history) and runs the same loop. In a round, rank ``r`` fits its contiguous share of the
-    sampled clients (:func:`contiguous_shares`); then every rank gathers all shares' updates
-    and the fitted clients' persistent ``state`` (replay memory, teacher, ...) in client
-    order, so each rank runs the server step, the evaluation and any stage-end exchange on
-    exactly the inputs the sequential runner would give, and stays in sync. The global RNG
-    is then set on every rank to its state after the round's last fit, as in a sequential
-    run. Local fits are seeded by ``(seed, "fit", round, client)``, so results do not depend
-    on which rank fits a client: on CPU a run is bitwise equal to the sequential one.
-
-    Only rank 0 logs, prints and writes (run directory, checkpoints, MLflow); see
-    :func:`~fedlightning.federation.world.quiet_other_ranks`. Without ``torchrun`` the
-    runner is a world of one process and behaves like :class:`SequentialRunner`.
+    Every rank holds the whole federated state and runs the same loop. Rank ``r`` fits its
+    contiguous share of the round's clients (:func:`contiguous_shares`); every rank then
+    gathers all updates and the fitted clients' ``state`` in client order, and sets the
+    global RNG to its state after the round's last fit, so the server step, evaluation and
+    stage-end exchange see exactly a sequential run's inputs (bitwise on CPU). Only rank 0
+    logs and writes (:func:`~fedlightning.federation.world.quiet_other_ranks`). Without
+    ``torchrun`` it is a world of one process.
 
     Args:
         executor: the local-fit executor; its ``device`` is set to this rank's device.
@@ -132,10 +125,9 @@ class DistributedRunner(Runner):
         device: ``auto`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``cpu``
             or ``cuda``.
         timeout_s: seconds a rank waits for the others in a collective before it fails with
-            :class:`~fedlightning.federation.world.RankLost` (default ``600``): longer than
-            one rank's share of a round.
+            :class:`~fedlightning.federation.world.RankLost` (default ``600``).
         progress: a progress bar over rank 0's share, when the terminal is interactive.
-        kill_at: fault injection, ``"ROUND:N"``: the rank that fits the N-th sampled client of
+        kill_at: fault injection, ``"ROUND:N"``: the rank that fits the N-th client of
             ROUND kills itself with SIGKILL right after that fit.
     """
 

@@ -64,6 +64,18 @@ class ContinualLoop(FederatedLoop):
         **kw: as :class:`FederatedLoop`; ``rounds`` is set to ``T x rounds_per_stage``.
     """
 
+    # the last stage's metrics that the run's final metrics repeat
+    final_stage_metrics: tuple[str, ...] = (
+        "fpr95",
+        "auroc_ood",
+        "open_acc",
+        "val_fpr95",
+        "val_auroc_ood",
+        "d_sem",
+        "d_str",
+        "d_fed",
+    )
+
     def __init__(
         self,
         *args: Any,
@@ -316,18 +328,7 @@ class ContinualLoop(FederatedLoop):
             out[f"{prefix}fm"] = forgetting(m)
             out[f"{prefix}fm_diag"] = forgetting_diag(m)
         last = self.stage_results[-1]
-        for k in (
-            "fpr95",
-            "auroc_ood",
-            "open_acc",
-            "val_fpr95",
-            "val_auroc_ood",
-            "d_sem",
-            "d_str",
-            "d_fed",
-        ):
-            if k in last:
-                out[k] = last[k]
+        out.update({k: last[k] for k in self.final_stage_metrics if k in last})
         return out
 
     def summary_extras(self) -> dict[str, Any]:
