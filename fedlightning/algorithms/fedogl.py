@@ -18,7 +18,6 @@ import torch
 from fedlightning.algorithms.continual import ContinualFedAvg
 from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.callbacks import GradientProjection
-from fedlightning.clients.replay import stage_batch
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.structure import protected_biases, protected_inputs
@@ -154,15 +153,6 @@ class FedOGL(ContinualFedAvg):
             self.add_prototypes(module, client, broadcast.round, update)
         return update
 
-    def supervised_batch(self, client: FederatedClient, t: int):
-        known = torch.tensor(self.stream.known(t), dtype=torch.long)
-        return stage_batch(
-            client.data,
-            known,
-            self.supervised_classes(client.client_id, t),
-            torch.zeros(0, dtype=torch.long),
-        )
-
     def descriptors(self, net: Any, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Memory descriptors by bank: ``{"": (z, sup_mask)}``, the fused ``z`` of Eq. (10)."""
         return {"": (net.representations(batch)["z"], batch.sup_mask)}
@@ -174,7 +164,7 @@ class FedOGL(ContinualFedAvg):
         """Eq. (11): prototypes of each bank's descriptors per observed class of this stage,
         with their support, as fields ``proto.[<bank>.]<c>.<q>`` (and ``proto_count.``)."""
         t = self.stage_of(round)
-        batch = self.supervised_batch(client, t)
+        batch = self.batch_at(client, t, replay=False)
         module.net.eval()
         banks = self.descriptors(module.net, batch)
         module.net.train()
@@ -200,7 +190,7 @@ class FedOGL(ContinualFedAvg):
         if not self.projection:
             return None
         module.receive(model_state(broadcast.tensors))
-        batch = self.supervised_batch(client, t)
+        batch = self.batch_at(client, t, replay=False)
         if int(batch.sup_mask.sum()) == 0:
             return None
         module.net.eval()

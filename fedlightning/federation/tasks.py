@@ -75,11 +75,6 @@ class TaskContext:
     executor: Any
 
 
-def pool(batches: Sequence[Batch]) -> Batch:
-    """The union of several supports (pooled training)."""
-    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-
-
 def as_single(batch: Batch) -> Batch:
     """One segment as a one-client stack (the server's evaluation batches)."""
     return stack_batches([batch])
@@ -123,6 +118,8 @@ class TaskLoop(Schedule):
         on_task_end: ``(task_index, metrics) -> None`` after the checkpoint.
     """
 
+    pooled = False  # the clients' supports are pooled: no messages, no bank sent
+
     def __init__(
         self,
         algorithm: Any,
@@ -147,7 +144,6 @@ class TaskLoop(Schedule):
         self.bank_values = bank_values
         self.on_task_end, self.progress = on_task_end, progress
         self.results: list[dict[str, float]] = []
-        self.pooled = False  # the clients' supports are pooled: no messages, no bank sent
         self.provisioned: set[int] = set()
 
     # ------------------------------------------------------------------ one family
@@ -174,7 +170,7 @@ class TaskLoop(Schedule):
                 r,
                 server,
                 self.runner,
-                members(task.clients),
+                [Member(k) for k in task.clients],
                 work,
                 self.ledger,
                 prefix=family,
@@ -286,15 +282,14 @@ class PooledTaskLoop(TaskLoop):
     holds the union of the task's supports fits ``rounds x epochs`` steps; its support
     moves raw, so no message is counted and no client is sent the bank."""
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.pooled = True
+    pooled = True
 
     def federate(self, task: TaskBatches, family: str) -> tuple[PromptAdapter, dict[int, Tensor]]:
         """The adapter after the pooled fit, and the pooled support's class prototypes."""
         adapter = self.new_adapter(task, family)
         module = self.algorithm.task_module(adapter, family)
-        pooled = stack_batches([pool(list(task.clients.values()))])
+        supports = list(task.clients.values())
+        pooled = stack_batches([{k: torch.cat([b[k] for b in supports]) for k in supports[0]}])
         module.receive(adapter.state_dict(), {}, 1)
         torch.manual_seed(derive_seed(self.seed, "fit", task.task, family))
         self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
@@ -316,8 +311,3 @@ class Member:
 
     client_id: int
     state: None = None
-
-
-def members(ids: Sequence[int]) -> list[Member]:
-    """The clients ``ids`` as the runner's ``run_round`` takes them."""
-    return [Member(k) for k in ids]
