@@ -40,8 +40,7 @@ class Algorithm:
     """The verbs a federated method declares; the schedules and the round call only these.
 
     Every verb has a default, so a method overrides what it changes (docs/architecture.md,
-    "Adding a method"). :meth:`fit_clients` returning ``None`` means the clients fit one at
-    a time through :meth:`local_fit`; :meth:`stage_end_update` is asked only when
+    "Adding a method"). :meth:`stage_end_update` is asked only when
     :attr:`stage_end_exchange` is true.
 
     Attributes:
@@ -94,10 +93,6 @@ class Algorithm:
         module.receive(model_state(broadcast.tensors))
         executor.fit(module, client.data, epochs, self.callbacks())
         return self.make_update(module, client, broadcast.round)
-
-    def fit_clients(self, *args: Any, **kw: Any) -> list[ClientUpdate] | None:
-        """Several clients' fits at once (stacked); ``None``: fit them one at a time."""
-        return None
 
     def stage_end_update(
         self, module: Any, client: FederatedClient, broadcast: ServerBroadcast, stage: int
