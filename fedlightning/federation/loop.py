@@ -111,14 +111,11 @@ class FederatedLoop(Schedule):
     """Runs rounds ``start..rounds`` and checkpoints the whole federated state after each.
 
     Args:
-        algorithm: the wiring (client procedure, server).
+        algorithm, server, clients, runner: the method, its server, all clients, where they run.
         module: the client LightningModule, shared by all clients (their persistent state
             lives in :attr:`FederatedClient.state`, not in the module).
-        server: the :class:`~fedlightning.server.Server`.
-        clients: all clients.
-        runner: where clients run (e.g. :class:`SequentialRunner`).
-        rounds, participation, local_epochs: from ``federation``.
-        seed: the training seed; every local fit is seeded by ``(seed, round, client)``.
+        rounds, participation, local_epochs, seed: from the config; every local fit is
+            seeded by ``(seed, "fit", round, client)``.
         checkpoint_path: where to write the state after every round (``None``: nowhere).
         on_round_end: ``(round, metrics) -> None`` after the checkpoint, e.g. MLflow logging.
     """

@@ -60,8 +60,7 @@ class SequentialRunner(Runner):
     """Runs the sampled clients one after another in this process.
 
     Args:
-        executor: the local-fit executor (:class:`~fedlightning.federation.executors.LeanExecutor`
-            or :class:`~fedlightning.federation.executors.TrainerExecutor`).
+        executor: the local-fit executor (:mod:`~fedlightning.federation.executors`).
         progress: a progress bar over clients when the terminal is interactive.
         kill_at: fault injection for resume tests, ``"ROUND:N"``: SIGKILL this process
             after the N-th client fit of that round (mid-round, as a crash).

@@ -104,18 +104,18 @@ class TaskLoop(Schedule):
     """Runs the task manifest (module docstring).
 
     Args:
-        algorithm: the :class:`~fedlightning.algorithms.fedtip.FedTIP` configuration (or a
-            subclass: the full-model comparator).
+        algorithm: the :class:`~fedlightning.algorithms.fedtip.FedTIP` configuration.
         tasks: every task's client batches, in task order.
         eval_batches: ``{"val": batch, "test": batch}``, the server's segments.
         families: task families to run (``nc`` needs state labels).
         dims: ``(d_h, d_t, d_e)`` of the adapter.
         runner: runs a round's clients (its ``executor`` runs the local fits).
-        rounds, epochs: R and E.
-        seed: every draw is keyed by ``(seed, task, family, round, client)``.
+        rounds, epochs, seed: R, E, and the seed every draw is keyed by (with task, family,
+            round, client).
         bank_values: :math:`|\\mathcal{B}_0|`, float32 values of the bank (Eq. 33).
-        checkpoint_path: the state after each task (``None``: nowhere).
-        on_task_end: ``(task_index, metrics) -> None`` after the checkpoint.
+        checkpoint_path, on_task_end: as :class:`~fedlightning.federation.loop.FederatedLoop`'s,
+            per task (``on_task_end(task_index, metrics)``).
+        progress: the bar over tasks.
     """
 
     pooled = False  # the clients' supports are pooled: no messages, no bank sent

@@ -36,23 +36,13 @@ class RankLost(FedLightningError):
 
 @dataclass
 class World:
-    """The ranks of a run, as this process sees them.
-
-    Args:
-        rank: this process's global rank (default ``0``).
-        size: number of processes (default ``1``).
-        local_rank: rank on this node; picks the GPU (default ``0``).
-        device: where local fits run (default CPU).
-        backend: the process group's backend; ``None`` without a process group.
-        timeout_s: the process group's timeout in seconds (``0``: none).
-        run_dir: the run directory, named in the error that tells how to resume.
-    """
+    """The ranks of a run, as this process sees them: this process's global ``rank`` among
+    ``size``, the ``device`` of its local fits, the process group's ``timeout_s`` (``0``:
+    none) and the ``run_dir`` named in the error that tells how to resume."""
 
     rank: int = 0
     size: int = 1
-    local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    backend: str | None = None
     timeout_s: float = 0.0
     run_dir: Path | None = None
 
@@ -152,8 +142,7 @@ def join_world(backend: str = "auto", device: str = "auto", timeout_s: float = 6
         raise ConfigError("runner.backend", f"must be one of {BACKENDS}, got {backend!r}")
     if timeout_s <= 0:
         raise ConfigError("runner.timeout_s", f"must be > 0, got {timeout_s}")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    dev = pick_device(device, local_rank)
+    dev = pick_device(device, int(os.environ.get("LOCAL_RANK", 0)))
     if "WORLD_SIZE" not in os.environ:  # not under torchrun: one process, no group
         return World(device=dev, timeout_s=timeout_s)
     if backend == "auto":
@@ -165,14 +154,7 @@ def join_world(backend: str = "auto", device: str = "auto", timeout_s: float = 6
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         atexit.register(_leave)
-    return World(
-        rank=dist.get_rank(),
-        size=dist.get_world_size(),
-        local_rank=local_rank,
-        device=dev,
-        backend=dist.get_backend(),
-        timeout_s=timeout_s,
-    )
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), device=dev, timeout_s=timeout_s)
 
 
 def _leave() -> None:
