@@ -57,10 +57,6 @@ def _single_optimizer(conf: Any) -> torch.optim.Optimizer:
     )
 
 
-def _as_device(device: str | torch.device | None) -> torch.device | None:
-    return None if device is None else torch.device(device)
-
-
 class LeanExecutor:
     """Run ``epochs`` full-batch steps with Lightning's hook order, without a Trainer.
 
@@ -71,7 +67,7 @@ class LeanExecutor:
     name = "lean"
 
     def __init__(self, device: str | torch.device | None = None) -> None:
-        self.device = _as_device(device)
+        self.device = None if device is None else torch.device(device)
 
     def fit(
         self,
@@ -166,7 +162,7 @@ class TrainerExecutor:
     ) -> None:
         self.accelerator, self.devices, self.precision = accelerator, devices, precision
         self.strategy = strategy
-        self.device = _as_device(device)
+        self.device = None if device is None else torch.device(device)
 
     def fit(
         self,

@@ -23,14 +23,6 @@ from fedlightning.utils.seeding import rng_state, set_rng_state
 FitFn = Callable[[Any], ClientUpdate]
 
 
-def parse_kill_at(kill_at: str | None) -> tuple[int, int] | None:
-    """``"ROUND:N"`` -> ``(ROUND, N)`` (``None`` stays ``None``)."""
-    if not kill_at:
-        return None
-    round_, n = (int(x) for x in str(kill_at).split(":"))
-    return round_, n
-
-
 class Runner:
     """Where a round's clients run. Subclasses implement :meth:`run_round`."""
 
@@ -69,36 +61,41 @@ class SequentialRunner(Runner):
     name = "sequential"
 
     def __init__(self, executor: Any, progress: bool = True, kill_at: str | None = None) -> None:
-        self.executor = executor
-        self.world = World()
-        self.progress = progress
-        self.kill_at = parse_kill_at(kill_at)
+        self.executor, self.world, self.progress = executor, World(), progress
+        self.kill_at = None
+        if kill_at:  # "ROUND:N"
+            round_, n = (int(x) for x in str(kill_at).split(":"))
+            self.kill_at = (round_, n)
 
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
     ) -> list[ClientUpdate]:
+        """Fit this rank's share (:func:`contiguous_shares`: every client in a world of one)
+        and, among several ranks, gather every share; all updates, in the order given."""
+        share = contiguous_shares(len(clients), self.world.size)[self.world.rank]
+        bar = tqdm(
+            share,
+            desc=desc or f"round {round}",
+            unit="client",
+            leave=False,
+            disable=None if self.progress else True,
+        )
+        mine = []
+        for i in bar:
+            mine.append((fit(clients[i]), clients[i].state))
+            if self.kill_at == (round, i + 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+        if self.world.size == 1:
+            return [update for update, _ in mine]
+        last_rng = rng_state() if mine else None
+        parts = self.world.all_gather((mine, last_rng), f"gathering round {round}")
+        results = [r for part, _ in parts for r in part]
         updates = []
-        for n, client in enumerate(client_bar(clients, round, desc, self.progress), start=1):
-            updates.append(fit(client))
-            kill_if(self.kill_at, round, n)
+        for client, (update, state) in zip(clients, results, strict=True):
+            client.state = state  # the fitting rank's state, now on every rank
+            updates.append(update)
+        set_rng_state(next(rng for _, rng in reversed(parts) if rng is not None))
         return updates
-
-
-def client_bar(items: Sequence[Any], round: int, desc: str, progress: bool) -> Any:
-    """A progress bar over a round's clients (shown only on an interactive terminal)."""
-    return tqdm(
-        items,
-        desc=desc or f"round {round}",
-        unit="client",
-        leave=False,
-        disable=None if progress else True,
-    )
-
-
-def kill_if(kill_at: tuple[int, int] | None, round: int, n: int) -> None:
-    """Fault injection: SIGKILL this process after the ``n``-th fit of ``round``."""
-    if kill_at == (round, n):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def contiguous_shares(n: int, size: int) -> list[range]:
@@ -107,7 +104,7 @@ def contiguous_shares(n: int, size: int) -> list[range]:
     return [range(r * n // size, (r + 1) * n // size) for r in range(size)]
 
 
-class DistributedRunner(Runner):
+class DistributedRunner(SequentialRunner):
     """Spreads each round's clients over the processes of a ``torchrun`` job (docs/scaling.md).
 
     Every rank holds the whole federated state and runs the same loop. Rank ``r`` fits its
@@ -141,30 +138,10 @@ class DistributedRunner(Runner):
         progress: bool = True,
         kill_at: str | None = None,
     ) -> None:
-        self.executor = executor
+        super().__init__(executor, progress, kill_at)
         self.world = join_world(backend, device, float(timeout_s))
         self.executor.device = self.world.device
         self.progress = progress and self.world.is_main
-        self.kill_at = parse_kill_at(kill_at)
         if self.world.size > 1:
             quiet_other_ranks(self.world)
             self.world.stop_on_sigterm()
-
-    def run_round(
-        self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
-    ) -> list[ClientUpdate]:
-        """Fit this rank's share, gather every share, return all updates in the order given."""
-        share = contiguous_shares(len(clients), self.world.size)[self.world.rank]
-        mine = []
-        for i in client_bar(share, round, desc, self.progress):
-            mine.append((fit(clients[i]), clients[i].state))
-            kill_if(self.kill_at, round, i + 1)
-        last_rng = rng_state() if mine else None
-        parts = self.world.all_gather((mine, last_rng), f"gathering round {round}")
-        results = [r for part, _ in parts for r in part]
-        updates = []
-        for client, (update, state) in zip(clients, results, strict=True):
-            client.state = state  # the fitting rank's state, now on every rank
-            updates.append(update)
-        set_rng_state(next(rng for _, rng in reversed(parts) if rng is not None))
-        return updates

@@ -172,18 +172,7 @@ class ContinualLoop(FederatedLoop):
         rounds = range(t * self.rounds_per_stage + 1, (t + 1) * self.rounds_per_stage + 1)
         k = len(self.clients)
         took_part = {c for r in rounds for c in sample_clients(self.seed, r, k, self.participation)}
-        federated_round(
-            round,
-            self.server,
-            self.runner,
-            [self.clients[c] for c in sorted(took_part)],
-            self.stage_end_work(t),
-            self.ledger,
-            aggregate=lambda _, updates: self.server.end_stage(t, updates),
-            desc=f"stage {t + 1} end",
-        )
 
-    def stage_end_work(self, t: int) -> Callable[[ServerBroadcast], ClientWork]:
         def work(broadcast: ServerBroadcast) -> ClientWork:
             return ClientWork(
                 one=lambda c: self.algorithm.stage_end_update(self.module, c, broadcast, t),
@@ -191,7 +180,16 @@ class ContinualLoop(FederatedLoop):
                 params={"stage": t},
             )
 
-        return work
+        federated_round(
+            round,
+            self.server,
+            self.runner,
+            [self.clients[c] for c in sorted(took_part)],
+            work,
+            self.ledger,
+            aggregate=lambda _, updates: self.server.end_stage(t, updates),
+            desc=f"stage {t + 1} end",
+        )
 
     def evaluate_stage(self, t: int) -> dict[str, float]:
         """The open-world evaluation after stage ``t`` (0-based)."""
