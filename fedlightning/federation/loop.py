@@ -237,16 +237,10 @@ class FederatedLoop(Schedule):
         return [plot_curves(self.history, run_dir / "curves.png", title=title)]
 
     # ------------------------------------------------------------------ state
-    def extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        pass
-
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
-            "extra": self.extra_state(),
+            "extra": {},  # a subclass's own state
             "completed_rounds": self.completed_rounds,
             "server": self.server.state_dict(),
             "clients": {c.client_id: c.state for c in self.clients},
@@ -261,5 +255,4 @@ class FederatedLoop(Schedule):
             c.state = state["clients"][c.client_id]
         super().load_state_dict(state)
         self.history = list(state["history"])
-        self.load_extra_state(state["extra"])
         set_rng_state(state["rng"])

@@ -358,8 +358,8 @@ class ContinualLoop(FederatedLoop):
         return paths
 
     # ------------------------------------------------------------------ state
-    def extra_state(self) -> dict[str, Any]:
-        return {
+    def state_dict(self) -> dict[str, Any]:
+        extra = {
             "rows": self.rows,
             "client_rows": self.client_rows,
             "stage_results": self.stage_results,
@@ -367,8 +367,11 @@ class ContinualLoop(FederatedLoop):
             "centroids_at_intro": self.centroids_at_intro,
             "bases_at_end": self.bases_at_end,
         }
+        return {**super().state_dict(), "extra": extra}
 
-    def load_extra_state(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        state = state["extra"]
         self.rows, self.client_rows = state["rows"], state["client_rows"]
         self.stage_results = state["stage_results"]
         self.test_scores = state.get("test_scores", [])
