@@ -17,6 +17,7 @@ import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import lightning.pytorch as pl
@@ -134,10 +135,6 @@ class _OneBatch(torch.utils.data.Dataset):
         return copy.copy(self.batch)  # Lightning moves a PyG Data in place: move a copy
 
 
-def _first(items: list[Any]) -> Any:
-    return items[0]
-
-
 class TrainerExecutor:
     """Run the local fit with a fresh ``lightning.Trainer`` (one full-batch step per epoch).
 
@@ -191,6 +188,6 @@ class TrainerExecutor:
         # A private generator keeps the DataLoader from drawing on the global RNG, so both
         # executors consume the same random numbers (dropout) and give the same weights.
         loader = DataLoader(
-            _OneBatch(batch), batch_size=1, collate_fn=_first, generator=torch.Generator()
+            _OneBatch(batch), batch_size=1, collate_fn=itemgetter(0), generator=torch.Generator()
         )
         trainer.fit(module, train_dataloaders=loader)
