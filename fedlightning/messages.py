@@ -9,13 +9,8 @@ from torch import Tensor
 
 @dataclass
 class Message:
-    """Named tensors and numeric scalars sent across the boundary.
-
-    Args:
-        round: the federated round the message belongs to (1-based).
-        tensors: field name -> tensor. Every element is one transmitted value.
-        scalars: field name -> number. Every scalar is one transmitted value.
-    """
+    """Named tensors and numeric scalars sent across the boundary, in a (1-based) ``round``;
+    every tensor element and every scalar is one transmitted value."""
 
     round: int
     tensors: dict[str, Tensor] = field(default_factory=dict)
@@ -38,13 +33,8 @@ class ServerBroadcast(Message):
 
 @dataclass
 class ClientUpdate(Message):
-    """Client -> server: a client's result of one round.
-
-    Args:
-        client_id: the sending client.
-        num_examples: training examples behind the update (FedAvg weight). Sent as the
-            scalar field ``num_examples`` so that it is counted like every other value.
-    """
+    """Client -> server: a client's result of one round. Its FedAvg weight travels as the
+    scalar field ``num_examples``, counted like every other value."""
 
     client_id: int = -1
 
@@ -63,7 +53,6 @@ def prefixed(message: Message, prefix: str) -> Message:
     the per-field ledger, say); ``prefix=""`` returns ``message`` itself."""
     if not prefix:
         return message
-    out = Message(round=message.round)
-    out.tensors = {f"{prefix}/{k}": v for k, v in message.tensors.items()}
-    out.scalars = {f"{prefix}/{k}": v for k, v in message.scalars.items()}
-    return out
+    tensors = {f"{prefix}/{k}": v for k, v in message.tensors.items()}
+    scalars = {f"{prefix}/{k}": v for k, v in message.scalars.items()}
+    return Message(message.round, tensors, scalars)

@@ -18,18 +18,10 @@ def symmetric_info_nce(q: Tensor, k: Tensor, temperature: float = 0.1) -> Tensor
         -\log \frac{e^{S_{ii}/T}}{\sum_{l} e^{S_{li}/T}} \Big],
         \qquad S = q k^\top
 
-    i.e. the mean of ``CE(q k^T / T, arange(n))`` and ``CE(k q^T / T, arange(n))``. With
-    L2-normalised rows :math:`S` is the cosine similarity. One pair gives ``0`` (nothing to
+    i.e. the mean of ``CE(q k^T / T, arange(n))`` and ``CE(k q^T / T, arange(n))``; with
+    L2-normalised rows :math:`S` is the cosine similarity. ``q`` :math:`(n, d)` pairs row
+    by row with ``k`` :math:`(n, d)`; returns a scalar. One pair gives ``0`` (nothing to
     contrast with); no pair gives a zero that keeps the graph.
-
-    Args:
-        q: query embeddings; row ``i`` pairs with row ``i`` of ``k``.
-        k: item embeddings.
-        temperature: :math:`T > 0` (default ``0.1``).
-
-    Shapes:
-        - **input:** ``q`` :math:`(n, d)`, ``k`` :math:`(n, d)`
-        - **output:** scalar
     """
     if q.shape != k.shape:
         raise ValueError(f"q and k must pair row by row, got {tuple(q.shape)} and {tuple(k.shape)}")

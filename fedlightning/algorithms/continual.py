@@ -19,7 +19,7 @@ from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm, FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server import Server, fedavg
-from fedlightning.server.aggregate import as_model_fields, model_state
+from fedlightning.server.aggregate import model_state
 from fedlightning.utils.seeding import torch_generator
 
 SCORES = ("msp", "energy")
@@ -146,6 +146,13 @@ class ContinualFedAvg(Algorithm):
         parts = [memory[s] for s in range(t - q, t) if s in memory]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
+    def batch_at(self, client: FederatedClient, t: int, replay: bool = True) -> Any:
+        """The client's training batch of stage ``t`` (:func:`stage_batch`), with its replay
+        memory (``replay=False``: without)."""
+        known = torch.tensor(self.stream.known(t), dtype=torch.long)
+        nodes = self.replay_nodes(client, t) if replay else torch.zeros(0, dtype=torch.long)
+        return stage_batch(client.data, known, self.supervised_classes(client.client_id, t), nodes)
+
     def local_fit(
         self,
         module: ContinualNodeClassifier,
@@ -161,17 +168,9 @@ class ContinualFedAvg(Algorithm):
         module.receive(global_state)
         known = torch.tensor(self.stream.known(t), dtype=torch.long)
         module.set_stage(known, client.state.get("teacher"), client.state.get("teacher_known"))
-        batch = stage_batch(
-            client.data,
-            known,
-            self.supervised_classes(client.client_id, t),
-            self.replay_nodes(client, t),
-        )
+        batch = self.batch_at(client, t)
         executor.fit(module, batch, epochs, self.callbacks())
+        update = self.make_update(module, client, broadcast.round)
         examples = int(batch.sup_mask.sum()) + int(batch.replay_mask.sum())
-        return ClientUpdate(
-            round=broadcast.round,
-            client_id=client.client_id,
-            tensors=as_model_fields(detach_state(module.net.state_dict())),
-            scalars={"num_examples": float(examples), "train_loss": module.last_loss},
-        )
+        update.scalars["num_examples"] = float(examples)
+        return update

@@ -18,7 +18,6 @@ import torch
 from fedlightning.algorithms.continual import ContinualFedAvg
 from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.callbacks import GradientProjection
-from fedlightning.clients.replay import stage_batch
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.structure import protected_biases, protected_inputs
@@ -43,11 +42,8 @@ class FedOGL(ContinualFedAvg):
         replay, distill, projection, prototypes: the four modules (ablations of Table 2).
         replay_budget, replay_stages, lambda_rep, lambda_dis, tau, distill_on, prox_mu,
             score: as :class:`ContinualFedAvg` (Eq. (5), Eq. (6)).
-        basis: ``rank_local`` (``r_l``, default 8), ``rank`` (``r``, 16), ``rho`` (1.0),
-            ``include_mean`` (True), ``class_balanced`` (True), ``project_update`` (True).
-        proto: ``modes`` (1), ``slots`` (``S``, 4), ``eta`` (0.8), ``kappa`` (3),
-            ``gamma`` (0.5), ``lambda_lab`` (1.0), ``lambda_tr`` (1.0), ``steps`` (5),
-            ``lr`` (0.05), ``window`` (3).
+        basis, proto: overrides of :attr:`BASIS_DEFAULTS` (``rank_local`` is ``r_l``,
+            ``rank`` is ``r``) and :attr:`PROTO_DEFAULTS` (``slots`` is ``S``).
     """
 
     stage_end_exchange = True
@@ -154,15 +150,6 @@ class FedOGL(ContinualFedAvg):
             self.add_prototypes(module, client, broadcast.round, update)
         return update
 
-    def supervised_batch(self, client: FederatedClient, t: int):
-        known = torch.tensor(self.stream.known(t), dtype=torch.long)
-        return stage_batch(
-            client.data,
-            known,
-            self.supervised_classes(client.client_id, t),
-            torch.zeros(0, dtype=torch.long),
-        )
-
     def descriptors(self, net: Any, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Memory descriptors by bank: ``{"": (z, sup_mask)}``, the fused ``z`` of Eq. (10)."""
         return {"": (net.representations(batch)["z"], batch.sup_mask)}
@@ -174,7 +161,7 @@ class FedOGL(ContinualFedAvg):
         """Eq. (11): prototypes of each bank's descriptors per observed class of this stage,
         with their support, as fields ``proto.[<bank>.]<c>.<q>`` (and ``proto_count.``)."""
         t = self.stage_of(round)
-        batch = self.supervised_batch(client, t)
+        batch = self.batch_at(client, t, replay=False)
         module.net.eval()
         banks = self.descriptors(module.net, batch)
         module.net.train()
@@ -200,7 +187,7 @@ class FedOGL(ContinualFedAvg):
         if not self.projection:
             return None
         module.receive(model_state(broadcast.tensors))
-        batch = self.supervised_batch(client, t)
+        batch = self.batch_at(client, t, replay=False)
         if int(batch.sup_mask.sum()) == 0:
             return None
         module.net.eval()
@@ -227,16 +214,10 @@ class FedOGL(ContinualFedAvg):
 
 
 class RetrievalFedOGL(ContinualRetrieval, FedOGL):
-    """FedOGL for class-incremental cross-modal retrieval (methods.md, retrieval task).
-
-    The same three modules on :class:`~fedlightning.models.cross_modal.CrossModalGNN`:
-    Eq. (5) with InfoNCE and distillation of the teacher's similarity logits
-    (:class:`~fedlightning.clients.continual_retrieval.ContinualRetrievalClient`); the protected
-    layer is the last GNN layer of each tower (Eqs. (7)-(9)); prototypes are per class and
-    per modality, the tower output ``g_m`` before the head (Eq. (11)), and the server
-    aligns the two modalities' class prototypes on their prototype graphs, updating the
-    projection heads (:class:`~fedlightning.server.fedogl.AlignmentMemory`). Rejection is
-    by a query's highest similarity to the known-class items.
+    """FedOGL for class-incremental cross-modal retrieval (docs/fedogl.md, "Retrieval"): Eq.
+    (5) with InfoNCE, the last GNN layer of each tower shielded (Eqs. (7)-(9)), prototypes
+    per class and modality (Eq. (11)) aligned on the server
+    (:class:`~fedlightning.server.fedogl.AlignmentMemory`), similarity rejection.
 
     Args:
         score, temperature: as :class:`~fedlightning.algorithms.retrieval.ContinualRetrieval`.

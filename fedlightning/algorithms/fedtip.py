@@ -1,25 +1,8 @@
-r"""FedTIP (paper 001) and its comparators and ablations, each one config of :class:`FedTIP`.
+"""FedTIP (paper 001) and its comparators and ablations, each one config of :class:`FedTIP`
+(``prompt_fedavg``, ``prompt_central``, the switches of Table 4: docs/fedtip.md).
 
-=====================  ==================================================================
-``name``               what changes (``conf/algorithm/*.yaml``)
-=====================  ==================================================================
-``fedtip``             the method: reliability weights, anchors, interaction prompt
-``prompt_fedavg``      the same adapter, plain support-weighted averaging, no anchors,
-                       no proximal term (paper Table 3, "FedAvg")
-``prompt_central``     the same adapter trained on the pooled support of the task's
-                       clients for R x E steps (Table 3, centralized)
-``fulltune_fedavg``    the encoder fine-tuned with the adapter, the whole model averaged
-                       (FedAvg), for the uplink comparison (Sec. 5.4)
-=====================  ==================================================================
-
-Ablations (Table 4) are switches of ``fedtip``: ``prompt=static`` (ICP),
-``anchors=false`` (PA: :math:`\lambda_a = 0`, no anchor exchange), ``aggregation=fedavg``
-(RWA: :math:`r_k = 1`), both together, and two bank switches (``bank.pretrained=false``,
-TKB; ``bank.negatives=unfiltered`` with ``algorithm.negatives=unfiltered``, FTN).
-
-The uplink message (Eq. 2) carries only the fields a configuration uses: the adapter delta,
-per-class prototypes and counts, and, with reliability weights, the label coverage and the
-update norm (:meth:`FedTIP.message_fields`).
+The uplink message (Eq. 2) carries only the fields a configuration uses
+(:meth:`FedTIP.message_fields`).
 """
 
 from __future__ import annotations
@@ -66,13 +49,8 @@ NEGATIVES = ("protocol", "unfiltered")
 
 @dataclass
 class FedTIP(Algorithm):
-    """One FedTIP configuration (defaults: paper Sec. 5.1.4; docs/fedtip.md).
-
-    As an :class:`~fedlightning.federation.algorithm.Algorithm` it runs on the task
-    schedule (:class:`~fedlightning.federation.tasks.TaskLoop`) and declares the task verbs
-    the schedule calls: :meth:`task_module`, :meth:`task_server`, :meth:`task_work` (the
-    round's clients fitted at once, as one stack), :meth:`task_result` and
-    :meth:`task_segments`.
+    """One FedTIP configuration (defaults: paper Sec. 5.1.4; docs/fedtip.md), run on the task
+    schedule (:class:`~fedlightning.federation.tasks.TaskLoop`) through its task verbs.
 
     Args:
         name: the method's name in reports (``fedtip``, ``prompt_fedavg``, ``prompt_central``).
@@ -126,9 +104,9 @@ class FedTIP(Algorithm):
             self.loop_class = PooledTaskLoop
 
     def variant(self, pretrained_bank: bool = True, filtered_bank: bool = True) -> str:
-        """The Table 4 ablation this run is: ``no_`` and the removed components in the
-        paper's order (``tkb``, ``icp``, ``pa``, ``rwa``, ``ftn``), or ``full``. FTN counts as
-        removed when either the bank's or the supports' negatives are unfiltered."""
+        """The Table 4 ablation: ``no_`` and the removed components in the paper's order
+        (``tkb``, ``icp``, ``pa``, ``rwa``, ``ftn``; FTN when either the bank's or the
+        supports' negatives are unfiltered), or ``full``."""
         on = {
             "tkb": pretrained_bank,
             "icp": self.prompt == "interaction",
@@ -170,11 +148,10 @@ class FedTIP(Algorithm):
 
     # ------------------------------------------------------------------ task verbs
     def attach(self, snapshot: Any, protocol: Any) -> None:
-        """The bank's snapshot encoder and the temporal protocol, before the first task
-        (used by a comparator that tunes the encoder)."""
+        """The bank's snapshot encoder and the temporal protocol, before the first task (for
+        a comparator that tunes the encoder)."""
 
     def task_module(self, adapter: PromptAdapter, family: str) -> FedTIPClient:
-        """The client module of one task and family."""
         return self.client_module(adapter, family)
 
     def task_server(self, module: FedTIPClient) -> FedTIPServer:
@@ -207,8 +184,8 @@ class FedTIP(Algorithm):
         share: range,
     ) -> list[ClientUpdate]:
         """The updates of the task's clients at positions ``share`` after one local fit of
-        them as one stack, padded as the whole round's and with its dropout draws, so each
-        client's update is the one it gets in the whole round's stack."""
+        them as one stack, padded as the whole round's and with its dropout draws: each
+        client's update is bitwise the one it gets in the whole round's stack (on CPU)."""
         ids = task.active
         mine = [ids[i] for i in share]
         module.receive(omega, anchors, len(mine), share.start, len(ids))
@@ -230,9 +207,8 @@ class FedTIP(Algorithm):
         return segments
 
     def message_fields(self, family: str) -> tuple[str, ...]:
-        """The uplink fields this configuration needs: the delta and the class counts
-        always; prototypes for anchors or for scoring node classification; coverage and
-        norm for reliability weights."""
+        """The uplink fields: delta and class counts; prototypes for anchors or node
+        classification; coverage and norm for reliability weights."""
         fields = ["delta", "counts"]
         if self.anchors or family == "nc":
             fields.append("prototypes")
@@ -258,9 +234,8 @@ class FedTIP(Algorithm):
         client_ids: Sequence[int],
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> list[ClientUpdate]:
-        """The messages of Eq. (2) of the stacked clients after a local fit, from the
-        trained adapter in eval mode: ``delta``, ``proto.<c>`` and ``count.<c>`` per
-        observed class, ``coverage``, ``norm`` (only the :meth:`message_fields`)."""
+        """The stacked clients' messages of Eq. (2) (:meth:`message_fields` only), from the
+        trained adapter in eval mode."""
         module.eval()
         family, fields = module.family, self.message_fields(module.family)
         with torch.no_grad():

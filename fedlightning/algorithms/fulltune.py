@@ -1,12 +1,9 @@
 """Full-model FedAvg, FedTIP's uplink comparator (paper 001, Table 3 and Sec. 5.4).
 
-Every client fine-tunes the bank's encoder with the adapter
-(:class:`~fedlightning.clients.fulltune.FullTuneClient`), the server averages the whole
-model weighted by support size (FedAvg), and the message is the whole model's delta with the
-class counts (and the prototypes node classification is scored against). Since the encoder
-changes, the server re-streams its validation and test segments from the bank's snapshot
-with the task's final encoder before scoring them. The schedule is FedTIP's task loop; this
-class only declares its task verbs.
+Every client fine-tunes the bank's encoder with the adapter; the server averages the whole
+model weighted by support size, and re-streams its validation and test segments with the
+task's final encoder before scoring them. The message is the whole model's delta with the
+class counts (and, for node classification, the prototypes).
 """
 
 from __future__ import annotations
@@ -40,11 +37,8 @@ from fedlightning.utils.seeding import derive_seed
 
 @dataclass
 class FullTuneFedAvg(FedTIP):
-    """``fulltune_fedavg``: the encoder fine-tuned with the adapter, the whole model averaged.
-
-    :meth:`attach` hands it the bank's snapshot encoder and the temporal protocol (the
-    server's segments and their negatives) before the first task.
-    """
+    """``fulltune_fedavg`` (module docstring); :meth:`attach` hands it the bank's snapshot
+    encoder and the temporal protocol before the first task."""
 
     name: str = "fulltune_fedavg"
     mode: str = "fulltune"

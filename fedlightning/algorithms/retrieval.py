@@ -1,11 +1,4 @@
-"""Class-incremental cross-modal retrieval baselines of the FedOGL setting, as compositions.
-
-The same switches as :class:`~fedlightning.algorithms.continual.ContinualFedAvg` (replay
-budget, distillation, FedProx) with the retrieval client of
-:mod:`fedlightning.clients.continual_retrieval` and the retrieval loop of
-:mod:`fedlightning.federation.retrieval_stages`. The rejection score is the query's highest
-similarity to the known-class items; no energy variant exists for retrieval.
-"""
+"""Class-incremental cross-modal retrieval baselines of the FedOGL setting, as compositions."""
 
 from __future__ import annotations
 
@@ -22,19 +15,16 @@ RETRIEVAL_SCORES = ("similarity",)
 
 
 class ContinualRetrieval(ContinualFedAvg):
-    """FedAvg for cross-modal retrieval in the class-incremental stream.
-
-    Replay, task-start distillation (on similarity logits) and FedProx as in
-    :class:`~fedlightning.algorithms.continual.ContinualFedAvg`; training runs
-    :class:`~fedlightning.clients.continual_retrieval.ContinualRetrievalClient` and evaluation
-    :class:`~fedlightning.federation.retrieval_stages.RetrievalLoop` (Recall@1 in the accuracy
-    matrix, max-similarity rejection).
+    """FedAvg for cross-modal retrieval in the class-incremental stream: the switches of
+    :class:`~fedlightning.algorithms.continual.ContinualFedAvg` (distillation on similarity
+    logits) with :class:`~fedlightning.clients.continual_retrieval.ContinualRetrievalClient`
+    and :class:`~fedlightning.federation.retrieval_stages.RetrievalLoop`.
 
     Args:
         name, variant, replay_budget, replay_stages, lambda_rep, lambda_dis, tau,
             distill_on, prox_mu: as in :class:`ContinualFedAvg`.
         score: rejection score; only ``"similarity"`` (a query's highest cosine similarity
-            to the known-class items).
+            to the known-class items; no energy variant for retrieval).
         temperature: InfoNCE temperature :math:`T` (default ``0.1``).
     """
 

@@ -1,6 +1,1 @@
-"""Typed messages, the communication ledger, the round loop and runners."""
-
-from fedlightning.federation.ledger import CommLedger
-from fedlightning.messages import ClientUpdate, ServerBroadcast
-
-__all__ = ["ClientUpdate", "CommLedger", "ServerBroadcast"]
+"""The one round, the schedules, the runners, the ledger (docs/architecture.md)."""

@@ -18,9 +18,8 @@ from fedlightning.server.aggregate import as_model_fields, model_state
 class FederatedClient:
     """One client: its private data and the state it keeps between rounds.
 
-    ``state`` is what a checkpoint saves for the client. Methods add entries (replay
-    memory, teacher weights, a local basis, a prompt adapter, optimizer state) and never
-    change the checkpoint format: everything in it is saved and restored as it is.
+    ``state`` is checkpointed whole: methods add entries (replay memory, teacher weights, a
+    local basis, ...) without changing the checkpoint format.
 
     Args:
         client_id: index ``0..K-1``.
@@ -40,24 +39,15 @@ class FederatedClient:
 class Algorithm:
     """The verbs a federated method declares; the schedules and the round call only these.
 
-    Every verb has a default, so a method overrides what it changes:
-
-    - :meth:`client_module` and :meth:`callbacks`: the LightningModule of local training
-      and its callbacks (gradient projection, say);
-    - :meth:`server`: the :class:`~fedlightning.server.Server` with its modules;
-    - :meth:`local_fit`: one client's fit of a round, returning its update
-      (:meth:`make_update`: the uplink message);
-    - :meth:`fit_clients`: several clients fitted at once (stacked execution); ``None``
-      means one at a time through :meth:`local_fit`;
-    - :meth:`setup`: what a class-incremental method learns from the stream before round 1;
-    - :meth:`stage_end_update`: a client's message in the stage-end exchange (sent only
-      when :attr:`stage_end_exchange` is true).
+    Every verb has a default, so a method overrides what it changes (docs/architecture.md,
+    "Adding a method"). :meth:`stage_end_update` is asked only when
+    :attr:`stage_end_exchange` is true.
 
     Attributes:
         name, variant: the ``method`` and ``variant`` tags of a run.
         continual: the method needs the class-incremental stream (``protocol=cil``).
         stage_end_exchange: the method exchanges messages after every stage.
-        loop_class: the loop class (schedule) that runs the method (``None``: the protocol's own,
+        loop_class: the schedule that runs the method (``None``: the protocol's own,
             :class:`~fedlightning.federation.loop.FederatedLoop` or
             :class:`~fedlightning.federation.stages.ContinualLoop`).
     """
@@ -103,10 +93,6 @@ class Algorithm:
         module.receive(model_state(broadcast.tensors))
         executor.fit(module, client.data, epochs, self.callbacks())
         return self.make_update(module, client, broadcast.round)
-
-    def fit_clients(self, *args: Any, **kw: Any) -> list[ClientUpdate] | None:
-        """Several clients' fits at once (stacked); ``None``: fit them one at a time."""
-        return None
 
     def stage_end_update(
         self, module: Any, client: FederatedClient, broadcast: ServerBroadcast, stage: int

@@ -1,23 +1,13 @@
-"""Executors run one client's local fit of a LightningModule.
+"""Executors run one client's local fit of a LightningModule (docs/architecture.md,
+"Execution"): :class:`LeanExecutor` (default), a plain loop calling the module's and the
+callbacks' hooks in Lightning's order, and :class:`TrainerExecutor`, a real
+``lightning.Trainer`` (DDP, mixed precision). Both call ``configure_optimizers`` afresh and
+run ``epochs`` full-batch steps; a test pins them to the same weights and hook sequence.
 
-Two paths with the same semantics (measured in ``benchmarks/local_fit.py``):
-
-- :class:`LeanExecutor` (default): a plain loop that calls the module's and the callbacks'
-  hooks in Lightning's order. It costs little over a hand-written torch loop, which
-  matters when a protocol runs thousands of tiny fits.
-- :class:`TrainerExecutor`: a real ``lightning.Trainer``. Slower per fit, but it is the
-  path to multi-GPU DDP, mixed precision and every Trainer feature.
-
-Both call ``configure_optimizers`` afresh, run ``epochs`` full-batch steps, and call
-``on_fit_start``, ``on_train_epoch_start``, ``training_step``, ``on_before_backward``,
-``on_after_backward``, ``on_before_optimizer_step``, ``on_train_epoch_end``,
-``on_fit_end`` on the module and on every callback.
-
-Both take a ``device`` (``None``: where the module is, i.e. the CPU). A fit on another
-device moves the module and a shallow copy of the batch there and the module back to the
-CPU afterwards, so that updates, evaluation and the server stay on the CPU; the client's own
-data is never moved. Tensors a module keeps outside its parameters move in its
-``on_fit_start`` (e.g. a teacher, FedProx's anchor).
+Both take a ``device`` (``None``: where the module is): the module and a shallow copy of the
+batch move there for the fit (never the client's own data), and the module back to the CPU,
+so updates, evaluation and the server stay on the CPU. Tensors a module keeps outside its
+parameters move in its ``on_fit_start`` (e.g. a teacher, FedProx's anchor).
 """
 
 from __future__ import annotations
@@ -27,6 +17,7 @@ import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import lightning.pytorch as pl
@@ -67,10 +58,6 @@ def _single_optimizer(conf: Any) -> torch.optim.Optimizer:
     )
 
 
-def _as_device(device: str | torch.device | None) -> torch.device | None:
-    return None if device is None else torch.device(device)
-
-
 class LeanExecutor:
     """Run ``epochs`` full-batch steps with Lightning's hook order, without a Trainer.
 
@@ -81,7 +68,7 @@ class LeanExecutor:
     name = "lean"
 
     def __init__(self, device: str | torch.device | None = None) -> None:
-        self.device = _as_device(device)
+        self.device = None if device is None else torch.device(device)
 
     def fit(
         self,
@@ -90,44 +77,37 @@ class LeanExecutor:
         epochs: int,
         callbacks: Sequence[pl.Callback] = (),
     ) -> None:
-        if self.device is None:
-            return self._fit(module, batch, epochs, callbacks)
-        module.to(self.device)
-        try:  # a PyG Data moves in place: move a shallow copy, never the client's data
-            self._fit(module, move_data_to_device(copy.copy(batch), self.device), epochs, callbacks)
+        if self.device is not None:
+            module.to(self.device)
+        try:
+            if self.device is not None:  # a PyG Data moves in place: move a shallow copy
+                batch = move_data_to_device(copy.copy(batch), self.device)
+            state = LoopState(max_epochs=epochs, lightning_module=module, callbacks=callbacks)
+            opt = _single_optimizer(module.configure_optimizers())
+            state.optimizers = [opt]
+            module.train()
+            self._hook("on_fit_start", module, callbacks, state)
+            self._hook("on_train_start", module, callbacks, state)
+            for epoch in range(epochs):
+                state.current_epoch = epoch
+                self._hook("on_train_epoch_start", module, callbacks, state)
+                out = module.training_step(batch, 0)
+                loss = out["loss"] if isinstance(out, dict) else out
+                module.optimizer_zero_grad(epoch, 0, opt)
+                self._hook("on_before_backward", module, callbacks, state, loss)
+                module.backward(loss)
+                self._hook("on_after_backward", module, callbacks, state)
+                self._hook("on_before_optimizer_step", module, callbacks, state, opt)
+                opt.step()
+                state.global_step += 1
+                self._hook("on_train_batch_end", module, callbacks, state, out, batch, 0)
+                self._hook("on_train_epoch_end", module, callbacks, state)
+            state.current_epoch = epochs
+            self._hook("on_train_end", module, callbacks, state)
+            self._hook("on_fit_end", module, callbacks, state)
         finally:
-            module.cpu()
-
-    def _fit(
-        self,
-        module: pl.LightningModule,
-        batch: Any,
-        epochs: int,
-        callbacks: Sequence[pl.Callback],
-    ) -> None:
-        state = LoopState(max_epochs=epochs, lightning_module=module, callbacks=callbacks)
-        opt = _single_optimizer(module.configure_optimizers())
-        state.optimizers = [opt]
-        module.train()
-        self._hook("on_fit_start", module, callbacks, state)
-        self._hook("on_train_start", module, callbacks, state)
-        for epoch in range(epochs):
-            state.current_epoch = epoch
-            self._hook("on_train_epoch_start", module, callbacks, state)
-            out = module.training_step(batch, 0)
-            loss = out["loss"] if isinstance(out, dict) else out
-            module.optimizer_zero_grad(epoch, 0, opt)
-            self._hook("on_before_backward", module, callbacks, state, loss)
-            module.backward(loss)
-            self._hook("on_after_backward", module, callbacks, state)
-            self._hook("on_before_optimizer_step", module, callbacks, state, opt)
-            opt.step()
-            state.global_step += 1
-            self._hook("on_train_batch_end", module, callbacks, state, out, batch, 0)
-            self._hook("on_train_epoch_end", module, callbacks, state)
-        state.current_epoch = epochs
-        self._hook("on_train_end", module, callbacks, state)
-        self._hook("on_fit_end", module, callbacks, state)
+            if self.device is not None:
+                module.cpu()
 
     @staticmethod
     def _hook(
@@ -137,9 +117,8 @@ class LeanExecutor:
         state: LoopState,
         *args: Any,
     ) -> None:
-        # Lightning calls callbacks first for on_*_start of the fit and the module first in
-        # the step hooks; every hook here is order-independent for our callbacks, so the
-        # module goes first throughout and callbacks follow in list order.
+        # Lightning calls callbacks first in on_*_start and the module first in the step
+        # hooks; our callbacks do not depend on it: the module goes first throughout.
         getattr(module, name)(*args)
         for cb in callbacks:
             getattr(cb, name)(state, module, *args)
@@ -156,22 +135,16 @@ class _OneBatch(torch.utils.data.Dataset):
         return copy.copy(self.batch)  # Lightning moves a PyG Data in place: move a copy
 
 
-def _first(items: list[Any]) -> Any:
-    return items[0]
-
-
 class TrainerExecutor:
     """Run the local fit with a fresh ``lightning.Trainer`` (one full-batch step per epoch).
 
     Args:
-        accelerator: passed to the Trainer (default ``"cpu"``).
-        devices: passed to the Trainer (default ``1``).
-        precision: passed to the Trainer (default ``"32-true"``).
-        strategy: passed to the Trainer (default ``"auto"``; ``"ddp"`` with ``devices > 1``
-            spreads one client's fit over several GPUs, see docs/scaling.md).
+        accelerator, devices, precision, strategy: the Trainer's (defaults ``"cpu"``, ``1``,
+            ``"32-true"``, ``"auto"``; ``"ddp"`` with ``devices > 1`` spreads one client's
+            fit over several GPUs, docs/scaling.md).
         device: one device for the fit (default ``None``: ``accelerator`` and ``devices``
             decide); a CUDA device overrides them with that one GPU (set by
-            ``runner=distributed``). Lightning moves the module back to the CPU after the fit.
+            ``runner=distributed``).
     """
 
     name = "trainer"
@@ -186,7 +159,7 @@ class TrainerExecutor:
     ) -> None:
         self.accelerator, self.devices, self.precision = accelerator, devices, precision
         self.strategy = strategy
-        self.device = _as_device(device)
+        self.device = None if device is None else torch.device(device)
 
     def fit(
         self,
@@ -215,6 +188,6 @@ class TrainerExecutor:
         # A private generator keeps the DataLoader from drawing on the global RNG, so both
         # executors consume the same random numbers (dropout) and give the same weights.
         loader = DataLoader(
-            _OneBatch(batch), batch_size=1, collate_fn=_first, generator=torch.Generator()
+            _OneBatch(batch), batch_size=1, collate_fn=itemgetter(0), generator=torch.Generator()
         )
         trainer.fit(module, train_dataloaders=loader)

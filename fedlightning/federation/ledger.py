@@ -8,14 +8,12 @@ from typing import Any
 from fedlightning.messages import Message
 
 UP, DOWN = "up", "down"
-# The format of a run's checkpoint. 2: one ledger per run whose entries carry a scope
-# (FedTIP's tasks), and FedTIP's loop state holds that ledger. 1 (no ``format`` key): graph
-# runs, which still resume (their entries get the empty scope). 3: the run's identity
-# (``identity``: experiment, config hash, protocol hashes), which a resume checks; 1 and 2
-# (no identity) still resume.
+# Checkpoint formats: 1 (no ``format`` key, graph runs; ledger entries without scope), 2
+# (entries carry a scope: FedTIP's tasks), 3 (the run's ``identity``, which a resume checks).
 CHECKPOINT_FORMAT = 3
 CHECKPOINT_FORMATS_READ = (1, 2, 3)
 MIB = 1024**2
+COLUMNS = ("direction", "round", "client", "field", "values", "bytes", "scope")
 
 
 def values_to_mib(values: int) -> float:
@@ -81,37 +79,19 @@ class CommLedger:
 
     def by_field(self) -> dict[str, dict[str, int]]:
         """Field name -> ``{"up": values, "down": values}``."""
-        out: dict[str, dict[str, int]] = defaultdict(lambda: {UP: 0, DOWN: 0})
-        for d, _, _, name, v, *_ in self.entries:
-            out[name][d] += v
-        return {k: dict(v) for k, v in sorted(out.items())}
+        return self.by("field")
 
-    def by_client(self, direction: str) -> dict[int, int]:
-        out: dict[int, int] = defaultdict(int)
-        for d, _, c, _, v, *_ in self.entries:
-            if d == direction:
-                out[c] += v
-        return dict(sorted(out.items()))
-
-    def by_scope(self, direction: str) -> dict[str, int]:
-        """Scope (a FedTIP task's ``task=<id>``) -> values sent in ``direction``."""
-        out: dict[str, int] = defaultdict(int)
-        for d, *_, v, _, scope in self.entries:
-            if d == direction:
-                out[scope] += v
-        return dict(out)
-
-    def by_round(self, direction: str) -> dict[int, int]:
-        out: dict[int, int] = defaultdict(int)
-        for d, r, _, _, v, *_ in self.entries:
-            if d == direction:
-                out[r] += v
-        return dict(sorted(out.items()))
+    def by(self, column: str) -> dict[str, dict[str, int]]:
+        """``str(key) -> {"up": values, "down": values}`` per key of an entry's ``column``
+        (``round``, ``client``, ``field`` or ``scope``), in key order."""
+        i = COLUMNS.index(column)
+        out: dict[Any, dict[str, int]] = defaultdict(lambda: {UP: 0, DOWN: 0})
+        for e in self.entries:
+            out[e[i]][e[0]] += e[4]
+        return {str(k): v for k, v in sorted(out.items())}
 
     def summary(self) -> dict[str, Any]:
         """The ``comm`` block of ``summary.json``."""
-        up_c, down_c = self.by_client(UP), self.by_client(DOWN)
-        up_r, down_r = self.by_round(UP), self.by_round(DOWN)
         return {
             "uplink_mib": self.mib(UP),
             "downlink_mib": self.mib(DOWN),
@@ -120,14 +100,8 @@ class CommLedger:
             "uplink_bytes": self.total_bytes(UP),
             "downlink_bytes": self.total_bytes(DOWN),
             "fields": self.by_field(),
-            "per_client": {
-                str(c): {UP: up_c.get(c, 0), DOWN: down_c.get(c, 0)}
-                for c in sorted(set(up_c) | set(down_c))
-            },
-            "per_round": {
-                str(r): {UP: up_r.get(r, 0), DOWN: down_r.get(r, 0)}
-                for r in sorted(set(up_r) | set(down_r))
-            },
+            "per_client": self.by("client"),
+            "per_round": self.by("round"),
         }
 
     def message_values(self, prefix: str = "") -> dict[int, int]:

@@ -24,16 +24,12 @@ log = logging.getLogger(__name__)
 
 
 def sample_clients(seed: int, round: int, num_clients: int, fraction: float) -> list[int]:
-    """The clients taking part in ``round``: ``max(1, round(fraction K))`` of them, seeded."""
-    m = max(1, round_half_up(fraction * num_clients))
+    """The clients taking part in ``round``: ``max(1, round(fraction K))`` (half up), seeded."""
+    m = max(1, int(np.floor(fraction * num_clients + 0.5)))
     if m >= num_clients:
         return list(range(num_clients))
     rng = np.random.default_rng(derive_seed(seed, "sample", round))
     return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
-
-
-def round_half_up(x: float) -> int:
-    return int(np.floor(x + 0.5))
 
 
 def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
@@ -54,9 +50,8 @@ def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
 class LocalFit:
     """One client's part of a round: receive the broadcast, fit locally, return the update.
 
-    The same call runs wherever a client runs: in this process, on another rank, or in a
-    Flower ClientApp on the client's own node (which builds its own module and executor).
-    It is seeded by ``(seed, "fit", round, client)``, so the result does not depend on where.
+    The same call runs in this process, on another rank or on the client's Flower node;
+    seeded by ``(seed, "fit", round, client)``, its result does not depend on where.
     """
 
     algorithm: Algorithm
@@ -85,25 +80,45 @@ class LocalEvaluate:
         return self.module.evaluate(client.data)
 
 
-class FederatedLoop:
+class Schedule:
+    """What every schedule keeps: the run's ledger, a checkpoint after each step, and the
+    run's ``identity`` (experiment, config hash, protocol hashes), set by the program that
+    builds the schedule and saved in every checkpoint so that a resume can check it."""
+
+    identity: dict[str, Any] | None = None
+
+    def __init__(self, checkpoint_path: str | Path | None) -> None:
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.ledger = CommLedger()
+
+    def checkpoint(self) -> None:
+        """Write :meth:`state_dict` to ``checkpoint_path`` (if any)."""
+        if self.checkpoint_path:
+            save_torch(self.checkpoint_path, self.state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "identity": self.identity,
+            "ledger": self.ledger.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ledger.load_state_dict(state["ledger"])
+
+
+class FederatedLoop(Schedule):
     """Runs rounds ``start..rounds`` and checkpoints the whole federated state after each.
 
     Args:
-        algorithm: the wiring (client procedure, server).
+        algorithm, server, clients, runner: the method, its server, all clients, where they run.
         module: the client LightningModule, shared by all clients (their persistent state
             lives in :attr:`FederatedClient.state`, not in the module).
-        server: the :class:`~fedlightning.server.Server`.
-        clients: all clients.
-        runner: where clients run (e.g. :class:`SequentialRunner`).
-        rounds, participation, local_epochs: from ``federation``.
-        seed: the training seed; every local fit is seeded by ``(seed, round, client)``.
+        rounds, participation, local_epochs, seed: from the config; every local fit is
+            seeded by ``(seed, "fit", round, client)``.
         checkpoint_path: where to write the state after every round (``None``: nowhere).
-        on_round_end: ``(round, metrics) -> None``, e.g. MLflow logging.
+        on_round_end: ``(round, metrics) -> None`` after the checkpoint, e.g. MLflow logging.
     """
-
-    # The run's identity (experiment, config hash, protocol hashes), set by the program
-    # that builds the loop; saved in every checkpoint so that a resume can check it.
-    identity: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -120,17 +135,14 @@ class FederatedLoop:
         checkpoint_path: str | Path | None = None,
         on_round_end: Callable[[int, dict[str, float]], None] | None = None,
     ) -> None:
+        super().__init__(checkpoint_path)
         self.algorithm, self.module, self.server = algorithm, module, server
         self.clients, self.runner = list(clients), runner
         self.rounds, self.participation = rounds, participation
         self.local_epochs, self.seed = local_epochs, seed
-        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.on_round_end = on_round_end
-        self.ledger = CommLedger()
         self.history: list[dict[str, float]] = []
         self.completed_rounds = 0
-        self.on_stage_end: Callable[[int, dict[str, float]], None] | None = None
-        self.pending_stage_logs: list[tuple[int, dict[str, float]]] = []
 
     # ------------------------------------------------------------------ one round
     def run_round(self, round: int) -> dict[str, float]:
@@ -171,15 +183,14 @@ class FederatedLoop:
         return ClientWork(one=fit, kind="fit", params={"epochs": int(self.local_epochs)})
 
     def evaluate(self, round: int) -> dict[str, float]:
-        """The global model on every client's whole subgraph (a simulator measurement,
-        not a protocol message: it is not counted in the ledger)."""
+        """The global model on every client's whole subgraph (a measurement, not counted)."""
         evaluate = LocalEvaluate(self.module, self.server.global_state)
         return pooled_metrics(self.runner.evaluate(round, self.clients, evaluate))
 
     def run(self) -> list[dict[str, float]]:
         for r in range(self.completed_rounds + 1, self.rounds + 1):
             metrics = self.run_round(r)
-            metrics.update(self.end_of_round(r))
+            self.end_of_round(r)
             self.history.append({"round": r, **metrics})
             self.completed_rounds = r
             log.info(
@@ -192,19 +203,17 @@ class FederatedLoop:
                 metrics["uplink_mib"],
                 metrics["round_time_s"],
             )
-            if self.checkpoint_path:  # before logging: a resumed run never logs a step twice
-                save_torch(self.checkpoint_path, self.state_dict())
-            if self.on_round_end:
-                self.on_round_end(r, metrics)
-            for stage, stage_metrics in self.pending_stage_logs:
-                if self.on_stage_end:
-                    self.on_stage_end(stage, stage_metrics)
-            self.pending_stage_logs = []
+            self.checkpoint()  # before reporting: a resumed run never logs a step twice
+            self.report(r, metrics)
         return self.history
 
-    def end_of_round(self, round: int) -> dict[str, float]:
-        """Extra work after a round's evaluation (a stage's end, say); extra metrics."""
-        return {}
+    def end_of_round(self, round: int) -> None:
+        """Extra work after a round's evaluation (a stage's end, say)."""
+
+    def report(self, round: int, metrics: dict[str, float]) -> None:
+        """Hand a finished, checkpointed round's metrics to ``on_round_end``."""
+        if self.on_round_end:
+            self.on_round_end(round, metrics)
 
     def final_metrics(self) -> dict[str, float]:
         """Final-round metrics and the test accuracy at the round of best validation accuracy."""
@@ -228,21 +237,13 @@ class FederatedLoop:
         return [plot_curves(self.history, run_dir / "curves.png", title=title)]
 
     # ------------------------------------------------------------------ state
-    def extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        pass
-
     def state_dict(self) -> dict[str, Any]:
         return {
-            "format": CHECKPOINT_FORMAT,
-            "identity": self.identity,
-            "extra": self.extra_state(),
+            **super().state_dict(),
+            "extra": {},  # a subclass's own state
             "completed_rounds": self.completed_rounds,
             "server": self.server.state_dict(),
             "clients": {c.client_id: c.state for c in self.clients},
-            "ledger": self.ledger.state_dict(),
             "history": self.history,
             "rng": rng_state(),
         }
@@ -252,7 +253,6 @@ class FederatedLoop:
         self.server.load_state_dict(state["server"])
         for c in self.clients:
             c.state = state["clients"][c.client_id]
-        self.ledger.load_state_dict(state["ledger"])
+        super().load_state_dict(state)
         self.history = list(state["history"])
-        self.load_extra_state(state["extra"])
         set_rng_state(state["rng"])

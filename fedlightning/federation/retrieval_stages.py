@@ -55,17 +55,17 @@ class SplitQueries:
 class RetrievalLoop(ContinualLoop):
     """Stages of rounds with Recall@1 and max-similarity rejection instead of accuracy.
 
-    After every round: Recall@1 over the known-class queries of every split (pooled), in
-    ``train_acc``, ``val_acc`` and ``test_acc`` so the base loop's logging, model selection
-    and final metrics work unchanged. After every stage: the Recall@1 matrix row (pooled
-    and per client on test, pooled on val), the rejection threshold calibrated at 95% TPR
-    on validation known-class queries, FPR95, AUROC and open-set accuracy on test, and the
-    validation counterparts. No diagnostics (Eqs. (2)-(4) need class representations).
+    Recall@1 fills ``train_acc``, ``val_acc`` and ``test_acc`` after every round and the
+    accuracy-matrix rows after every stage, so the base loop's logging, model selection and
+    final metrics work unchanged. No diagnostics (Eqs. (2)-(4) need class representations).
 
     Args:
         algorithm: a retrieval algorithm (its ``score`` must be ``"similarity"``).
         *args, **kw: as :class:`ContinualLoop`.
     """
+
+    # and final-stage Recall@1 over all known-class queries, pooled over clients
+    final_stage_metrics = (*ContinualLoop.final_stage_metrics, "recall_at_1", "val_recall_at_1")
 
     def __init__(self, algorithm: Any, *args: Any, **kw: Any) -> None:
         if getattr(algorithm, "score", "similarity") != "similarity":
@@ -80,18 +80,12 @@ class RetrievalLoop(ContinualLoop):
         q, k = net(data)
         return q, k, net.pair_mask(data)
 
-    def evaluate(self, round: int) -> dict[str, float]:
-        """Recall@1 over the known-class queries of the current stage, per split, pooled."""
-        known = torch.tensor(self.stream.known(self.stage_of(round)), dtype=torch.long)
-        totals = {s: [0, 0] for s in ("train", *SPLITS)}
-        for c, q, k, pairs in self._forward_all():
-            is_known = torch.isin(c.data.y, known)
-            for s in totals:
-                m = c.data[f"{s}_mask"] & is_known & pairs
-                if bool(m.any()):
-                    totals[s][0] += int(recall_at_k(q[m], k[m], 1).sum())
-                    totals[s][1] += int(m.sum())
-        return {f"{s}_acc": a / n if n else math.nan for s, (a, n) in totals.items()}
+    @staticmethod
+    def known_hits(data: Any, outputs: list[Any], known: Tensor, m: Tensor) -> Tensor:
+        """Recall@1 hits of the paired nodes among ``m``."""
+        q, k, pairs = outputs
+        m = m & pairs
+        return recall_at_k(q[m], k[m], 1) if bool(m.any()) else m[:0]
 
     def split_queries(
         self, data: Any, q: Tensor, k: Tensor, pairs: Tensor, split: str, t: int
@@ -161,17 +155,6 @@ class RetrievalLoop(ContinualLoop):
             "val_fpr95": fpr_at_tpr(val_known, val_unknown),
             "val_auroc_ood": auroc_known_vs_unknown(val_known, val_unknown),
         }
-
-    # ------------------------------------------------------------------ results
-    def final_metrics(self) -> dict[str, float]:
-        """The base loop's metrics (AM/FM from the Recall@1 matrix, FPR95, ...) and
-        ``recall_at_1`` / ``val_recall_at_1``: final-stage Recall@1 over all known-class
-        queries, pooled over clients."""
-        out = super().final_metrics()
-        last = self.stage_results[-1]
-        out["recall_at_1"] = last["recall_at_1"]
-        out["val_recall_at_1"] = last["val_recall_at_1"]
-        return out
 
 
 def _mean(x: Tensor) -> float:

@@ -1,12 +1,9 @@
 """The one federated round: broadcast, the clients' fits on the runner, the ledger, aggregation.
 
-Every schedule calls :func:`federated_round`: the rounds of a plain run
-(:class:`~fedlightning.federation.loop.FederatedLoop`), the rounds of each stage of the
-class-incremental stream and its stage-end exchange
-(:class:`~fedlightning.federation.stages.ContinualLoop`), and the rounds of each FedTIP
-task and family (:class:`~fedlightning.federation.tasks.TaskLoop`). Whatever the runner
-(sequential, ``torchrun`` ranks, Flower nodes), every message is counted here, once the
-runner returns the round's updates, in client order.
+Every schedule (:class:`~fedlightning.federation.loop.FederatedLoop`,
+:class:`~fedlightning.federation.stages.ContinualLoop` and its stage-end exchange,
+:class:`~fedlightning.federation.tasks.TaskLoop`) calls :func:`federated_round`; whatever the
+runner, every message is counted here, in client order, once the runner returns the updates.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ FitShare = Callable[[range], list[ClientUpdate]]
 
 @dataclass
 class ClientWork:
-    """What the clients of a round do with the broadcast.
+    """What the clients of a round do with the broadcast; the per-client fit a runner calls.
 
     Attributes:
         one: one client's fit (``client -> update``, or ``None`` for no message).
@@ -33,37 +30,26 @@ class ClientWork:
             updates`` for the clients at those positions of the round, in order; ``None``:
             the clients fit one at a time through ``one``.
         kind: what a remote client runs (``fit``, ``stage_end``, ``task_fit``): a runner
-            whose clients live elsewhere (Flower nodes) sends ``kind``, ``params`` and the
-            broadcast, and the node does the same work on its own copy of the client.
-        params: the plain values that work needs besides the broadcast (epochs, stage,
-            task, family, ...).
+            whose clients live elsewhere (Flower nodes) sends ``kind``, ``params`` and
+            ``broadcast``, and the node does the same work on its own copy of the client.
+        params: the plain values that work needs besides the broadcast (epochs, stage, ...).
+        broadcast: the round's broadcast (set by :func:`federated_round`).
     """
 
     one: FitOne | None = None
     share: FitShare | None = None
     kind: str = "fit"
     params: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class RoundFit:
-    """The per-client fit a runner calls, with what a remote client needs to do the same:
-    the round's ``broadcast`` and the work's ``kind`` and ``params``."""
-
-    call: FitOne
-    broadcast: ServerBroadcast
-    kind: str = "fit"
-    params: dict[str, Any] = field(default_factory=dict)
+    broadcast: ServerBroadcast | None = None
 
     def __call__(self, client: Any) -> ClientUpdate | None:
-        return self.call(client)
+        return self.one(client)
 
 
 def stacked(runner: Any, clients: Sequence[Any], share: FitShare) -> FitOne:
-    """A per-client fit for the runner, from a fit of several clients at once: the first
-    client the runner asks for fits this rank's whole contiguous share
-    (:func:`~fedlightning.federation.runners.contiguous_shares`) as one stack; the runner
-    keeps its progress bar, fault injection, gathering and RNG hand-over."""
+    """A per-client fit from a fit of several clients at once: the first client the runner
+    asks for fits this rank's whole contiguous share as one stack; the runner keeps its
+    progress bar, fault injection, gathering and RNG hand-over."""
     mine = contiguous_shares(len(clients), runner.world.size)[runner.world.rank]
     fitted: dict[int, ClientUpdate] = {}
 
@@ -97,9 +83,10 @@ def federated_round(
     Returns the updates sent, in client order (a client that sends nothing is left out).
     """
     broadcast = server.broadcast(round)
-    todo = work(broadcast)
-    call = stacked(runner, clients, todo.share) if todo.share is not None else todo.one
-    fit = RoundFit(call, broadcast, todo.kind, todo.params)
+    fit = work(broadcast)
+    fit.broadcast = broadcast
+    if fit.share is not None:
+        fit.one = stacked(runner, clients, fit.share)
     updates = runner.run_round(round, clients, fit, desc=desc or f"round {round}")
     down = prefixed(broadcast, prefix)
     sent = []

@@ -1,10 +1,10 @@
-"""Runners decide where clients run. Same seed, same result, whichever runner.
+"""Runners decide where clients run (docs/scaling.md). Same seed, same result, whichever runner.
 
-Every runner is a :class:`Runner`: it has an ``executor`` (how one local fit runs), a ``world``
+A :class:`Runner` has an ``executor`` (how one local fit runs), a ``world``
 (:class:`~fedlightning.federation.world.World`: which process writes files),
-``run_round(round, clients, fit)``, which returns the clients' updates in the order given, and
-``evaluate(round, clients, evaluate)``, which returns each client's evaluation counts.
-Flower's runner (:mod:`fedlightning.flower`) is one too: its clients run on Flower nodes.
+``run_round(round, clients, fit)`` (the updates, in the order given) and
+``evaluate(round, clients, evaluate)`` (each client's evaluation counts). Flower's runner
+(:mod:`fedlightning.flower`) is one too.
 """
 
 from __future__ import annotations
@@ -23,14 +23,6 @@ from fedlightning.utils.seeding import rng_state, set_rng_state
 FitFn = Callable[[Any], ClientUpdate]
 
 
-def parse_kill_at(kill_at: str | None) -> tuple[int, int] | None:
-    """``"ROUND:N"`` -> ``(ROUND, N)`` (``None`` stays ``None``)."""
-    if not kill_at:
-        return None
-    round_, n = (int(x) for x in str(kill_at).split(":"))
-    return round_, n
-
-
 class Runner:
     """Where a round's clients run. Subclasses implement :meth:`run_round`."""
 
@@ -39,8 +31,8 @@ class Runner:
     world: World
 
     def begin(self, cfg: Any, run_dir: Any, hashes: dict[str, str]) -> None:
-        """Called once the run's config, directory and protocol hashes are known, before the
-        first round (a Flower runner sets its nodes up here)."""
+        """Before the first round, once the run's config, directory and protocol hashes are
+        known (a Flower runner sets its nodes up here)."""
 
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
@@ -51,8 +43,8 @@ class Runner:
     def evaluate(
         self, round: int, clients: Sequence[Any], evaluate: Callable[[Any], dict[str, int]]
     ) -> dict[int, dict[str, int]]:
-        """Client id -> ``evaluate(client)``, for every client (here: in this process, which
-        holds every client's data, as every rank of a distributed run does)."""
+        """Client id -> ``evaluate(client)``, in this process (which holds every client's
+        data, as every rank of a distributed run does)."""
         return {c.client_id: evaluate(c) for c in clients}
 
 
@@ -60,71 +52,68 @@ class SequentialRunner(Runner):
     """Runs the sampled clients one after another in this process.
 
     Args:
-        executor: the local-fit executor (:class:`~fedlightning.federation.executors.LeanExecutor`
-            or :class:`~fedlightning.federation.executors.TrainerExecutor`).
-        progress: show a progress bar over clients when the terminal is interactive.
-        kill_at: fault injection for resume tests, ``"ROUND:N"``: the process kills itself
-            with SIGKILL after the N-th client fit of that round (mid-round, as a crash).
+        executor: the local-fit executor (:mod:`~fedlightning.federation.executors`).
+        progress: a progress bar over clients when the terminal is interactive.
+        kill_at: fault injection for resume tests, ``"ROUND:N"``: SIGKILL this process
+            after the N-th client fit of that round (mid-round, as a crash).
     """
 
     name = "sequential"
 
     def __init__(self, executor: Any, progress: bool = True, kill_at: str | None = None) -> None:
-        self.executor = executor
-        self.world = World()
-        self.progress = progress
-        self.kill_at = parse_kill_at(kill_at)
+        self.executor, self.world, self.progress = executor, World(), progress
+        self.kill_at = None
+        if kill_at:  # "ROUND:N"
+            round_, n = (int(x) for x in str(kill_at).split(":"))
+            self.kill_at = (round_, n)
 
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
     ) -> list[ClientUpdate]:
-        """Fit each client and return their updates in the order given."""
+        """Fit this rank's share (:func:`contiguous_shares`: every client in a world of one)
+        and, among several ranks, gather every share; all updates, in the order given."""
+        share = contiguous_shares(len(clients), self.world.size)[self.world.rank]
+        bar = tqdm(
+            share,
+            desc=desc or f"round {round}",
+            unit="client",
+            leave=False,
+            disable=None if self.progress else True,
+        )
+        mine = []
+        for i in bar:
+            mine.append((fit(clients[i]), clients[i].state))
+            if self.kill_at == (round, i + 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+        if self.world.size == 1:
+            return [update for update, _ in mine]
+        last_rng = rng_state() if mine else None
+        parts = self.world.all_gather((mine, last_rng), f"gathering round {round}")
+        results = [r for part, _ in parts for r in part]
         updates = []
-        for n, client in enumerate(client_bar(clients, round, desc, self.progress), start=1):
-            updates.append(fit(client))
-            kill_if(self.kill_at, round, n)
+        for client, (update, state) in zip(clients, results, strict=True):
+            client.state = state  # the fitting rank's state, now on every rank
+            updates.append(update)
+        set_rng_state(next(rng for _, rng in reversed(parts) if rng is not None))
         return updates
 
 
-def client_bar(items: Sequence[Any], round: int, desc: str, progress: bool) -> Any:
-    """A progress bar over a round's clients (shown only on an interactive terminal)."""
-    return tqdm(
-        items,
-        desc=desc or f"round {round}",
-        unit="client",
-        leave=False,
-        disable=None if progress else True,
-    )
-
-
-def kill_if(kill_at: tuple[int, int] | None, round: int, n: int) -> None:
-    """Fault injection: SIGKILL this process after the ``n``-th fit of ``round``."""
-    if kill_at == (round, n):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def contiguous_shares(n: int, size: int) -> list[range]:
-    """Positions ``0..n-1`` cut into ``size`` contiguous shares, in rank order, whose lengths
-    differ by at most one: rank ``r`` gets ``range(r n // size, (r + 1) n // size)``."""
+    """Positions ``0..n-1`` cut into ``size`` contiguous shares in rank order: rank ``r`` gets
+    ``range(r n // size, (r + 1) n // size)``."""
     return [range(r * n // size, (r + 1) * n // size) for r in range(size)]
 
 
-class DistributedRunner(Runner):
-    """Spreads each round's clients over the processes of a ``torchrun`` job.
+class DistributedRunner(SequentialRunner):
+    """Spreads each round's clients over the processes of a ``torchrun`` job (docs/scaling.md).
 
-    Every rank holds the whole federated state (server, clients' data and state, ledger,
-    history) and runs the same loop. In a round, rank ``r`` fits its contiguous share of the
-    sampled clients (:func:`contiguous_shares`); then every rank gathers all shares' updates
-    and the fitted clients' persistent ``state`` (replay memory, teacher, ...) in client
-    order, so each rank runs the server step, the evaluation and any stage-end exchange on
-    exactly the inputs the sequential runner would give, and stays in sync. The global RNG
-    is then set on every rank to its state after the round's last fit, as in a sequential
-    run. Local fits are seeded by ``(seed, "fit", round, client)``, so results do not depend
-    on which rank fits a client: on CPU a run is bitwise equal to the sequential one.
-
-    Only rank 0 logs, prints and writes (run directory, checkpoints, MLflow); see
-    :func:`~fedlightning.federation.world.quiet_other_ranks`. Without ``torchrun`` the
-    runner is a world of one process and behaves like :class:`SequentialRunner`.
+    Every rank holds the whole federated state and runs the same loop. Rank ``r`` fits its
+    contiguous share of the round's clients (:func:`contiguous_shares`); every rank then
+    gathers all updates and the fitted clients' ``state`` in client order, and sets the
+    global RNG to its state after the round's last fit, so the server step, evaluation and
+    stage-end exchange see exactly a sequential run's inputs (bitwise on CPU). Only rank 0
+    logs and writes (:func:`~fedlightning.federation.world.quiet_other_ranks`). Without
+    ``torchrun`` it is a world of one process.
 
     Args:
         executor: the local-fit executor; its ``device`` is set to this rank's device.
@@ -132,10 +121,9 @@ class DistributedRunner(Runner):
         device: ``auto`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``cpu``
             or ``cuda``.
         timeout_s: seconds a rank waits for the others in a collective before it fails with
-            :class:`~fedlightning.federation.world.RankLost` (default ``600``): longer than
-            one rank's share of a round.
+            :class:`~fedlightning.federation.world.RankLost` (default ``600``).
         progress: a progress bar over rank 0's share, when the terminal is interactive.
-        kill_at: fault injection, ``"ROUND:N"``: the rank that fits the N-th sampled client of
+        kill_at: fault injection, ``"ROUND:N"``: the rank that fits the N-th client of
             ROUND kills itself with SIGKILL right after that fit.
     """
 
@@ -150,30 +138,10 @@ class DistributedRunner(Runner):
         progress: bool = True,
         kill_at: str | None = None,
     ) -> None:
-        self.executor = executor
+        super().__init__(executor, progress, kill_at)
         self.world = join_world(backend, device, float(timeout_s))
         self.executor.device = self.world.device
         self.progress = progress and self.world.is_main
-        self.kill_at = parse_kill_at(kill_at)
         if self.world.size > 1:
             quiet_other_ranks(self.world)
             self.world.stop_on_sigterm()
-
-    def run_round(
-        self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
-    ) -> list[ClientUpdate]:
-        """Fit this rank's share, gather every share, return all updates in the order given."""
-        share = contiguous_shares(len(clients), self.world.size)[self.world.rank]
-        mine = []
-        for i in client_bar(share, round, desc, self.progress):
-            mine.append((fit(clients[i]), clients[i].state))
-            kill_if(self.kill_at, round, i + 1)
-        last_rng = rng_state() if mine else None
-        parts = self.world.all_gather((mine, last_rng), f"gathering round {round}")
-        results = [r for part, _ in parts for r in part]
-        updates = []
-        for client, (update, state) in zip(clients, results, strict=True):
-            client.state = state  # the fitting rank's state, now on every rank
-            updates.append(update)
-        set_rng_state(next(rng for _, rng in reversed(parts) if rng is not None))
-        return updates

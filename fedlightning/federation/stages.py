@@ -64,6 +64,18 @@ class ContinualLoop(FederatedLoop):
         **kw: as :class:`FederatedLoop`; ``rounds`` is set to ``T x rounds_per_stage``.
     """
 
+    # the last stage's metrics that the run's final metrics repeat
+    final_stage_metrics: tuple[str, ...] = (
+        "fpr95",
+        "auroc_ood",
+        "open_acc",
+        "val_fpr95",
+        "val_auroc_ood",
+        "d_sem",
+        "d_str",
+        "d_fed",
+    )
+
     def __init__(
         self,
         *args: Any,
@@ -109,21 +121,26 @@ class ContinualLoop(FederatedLoop):
         return (net.head(reps["z"]) if "z" in reps else net(data)), reps
 
     def evaluate(self, round: int) -> dict[str, float]:
-        """Closed-set accuracy over the known classes of the current stage, pooled."""
+        """:meth:`known_hits` over the known classes of the current stage, per split, pooled."""
         known = torch.tensor(self.stream.known(self.stage_of(round)), dtype=torch.long)
         totals = {s: [0, 0] for s in ("train", *SPLITS)}
-        for c, logits, _ in self._forward_all():
-            pred = known[logits[:, known].argmax(-1)]
+        for c, *outputs in self._forward_all():
             is_known = torch.isin(c.data.y, known)
             for s in totals:
-                m = c.data[f"{s}_mask"] & is_known
-                totals[s][0] += int((pred[m] == c.data.y[m]).sum())
-                totals[s][1] += int(m.sum())
+                hits = self.known_hits(c.data, outputs, known, c.data[f"{s}_mask"] & is_known)
+                totals[s][0] += int(hits.sum())
+                totals[s][1] += hits.numel()
         return {f"{s}_acc": a / n if n else math.nan for s, (a, n) in totals.items()}
 
-    def end_of_round(self, round: int) -> dict[str, float]:
+    @staticmethod
+    def known_hits(data: Any, outputs: list[Any], known: Tensor, m: Tensor) -> Tensor:
+        """Closed-set hits of the nodes ``m``: the argmax over the known classes is right."""
+        logits = outputs[0]
+        return known[logits[m][:, known].argmax(-1)] == data.y[m]
+
+    def end_of_round(self, round: int) -> None:
         if round % self.rounds_per_stage:
-            return {}
+            return
         t = self.stage_of(round)
         res = self.evaluate_stage(t)
         self.stage_results.append(res)
@@ -136,34 +153,26 @@ class ContinualLoop(FederatedLoop):
             res["auroc_ood"],
             res["open_acc"],
         )
-        self.pending_stage_logs.append((t + 1, res))  # logged after the round's checkpoint
         self.stage_end_exchange(t, round)
-        return {}
+
+    def report(self, round: int, metrics: dict[str, float]) -> None:
+        """The round's metrics, then (at a stage's end) the stage's to ``on_stage_end``."""
+        super().report(round, metrics)
+        if round % self.rounds_per_stage == 0 and self.on_stage_end:
+            self.on_stage_end(self.stage_of(round) + 1, self.stage_results[-1])
 
     def stage_end_exchange(self, t: int, round: int) -> None:
-        """A method's stage-end messages (FedOGL's residual bases, Eq. (7)), all counted: a
-        round of its own kind through the runner. The server sends the stage's final global
-        model to every client that took part in the stage (sampled in one of its rounds: the
-        server knows it without reading client state, which may live on the clients' nodes);
-        each answers with
-        ``algorithm.stage_end_update`` (or nothing); the server's modules take them in."""
+        """A method's stage-end messages (FedOGL's residual bases, Eq. (7)): a round of its
+        own kind, all counted. The stage's final global model goes to every client sampled
+        in one of the stage's rounds (the server knows them without reading client state);
+        each answers with ``algorithm.stage_end_update`` (or nothing), and the server's
+        modules take the answers in (``server.end_stage``)."""
         if not self.algorithm.stage_end_exchange:
             return
         rounds = range(t * self.rounds_per_stage + 1, (t + 1) * self.rounds_per_stage + 1)
         k = len(self.clients)
         took_part = {c for r in rounds for c in sample_clients(self.seed, r, k, self.participation)}
-        federated_round(
-            round,
-            self.server,
-            self.runner,
-            [self.clients[c] for c in sorted(took_part)],
-            self.stage_end_work(t),
-            self.ledger,
-            aggregate=lambda _, updates: self.server.end_stage(t, updates),
-            desc=f"stage {t + 1} end",
-        )
 
-    def stage_end_work(self, t: int) -> Callable[[ServerBroadcast], ClientWork]:
         def work(broadcast: ServerBroadcast) -> ClientWork:
             return ClientWork(
                 one=lambda c: self.algorithm.stage_end_update(self.module, c, broadcast, t),
@@ -171,7 +180,16 @@ class ContinualLoop(FederatedLoop):
                 params={"stage": t},
             )
 
-        return work
+        federated_round(
+            round,
+            self.server,
+            self.runner,
+            [self.clients[c] for c in sorted(took_part)],
+            work,
+            self.ledger,
+            aggregate=lambda _, updates: self.server.end_stage(t, updates),
+            desc=f"stage {t + 1} end",
+        )
 
     def evaluate_stage(self, t: int) -> dict[str, float]:
         """The open-world evaluation after stage ``t`` (0-based)."""
@@ -308,18 +326,7 @@ class ContinualLoop(FederatedLoop):
             out[f"{prefix}fm"] = forgetting(m)
             out[f"{prefix}fm_diag"] = forgetting_diag(m)
         last = self.stage_results[-1]
-        for k in (
-            "fpr95",
-            "auroc_ood",
-            "open_acc",
-            "val_fpr95",
-            "val_auroc_ood",
-            "d_sem",
-            "d_str",
-            "d_fed",
-        ):
-            if k in last:
-                out[k] = last[k]
+        out.update({k: last[k] for k in self.final_stage_metrics if k in last})
         return out
 
     def summary_extras(self) -> dict[str, Any]:
@@ -351,8 +358,8 @@ class ContinualLoop(FederatedLoop):
         return paths
 
     # ------------------------------------------------------------------ state
-    def extra_state(self) -> dict[str, Any]:
-        return {
+    def state_dict(self) -> dict[str, Any]:
+        extra = {
             "rows": self.rows,
             "client_rows": self.client_rows,
             "stage_results": self.stage_results,
@@ -360,8 +367,11 @@ class ContinualLoop(FederatedLoop):
             "centroids_at_intro": self.centroids_at_intro,
             "bases_at_end": self.bases_at_end,
         }
+        return {**super().state_dict(), "extra": extra}
 
-    def load_extra_state(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        state = state["extra"]
         self.rows, self.client_rows = state["rows"], state["client_rows"]
         self.stage_results = state["stage_results"]
         self.test_scores = state.get("test_scores", [])

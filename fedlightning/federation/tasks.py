@@ -2,21 +2,14 @@ r"""FedTIP's per-task protocol loop (paper 001, Sec. 3.2-3.3, 4.4 and 5.1).
 
 For every task of the manifest and every task family (``nc``, ``lp``), a fresh adapter is
 federated over the task's active clients for ``rounds`` rounds of ``epochs`` local steps
-(the client LightningModule's fit, through the runner's executor), then the server scores
-the global validation and test segments with the global adapter. Everything a fit reads
-is precomputed (cached contexts), so a fit costs only the adapter's own arithmetic.
+(each round a :func:`~fedlightning.federation.round.federated_round` whose client work is
+the algorithm's ``task_work``), then the server scores its validation and test segments
+with the global adapter. Fits read only precomputed (cached) contexts.
 
-Every round is :func:`~fedlightning.federation.round.federated_round`; what the clients do
-in it is the algorithm's :meth:`~fedlightning.algorithms.fedtip.FedTIP.task_work` (FedTIP: a
-round's clients train as one stack, :mod:`fedlightning.temporal.adapter`; under
-``runner=distributed`` each rank fits its contiguous share of them as a smaller stack, which
-gives each client bitwise the update it gets in the whole round's stack on CPU).
-
-One ledger covers the run, like every other method's: each message per client, round,
-field (``<family>/<field>``, Eq. 32) and direction, in the scope ``task=<id>``, and the
-downlink of Eq. (33): the bank once per newly provisioned client, then the adapter and the
-anchors to every active client in every round. Per-task totals are derived from it. After
-each task the loop's state is checkpointed, so a long protocol resumes at the next task.
+One ledger covers the run: each message per client, round, field (``<family>/<field>``,
+Eq. 32) and direction in the scope ``task=<id>``, and the downlink of Eq. (33): the bank
+once per newly provisioned client, then the adapter and anchors to every active client in
+every round. The loop is checkpointed after each task.
 """
 
 from __future__ import annotations
@@ -35,12 +28,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
-from fedlightning.federation.ledger import CHECKPOINT_FORMAT, DOWN, UP, CommLedger, values_to_mib
+from fedlightning.federation.ledger import DOWN, UP, values_to_mib
+from fedlightning.federation.loop import Schedule
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.messages import ServerBroadcast
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.temporal.adapter import PromptAdapter
-from fedlightning.utils.io import save_torch
 from fedlightning.utils.seeding import derive_seed
 
 log = logging.getLogger(__name__)
@@ -52,9 +45,8 @@ Batch = dict[str, Tensor]
 class TaskBatches:
     """One task: its id and each active client's support batch (client order).
 
-    A Flower node holds only its own client's batch; ``ids`` and ``length`` then say what
-    the whole round has: every active client, in order, and the longest support (a round's
-    stack is padded to it).
+    A Flower node holds only its own client's batch; ``ids`` and ``length`` then give every
+    active client, in order, and the longest support (a round's stack is padded to it).
     """
 
     task: int
@@ -64,12 +56,10 @@ class TaskBatches:
 
     @property
     def active(self) -> list[int]:
-        """Every active client of the task, in order."""
         return list(self.clients) if self.ids is None else list(self.ids)
 
     @property
     def longest(self) -> int:
-        """The longest support among the task's active clients."""
         if self.length is not None:
             return self.length
         return max(len(b["h_u"]) for b in self.clients.values())
@@ -77,17 +67,12 @@ class TaskBatches:
 
 @dataclass
 class TaskContext:
-    """What a client's fit in a task needs from the schedule: the seed, the local steps
-    ``E`` and the executor (a :class:`TaskLoop`'s, or a Flower node's own)."""
+    """A task fit's seed, local steps ``E`` and executor (a :class:`TaskLoop`'s, or a
+    Flower node's own)."""
 
     seed: int
     epochs: int
     executor: Any
-
-
-def pool(batches: Sequence[Batch]) -> Batch:
-    """The union of several supports (pooled training)."""
-    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
 
 
 def as_single(batch: Batch) -> Batch:
@@ -115,27 +100,25 @@ def evaluate(
     return out
 
 
-class TaskLoop:
+class TaskLoop(Schedule):
     """Runs the task manifest (module docstring).
 
     Args:
-        algorithm: the :class:`~fedlightning.algorithms.fedtip.FedTIP` configuration (or a
-            subclass: the full-model comparator).
+        algorithm: the :class:`~fedlightning.algorithms.fedtip.FedTIP` configuration.
         tasks: every task's client batches, in task order.
         eval_batches: ``{"val": batch, "test": batch}``, the server's segments.
         families: task families to run (``nc`` needs state labels).
         dims: ``(d_h, d_t, d_e)`` of the adapter.
         runner: runs a round's clients (its ``executor`` runs the local fits).
-        rounds, epochs: R and E.
-        seed: every draw is keyed by ``(seed, task, family, round, client)``.
+        rounds, epochs, seed: R, E, and the seed every draw is keyed by (with task, family,
+            round, client).
         bank_values: :math:`|\\mathcal{B}_0|`, float32 values of the bank (Eq. 33).
-        checkpoint_path: the state after each task (``None``: nowhere).
-        on_task_end: ``(task_index, metrics) -> None`` after the checkpoint.
+        checkpoint_path, on_task_end: as :class:`~fedlightning.federation.loop.FederatedLoop`'s,
+            per task (``on_task_end(task_index, metrics)``).
+        progress: the bar over tasks.
     """
 
-    # The run's identity (experiment, config hash, protocol hashes), set by the program
-    # that builds the loop; saved in every checkpoint so that a resume can check it.
-    identity: dict[str, Any] | None = None
+    pooled = False  # the clients' supports are pooled: no messages, no bank sent
 
     def __init__(
         self,
@@ -154,15 +137,13 @@ class TaskLoop:
         on_task_end: Callable[[int, dict[str, float]], None] | None = None,
         progress: bool = True,
     ) -> None:
+        super().__init__(checkpoint_path)
         self.algorithm, self.tasks, self.eval_batches = algorithm, list(tasks), eval_batches
         self.families, self.dims, self.runner = list(families), dims, runner
         self.rounds, self.epochs, self.seed = rounds, epochs, seed
         self.bank_values = bank_values
-        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.on_task_end, self.progress = on_task_end, progress
         self.results: list[dict[str, float]] = []
-        self.ledger = CommLedger()
-        self.pooled = False  # the clients' supports are pooled: no messages, no bank sent
         self.provisioned: set[int] = set()
 
     # ------------------------------------------------------------------ one family
@@ -189,7 +170,7 @@ class TaskLoop:
                 r,
                 server,
                 self.runner,
-                members(task.clients),
+                [Member(k) for k in task.clients],
                 work,
                 self.ledger,
                 prefix=family,
@@ -228,8 +209,7 @@ class TaskLoop:
             metrics = self.run_task(task)
             self.results.append(metrics)
             n = len(self.results)
-            if self.checkpoint_path:
-                save_torch(self.checkpoint_path, self.state_dict())
+            self.checkpoint()
             running = {k: v for k, v in self.final_metrics().items() if k.startswith("auc")}
             bar.set_postfix({k: f"{v:.3f}" for k, v in running.items() if not k.endswith("std")})
             elapsed = time.perf_counter() - t0
@@ -274,12 +254,9 @@ class TaskLoop:
         out["message_values_per_client"] = {
             f: {str(k): n for k, n in v.items()} for f, v in sizes.items() if v
         }
-        up, down = self.ledger.by_scope(UP), self.ledger.by_scope(DOWN)
+        scopes = self.ledger.by("scope")
         out["per_task"] = {
-            str(r["task"]): {
-                UP: up.get(task_scope(r["task"]), 0),
-                DOWN: down.get(task_scope(r["task"]), 0),
-            }
+            str(r["task"]): scopes.get(task_scope(r["task"]), {UP: 0, DOWN: 0})
             for r in self.results
         }
         out["bank_values"] = self.bank_values
@@ -289,16 +266,14 @@ class TaskLoop:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
-            "format": CHECKPOINT_FORMAT,
-            "identity": self.identity,
+            **super().state_dict(),
             "results": self.results,
-            "ledger": self.ledger.state_dict(),
             "provisioned": sorted(self.provisioned),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.results = list(state["results"])
-        self.ledger.load_state_dict(state["ledger"])
         self.provisioned = set(state["provisioned"])
 
 
@@ -307,15 +282,14 @@ class PooledTaskLoop(TaskLoop):
     holds the union of the task's supports fits ``rounds x epochs`` steps; its support
     moves raw, so no message is counted and no client is sent the bank."""
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.pooled = True
+    pooled = True
 
     def federate(self, task: TaskBatches, family: str) -> tuple[PromptAdapter, dict[int, Tensor]]:
         """The adapter after the pooled fit, and the pooled support's class prototypes."""
         adapter = self.new_adapter(task, family)
         module = self.algorithm.task_module(adapter, family)
-        pooled = stack_batches([pool(list(task.clients.values()))])
+        supports = list(task.clients.values())
+        pooled = stack_batches([{k: torch.cat([b[k] for b in supports]) for k in supports[0]}])
         module.receive(adapter.state_dict(), {}, 1)
         torch.manual_seed(derive_seed(self.seed, "fit", task.task, family))
         self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
@@ -337,8 +311,3 @@ class Member:
 
     client_id: int
     state: None = None
-
-
-def members(ids: Sequence[int]) -> list[Member]:
-    """The clients ``ids`` as the runner's ``run_round`` takes them."""
-    return [Member(k) for k in ids]

@@ -1,10 +1,9 @@
 """This process's place among the ranks of a run: rank, world size, device, collectives.
 
-A run started by ``torchrun`` (``WORLD_SIZE`` in the environment) joins the
-``torch.distributed`` process group; any other run is a world of one process, in which
-every collective is the identity. Only object collectives are used (``broadcast`` of rank
-0's results, ``all_gather`` of the clients' updates): no reduction ever touches a value
-that enters the server step, so the server step sees the same inputs on every rank.
+A run under ``torchrun`` (``WORLD_SIZE`` set) joins the ``torch.distributed`` process group;
+any other run is a world of one process, where every collective is the identity. Only object
+collectives are used (``broadcast`` of rank 0's results, ``all_gather`` of updates): no
+reduction touches a value that enters the server step.
 """
 
 from __future__ import annotations
@@ -37,23 +36,13 @@ class RankLost(FedLightningError):
 
 @dataclass
 class World:
-    """The ranks of a run, as this process sees them.
-
-    Args:
-        rank: this process's global rank (default ``0``).
-        size: number of processes (default ``1``).
-        local_rank: rank on this node; picks the GPU (default ``0``).
-        device: where local fits run (default CPU).
-        backend: the process group's backend; ``None`` without a process group.
-        timeout_s: the process group's timeout in seconds (``0``: none).
-        run_dir: the run directory, named in the error that tells how to resume.
-    """
+    """The ranks of a run, as this process sees them: this process's global ``rank`` among
+    ``size``, the ``device`` of its local fits, the process group's ``timeout_s`` (``0``:
+    none) and the ``run_dir`` named in the error that tells how to resume."""
 
     rank: int = 0
     size: int = 1
-    local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    backend: str | None = None
     timeout_s: float = 0.0
     run_dir: Path | None = None
 
@@ -63,12 +52,10 @@ class World:
         return self.rank == 0
 
     def on_main(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` on rank 0 only; every rank returns its result.
-
-        When ``fn`` raises on rank 0, every rank raises: rank 0 its own exception, the
-        others a :class:`~fedlightning.errors.FedLightningError` (or ``RuntimeError``) with
-        the same message, so no rank is left waiting.
-        """
+        """``fn(*args, **kwargs)`` on rank 0 only; every rank returns its result. When ``fn``
+        raises on rank 0, every rank raises: rank 0 its own exception, the others a
+        :class:`~fedlightning.errors.FedLightningError` (or ``RuntimeError``) with the same
+        message, so no rank is left waiting."""
         if self.size == 1:
             return fn(*args, **kwargs)
         result, error = None, None
@@ -120,7 +107,7 @@ class World:
 
     def stop_on_sigterm(self) -> None:
         """Turn ``torchrun``'s SIGTERM (sent to every rank when one fails) into
-        :class:`RankLost`, so the run ends as a clear error (MLflow: ``FAILED``)."""
+        :class:`RankLost`: a clear error (MLflow: ``FAILED``)."""
         if threading.current_thread() is not threading.main_thread():
             return
 
@@ -149,20 +136,13 @@ def pick_device(device: str, local_rank: int) -> torch.device:
 
 
 def join_world(backend: str = "auto", device: str = "auto", timeout_s: float = 600.0) -> World:
-    """Join the ``torchrun`` process group, or make a world of one process without one.
-
-    Args:
-        backend: ``auto`` (NCCL when the device is a GPU, else Gloo), ``gloo`` or ``nccl``.
-        device: ``auto`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``cpu``
-            or ``cuda``.
-        timeout_s: how long a collective waits for the other ranks before it fails.
-    """
+    """Join the ``torchrun`` process group, or make a world of one process without one
+    (``backend``, ``device``, ``timeout_s``: as the distributed runner's)."""
     if backend not in BACKENDS:
         raise ConfigError("runner.backend", f"must be one of {BACKENDS}, got {backend!r}")
     if timeout_s <= 0:
         raise ConfigError("runner.timeout_s", f"must be > 0, got {timeout_s}")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    dev = pick_device(device, local_rank)
+    dev = pick_device(device, int(os.environ.get("LOCAL_RANK", 0)))
     if "WORLD_SIZE" not in os.environ:  # not under torchrun: one process, no group
         return World(device=dev, timeout_s=timeout_s)
     if backend == "auto":
@@ -174,14 +154,7 @@ def join_world(backend: str = "auto", device: str = "auto", timeout_s: float = 6
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         atexit.register(_leave)
-    return World(
-        rank=dist.get_rank(),
-        size=dist.get_world_size(),
-        local_rank=local_rank,
-        device=dev,
-        backend=dist.get_backend(),
-        timeout_s=timeout_s,
-    )
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), device=dev, timeout_s=timeout_s)
 
 
 def _leave() -> None:
@@ -190,14 +163,9 @@ def _leave() -> None:
 
 
 def quiet_other_ranks(world: World) -> None:
-    """Leave logging and files to rank 0.
-
-    Every rank sends rank 0 the directory Hydra made for it. On ranks > 0 the package's
-    log lines drop to warnings (``torchrun`` still shows them), Hydra's log file is closed,
-    and Hydra's directory is removed when it holds only Hydra's own files (``.hydra/``,
-    ``*.log``) and is not rank 0's: Hydra creates it before any of our code runs, with a
-    per-process time stamp.
-    """
+    """Leave logging and files to rank 0: on ranks > 0 the package logs warnings only, and
+    Hydra's log file is closed and its per-process directory (made before any of our code
+    runs) removed when it holds only Hydra's own files and is not rank 0's."""
     from hydra.core.hydra_config import HydraConfig
 
     mine = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
