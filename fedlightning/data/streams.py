@@ -38,23 +38,15 @@ def _example(num_classes: int) -> list[int]:
 def check_stages(
     stages: Any, num_classes: int | None = None, dataset: str = "the dataset"
 ) -> list[int]:
-    r"""Check a class-incremental stage layout from the config alone; return it as ints.
+    """Check a class-incremental stage layout (``protocol.stream.stages``: a list, tuple or
+    ``ListConfig``) under the rules of ``docs/datasets.md``; return it as ints.
 
-    The rules (``docs/datasets.md``): a non-empty list of integers; every stage introduces
-    at least one class; the first stage at least two (with one known class, cross-entropy is
-    zero and the softmax score is always 1); and, when the number of classes :math:`C` is
-    known, at least one class is never introduced (the unknown class of the open-set
-    metrics), so the stages introduce at most :math:`C - 1` classes in all and :math:`C`
-    must be at least 3.
-
-    Args:
-        stages: the value of ``protocol.stream.stages`` (a list, tuple or ``ListConfig``).
-        num_classes: the dataset's number of classes, when the config alone tells it
-            (:func:`config_num_classes`); :obj:`None` checks only the layout.
-        dataset: how messages name the dataset.
-
-    Raises:
-        ConfigError: one line naming ``protocol.stream.stages``.
+    A non-empty list of integers, every stage >= 1 class, the first >= 2 (with one known
+    class, cross-entropy is zero and the softmax score always 1); with ``num_classes``
+    :math:`C` known (:func:`config_num_classes`; ``None`` checks only the layout), at most
+    :math:`C - 1` classes in all (one never introduced: the open-set metrics' unknown), so
+    :math:`C` >= 3. A violation is a one-line ConfigError naming the key; ``dataset`` is
+    how messages name the dataset.
     """
     if isinstance(stages, (str, bytes, Mapping)) or not hasattr(stages, "__iter__"):
         raise ConfigError(
@@ -92,12 +84,9 @@ def check_stages(
 
 
 def config_num_classes(dataset: Mapping[str, Any]) -> int | None:
-    """The number of classes a ``dataset`` config fixes without reading data, else ``None``.
-
-    ``num_classes`` when the config has it (``dataset=synthetic``), the known count of a
-    built-in dataset (``cora`` 7, ``citeseer`` 6, ``citeseer_mm`` 6), else :obj:`None`
-    (a folder or any other dataset: its classes are known once its labels are read).
-    """
+    """The number of classes a ``dataset`` config fixes without reading data: its
+    ``num_classes`` (``dataset=synthetic``), a built-in dataset's known count, else ``None``
+    (a folder or any other dataset)."""
     n = dataset.get("num_classes")
     if isinstance(n, int) and not isinstance(n, bool):
         return n
@@ -171,18 +160,14 @@ class ClassStream:
 
 
 class ClassIncrementalStream:
-    """Builds a :class:`ClassStream` from stage sizes, seeded by ``protocol.seed``.
+    """Builds a :class:`ClassStream` from stage sizes (e.g. ``[2, 1, 1, 1]``, checked by
+    :func:`check_stages` here and against the graph's classes when built), seeded by
+    ``protocol.seed``.
 
     The class order is a seeded permutation. At each stage, each client observes
-    ``ceil(client_fraction x n)`` of the ``n`` new classes that occur among its training
-    nodes (a seeded choice); a new class that no client drew goes to the client with the
-    most training nodes of it, so every new class is observed by at least one client.
-
-    Args:
-        stages: classes per stage, e.g. ``[2, 1, 1, 1]``, under the rules of
-            :func:`check_stages` (checked here, and against the graph's classes when the
-            stream is built).
-        client_fraction: fraction of a stage's new classes each client observes, in (0, 1].
+    ``ceil(client_fraction x n)`` (``client_fraction`` in (0, 1]) of the ``n`` new classes
+    that occur among its training nodes (a seeded choice); a new class that no client drew
+    goes to the client with the most training nodes of it.
     """
 
     def __init__(self, stages: list[int], client_fraction: float = 1.0) -> None:

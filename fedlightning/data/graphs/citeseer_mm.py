@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fedlightning.data.files import load_npy, read_json, read_lines, require_dir, require_file
 from fedlightning.data.graphs.base import MultimodalGraph, clean_edges, full_mask
-from fedlightning.data.graphs.planetoid import (
-    data_root,
-    read_gnn_benchmark_npz,
-    require_dir,
-    require_file,
-)
+from fedlightning.data.graphs.planetoid import data_root, read_gnn_benchmark_npz
 from fedlightning.errors import DataError
 
 __all__ = ["load_citeseer_mm"]
@@ -25,10 +20,7 @@ _TAPE = "citeseer_tape"
 
 def _read_ids(path: Path) -> list[str]:
     require_file(path, "the JSON list of paper ids, one per row of citeseer_minilm.npy")
-    try:
-        ids = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(path, f"not valid UTF-8 JSON ({e})") from e
+    ids = read_json(path)
     if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
         raise DataError(path, "expected a JSON list of non-empty paper-id strings")
     if len(set(ids)) != len(ids):
@@ -38,11 +30,7 @@ def _read_ids(path: Path) -> list[str]:
 
 
 def _read_embeddings(path: Path, n: int) -> np.ndarray:
-    require_file(path, f"the float32 [{n}, 384] MiniLM text embeddings")
-    try:
-        x = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        raise DataError(path, f"not a readable .npy array ({type(e).__name__}: {e})") from e
+    x = load_npy(require_file(path, f"the float32 [{n}, 384] MiniLM text embeddings"))
     if x.ndim != 2 or x.shape[0] != n or not np.issubdtype(x.dtype, np.floating):
         raise DataError(
             path,
@@ -52,11 +40,6 @@ def _read_embeddings(path: Path, n: int) -> np.ndarray:
     if not np.isfinite(x).all():
         raise DataError(path, "expected finite values, found NaN or inf")
     return x.astype(np.float32, copy=False)
-
-
-def _read_texts(path: Path) -> dict[str, str]:
-    """Paper id -> class name from the TAPE records (id line, text line, class line)."""
-    return {pid: label for pid, (_, label) in read_tape_records(path).items()}
 
 
 def read_tape_records(path: Path) -> dict[str, tuple[str, str]]:
@@ -96,17 +79,11 @@ def read_tape_records(path: Path) -> dict[str, tuple[str, str]]:
 
 
 def _read_cites(path: Path, index: dict[str, int]) -> torch.Tensor:
-    require_file(path, "the citations, one `cited citing` pair of paper ids per line")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(path, f"expected UTF-8 text ({e})") from e
     src: list[int] = []
     dst: list[int] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    what = "the citations, one `cited citing` pair of paper ids per line"
+    for lineno, line in read_lines(require_file(path, what), what):
         tok = line.split()
-        if not tok:
-            continue
         if len(tok) != 2:
             raise DataError(
                 path, f"line {lineno}: expected two paper ids `cited citing`, got {line[:80]!r}"
@@ -119,28 +96,19 @@ def _read_cites(path: Path, index: dict[str, int]) -> torch.Tensor:
 
 
 def load_citeseer_mm(root: str | os.PathLike[str] | None = None) -> MultimodalGraph:
-    r"""Load ``citeseer_mm``: the 3,186 CiteSeer papers with real titles and abstracts.
-
-    Nodes are the paper ids of ``citeseer_minilm_ids.json`` in that order. Two modalities:
+    """Load ``citeseer_mm``: the 3,186 CiteSeer papers with real titles and abstracts, in
+    the order of ``citeseer_minilm_ids.json``, with two modalities:
 
     * ``text``: float32 ``[3186, 384]`` all-MiniLM-L6-v2 embeddings of title + abstract,
     * ``bow``: float32 ``[3186, 3703]`` 0/1 word indicators, the rows of the gnn-benchmark
       ``citeseer.npz`` whose ``node_names`` are the paper ids.
 
-    Labels come from the class line of ``citeseer_texts.txt``; ``class_names`` are sorted
-    alphabetically (``['AI', 'Agents', 'DB', 'HCI', 'IR', 'ML']``). Edges are the citations
-    of ``citeseer.cites`` between two of the papers, undirected, without self citations
-    (4,225 undirected edges).
-
-    Files, under ``<root>/citeseer_tape/``: ``citeseer_minilm_ids.json``,
-    ``citeseer_minilm.npy``, ``citeseer_texts.txt``, ``citeseer.cites``; and
-    ``<root>/gnn_benchmark/citeseer.npz``.
-
-    Args:
-        root (str or Path, optional): the data directory; see :func:`data_root`.
-
-    Raises:
-        DataError: for a missing or malformed file, or a paper id missing from one of them.
+    Labels come from the class line of ``citeseer_texts.txt``, ``class_names`` sorted
+    (``['AI', 'Agents', 'DB', 'HCI', 'IR', 'ML']``); edges are the citations of
+    ``citeseer.cites`` between two of the papers, undirected, without self citations
+    (4,225). Files under ``<root>/citeseer_tape/`` (the four above and
+    ``citeseer_minilm.npy``) and ``<root>/gnn_benchmark/citeseer.npz``; a missing or
+    malformed file, or a paper id missing from one, is a DataError.
     """
     base = data_root(root)
     tape = require_dir(
@@ -167,7 +135,7 @@ def load_citeseer_mm(root: str | os.PathLike[str] | None = None) -> MultimodalGr
     bow = z.attr[np.array([row_of[pid] for pid in ids], dtype=np.int64)].toarray()
 
     texts_path = tape / "citeseer_texts.txt"
-    classes = _read_texts(texts_path)
+    classes = {pid: label for pid, (_, label) in read_tape_records(texts_path).items()}
     unlabelled = [pid for pid in ids if pid not in classes]
     if unlabelled:
         raise DataError(

@@ -1,16 +1,10 @@
-"""A plain on-disk format for a user's own multimodal graph (see ``docs/datasets.md``).
+"""The folder format for a user's own multimodal graph (``docs/datasets.md``)::
 
-A dataset folder holds::
-
-    edge_index.npy | edges.csv      int [2, E] | comma-separated lines, optional header; the
-                                    edge ends are two of its columns (default the first two)
-    labels.npy     | labels.csv     [N] integer ids or class names | one label per line
-                                    (optional header `label`)
-    features/<modality>.npy         float [N, d], one file per modality (at least one)
-    masks/<modality>.npy            optional bool or 0/1 [N]: True where the node has it
-    class_names.json                optional list of C strings
-    node_ids.json                   optional list of N strings
-    meta.json                       optional {"name": "..."}
+edge_index.npy | edges.csv      int [2, E] | comma-separated, optional header
+labels.npy     | labels.csv     [N] class ids or names | one a line, optional header
+features/<modality>.npy         float [N, d], one file per modality (at least one)
+masks/<modality>.npy            optional bool or 0/1 [N]: True where the node has it
+class_names.json, node_ids.json, meta.json   optional: C names, N ids, {"name": ...}
 """
 
 from __future__ import annotations
@@ -20,11 +14,11 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from fedlightning.data.files import field_error, load_npy, read_json, read_lines, split_rows
 from fedlightning.data.graphs.base import MultimodalGraph, clean_edges
 from fedlightning.errors import ConfigError, DataError
 
@@ -40,10 +34,6 @@ class FolderExistsError(DataError, FileExistsError):
     """:func:`save_folder` refused to write into a folder that already holds files."""
 
 
-# ------------------------------------------------------------------------------------------
-# readers; each raises DataError naming the file, the field and what was expected
-
-
 def _one_of(folder: Path, npy: str, csv: str, what: str) -> Path:
     a, b = folder / npy, folder / csv
     if a.exists() and b.exists():
@@ -51,33 +41,6 @@ def _one_of(folder: Path, npy: str, csv: str, what: str) -> Path:
     if not (a.exists() or b.exists()):
         raise DataError(folder / npy, f"file missing: expected {npy} or {csv} ({what})")
     return a if a.exists() else b
-
-
-def _load_npy(path: Path) -> np.ndarray:
-    if not path.is_file():
-        raise DataError(path, "file missing or not a regular file")
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        # allow_pickle=False: object arrays would run code on load; numeric arrays need none.
-        raise DataError(path, f"not a readable numeric .npy array ({type(e).__name__}: {e})") from e
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(path, f"not valid UTF-8 JSON ({type(e).__name__}: {e})") from e
-
-
-def _read_lines(path: Path) -> list[tuple[int, str]]:
-    """The non-blank lines of a text file as ``(line number, text)``."""
-    try:
-        # utf-8-sig: spreadsheet programs often prepend a byte-order mark.
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(path, f"not readable UTF-8 text ({type(e).__name__}: {e})") from e
-    return [(i, ln) for i, ln in enumerate(text.splitlines(), start=1) if ln.strip()]
 
 
 def _is_int(s: str) -> bool:
@@ -92,20 +55,12 @@ def _is_int(s: str) -> bool:
 # labels: integer ids or class names
 
 
-def _check_labels_as(labels_as: str) -> str:
-    if labels_as not in LABELS_AS:
-        raise ConfigError(
-            "dataset.labels_as", f"must be one of {list(LABELS_AS)}, got {labels_as!r}"
-        )
-    return labels_as
-
-
 def _read_label_csv(path: Path) -> tuple[list[str], list[int]]:
     """One label per non-blank line (stripped; CSV quoting allowed), without the header."""
-    rows = _read_lines(path)
+    rows = read_lines(path, "one label per line")
     if rows and rows[0][1].strip().lower() == "label":
         rows = rows[1:]
-    values, linenos = [], []
+    values = []
     for lineno, ln in rows:
         fields = next(csv.reader([ln])) if '"' in ln else ln.split(",")
         if len(fields) != 1:
@@ -115,8 +70,16 @@ def _read_label_csv(path: Path) -> tuple[list[str], list[int]]:
                 f"class name), got {len(fields)} comma-separated fields {ln[:80]!r}",
             )
         values.append(fields[0].strip())
-        linenos.append(lineno)
-    return values, linenos
+    return values, [lineno for lineno, _ in rows]
+
+
+def _read_class_name_list(path: Path) -> list[str]:
+    names = read_json(path)
+    if not isinstance(names, list) or not names or not all(isinstance(s, str) and s for s in names):
+        raise DataError(path, "expected a non-empty JSON list of class-name strings")
+    if len(set(names)) != len(names):
+        raise DataError(path, "expected distinct class names")
+    return names
 
 
 def _names_to_ids(
@@ -152,11 +115,13 @@ def _names_to_ids(
     return y, names
 
 
-def _read_labels(
-    folder: Path, labels_as: str = "auto"
-) -> tuple[np.ndarray, list[str] | None, Path]:
-    """``(y, class names given by the labels or None, the labels file)``."""
-    labels_as = _check_labels_as(labels_as)
+def _read_labels(folder: Path, labels_as: str) -> tuple[np.ndarray, list[str], Path]:
+    """``(y, class names, the labels file)``; the names are those the labels give, else
+    ``class_names.json``'s, else ``class_<i>``."""
+    if labels_as not in LABELS_AS:
+        raise ConfigError(
+            "dataset.labels_as", f"must be one of {list(LABELS_AS)}, got {labels_as!r}"
+        )
     path = _one_of(
         folder,
         "labels.npy",
@@ -168,32 +133,28 @@ def _read_labels(
         values, linenos = _read_label_csv(path)
         if not values:
             raise DataError(path, "field `labels`: expected at least one node, got none")
-        kind = labels_as
-        if kind == "auto":
-            first_int = _is_int(values[0])
-            for v, lineno in zip(values, linenos, strict=True):
-                if _is_int(v) != first_int:
-                    expected = "an integer class id" if first_int else "a class name"
-                    raise DataError(
-                        path,
-                        f"line {lineno}: field `label`: expected {expected} like line "
-                        f"{linenos[0]} ({values[0]!r}), got {v!r}; use integer ids 0..C-1 or class "
-                        "names throughout (dataset.labels_as=names reads every label as a name)",
-                    )
-            kind = "ids" if first_int else "names"
-        if kind == "ids":
-            for v, lineno in zip(values, linenos, strict=True):
-                if not _is_int(v):
-                    raise DataError(
-                        path,
-                        f"line {lineno}: field `label`: expected an integer class id "
-                        f"(dataset.labels_as=ids), got {v!r}",
-                    )
+        first_int = _is_int(values[0])
+        for v, lineno in zip(values, linenos, strict=True):
+            if labels_as == "auto" and _is_int(v) != first_int:
+                expected = "an integer class id" if first_int else "a class name"
+                raise DataError(
+                    path,
+                    f"line {lineno}: field `label`: expected {expected} like line "
+                    f"{linenos[0]} ({values[0]!r}), got {v!r}; use integer ids 0..C-1 or class "
+                    "names throughout (dataset.labels_as=names reads every label as a name)",
+                )
+            if labels_as == "ids" and not _is_int(v):
+                raise DataError(
+                    path,
+                    f"line {lineno}: field `label`: expected an integer class id "
+                    f"(dataset.labels_as=ids), got {v!r}",
+                )
+        if labels_as == "ids" or (labels_as == "auto" and first_int):
             y = np.array([int(v) for v in values], dtype=np.int64)
         else:
             y, names = _names_to_ids(folder, path, values, [f"line {i}: " for i in linenos])
     else:
-        arr = _load_npy(path)
+        arr = load_npy(path)
         text = arr.dtype.kind in "US"
         if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or text):
             raise DataError(
@@ -214,39 +175,26 @@ def _read_labels(
                 (v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)).strip()
                 for v in arr.tolist()
             ]
-            y, names = _names_to_ids(
-                folder, path, values, [f"node {i}: " for i in range(len(values))]
-            )
+            y, names = _names_to_ids(folder, path, values, [f"node {i}: " for i in range(arr.size)])
         else:
             y = arr.astype(np.int64)
     if y.min() < 0:
         i = int(np.argmin(y))
         raise DataError(path, f"field `labels`: expected labels >= 0, node {i} has {y[i]}")
-    return y, names, path
-
-
-def _read_class_name_list(path: Path) -> list[str]:
-    names = _read_json(path)
-    if not isinstance(names, list) or not names or not all(isinstance(s, str) and s for s in names):
-        raise DataError(path, "expected a non-empty JSON list of class-name strings")
-    if len(set(names)) != len(names):
-        raise DataError(path, "expected distinct class names")
-    return names
-
-
-def _read_class_names(folder: Path, y: np.ndarray, labels_path: Path) -> list[str]:
-    path = folder / "class_names.json"
-    if not path.exists():
-        return [f"class_{i}" for i in range(int(y.max()) + 1)]
-    names = _read_class_name_list(path)
+    if names is not None:
+        return y, names, path
+    cn_path = folder / "class_names.json"
+    if not cn_path.exists():
+        return y, [f"class_{i}" for i in range(int(y.max()) + 1)], path
+    names = _read_class_name_list(cn_path)
     if y.max() >= len(names):
         i = int(np.argmax(y))
         raise DataError(
-            labels_path,
+            path,
             f"field `labels`: expected labels in 0..{len(names) - 1} "
             f"({len(names)} names in class_names.json), node {i} has {y[i]}",
         )
-    return names
+    return y, names, path
 
 
 def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Tensor]:
@@ -265,7 +213,7 @@ def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Te
         raise DataError(feat_dir, "expected at least one <modality>.npy file, found none")
     features = {}
     for p in files:
-        x = _load_npy(p)
+        x = load_npy(p)
         field = f"field `features` of modality {p.stem!r}"
         if x.ndim != 2 or x.shape[0] != n or x.shape[1] < 1:
             raise DataError(
@@ -305,7 +253,7 @@ def _read_masks(folder: Path, n: int, modalities: list[str]) -> torch.Tensor:
                 f"expected masks/<modality>.npy for one of the modalities "
                 f"{modalities} (from features/)",
             )
-        m = _load_npy(p)
+        m = load_npy(p)
         if m.shape != (n,):
             raise DataError(
                 p,
@@ -359,7 +307,7 @@ def _read_edge_csv(
     The first line is a header when a column name is asked for, or else when one of the two
     edge columns on it is not an integer. Every line has as many columns as the first.
     """
-    rows = _read_lines(path)
+    rows = read_lines(path, "comma-separated edges")
     if not rows:
         return np.zeros((0, 2), dtype=np.int64), "src,dst"
     first_no, first_ln = rows[0]
@@ -396,36 +344,21 @@ def _read_edge_csv(
     if not rows:
         return np.zeros((0, 2), dtype=np.int64), label
     layout = f"as the header `{first_ln.strip()[:60]}`" if header else f"as line {first_no}"
-    for lineno, ln in rows:
-        if ln.count(",") != ncols - 1:
-            raise DataError(
-                path,
-                f"line {lineno}: expected {ncols} comma-separated columns ({layout}), got "
-                f"{ln.count(',') + 1}: {ln[:80]!r}",
-            )
+    # np.loadtxt with usecols lets the column count vary: every line is checked first.
+    parts = list(split_rows(path, rows, ",", ncols, f"{ncols} comma-separated columns ({layout})"))
     try:
         # The fast path; on failure the slow scan below finds the offending line.
-        out = np.loadtxt(
-            [ln for _, ln in rows],
-            delimiter=",",
-            dtype=np.int64,
-            usecols=cols,
-            ndmin=2,
-            comments=None,
-        )
+        lines = [ln for _, ln in rows]
+        out = np.loadtxt(lines, delimiter=",", dtype=np.int64, usecols=cols, ndmin=2, comments=None)
         if out.shape == (len(rows), 2):
             return out, label
     except ValueError:
         pass
-    for lineno, ln in rows:
-        parts = ln.split(",")
+    for (lineno, _), p in zip(rows, parts, strict=True):
         for name, c in zip(names, cols, strict=True):
-            if not _is_int(parts[c].strip()):
-                raise DataError(
-                    path,
-                    f"line {lineno}: field `{name}` (column {c + 1}): expected an integer node "
-                    f"index, got {parts[c].strip()[:40]!r}",
-                )
+            if not _is_int(p[c]):
+                got = repr(p[c][:40])
+                raise field_error(path, lineno, name, c + 1, "an integer node index", got)
     raise DataError(
         path, f"expected integer node indices in the columns {names}"
     )  # pragma: no cover
@@ -450,7 +383,7 @@ def _read_edges(
                     f"applies to edges.csv only, but {folder} holds edge_index.npy; unset it",
                 )
         field = "edge_index"
-        ei = _load_npy(path)
+        ei = load_npy(path)
         if ei.ndim != 2 or ei.shape[0] != 2 or not np.issubdtype(ei.dtype, np.integer):
             hint = "; transpose it (edge_index.T)" if ei.ndim == 2 and ei.shape[1] == 2 else ""
             raise DataError(
@@ -472,7 +405,7 @@ def _read_node_ids(folder: Path, n: int) -> list[str] | None:
     path = folder / "node_ids.json"
     if not path.exists():
         return None
-    ids = _read_json(path)
+    ids = read_json(path)
     if not isinstance(ids, list) or not all(isinstance(s, str) for s in ids):
         raise DataError(path, "expected a JSON list of node-id strings")
     if len(ids) != n:
@@ -486,7 +419,7 @@ def _read_name(folder: Path) -> str:
     path = folder / "meta.json"
     if not path.exists():
         return folder.resolve().name
-    meta = _read_json(path)
+    meta = read_json(path)
     if not isinstance(meta, dict):
         raise DataError(path, 'expected a JSON object such as {"name": "mygraph"}')
     name = meta.get("name", folder.resolve().name)
@@ -502,45 +435,31 @@ def load_folder(
     dst_column: str | int | None = None,
     labels_as: str = "auto",
 ) -> MultimodalGraph:
-    r"""Load a multimodal graph stored in the folder format (see ``docs/datasets.md``).
+    """Load a multimodal graph stored in the folder format (``docs/datasets.md``).
 
-    Edges are made undirected, coalesced and free of self loops; rows of nodes that a mask
-    marks unavailable are zeroed; modalities come in the sorted order of their file names.
-
-    Labels are integer class ids or class names. Names become ids in the order of
-    ``class_names.json`` when the folder has one (every name must be in it), else in sorted
-    order; the graph's ``class_names`` holds the mapping (``save_folder`` writes it out).
+    Edges are made undirected, coalesced and free of self loops; rows that a mask marks
+    unavailable are zeroed; modalities come in the sorted order of their file names. Class
+    names become ids in the order of ``class_names.json`` when the folder has one, else in
+    sorted order.
 
     Args:
-        path (str or Path): the dataset folder.
-        name (str, optional): the graph's name. If :obj:`None` (default), ``meta.json``'s
-            ``name``, else the folder's name.
-        src_column (str or int, optional): the column of ``edges.csv`` holding the edge
-            sources: a header name, or a 0-based position. (default: the first column)
-        dst_column (str or int, optional): likewise for the targets. (default: the second)
-        labels_as (str, optional): ``"auto"`` (default: integer ids when every label is an
-            integer, class names when none is), ``"ids"`` or ``"names"`` (every label is a
-            class name, e.g. years).
+        path: the dataset folder.
+        name: the graph's name (default: ``meta.json``'s ``name``, else the folder's name).
+        src_column, dst_column: the columns of ``edges.csv`` holding the edge ends, header
+            names or 0-based positions (default: the first two).
+        labels_as: ``"auto"`` (integer ids when every label is an integer, class names when
+            none is), ``"ids"`` or ``"names"`` (e.g. years read as names).
 
-    Returns:
-        MultimodalGraph: ``features[m]`` float32 ``[N, d_m]``, ``mask`` bool ``[N, M]``,
-        ``y`` long ``[N]``.
-
-    Raises:
-        DataError: for a missing or malformed file, naming the file, the field and what was
-            expected.
-        ConfigError: for a bad ``src_column``, ``dst_column`` or ``labels_as``.
+    Raises a DataError naming the file, the field and the expectation for a missing or
+    malformed file; a ConfigError for a bad ``src_column``, ``dst_column`` or ``labels_as``.
     """
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise DataError(
             folder, "dataset folder does not exist (see docs/datasets.md for the folder format)"
         )
-    _check_labels_as(labels_as)
     y, class_names, labels_path = _read_labels(folder, labels_as)
     n = y.size
-    if class_names is None:
-        class_names = _read_class_names(folder, y, labels_path)
     features = _read_features(folder, n, labels_path.name)
     modalities = list(features)
     mask = _read_masks(folder, n, modalities)
@@ -558,20 +477,11 @@ def load_folder(
 
 
 def save_folder(graph: MultimodalGraph, path: str | os.PathLike[str]) -> None:
-    r"""Write ``graph`` in the folder format, so that :func:`load_folder` reads it back.
+    """Write ``graph`` in the folder format for :func:`load_folder`: ``masks/`` only for
+    modalities with missing rows, ``node_ids.json`` only if the graph has ids.
 
-    Writes ``edge_index.npy``, ``labels.npy``, ``features/<modality>.npy``,
-    ``masks/<modality>.npy`` (only for modalities with missing rows), ``class_names.json``,
-    ``node_ids.json`` (if the graph has ids) and ``meta.json``.
-
-    Args:
-        graph (MultimodalGraph): the graph.
-        path (str or Path): the folder; created if needed, and must be empty.
-
-    Raises:
-        FolderExistsError: (a :class:`DataError` and a :class:`FileExistsError`) if ``path``
-            exists and is not an empty directory.
-        ValueError: if a modality name cannot be a file name.
+    Raises a :class:`FolderExistsError` if ``path`` exists and is not an empty directory,
+    a ValueError if a modality name cannot be a file name.
     """
     folder = Path(path).expanduser()
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):

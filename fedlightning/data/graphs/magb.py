@@ -1,18 +1,7 @@
-"""MAGB / OpenMAG-style dataset folders (Grocery, Ele-Fashion, Movies, Toys, RedditS, ...).
-
-Such a folder, as published, holds::
-
-    <Name>.csv                  one row per node, in node order: `label`, `neighbors` (a
-                                list of node indices such as "[3, 17, 42]"), texts, ...
-    TextFeature/<Name>_<encoder>_....npy     float [N, d] per text encoder
-    ImageFeature/<Name>_<encoder>.npy        float [N, d] per image encoder
-    <Name>Graph.pt              the same graph as a DGL file (not read: no DGL needed)
-
-The loader takes the edges from the `neighbors` column (or, if the CSV has none, from an
-``edges.csv`` / ``edge_index.npy`` written beside it in the folder format), the labels from
-`label`, and one feature file per modality: ``text`` from ``TextFeature/``, ``image`` from
-``ImageFeature/``. A row that is all zeros or not finite is a node without that modality
-(masked, zeroed). See ``docs/datasets.md``.
+"""MAGB / OpenMAG-style dataset folders (Grocery, Ele-Fashion, Movies, Toys, RedditS, ...):
+``<Name>.csv`` (one row per node: `label`, `neighbors` such as "[3, 17, 42]", texts),
+``TextFeature/*.npy`` and ``ImageFeature/*.npy`` (float ``[N, d]``); the DGL file
+``<Name>Graph.pt`` is not read. Layout and rules in ``docs/datasets.md``.
 """
 
 from __future__ import annotations
@@ -132,19 +121,19 @@ def load_magb(
     neighbors_column: str = "neighbors",
     name: str | None = None,
 ) -> MultimodalGraph:
-    r"""Load a MAGB / OpenMAG-style folder (see the module docstring and docs/datasets.md).
+    """Load a MAGB / OpenMAG-style folder, e.g. ``Data/Grocery`` (module docstring).
 
     Args:
-        path: the dataset folder, e.g. ``Data/Grocery``.
-        text_feature: file in ``TextFeature/`` (required when there are several).
-        image_feature: file in ``ImageFeature/`` (likewise).
-        label_column: integer class column of the node table (default ``"label"``).
-        neighbors_column: adjacency-list column (default ``"neighbors"``).
-        name: dataset name (default: the folder's name).
+        text_feature, image_feature: the file in ``TextFeature/`` / ``ImageFeature/``
+            (required when there are several).
+        label_column: the integer class column of the node table.
+        neighbors_column: the adjacency-list column; without one, ``edges.csv`` or
+            ``edge_index.npy`` beside the table (folder format).
+        name: the dataset name (default: the folder's name).
 
-    Returns:
-        a :class:`MultimodalGraph` with modalities ``text`` and/or ``image``; a
-        ``class_names.json`` list in the folder names the classes.
+    Returns a graph with modalities ``text`` and/or ``image``; a row that is all zeros or
+    not finite is a node without that modality (masked, zeroed). An optional
+    ``class_names.json`` list in the folder names the classes.
     """
     folder = Path(path).expanduser()
     if not folder.is_dir():

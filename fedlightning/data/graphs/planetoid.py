@@ -1,8 +1,5 @@
-"""Cora and CiteSeer, from the raw Planetoid files or from the gnn-benchmark ``.npz`` files.
-
-This module also holds the data-directory lookup (:func:`data_root`) and the ``.npz`` reader
-that :mod:`fedlightning.data.graphs.citeseer_mm` shares.
-"""
+"""Cora and CiteSeer, from the raw Planetoid files or the gnn-benchmark ``.npz`` files; the
+data-directory lookup and the ``.npz`` reader that ``citeseer_mm`` shares."""
 
 from __future__ import annotations
 
@@ -13,12 +10,14 @@ import pickle
 import zipfile
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from fedlightning.data.files import require_dir, require_file
 from fedlightning.data.graphs.base import MultimodalGraph, clean_edges, full_mask
 from fedlightning.errors import DataError
 
@@ -61,15 +60,8 @@ _PLANETOID_PARTS = ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
 
 
 def data_root(root: str | os.PathLike[str] | None = None) -> Path:
-    r"""The directory the built-in loaders read their files from.
-
-    Args:
-        root (str or Path, optional): the directory to use. If :obj:`None` (default), the
-            environment variable ``FEDLIGHTNING_DATA``, else ``./data``.
-
-    Raises:
-        DataError: if the directory does not exist.
-    """
+    """The directory the built-in loaders read from: ``root``, else the environment variable
+    ``FEDLIGHTNING_DATA``, else ``./data``; a DataError if it does not exist."""
     if root is None:
         root = os.environ.get(DATA_ENV) or "data"
     path = Path(root).expanduser()
@@ -82,41 +74,22 @@ def data_root(root: str | os.PathLike[str] | None = None) -> Path:
     return path
 
 
-def require_dir(path: Path, what: str) -> Path:
-    """Raise a :class:`DataError` naming ``path`` unless it is a directory."""
-    if not path.is_dir():
-        raise DataError(path, f"directory missing: expected {what} here (see docs/datasets.md)")
-    return path
-
-
-def require_file(path: Path, what: str) -> Path:
-    """Raise a :class:`DataError` naming ``path`` unless it is a file."""
-    if not path.is_file():
-        raise DataError(path, f"file missing: expected {what} (see docs/datasets.md)")
-    return path
-
-
 # ------------------------------------------------------------------------------------------
 # gnn-benchmark npz files
 
 
+@dataclass
 class GnnBenchmarkNpz:
-    """The parsed content of a gnn-benchmark ``.npz`` file (shchur/gnn-benchmark format).
+    """The parsed content of a gnn-benchmark ``.npz`` file (shchur/gnn-benchmark format):
+    the CSR adjacency ``[N, N]`` as stored (may be directed, with self loops), the CSR node
+    attributes ``[N, d]``, int64 labels in ``0..C-1``, node names (or ``None``) and ``C``
+    class names (``class_<i>`` if the file has none)."""
 
-    Attributes:
-        adj: scipy CSR adjacency ``[N, N]`` as stored (may be directed, with self loops).
-        attr: scipy CSR node attributes ``[N, d]``.
-        labels: int64 ``[N]`` in ``0..C-1``.
-        node_names: ``N`` strings, or :obj:`None` if the file has none.
-        class_names: ``C`` strings (``class_<i>`` if the file has none).
-    """
-
-    def __init__(self, adj, attr, labels, node_names, class_names) -> None:
-        self.adj: sp.csr_matrix = adj
-        self.attr: sp.csr_matrix = attr
-        self.labels: np.ndarray = labels
-        self.node_names: list[str] | None = node_names
-        self.class_names: list[str] = class_names
+    adj: sp.csr_matrix
+    attr: sp.csr_matrix
+    labels: np.ndarray
+    node_names: list[str] | None
+    class_names: list[str]
 
 
 def _npz_csr(path: Path, z: Mapping[str, np.ndarray], prefix: str, rows: int | None):
@@ -168,16 +141,10 @@ def _npz_csr(path: Path, z: Mapping[str, np.ndarray], prefix: str, rows: int | N
 
 
 def read_gnn_benchmark_npz(path: str | os.PathLike[str]) -> GnnBenchmarkNpz:
-    r"""Read and validate a gnn-benchmark ``.npz`` file.
-
-    Args:
-        path (str or Path): the file, holding the CSR parts ``adj_{data,indices,indptr,shape}``
-            and ``attr_{data,indices,indptr,shape}``, ``labels`` ``[N]``, and optionally
-            ``node_names`` ``[N]`` and ``class_names`` ``[C]``.
-
-    Raises:
-        DataError: naming the file and the field for anything missing or malformed.
-    """
+    """Read and validate a gnn-benchmark ``.npz`` file: the CSR parts
+    ``{adj,attr}_{data,indices,indptr,shape}``, ``labels`` ``[N]``, and optionally
+    ``node_names`` ``[N]`` and ``class_names`` ``[C]``. Anything missing or malformed is a
+    DataError naming the file and the field."""
     path = Path(path)
     require_file(path, "a gnn-benchmark .npz file (shchur/gnn-benchmark, data/npz/)")
     required = [f"{p}_{k}" for p in ("adj", "attr") for k in ("data", "indices", "indptr", "shape")]
@@ -238,21 +205,17 @@ def read_gnn_benchmark_npz(path: str | os.PathLike[str]) -> GnnBenchmarkNpz:
     return GnnBenchmarkNpz(adj, attr, labels, node_names, class_names)
 
 
-def _edges_from_csr(adj: sp.spmatrix) -> torch.Tensor:
-    coo = adj.tocoo()
-    return torch.from_numpy(np.stack([coo.row, coo.col]).astype(np.int64))
-
-
 def _load_npz(name: str, root: Path) -> MultimodalGraph:
     folder = require_dir(root / "gnn_benchmark", f"the gnn-benchmark file {name}.npz")
     z = read_gnn_benchmark_npz(folder / f"{name}.npz")
     n = z.labels.size
     x = torch.from_numpy(z.attr.toarray().astype(np.float32))
+    coo = z.adj.tocoo()
     return MultimodalGraph(
         name=name,
         features={"bow": x},
         mask=full_mask(n, 1),
-        edge_index=clean_edges(_edges_from_csr(z.adj), n),
+        edge_index=clean_edges(torch.from_numpy(np.stack([coo.row, coo.col]).astype(np.int64)), n),
         y=torch.from_numpy(z.labels),
         class_names=z.class_names,
         node_ids=z.node_names,
@@ -264,13 +227,9 @@ def _load_npz(name: str, root: Path) -> MultimodalGraph:
 
 
 class _PlanetoidUnpickler(pickle.Unpickler):
-    """An unpickler that only builds what the Planetoid files hold.
-
-    Unpickling runs arbitrary code in general; the Planetoid files need nothing beyond numpy
-    arrays, scipy CSR matrices and a ``defaultdict`` of lists, so everything else is refused.
-    Both Python 2 names (the files were written by Python 2) and the names of Python 3 / numpy 2
-    pickles (files re-saved by someone) are mapped.
-    """
+    """An unpickler that builds only numpy arrays, scipy CSR matrices and a ``defaultdict``
+    of lists (unpickling anything else could run code), under their Python 2 names (the files
+    were written by Python 2) and their Python 3 / numpy 2 names (files re-saved)."""
 
     _ALLOWED = {
         ("numpy", "ndarray"): np.ndarray,
@@ -346,23 +305,21 @@ def _load_raw(name: str, root: Path) -> MultimodalGraph:
     folder = require_dir(root / "planetoid", f"the raw Planetoid files ind.{name}.*")
     parts = {p: _read_planetoid_part(folder, name, p) for p in _PLANETOID_PARTS}
     f = {p: folder / f"ind.{name}.{p}" for p in _PLANETOID_PARTS}
-    x, tx, allx = parts["x"], parts["tx"], parts["allx"]
-    y, ty, ally = parts["y"], parts["ty"], parts["ally"]
+    tx, allx, ty, ally = parts["tx"], parts["allx"], parts["ty"], parts["ally"]
     graph, test_index = parts["graph"], parts["test.index"]
 
     d, c = allx.shape[1], ally.shape[1]
-    for p, feats, labs in (("x", x, y), ("tx", tx, ty), ("allx", allx, ally)):
-        lp = {"x": "y", "tx": "ty", "allx": "ally"}[p]
+    for p, lp in (("x", "y"), ("tx", "ty"), ("allx", "ally")):
+        feats, labs = parts[p], parts[lp]
         if feats.shape[1] != d:
             raise DataError(
                 f[p],
                 f"field `{p}`: expected {d} feature columns (as in allx), got {feats.shape[1]}",
             )
-        if parts[lp].shape[1] != c:
+        if labs.shape[1] != c:
             raise DataError(
                 f[lp],
-                f"field `{lp}`: expected {c} one-hot class columns (as in "
-                f"ally), got {parts[lp].shape[1]}",
+                f"field `{lp}`: expected {c} one-hot class columns (as in ally), got {labs.shape[1]}",
             )
         if labs.shape[0] != feats.shape[0]:
             raise DataError(
@@ -370,11 +327,11 @@ def _load_raw(name: str, root: Path) -> MultimodalGraph:
                 f"field `{lp}`: expected {feats.shape[0]} rows (one per row of "
                 f"ind.{name}.{p}), got {labs.shape[0]}",
             )
-    if x.shape[0] > allx.shape[0]:
+    if parts["x"].shape[0] > allx.shape[0]:
         raise DataError(
             f["x"],
             f"field `x`: expected at most {allx.shape[0]} rows (allx holds "
-            f"the training rows first), got {x.shape[0]}",
+            f"the training rows first), got {parts['x'].shape[0]}",
         )
     n_all = allx.shape[0]
     if test_index.size != tx.shape[0]:
@@ -433,9 +390,8 @@ def load_planetoid(
     source: str = "planetoid",
     root: str | os.PathLike[str] | None = None,
 ) -> MultimodalGraph:
-    r"""Load Cora or CiteSeer as a one-modality (``bow``) :class:`MultimodalGraph`.
-
-    Edges are made undirected, coalesced and free of self loops.
+    """Load Cora or CiteSeer as a one-modality (``bow``, 0/1 word indicators, float32)
+    :class:`MultimodalGraph`, edges undirected, coalesced and free of self loops.
 
     ======== ========= ====== ============== =======
     name     source    nodes  edges (undir.) classes
@@ -448,22 +404,17 @@ def load_planetoid(
 
     The two sources number the classes differently; compare them by ``class_names``.
     CiteSeer from ``planetoid`` holds, as in PyG, 15 placeholder nodes with all-zero
-    features and label 0 (``AI``): nodes of the citation graph that lack released features.
+    features and label 0 (``AI``): nodes of the citation graph without released features.
 
     Args:
-        name (str, optional): ``"cora"`` or ``"citeseer"``. (default: ``"cora"``)
-        source (str, optional): ``"planetoid"`` reads the raw files
-            ``<root>/planetoid/ind.<name>.{x,tx,allx,y,ty,ally,graph,test.index}``;
-            ``"npz"`` reads ``<root>/gnn_benchmark/<name>.npz`` (which also gives
-            ``node_ids``). (default: ``"planetoid"``)
-        root (str or Path, optional): the data directory; see :func:`data_root`.
+        name: ``"cora"`` or ``"citeseer"``.
+        source: ``"planetoid"`` reads ``<root>/planetoid/ind.<name>.{x,tx,allx,y,ty,ally,
+            graph,test.index}``; ``"npz"`` reads ``<root>/gnn_benchmark/<name>.npz`` (which
+            also gives ``node_ids``).
+        root: the data directory (:func:`data_root`).
 
-    Returns:
-        MultimodalGraph: features ``{"bow": float32 [N, d]}`` with 0/1 word indicators.
-
-    Raises:
-        ValueError: for an unknown ``name`` or ``source``.
-        DataError: for a missing or malformed file, naming the file and the field.
+    Raises a ValueError for an unknown ``name`` or ``source``, a DataError naming the file
+    and the field for a missing or malformed file.
     """
     key = str(name).lower()
     if key not in _NAMES:

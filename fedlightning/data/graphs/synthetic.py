@@ -69,40 +69,21 @@ def make_synthetic(
     missing_rate: float = 0.0,
     seed: int = 0,
 ) -> MultimodalGraph:
-    r"""Generate the ``synthetic`` graph: a stochastic block model with one block per class.
+    """Generate the ``synthetic`` graph: a stochastic block model with one block per class.
 
     Classes are balanced (sizes differ by at most one) and assigned by a seeded permutation.
     Each unordered pair of nodes is linked with probability ``p_in`` within a class and
-    ``p_out`` across classes. For each modality ``m`` of dimension ``d``, every class ``c``
-    gets a mean ``mu_c ~ signal * N(0, I_d)`` and node ``i`` the features
-    ``mu_{y_i} + noise * N(0, I_d)``.
+    ``p_out`` across classes. For each modality ``m`` of dimension ``d`` (``modalities``,
+    default ``{"text": 32, "image": 16}``), every class ``c`` gets a mean
+    ``mu_c ~ signal * N(0, I_d)`` and node ``i`` the features ``mu_{y_i} + noise * N(0, I_d)``.
+    ``missing_rate`` in ``[0, 1)`` hides each modality for that fraction of the nodes
+    (:func:`apply_missing`; needs two or more modalities).
 
-    Everything is a function of ``seed``: the labels and edges of one stream, each
+    Everything is a function of ``seed >= 0``: the labels and edges of one stream, each
     modality's features of a stream keyed by its name (so adding a modality or changing a
     dimension leaves the graph and the other modalities unchanged), and the missing
-    modalities of :func:`apply_missing` with the same ``seed``.
-
-    Args:
-        num_nodes (int, optional): number of nodes ``N``. (default: ``600``)
-        num_classes (int, optional): number of classes ``C``, ``1 <= C <= N``. (default: ``5``)
-        modalities (dict[str, int], optional): modality name -> feature dimension.
-            (default: ``{"text": 32, "image": 16}``)
-        p_in (float, optional): edge probability within a class. (default: ``0.05``)
-        p_out (float, optional): edge probability across classes. (default: ``0.005``)
-        signal (float, optional): scale of the class means. (default: ``1.0``)
-        noise (float, optional): standard deviation of the per-node noise. (default: ``1.0``)
-        missing_rate (float, optional): fraction of nodes that lose each modality, in
-            ``[0, 1)``; every node keeps at least one modality (see :func:`apply_missing`),
-            which makes the hidden fraction per modality slightly lower, and needs at least
-            two modalities. (default: ``0.0``)
-        seed (int, optional): the seed, ``>= 0``. (default: ``0``)
-
-    Returns:
-        MultimodalGraph: ``features[m]`` float32 ``[N, d_m]``, ``y`` long ``[N]``,
-        undirected ``edge_index``.
-
-    Raises:
-        ValueError: naming the first invalid argument.
+    modalities of :func:`apply_missing` with the same ``seed``. An invalid argument is a
+    ValueError naming it.
     """
     n = _check_int("num_nodes", num_nodes, 1)
     c = _check_int("num_classes", num_classes, 1)

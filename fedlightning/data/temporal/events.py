@@ -60,12 +60,8 @@ class EventStream:
 
     @property
     def has_labels(self) -> bool:
-        """Whether the events carry usable state labels: a label column with both 0 and 1.
-
-        A stream without a label column, or whose labels are all one value (a label-free
-        stream written with a constant label column), has none: node classification cannot
-        be trained or scored on it, only link prediction.
-        """
+        """Whether the label column holds both 0 and 1; without, node classification can be
+        neither trained nor scored, only link prediction."""
         return self.label is not None and np.unique(self.label).size > 1
 
     @property

@@ -1,6 +1,6 @@
 """Readers of temporal interaction files (JODIE CSV, Wikipedia txt, Bitcoin CSV, any
 ``src dst time [label] [features...]`` list) and a synthetic stream with planted dynamic
-labels (see ``docs/datasets.md``).
+labels. ``docs/datasets.md`` gives the formats, the id mapping and the time order.
 
 Every reader returns an :class:`~fedlightning.data.temporal.events.EventStream` and raises
 :class:`~fedlightning.errors.DataError` naming the file, the line (1-based, as an editor
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedlightning.data.files import field_error, read_lines, split_rows
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.errors import ConfigError, DataError
 
@@ -31,47 +32,15 @@ log = logging.getLogger(__name__)
 
 # The header of the published JODIE files names all feature columns with this one name.
 _JODIE_FEATURES = "comma_separated_list_of_features"
-_JODIE_COLUMNS = ("user_id", "item_id", "timestamp", "state_label")
 _WIKI_COLUMNS = ("user", "item", "timestamp")
 _BITCOIN_COLUMNS = ("source", "target", "rating", "time")
 
 
-# ------------------------------------------------------------------------------------------
-# parsing helpers
-
-
-def _read_text(path: Path, what: str) -> str:
-    """The file's text; a missing or undecodable file is a DataError naming ``what``."""
-    if not path.is_file():
-        raise DataError(path, f"file missing or not a regular file: expected {what}")
-    try:
-        # utf-8-sig: spreadsheet programs often prepend a byte-order mark.
-        return path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(path, f"not readable UTF-8 text ({type(e).__name__}: {e})") from e
-
-
 def _read_events(path: Path, what: str, comments: bool = False) -> list[tuple[int, str]]:
-    """The non-blank lines of ``path`` as ``(line number, text)``, without the ``#`` lines
-    when ``comments``; a file without any is a DataError ``no events: expected {what}``."""
-    text = _read_text(path, what)
-    rows = [
-        (i, ln)
-        for i, ln in enumerate(text.splitlines(), start=1)
-        if ln.strip() and not (comments and ln.lstrip().startswith("#"))
-    ]
+    rows = read_lines(path, what, comments)
     if not rows:
         raise DataError(path, f"no events: expected {what}")
     return rows
-
-
-def _field_error(
-    path: Path, line: object, field: str, col: int, expected: str, got: object
-) -> DataError:
-    """The error of every bad value: ``line L: field `F` (column C): expected E, got G``."""
-    return DataError(
-        path, f"line {line}: field `{field}` (column {col}): expected {expected}, got {got}"
-    )
 
 
 def _split(line: str, sep: str | None) -> list[str]:
@@ -97,31 +66,22 @@ def _parse_table(
     integer: bool,
     layout: str,
 ) -> np.ndarray:
-    """``rows`` as an int64 (``integer``) or float64 matrix ``[len(rows), len(names)]``.
-
-    ``layout`` describes a row in messages, e.g. ``"3 integers `user item timestamp`"``.
-    """
+    """``rows`` as an int64 (``integer``) or float64 matrix ``[len(rows), len(names)]``;
+    ``layout`` describes a row in messages, e.g. ``"3 integers `user item timestamp`"``."""
     dtype = np.int64 if integer else np.float64
     ncols = len(names)
-    # The fast path; on failure the scan below finds and names the offending line.
     out = _loadtxt(rows, sep, ncols, dtype)
     if out is not None:
         return out
-    kind = "an integer" if integer else "a number"
+    conv, kind = (int, "an integer") if integer else (float, "a number")
     out = np.empty((len(rows), ncols), dtype=dtype)
-    for r, (lineno, ln) in enumerate(rows):
-        parts = _split(ln, sep)
-        if len(parts) != ncols:
-            raise DataError(
-                path,
-                f"line {lineno}: expected {ncols} columns ({layout}), got {len(parts)}: "
-                f"{ln[:80]!r}",
-            )
+    fields = split_rows(path, rows, sep, ncols, f"{ncols} columns ({layout})")
+    for r, ((lineno, _), parts) in enumerate(zip(rows, fields, strict=True)):
         for j, p in enumerate(parts):
             try:
-                out[r, j] = int(p) if integer else float(p)
+                out[r, j] = conv(p)
             except (ValueError, OverflowError):
-                raise _field_error(path, lineno, names[j], j + 1, kind, repr(p[:40])) from None
+                raise field_error(path, lineno, names[j], j + 1, kind, repr(p[:40])) from None
     return out
 
 
@@ -137,8 +97,7 @@ def _check_sorted(path: Path, t: np.ndarray, linenos: np.ndarray, field: str, wh
 
 
 def _time_array(t: np.ndarray) -> np.ndarray:
-    """Integer times as int64; float times as int64 when all are integral (and fit), else
-    float64."""
+    """int64 when every time is integral (and fits), else float64."""
     if t.dtype.kind in "iu":
         return t.astype(np.int64)
     t = t.astype(np.float64, copy=False)
@@ -150,12 +109,12 @@ def _time_array(t: np.ndarray) -> np.ndarray:
 def _labels(
     path: Path, values: np.ndarray, linenos: np.ndarray, field: str, got: Callable[[int], str]
 ) -> np.ndarray:
-    """Column 4 as int64 state labels; a value other than 0 and 1 is a DataError naming
-    ``field`` and showing the row's value as ``got(row)``."""
+    """Column 4 as int64 state labels; another value than 0 and 1 is a DataError naming
+    ``field`` and showing row ``r``'s value as ``got(r)``."""
     bad = np.flatnonzero((values != 0) & (values != 1))
     if bad.size:
         r = int(bad[0])
-        raise _field_error(path, linenos[r], field, 4, "a state label 0 or 1", got(r))
+        raise field_error(path, linenos[r], field, 4, "a state label 0 or 1", got(r))
     return values.astype(np.int64)
 
 
@@ -175,13 +134,8 @@ def _stream(
     label: np.ndarray | None = None,
     msg: np.ndarray | None = None,
 ) -> EventStream:
-    """The events sorted stably by time (equal times keep their file order), raw ids mapped
-    to nodes, as an :class:`EventStream` read from ``path``.
-
-    ``bipartite``: sources sorted by raw id become nodes ``0..U-1`` (``"u<raw>"``, type 0),
-    destinations sorted ``U..U+I-1`` (``"i<raw>"``, type 1). Else the distinct raw ids of
-    both sides, sorted, become ``0..N-1`` (names ``"<raw>"``, one node type).
-    """
+    """The events sorted stably by time, raw ids mapped to nodes (sorted raw ids; when
+    ``bipartite``, sources ``0..U-1`` named ``u<raw>`` then destinations ``i<raw>``)."""
     order = np.argsort(t, kind="stable")
     src_raw, dst_raw = src_raw[order], dst_raw[order]
     if bipartite:
@@ -213,52 +167,31 @@ def _stream(
     )
 
 
-# ------------------------------------------------------------------------------------------
-# JODIE CSV
-
-
 def load_jodie_csv(path: str | Path, name: str | None = None) -> EventStream:
-    r"""Loads a stream in the JODIE CSV format (Wikipedia, Reddit, MOOC with state labels).
+    """Loads a JODIE CSV (Wikipedia, Reddit, MOOC): one header line, then
+    ``user_id,item_id,timestamp,state_label,f1,...,fd`` lines (``d >= 0``), sorted by time.
 
-    One header line, then one event per line: ``user_id,item_id,timestamp,state_label,f1,...,fd``
-    (``d >= 0``), sorted by time. The header's names are not checked, only that it has at
-    least 4 columns; every row must have as many columns as the header. The published
-    files name all features with one header column ``comma_separated_list_of_features``;
-    with that header, the number of columns is taken from the first event line.
-
-    Users and items are two id spaces: users sorted by raw id become nodes ``0..U-1``
-    (``node_type`` 0, names ``"u<raw>"``), items sorted by raw id nodes ``U..U+I-1``
-    (``node_type`` 1, names ``"i<raw>"``).
-
-    Args:
-        path (str or Path): the CSV file.
-        name (str, optional): the dataset name. (default: the file name without suffix)
-
-    Returns:
-        EventStream: bipartite; ``t`` int64 when all timestamps are integral, else float64;
-        ``label`` int64 0/1; ``msg`` float32 ``[E, d]`` (``None`` when ``d == 0``).
-
-    Raises:
-        DataError: naming the file, the line (the header is line 1), the field and what
-            was expected: an empty or header-only file, a row with another number of
-            columns, a non-numeric or non-finite value, a non-integer id, a state label
-            other than 0/1, a time smaller than the one before.
+    Returns a bipartite stream named ``name`` (default: the file name without suffix);
+    ``t`` int64 when every timestamp is integral, else float64; ``label`` int64 0/1; ``msg``
+    float32 ``[E, d]`` or ``None``. Raises a DataError for an empty or header-only file, a
+    row with another number of columns than the header (line 1), a non-finite value, a
+    non-integer id, a label other than 0/1, a time smaller than the one before.
     """
     path = Path(path)
     what = "JODIE CSV `user_id,item_id,timestamp,state_label,f1..fd` with one header line"
-    lines = _read_text(path, what).splitlines()
-    if not any(ln.strip() for ln in lines):
+    rows = read_lines(path, what)
+    if not rows:
         raise DataError(path, f"empty file: expected {what}")
-    if not lines[0].strip():
+    if rows[0][0] != 1:
         raise DataError(path, f"line 1: expected the header line, got an empty line ({what})")
-    header = _split(lines[0], ",")
+    header = _split(rows[0][1], ",")
     if len(header) < 4:
         raise DataError(
             path,
             f"line 1: expected a header of at least 4 columns "
-            f"`user_id,item_id,timestamp,state_label[,f1..fd]`, got {lines[0][:80]!r}",
+            f"`user_id,item_id,timestamp,state_label[,f1..fd]`, got {rows[0][1][:80]!r}",
         )
-    rows = [(i, ln) for i, ln in enumerate(lines[1:], start=2) if ln.strip()]
+    rows = rows[1:]
     if not rows:
         raise DataError(path, f"no events after the header line: expected {what}")
 
@@ -279,12 +212,12 @@ def load_jodie_csv(path: str | Path, name: str | None = None) -> EventStream:
     finite = np.isfinite(m)
     if not finite.all():
         r, j = np.argwhere(~finite)[0]
-        raise _field_error(path, linenos[r], names[j], j + 1, "a finite number", m[r, j])
+        raise field_error(path, linenos[r], names[j], j + 1, "a finite number", m[r, j])
     for j in (0, 1):
         bad = np.flatnonzero(m[:, j] != np.floor(m[:, j]))
         if bad.size:
             r = bad[0]
-            raise _field_error(path, linenos[r], names[j], j + 1, "an integer id", m[r, j])
+            raise field_error(path, linenos[r], names[j], j + 1, "an integer id", m[r, j])
     label = _labels(path, m[:, 3], linenos, names[3], lambda r: f"{m[r, 3]:g}")
     _check_sorted(path, m[:, 2], linenos, names[2], "JODIE files are sorted by time")
     return _stream(
@@ -299,27 +232,12 @@ def load_jodie_csv(path: str | Path, name: str | None = None) -> EventStream:
     )
 
 
-# ------------------------------------------------------------------------------------------
-# Wikipedia txt
-
-
 def load_wikipedia_txt(path: str | Path, name: str = "wikipedia") -> EventStream:
-    r"""Loads the JODIE Wikipedia edit stream as ``user item timestamp`` lines.
+    """Loads the JODIE Wikipedia edit stream (``temporal/ml_wikipedia.txt``): lines of
+    space-separated integers ``user item timestamp``, no header, sorted by time.
 
-    Space-separated integers, one event per line, no header, sorted by time. Users sorted
-    by raw id become nodes ``0..U-1`` (names ``"u<raw>"``), pages sorted by raw id nodes
-    ``U..U+I-1`` (names ``"i<raw>"``), as in :func:`load_jodie_csv`.
-
-    Args:
-        path (str or Path): the text file (``temporal/ml_wikipedia.txt``).
-        name (str, optional): the dataset name. (default: ``"wikipedia"``)
-
-    Returns:
-        EventStream: bipartite, ``t`` int64, no labels, no features.
-
-    Raises:
-        DataError: naming the file and the line: an empty file, a line that is not 3
-            integers, a time smaller than the one before.
+    Returns a bipartite stream (``t`` int64, no labels, no features). Raises a DataError
+    for an empty file, a line that is not 3 integers, a time smaller than the one before.
     """
     path = Path(path)
     rows = _read_events(path, "`user item timestamp` integer lines")
@@ -331,36 +249,18 @@ def load_wikipedia_txt(path: str | Path, name: str = "wikipedia") -> EventStream
     return _stream(path, name, m[:, 0], m[:, 1], m[:, 2], bipartite=True)
 
 
-# ------------------------------------------------------------------------------------------
-# Bitcoin CSV
-
-
 def load_bitcoin_csv(
     path: str | Path, name: str = "bitcoin_alpha", rating_feature: bool = False
 ) -> EventStream:
-    r"""Loads a SNAP signed trust network (Bitcoin Alpha / OTC) as a labelled event stream.
+    """Loads a SNAP signed trust network (Bitcoin Alpha / OTC,
+    ``temporal/soc-sign-bitcoinalpha.csv``): lines ``source,target,rating,time`` of
+    integers, no header, in any order (sorted stably by time here).
 
-    Lines ``source,target,rating,time`` (integers, no header, ratings in ``-10..10``), in
-    any order: the events are sorted stably by time, so events of equal time keep their
-    file order. Sources and targets share one id space: the distinct raw ids sorted become
-    nodes ``0..N-1`` (names ``"<raw>"``). An event's state label is ``rating < 0``
-    (distrust). Its one edge feature ``rating / 10`` gives the label away, so it is left
-    out unless asked for.
-
-    Args:
-        path (str or Path): the CSV file (``temporal/soc-sign-bitcoinalpha.csv``).
-        name (str, optional): the dataset name. (default: ``"bitcoin_alpha"``)
-        rating_feature (bool, optional): if set, ``msg`` is ``rating / 10`` as a float32
-            ``[E, 1]`` feature; never use it as an input when predicting the label.
-            (default: :obj:`False`)
-
-    Returns:
-        EventStream: one node type (``bipartite=False``, ``node_type`` zeros), ``t`` int64,
-        ``label`` int64 0/1, ``msg`` ``None`` or ``[E, 1]``.
-
-    Raises:
-        DataError: naming the file and the line: an empty file, a line that is not 4
-            integers, a rating outside ``-10..10``.
+    Returns a stream of one node type (``t`` int64) whose ``label`` is ``rating < 0``
+    (distrust). ``msg`` is ``None``, or with ``rating_feature`` the float32 ``[E, 1]``
+    feature ``rating / 10``, which gives the label away: never an input when predicting
+    it. Raises a DataError for an empty file, a line that is not 4 integers, a rating
+    outside ``-10..10``.
     """
     path = Path(path)
     rows = _read_events(path, "`source,target,rating,time` integer lines")
@@ -375,7 +275,7 @@ def load_bitcoin_csv(
     bad = np.flatnonzero((m[:, 2] < -10) | (m[:, 2] > 10))
     if bad.size:
         r = bad[0]
-        raise _field_error(path, rows[r][0], "rating", 3, "an integer in -10..10", m[r, 2])
+        raise field_error(path, rows[r][0], "rating", 3, "an integer in -10..10", m[r, 2])
     rating = m[:, 2]
     return _stream(
         path,
@@ -388,9 +288,6 @@ def load_bitcoin_csv(
         msg=(rating / 10.0).astype(np.float32)[:, None] if rating_feature else None,
     )
 
-
-# ------------------------------------------------------------------------------------------
-# generic interaction list: src dst time [label] [features...]
 
 # Separator names accepted besides the characters themselves (`dataset.sep=tab`).
 _SEPARATORS = {
@@ -428,7 +325,7 @@ def _column_floats(
         bad = int(np.argmin(ok))
     except ValueError:
         bad = next(i for i, v in enumerate(values) if not _is_number(v))
-    raise _field_error(path, linenos[bad], field, col, "a finite number", repr(values[bad][:40]))
+    raise field_error(path, linenos[bad], field, col, "a finite number", repr(values[bad][:40]))
 
 
 def load_interactions(
@@ -439,46 +336,25 @@ def load_interactions(
     header: bool | None = None,
     name: str | None = None,
 ) -> EventStream:
-    r"""Loads a plain interaction list ``src dst time [label] [features...]``, one a line.
-
-    Columns are separated by tabs, commas, semicolons or runs of spaces: ``sep`` (``None``:
-    a tab if the first line has one, else a comma, else whitespace). Lines starting with
-    ``#`` are comments; blank lines are skipped. The first line is a header when its third
-    field (the time) is not a number, unless ``header`` says otherwise. Every line has the
-    same number of columns (at least 3).
-
-    * ``src``, ``dst``: any tokens; integers are sorted as numbers, other ids as strings.
-    * ``time``: any finite numbers, in any order: the events are sorted stably by time, so
-      events of equal time keep their file order. ``t`` is int64 when every time is
-      integral, else float64.
-    * ``label`` (column 4): the event's state label, 0 or 1. With ``labels=None`` (default)
-      a file of 4 or more columns has one, as the layout says; ``labels=False`` reads every
-      column after the time as a feature, ``labels=True`` requires the label column.
-    * ``features``: the remaining columns, finite numbers, as ``msg`` float32 ``[E, d]``.
-
-    Id spaces: with ``bipartite=False`` sources and destinations share one id space: the
-    distinct raw ids of both, sorted, become nodes ``0..N-1`` (names ``"<raw>"``, one node
-    type). With ``bipartite=True`` they are two: sources sorted become ``0..U-1`` (names
-    ``"u<raw>"``, ``node_type`` 0), destinations sorted ``U..U+I-1`` (``"i<raw>"``, type 1),
-    so an id seen on both sides is two nodes; when any is, one warning gives their number
-    and the node count of the shared reading.
+    """Loads a plain interaction list ``src dst time [label] [features...]``, one a line
+    (``dataset=interactions``; the rules of separators, header, ids, times, labels and id
+    spaces are in ``docs/datasets.md``).
 
     Args:
-        path (str or Path): the text file.
-        bipartite (bool): two id spaces (users and items) or one (``dataset.bipartite``);
-            no default, as either reading of the other's file is silently wrong.
-        labels (bool, optional): whether column 4 is a label (default: when present).
-        sep (str, optional): ``"\t"``/``"tab"``, ``","``/``"comma"``, ``";"``,
-            ``" "``/``"whitespace"``, or ``None`` to detect (default).
-        header (bool, optional): whether the first line is a header (default: detect).
-        name (str, optional): the dataset name. (default: the file name without suffix)
+        path: the text file.
+        bipartite: two id spaces (sources ``u<raw>``, destinations ``i<raw>``; a warning
+            counts the ids seen on both sides) or one; no default, as either reading of the
+            other's file is silently wrong.
+        labels: whether column 4 is a 0/1 label (default: when the lines have 4 or more).
+        sep: ``"\\t"``/``"tab"``, ``","``/``"comma"``, ``";"``/``"semicolon"``,
+            ``" "``/``"space"``/``"whitespace"``, or ``None`` to detect (default).
+        header: whether the first line is a header (default: when its time is no number).
+        name: the dataset name (default: the file name without suffix).
 
-    Returns:
-        EventStream: in time order; ``label`` int64 or ``None``; ``msg`` float32 or ``None``.
-
-    Raises:
-        DataError: naming the file, the line, the field and what was expected.
-        ConfigError: for a ``bipartite``, ``labels``, ``sep`` or ``header`` of the wrong kind.
+    Returns an EventStream in time order (``t`` int64 when every time is integral, else
+    float64; ``label`` int64 or ``None``; ``msg`` float32 or ``None``). Raises a DataError
+    naming the file, line, field and expectation, a ConfigError for an argument of the
+    wrong kind.
     """
     if not isinstance(bipartite, bool):
         raise ConfigError(
@@ -533,51 +409,34 @@ def load_interactions(
     table = _numeric_table(rows, delim, ncols)
     if table is not None:  # the fast path: every field a finite number, integral ids
         src_raw, dst_raw = table[:, 0].astype(np.int64), table[:, 1].astype(np.int64)
-        t = table[:, 2]
-        label_raw = table[:, 3] if has_label else None
-        msg = table[:, first_feature:].astype(np.float32) if ncols > first_feature else None
-        shown = table
+        values = table[:, 2:]
     else:  # field by field, naming the first bad line and column
-        parts = [_split(ln, delim) for _, ln in rows]
-        for (lineno, ln), p in zip(rows, parts, strict=True):
-            if len(p) != ncols:
-                raise DataError(
-                    path,
-                    f"line {lineno}: expected {ncols} {sep_name}-separated columns (as line "
-                    f"{first_line}), got {len(p)}: {ln[:80]!r}",
-                )
-        cols = list(zip(*parts, strict=True))
+        expected = f"{ncols} {sep_name}-separated columns (as line {first_line})"
+        cols = list(zip(*split_rows(path, rows, delim, ncols, expected), strict=True))
         for j in (0, 1):
             empty = [i for i, v in enumerate(cols[j]) if not v]
             if empty:
-                raise _field_error(
+                raise field_error(
                     path, linenos[empty[0]], names[j], j + 1, "an id", "an empty field"
                 )
-        t = _column_floats(path, cols[2], linenos, "time", 3)
-        label_raw = _column_floats(path, cols[3], linenos, "label", 4) if has_label else None
-        msg = None
-        if ncols > first_feature:
-            msg = np.stack(
-                [
-                    _column_floats(path, cols[j], linenos, names[j], j + 1)
-                    for j in range(first_feature, ncols)
-                ],
-                axis=1,
-            ).astype(np.float32)
+        values = np.stack(
+            [_column_floats(path, cols[j], linenos, names[j], j + 1) for j in range(2, ncols)],
+            axis=1,
+        )
         src_raw = np.asarray(cols[0], dtype=np.str_)
         dst_raw = np.asarray(cols[1], dtype=np.str_)
         if _is_int_array(src_raw) and _is_int_array(dst_raw):  # sorted as numbers
             src_raw, dst_raw = src_raw.astype(np.int64), dst_raw.astype(np.int64)
-        shown = None
     label = None
-    if label_raw is not None:
+    if has_label:
         label = _labels(
             path,
-            label_raw,
+            values[:, 1],
             linenos,
             "label",
-            lambda r: f"{shown[r, 3]:g}" if shown is not None else repr(cols[3][r][:40]),
+            lambda r: f"{table[r, 3]:g}" if table is not None else repr(cols[3][r][:40]),
         )
+    msg = values[:, first_feature - 2 :].astype(np.float32) if ncols > first_feature else None
     if bipartite:  # the reading is the user's choice: say what it does to shared ids
         u_ids, i_ids = np.unique(src_raw), np.unique(dst_raw)
         n_u, n_i = len(u_ids), len(i_ids)
@@ -596,7 +455,7 @@ def load_interactions(
                 n_u + n_i - both.size,
             )
     name = name if name is not None else path.stem
-    return _stream(path, name, src_raw, dst_raw, t, bipartite, label=label, msg=msg)
+    return _stream(path, name, src_raw, dst_raw, values[:, 0], bipartite, label=label, msg=msg)
 
 
 def _numeric_table(
@@ -622,10 +481,6 @@ def _is_int_array(values: np.ndarray) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------------------
-# synthetic stream
-
-
 def make_synthetic_stream(
     num_users: int = 200,
     num_items: int = 50,
@@ -635,44 +490,16 @@ def make_synthetic_stream(
     seed: int = 0,
     name: str = "synthetic",
 ) -> EventStream:
-    r"""A small bipartite stream with learnable links and planted dynamic state labels.
+    """A small bipartite stream with learnable links and planted dynamic state labels.
 
-    The generative process (all draws from ``numpy.random.default_rng(seed)``):
-
-    1. Popularity: items get Zipf weights ``1 / rank`` over a random ranking; users get
-       activity weights ``1 / rank**0.8`` over a random ranking.
-    2. Favourites: each user draws ``min(3, num_items)`` favourite items (without
-       replacement) from the item popularity.
-    3. Events: each event's user is drawn by activity; its item is one of the user's
-       favourites (uniformly) with probability 0.8, else an item drawn by popularity.
-       Times are the cumulative sum of Poisson(3) gaps starting at 0 (integers; a gap is 0
-       about 5% of the time, so ties occur).
-    4. Triggers: a random subset of ``ceil(min(1, 4 * positive_rate) * num_users)``
-       "risky" users each picks one of its own events uniformly as its trigger: that
-       event's item is replaced by a trigger item (one of the ``max(1, num_items // 20)``
-       least popular items) and its time ``tau_u`` is the user's switch time.
-    5. Labels: an event of risky user ``u`` at time ``t`` is labelled 1 iff
-       ``tau_u <= t < tau_u + w``; the window ``w`` (one for all users) is the smallest
-       that makes ``round(positive_rate * num_events)`` events positive (more with ties,
-       fewer when the risky users have too few events after their triggers). A label thus
-       depends on the user's history (the trigger item) and on time (the window).
-    6. Features: ``msg = N(0, I_d) + 0.75 * label * v`` with ``v`` a random unit vector, a
-       weak signal of the label (``None`` when ``feature_dim == 0``).
-
-    Args:
-        num_users (int, optional): users, nodes ``0..num_users-1``. (default: :obj:`200`)
-        num_items (int, optional): items, nodes after the users. (default: :obj:`50`)
-        num_events (int, optional): events. (default: :obj:`5000`)
-        positive_rate (float, optional): target fraction of label-1 events in ``[0, 1]``.
-            (default: :obj:`0.05`)
-        feature_dim (int, optional): edge feature size ``d >= 0``. (default: :obj:`8`)
-        seed (int, optional): the random seed; equal seeds give equal streams.
-            (default: :obj:`0`)
-        name (str, optional): the dataset name. (default: ``"synthetic"``)
+    All draws come from ``numpy.random.default_rng(seed)``, in the order of the numbered
+    steps of ``docs/datasets.md`` (popularity, favourites, events, triggers, labels,
+    features), so equal seeds give equal streams. ``positive_rate`` in ``[0, 1]`` is the
+    target fraction of label-1 events, ``feature_dim >= 0`` the size of ``msg``.
 
     Returns:
-        EventStream: bipartite, ``t`` int64, ``label`` int64, ``msg`` float32 ``[E, d]``,
-        node names ``"u<k>"`` and ``"i<k>"``.
+        EventStream: users ``0..num_users-1`` (``"u<k>"``), then items (``"i<k>"``); ``t``
+        int64, ``label`` int64, ``msg`` float32 ``[E, d]`` (``None`` when ``d == 0``).
     """
     if num_users < 1 or num_items < 1 or num_events < 1:
         raise ValueError(

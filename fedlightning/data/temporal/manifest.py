@@ -157,13 +157,9 @@ def build_manifest(
 
 
 def manifest_table(stream: EventStream, manifest: Manifest) -> dict[str, Any]:
-    """One row of the paper's Table 1: raw statistics and the manifest counts.
-
-    ``labels`` says whether the stream has usable state labels (:attr:`EventStream.has_labels`):
-    ``"0/1"`` when both values occur, ``"none"`` without a label column, ``"none (all 0)"``
-    for a constant one; ``classes`` counts the distinct label values (0 without a label
-    column); ``pos_labels`` and ``pos_rate`` are ``None`` without a label column.
-    """
+    """One row of the paper's Table 1: raw statistics and the manifest counts; ``labels``
+    is ``"0/1"`` (:attr:`EventStream.has_labels`), ``"none"`` without a label column or
+    ``"none (all 0)"`` for a constant one (``docs/temporal.md``)."""
     users = int((stream.node_type == 0).sum()) if stream.bipartite else stream.num_nodes
     items = int((stream.node_type == 1).sum()) if stream.bipartite else stream.num_nodes
     pos = int(stream.label.sum()) if stream.label is not None else None

@@ -1,16 +1,5 @@
-r"""Who owns which events: a user-to-client map (FedTIP Sec. 3.2, 5.1.1).
-
-Every event belongs to the client that owns its source-side node (its user):
-:math:`\pi(e) = \pi_U(u)`. Three maps of users to :math:`K` clients:
-
-- ``user_iid``: a seeded permutation of the users cut into :math:`K` near-equal parts
-  (sizes differ by at most one);
-- ``label_skew``: users with a positive state label in the supervised pool and users
-  without are spread by two independent :math:`\mathrm{Dirichlet}(\alpha \mathbf{1}_K)`
-  client distributions, so some clients see mostly one label type;
-- ``activity_skew``: users go to client :math:`k` with probability proportional to
-  :math:`(k + 1)^{-s}` (client order seeded), so client activity is uneven.
-"""
+r"""Who owns which events (FedTIP Sec. 3.2, 5.1.1): every event belongs to the client that
+owns its source-side node (its user), :math:`\pi(e) = \pi_U(u)`."""
 
 from __future__ import annotations
 
@@ -55,16 +44,14 @@ def build_ownership(
     alpha: float = 0.5,
     skew: float = 1.0,
 ) -> Ownership:
-    """Map users to ``clients`` by ``kind`` (module docstring).
+    r"""Map the users to :math:`K` = ``clients`` clients, seeded by ``protocol.seed``:
 
-    Args:
-        stream: the events.
-        sup_pool: indices of the supervised-pool events (``label_skew`` reads their labels).
-        kind: ``user_iid``, ``label_skew`` or ``activity_skew`` (default ``user_iid``).
-        clients: :math:`K` (default ``10``).
-        seed: ``protocol.seed``.
-        alpha: Dirichlet concentration of ``label_skew`` (default ``0.5``).
-        skew: exponent :math:`s` of ``activity_skew`` (default ``1.0``).
+    - ``user_iid``: a permutation of the users cut into :math:`K` near-equal parts;
+    - ``label_skew``: users with a positive label among the supervised-pool events
+      ``sup_pool`` and the others, spread by two independent
+      :math:`\mathrm{Dirichlet}(\alpha \mathbf{1}_K)` client distributions;
+    - ``activity_skew``: users go to client :math:`k` with probability proportional to
+      :math:`(k + 1)^{-s}` (``skew`` :math:`s`; client order seeded).
     """
     if kind not in KINDS:
         raise ValueError(f"protocol.ownership.kind must be one of {KINDS}, got {kind!r}")
