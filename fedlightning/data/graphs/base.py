@@ -17,8 +17,9 @@ class MultimodalGraph:
 
     Args:
         name: dataset name, e.g. ``"cora"``.
-        features: modality name -> float32 matrix of shape ``[N, d_m]``. Rows of a missing
-            modality are zero, and ``mask`` says they are missing.
+        features: modality name -> float32 matrix of shape ``[N, d_m]``, dense or torch
+            sparse COO (a bag-of-words modality stays sparse). Rows of a missing modality are
+            zero (absent from a sparse one), and ``mask`` says they are missing.
         mask: bool ``[N, M]``: ``mask[i, m]`` is True when node ``i`` has modality
             ``modalities[m]``.
         edge_index: long ``[2, E]``, undirected (both directions), coalesced, no self loops.
@@ -40,6 +41,8 @@ class MultimodalGraph:
         if not self.features:
             raise ValueError(f"graph {self.name!r}: at least one modality is required")
         for m, x in self.features.items():
+            if x.layout not in (torch.strided, torch.sparse_coo):
+                raise ValueError(f"graph {self.name!r}: modality {m!r} must be dense or sparse COO")
             if x.dim() != 2 or x.size(0) != n:
                 raise ValueError(
                     f"graph {self.name!r}: modality {m!r} has shape "
@@ -83,7 +86,7 @@ class MultimodalGraph:
         ei, _ = subgraph(nodes, self.edge_index, relabel_nodes=True, num_nodes=self.num_nodes)
         return MultimodalGraph(
             name=self.name,
-            features={m: x[nodes] for m, x in self.features.items()},
+            features={m: x.index_select(0, nodes) for m, x in self.features.items()},
             mask=self.mask[nodes],
             edge_index=ei,
             y=self.y[nodes],
@@ -159,9 +162,30 @@ def apply_missing(
         keep = draws[all_hidden].argmin(dim=1)
         hide[all_hidden.nonzero().squeeze(1), keep] = False
     mask = graph.mask & ~hide
-    feats = {
-        m: x * mask[:, j : j + 1].to(x.dtype) for j, (m, x) in enumerate(graph.features.items())
-    }
     return MultimodalGraph(
-        graph.name, feats, mask, graph.edge_index, graph.y, graph.class_names, graph.node_ids
+        graph.name,
+        zero_missing(graph.features, mask),
+        mask,
+        graph.edge_index,
+        graph.y,
+        graph.class_names,
+        graph.node_ids,
     )
+
+
+def zero_missing(features: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+    """Each modality with the rows ``mask`` marks unavailable zeroed (``mask[:, j]`` is
+    modality ``j``'s); a sparse modality drops their entries, so no model reads a value
+    that "is not there"."""
+    out = {}
+    for j, (m, x) in enumerate(features.items()):
+        if x.layout == torch.sparse_coo:
+            x = x.coalesce()
+            kept = mask[x.indices()[0], j]
+            x = torch.sparse_coo_tensor(
+                x.indices()[:, kept], x.values()[kept], x.shape, is_coalesced=True
+            )
+        else:
+            x = x * mask[:, j : j + 1].to(x.dtype)
+        out[m] = x
+    return out

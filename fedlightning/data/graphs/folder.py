@@ -2,7 +2,7 @@
 
 edge_index.npy | edges.csv      int [2, E] | comma-separated, optional header
 labels.npy     | labels.csv     [N] class ids or names | one a line, optional header
-features/<modality>.npy         float [N, d], one file per modality (at least one)
+features/<modality>.npy | .npz  float [N, d] dense | SciPy sparse (save_npz), one a modality
 masks/<modality>.npy            optional bool or 0/1 [N]: True where the node has it
 class_names.json, node_ids.json, meta.json   optional: C names, N ids, {"name": ...}
 """
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fedlightning.data.files import field_error, load_npy, read_json, read_lines, split_rows
-from fedlightning.data.graphs.base import MultimodalGraph, clean_edges
+from fedlightning.data.graphs.base import MultimodalGraph, clean_edges, zero_missing
 from fedlightning.errors import ConfigError, DataError
 
 __all__ = ["load_folder", "save_folder", "FolderExistsError"]
@@ -197,23 +197,53 @@ def _read_labels(folder: Path, labels_as: str) -> tuple[np.ndarray, list[str], P
     return y, names, path
 
 
+def _load_sparse(path: Path) -> object:
+    """A SciPy sparse matrix saved by ``scipy.sparse.save_npz`` (CSR, CSC or COO)."""
+    import scipy.sparse
+
+    try:
+        return scipy.sparse.load_npz(path)
+    except Exception as e:  # a zip that is no sparse matrix, a truncated file, ...
+        raise DataError(
+            path,
+            "not a readable SciPy sparse matrix (written by scipy.sparse.save_npz): "
+            f"{type(e).__name__}: {str(e)[:120]}",
+        ) from None
+
+
+def _sparse_tensor(x: object) -> torch.Tensor:
+    """A SciPy sparse matrix as a coalesced float32 torch COO tensor."""
+    coo = x.tocoo()
+    coo.sum_duplicates()
+    index = torch.from_numpy(np.vstack([coo.row, coo.col]).astype(np.int64))
+    values = torch.from_numpy(coo.data.astype(np.float32))
+    return torch.sparse_coo_tensor(index, values, coo.shape, is_coalesced=True)
+
+
 def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Tensor]:
     feat_dir = folder / "features"
     if not feat_dir.is_dir():
         raise DataError(
             feat_dir,
-            "directory missing: expected features/<modality>.npy, one "
-            "float [N, d] matrix per modality",
+            "directory missing: expected features/<modality>.npy (dense) or .npz (SciPy "
+            "sparse), one float [N, d] matrix per modality",
         )
     files = sorted(p for p in feat_dir.iterdir() if not p.name.startswith("."))
-    other = [p.name for p in files if p.suffix != ".npy" or not p.is_file()]
+    other = [p.name for p in files if p.suffix not in (".npy", ".npz") or not p.is_file()]
     if other:
-        raise DataError(feat_dir, f"expected only <modality>.npy files, found {other}")
+        raise DataError(feat_dir, f"expected only <modality>.npy or .npz files, found {other}")
     if not files:
         raise DataError(feat_dir, "expected at least one <modality>.npy file, found none")
+    stems = [p.stem for p in files]
+    twice = sorted({m for m in stems if stems.count(m) > 1})
+    if twice:
+        raise DataError(
+            feat_dir, f"modality {twice[0]!r} is given twice (.npy and .npz): keep one of them"
+        )
     features = {}
     for p in files:
-        x = load_npy(p)
+        sparse = p.suffix == ".npz"
+        x = _load_sparse(p) if sparse else load_npy(p)
         field = f"field `features` of modality {p.stem!r}"
         if x.ndim != 2 or x.shape[0] != n or x.shape[1] < 1:
             raise DataError(
@@ -227,15 +257,20 @@ def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Te
             or x.dtype == np.bool_
         ):
             raise DataError(p, f"{field}: expected a real numeric dtype, got {x.dtype}")
-        x = x.astype(np.float32)
-        bad = ~np.isfinite(x).all(axis=1)
+        if sparse:
+            coo = x.tocoo()
+            bad = np.zeros(n, dtype=bool)
+            bad[coo.row[~np.isfinite(coo.data)]] = True
+        else:
+            x = x.astype(np.float32)
+            bad = ~np.isfinite(x).all(axis=1)
         if bad.any():
             raise DataError(
                 p,
                 f"{field}: expected finite values, found NaN or inf in "
                 f"{int(bad.sum())} row(s), first row {int(np.argmax(bad))}",
             )
-        features[p.stem] = torch.from_numpy(x)
+        features[p.stem] = _sparse_tensor(x) if sparse else torch.from_numpy(x)
     return features
 
 
@@ -463,11 +498,9 @@ def load_folder(
     features = _read_features(folder, n, labels_path.name)
     modalities = list(features)
     mask = _read_masks(folder, n, modalities)
-    # Unavailable rows are zeroed so that no model can read a value that "is not there".
-    features = {m: x * mask[:, j : j + 1].to(x.dtype) for j, (m, x) in enumerate(features.items())}
     return MultimodalGraph(
         name=name if name is not None else _read_name(folder),
-        features=features,
+        features=zero_missing(features, mask),
         mask=mask,
         edge_index=_read_edges(folder, n, labels_path.name, src_column, dst_column),
         y=torch.from_numpy(y),
@@ -476,9 +509,18 @@ def load_folder(
     )
 
 
+def _save_sparse(path: Path, x: torch.Tensor) -> None:
+    import scipy.sparse
+
+    x = x.detach().cpu().coalesce()
+    index, values = x.indices().numpy(), x.values().numpy().astype(np.float32)
+    scipy.sparse.save_npz(path, scipy.sparse.csr_matrix((values, tuple(index)), shape=x.shape))
+
+
 def save_folder(graph: MultimodalGraph, path: str | os.PathLike[str]) -> None:
-    """Write ``graph`` in the folder format for :func:`load_folder`: ``masks/`` only for
-    modalities with missing rows, ``node_ids.json`` only if the graph has ids.
+    """Write ``graph`` in the folder format for :func:`load_folder`: a sparse modality as
+    SciPy CSR ``.npz``, ``masks/`` only for modalities with missing rows, ``node_ids.json``
+    only if the graph has ids.
 
     Raises a :class:`FolderExistsError` if ``path`` exists and is not an empty directory,
     a ValueError if a modality name cannot be a file name.
@@ -496,7 +538,10 @@ def save_folder(graph: MultimodalGraph, path: str | os.PathLike[str]) -> None:
     np.save(folder / "labels.npy", graph.y.cpu().numpy().astype(np.int64))
     mask = graph.mask.cpu().numpy().astype(np.bool_)
     for j, (m, x) in enumerate(graph.features.items()):
-        np.save(folder / "features" / f"{m}.npy", x.detach().cpu().numpy().astype(np.float32))
+        if x.layout == torch.sparse_coo:  # stays sparse: SciPy CSR
+            _save_sparse(folder / "features" / f"{m}.npz", x)
+        else:
+            np.save(folder / "features" / f"{m}.npy", x.detach().cpu().numpy().astype(np.float32))
         if not mask[:, j].all():
             (folder / "masks").mkdir(exist_ok=True)
             np.save(folder / "masks" / f"{m}.npy", mask[:, j])

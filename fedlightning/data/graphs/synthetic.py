@@ -58,6 +58,25 @@ def _sbm_edges(y: np.ndarray, p_in: float, p_out: float, rng: np.random.Generato
     return np.stack([np.concatenate(src), np.concatenate(dst)]).astype(np.int64)
 
 
+def _multi_hot(
+    y: np.ndarray, d: int, density: float, signal: float, rng: np.random.Generator
+) -> torch.Tensor:
+    """A class-dependent bag of words, ``[N, d]`` sparse COO of ones: class ``c``'s words
+    follow ``softmax(signal * g_c)``, ``g_c ~ N(0, I_d)``; node ``i`` draws ``round(d *
+    density)`` of its class's words with replacement (a word drawn twice is one entry)."""
+    n, k = y.size, max(1, round(d * density))
+    logits = signal * rng.standard_normal((int(y.max()) + 1, d))
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    words = np.empty((n, k), dtype=np.int64)
+    for c in range(p.shape[0]):
+        members = np.flatnonzero(y == c)
+        words[members] = rng.choice(d, size=(members.size, k), p=p[c])
+    index = torch.from_numpy(np.stack([np.repeat(np.arange(n), k), words.ravel()]))
+    x = torch.sparse_coo_tensor(index, torch.ones(n * k), (n, d)).coalesce()
+    return torch.sparse_coo_tensor(x.indices(), torch.ones_like(x.values()), x.shape).coalesce()
+
+
 def make_synthetic(
     num_nodes: int = 600,
     num_classes: int = 5,
@@ -68,6 +87,9 @@ def make_synthetic(
     noise: float = 1.0,
     missing_rate: float = 0.0,
     seed: int = 0,
+    multi_hot: dict[str, int] | None = None,
+    density: float = 0.02,
+    sparse: bool = True,
 ) -> MultimodalGraph:
     """Generate the ``synthetic`` graph: a stochastic block model with one block per class.
 
@@ -77,7 +99,9 @@ def make_synthetic(
     default ``{"text": 32, "image": 16}``), every class ``c`` gets a mean
     ``mu_c ~ signal * N(0, I_d)`` and node ``i`` the features ``mu_{y_i} + noise * N(0, I_d)``.
     ``missing_rate`` in ``[0, 1)`` hides each modality for that fraction of the nodes
-    (:func:`apply_missing`; needs two or more modalities).
+    (:func:`apply_missing`; needs two or more modalities). Each ``multi_hot`` modality
+    (name -> vocabulary size ``d``) is a bag of words (:func:`_multi_hot`) at about
+    ``density`` non-zeros, stored sparse (torch COO) unless ``sparse=False``.
 
     Everything is a function of ``seed >= 0``: the labels and edges of one stream, each
     modality's features of a stream keyed by its name (so adding a modality or changing a
@@ -96,19 +120,22 @@ def make_synthetic(
             f"make_synthetic: modalities must be a non-empty dict name -> dimension, "
             f"got {modalities!r}"
         )
-    modalities = dict(modalities)
-    for m, d in modalities.items():
-        if not isinstance(m, str) or not m:
-            raise ValueError(
-                f"make_synthetic: modalities keys must be non-empty strings, got {m!r}"
-            )
-        _check_int(f"modalities[{m!r}]", d, 1)
+    modalities, multi_hot = dict(modalities), dict(multi_hot or {})
+    for key, dims in (("modalities", modalities), ("multi_hot", multi_hot)):
+        for m, d in dims.items():
+            if not isinstance(m, str) or not m or (key == "multi_hot" and m in modalities):
+                raise ValueError(
+                    f"make_synthetic: {key} keys must be non-empty strings that name no "
+                    f"other modality, got {m!r}"
+                )
+            _check_int(f"{key}[{m!r}]", d, 1)
+    density = _check_float("density", density, 0.0, 1.0)
     p_in = _check_float("p_in", p_in, 0.0, 1.0)
     p_out = _check_float("p_out", p_out, 0.0, 1.0)
     signal = _check_float("signal", signal, 0.0)
     noise = _check_float("noise", noise, 0.0)
     missing_rate = _check_float("missing_rate", missing_rate, 0.0, 1.0, high_open=True)
-    if missing_rate > 0 and len(modalities) < 2:
+    if missing_rate > 0 and len(modalities) + len(multi_hot) < 2:
         # apply_missing never hides a node's last modality, so with one modality nothing
         # would be hidden; refuse rather than silently ignore the rate.
         raise ValueError(
@@ -128,6 +155,10 @@ def make_synthetic(
         means = signal * rng.standard_normal((c, int(d)))
         x = means[y] + noise * rng.standard_normal((n, int(d)))
         features[m] = torch.from_numpy(x.astype(np.float32))
+    for m, d in multi_hot.items():
+        rng = np.random.default_rng([seed, 2, zlib.crc32(m.encode("utf-8"))])
+        x = _multi_hot(y, int(d), density, signal, rng)
+        features[m] = x if sparse else x.to_dense()
 
     graph = MultimodalGraph(
         name="synthetic",
