@@ -12,6 +12,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from fedlightning.tracking.mlflow_tracker import mlflow_experiment
 from fedlightning.tracking.plots import (
     plot_importances,
     plot_optimization_history,
@@ -26,11 +27,7 @@ class SweepTracker:
     ``logger.tracking_uri`` and ``logger.experiment_name``)."""
 
     def __init__(self, tracking_uri: str, experiment_name: str) -> None:
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(tracking_uri)
-        exp = self.client.get_experiment_by_name(experiment_name)
-        self.exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment_name)
+        self.client, self.exp_id = mlflow_experiment(tracking_uri, experiment_name)
 
     def parent(self, study: optuna.Study, spec: Any) -> str:
         """The study's run: created once, found again through the study on resume."""
