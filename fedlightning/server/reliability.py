@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.server.aggregate import strip_prefix
 
 EPS = 1e-8
 
@@ -247,16 +248,14 @@ def read_broadcast(
     broadcast: ServerBroadcast, shapes: Mapping[str, Sequence[int]], field: str = "adapter"
 ) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
     r"""A client's view of a broadcast: :math:`\Omega` as a state dict, and the anchors."""
-    anchors = {
-        int(k[len(ANCHOR) :]): v for k, v in broadcast.tensors.items() if k.startswith(ANCHOR)
-    }
+    anchors = {int(k): v for k, v in strip_prefix(broadcast.tensors, ANCHOR).items()}
     return unflatten(broadcast.tensors[field], shapes), anchors
 
 
 def read_update(update: ClientUpdate) -> ClientSummary:
     """The server's view of a message (absent coverage/norm: unused by the server)."""
-    counts = {int(k[6:]): int(v) for k, v in update.scalars.items() if k.startswith("count.")}
-    protos = {int(k[6:]): v for k, v in update.tensors.items() if k.startswith("proto.")}
+    counts = {int(k): int(v) for k, v in strip_prefix(update.scalars, "count.").items()}
+    protos = {int(k): v for k, v in strip_prefix(update.tensors, "proto.").items()}
     delta = update.tensors["delta"]
     return ClientSummary(
         delta,
