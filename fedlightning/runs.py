@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pickle
+import time
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -246,6 +247,14 @@ def restore(loop: Any, path: Path, state: dict[str, Any]) -> None:
         ) from None
 
 
+def run_tags(cfg: Any, hashes: dict[str, str], **tags: str) -> dict[str, str]:
+    """``tags`` (method, dataset, task, variant, backbone, ...) with the seed, the experiment
+    and ``hash_<name>`` per protocol hash: the MLflow tags that ``fedlightning report``
+    selects runs by (docs/experiments.md, "Reports")."""
+    hashed = {f"hash_{k}": v for k, v in hashes.items()}
+    return {**tags, "seed": str(cfg.seed), "experiment": str(cfg.name), **hashed}
+
+
 def make_tracker(cfg: Any) -> NullTracker:
     if not cfg.logger.get("enabled", True):
         return NullTracker()
@@ -317,17 +326,29 @@ class Run:
         if err is not None:
             self.tracker.end("KILLED" if isinstance(err, RunStopped) else "FAILED")
 
+    def summary(self, t0: float, **fields: Any) -> dict[str, Any]:
+        """``fields`` with the run's experiment, seed, tags, directory and wall time since
+        ``t0`` (a ``time.perf_counter()``)."""
+        return {
+            "experiment": str(self.cfg.name),
+            "seed": int(self.cfg.seed),
+            **fields,
+            "wall_time_s": time.perf_counter() - t0,
+            "run_dir": str(self.run_dir),
+            "tags": self.tags,
+        }
+
     def finish(
         self,
         summary: dict[str, Any],
         *,
         step: int,
         files: Iterable[Path] = (),
-        table: str | None = None,
+        table: Callable[[dict[str, Any]], str] | None = None,
         extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Write ``summary.json`` (and ``extra`` JSON files by name), log the final metrics
-        at ``step`` and ``files`` as artifacts, end the MLflow run, print ``table``."""
+        at ``step`` and ``files`` as artifacts, end the MLflow run, print ``table(summary)``."""
         summary = json_safe({**summary, "threads": torch.get_num_threads()})
         if not self.is_main:  # the same state on every rank; rank 0 writes and logs it
             return summary
@@ -342,5 +363,5 @@ class Run:
         self.tracker.log_artifacts([f for f in dict.fromkeys(files) if Path(f).exists()])
         self.tracker.end("FINISHED")
         if table is not None:
-            print(table, flush=True)
+            print(table(summary), flush=True)
         return summary
