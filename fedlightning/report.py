@@ -254,10 +254,10 @@ def sensitivity(runs: list[dict], key: str, metric: str, layout: str, out: Path)
         if len(points) < 2:
             continue
         xs = sorted(points)
-        means = [statistics.fmean(points[x]) for x in xs]
-        stds = [statistics.stdev(points[x]) if len(points[x]) > 1 else 0.0 for x in xs]
         name = f"sensitivity_{key}_{row}_{d}".replace("+", "_").replace("/", "_")
-        paths.append(plot_sensitivity(xs, means, stds, out / f"{name}.png", key, metric))
+        paths.append(
+            plot_sensitivity(xs, [points[x] for x in xs], out / f"{name}.png", key, metric)
+        )
     if not paths:
         raise ConfigError("--sensitivity", f"no two runs of a method differ in {key!r}")
     return paths

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -131,14 +130,11 @@ def sweep_plots(study: optuna.Study, spec: Any, out_dir: Path) -> list[Path]:
         if len(set(xs)) < 2:
             continue
         seeds = [t.user_attrs.get("seed_values") or [t.value] for t in numeric]
-        means = [statistics.fmean(v) for v in seeds]
-        stds = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in seeds]
         name = key.replace("/", "_")
         paths.append(
             plot_sensitivity(
                 xs,
-                means,
-                stds,
+                seeds,
                 out_dir / f"sensitivity_{name}.png",
                 key,
                 spec.metric,
