@@ -135,6 +135,17 @@ def record_identity(run_dir: Path, identity: dict[str, Any], resuming: bool) -> 
     write_json(path, identity)
 
 
+def check_protocol(path: Path, key: str, value: Any) -> None:
+    """On resume: refuse (one line) when the saved protocol file ``path`` holds another
+    ``key`` than ``value``, what the same config gives now (the data or code changed)."""
+    saved = json.loads(path.read_text()).get(key)
+    if saved != value:
+        raise FedLightningError(
+            f"{path}: the run was started with protocol {key} {saved}, but the same config "
+            f"now gives {value} (data or code changed); refusing to resume"
+        )
+
+
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
     """The config and directory to run in, and whether it resumes: on ``resume`` the earlier
     run's own (its saved config, with this invocation's ``runner`` and ``logger``); a fresh

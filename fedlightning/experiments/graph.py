@@ -3,7 +3,6 @@ and an MLflow run."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from fedlightning.config import build, dataset_node, validate
 from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
 from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
 from fedlightning.data.streams import ClassStream
-from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.federation.stages import ContinualLoop
@@ -25,6 +24,7 @@ from fedlightning.runs import (
     CHECKPOINT_FILE,
     Observer,
     Run,
+    check_protocol,
     prepare_run_dir,
     resume_loop,
     run_tags,
@@ -86,13 +86,7 @@ def load_graph(cfg: DictConfig) -> MultimodalGraph:
 def save_protocol(obj: Any, path: Path, resuming: bool) -> None:
     """Save a protocol object; on resume, refuse if it no longer matches the saved one."""
     if resuming and path.exists():
-        saved = json.loads(path.read_text()).get("hash")
-        if saved != obj.hash:
-            raise FedLightningError(
-                f"{path}: the run was started with protocol hash {saved}, "
-                f"but the same config now gives {obj.hash} (data or code "
-                "changed); refusing to resume"
-            )
+        check_protocol(path, "hash", obj.hash)
         return
     obj.save(path)
 
