@@ -266,12 +266,6 @@ def run_tags(cfg: Any, hashes: dict[str, str], **tags: str) -> dict[str, str]:
     return {**tags, "seed": str(cfg.seed), "experiment": str(cfg.name), **hashed}
 
 
-def make_tracker(cfg: Any) -> NullTracker:
-    if not cfg.logger.get("enabled", True):
-        return NullTracker()
-    return MlflowTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name)
-
-
 def json_safe(obj: Any) -> Any:
     """Non-finite floats as null, so summary.json and history.json stay strict JSON."""
     if isinstance(obj, float):
@@ -298,7 +292,9 @@ class Run:
 
     def __init__(self, cfg: Any, run_dir: Path, is_main: bool = True, resuming: bool = False):
         self.cfg, self.run_dir, self.is_main, self.resuming = cfg, Path(run_dir), is_main, resuming
-        self.tracker = make_tracker(cfg) if is_main else NullTracker()
+        self.tracker = NullTracker()
+        if is_main and cfg.logger.get("enabled", True):
+            self.tracker = MlflowTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name)
         self.tags: dict[str, str] = {}
 
     def start(
