@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from fedlightning.errors import ConfigError
 from fedlightning.tracking import flatten
+from fedlightning.tracking.mlflow_tracker import mlflow_experiment
 from fedlightning.tracking.plots import plot_accuracy_matrix, plot_scatter, plot_sensitivity
 
 LOWER_IS_BETTER = {"fm", "fm_diag", "fpr95", "val_fm", "val_fpr95", "train_loss", "s_per_round"}
@@ -51,11 +52,8 @@ def runs_from_dirs(dirs: list[Path]) -> list[dict[str, Any]]:
 
 def runs_from_mlflow(tracking_uri: str, experiment_name: str, tags: dict[str, str]) -> list[dict]:
     """The ``summary.json`` of every finished MLflow run whose tags match ``tags``."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(experiment_name)
-    if exp is None:
+    client, exp_id = mlflow_experiment(tracking_uri, experiment_name, create=False)
+    if exp_id is None:
         raise ConfigError(
             "--experiment-name", f"no MLflow experiment {experiment_name!r} at {tracking_uri}"
         )
@@ -64,7 +62,7 @@ def runs_from_mlflow(tracking_uri: str, experiment_name: str, tags: dict[str, st
     )
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for run in client.search_runs([exp.experiment_id], query, max_results=50000):
+        for run in client.search_runs([exp_id], query, max_results=50000):
             if run.data.tags.get("task") in SWEEP_TASKS:
                 continue
             try:
@@ -256,10 +254,10 @@ def sensitivity(runs: list[dict], key: str, metric: str, layout: str, out: Path)
         if len(points) < 2:
             continue
         xs = sorted(points)
-        means = [statistics.fmean(points[x]) for x in xs]
-        stds = [statistics.stdev(points[x]) if len(points[x]) > 1 else 0.0 for x in xs]
         name = f"sensitivity_{key}_{row}_{d}".replace("+", "_").replace("/", "_")
-        paths.append(plot_sensitivity(xs, means, stds, out / f"{name}.png", key, metric))
+        paths.append(
+            plot_sensitivity(xs, [points[x] for x in xs], out / f"{name}.png", key, metric)
+        )
     if not paths:
         raise ConfigError("--sensitivity", f"no two runs of a method differ in {key!r}")
     return paths

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pickle
+import time
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -134,6 +135,17 @@ def record_identity(run_dir: Path, identity: dict[str, Any], resuming: bool) -> 
     write_json(path, identity)
 
 
+def check_protocol(path: Path, key: str, value: Any) -> None:
+    """On resume: refuse (one line) when the saved protocol file ``path`` holds another
+    ``key`` than ``value``, what the same config gives now (the data or code changed)."""
+    saved = json.loads(path.read_text()).get(key)
+    if saved != value:
+        raise FedLightningError(
+            f"{path}: the run was started with protocol {key} {saved}, but the same config "
+            f"now gives {value} (data or code changed); refusing to resume"
+        )
+
+
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
     """The config and directory to run in, and whether it resumes: on ``resume`` the earlier
     run's own (its saved config, with this invocation's ``runner`` and ``logger``); a fresh
@@ -246,10 +258,12 @@ def restore(loop: Any, path: Path, state: dict[str, Any]) -> None:
         ) from None
 
 
-def make_tracker(cfg: Any) -> NullTracker:
-    if not cfg.logger.get("enabled", True):
-        return NullTracker()
-    return MlflowTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name)
+def run_tags(cfg: Any, hashes: dict[str, str], **tags: str) -> dict[str, str]:
+    """``tags`` (method, dataset, task, variant, backbone, ...) with the seed, the experiment
+    and ``hash_<name>`` per protocol hash: the MLflow tags that ``fedlightning report``
+    selects runs by (docs/experiments.md, "Reports")."""
+    hashed = {f"hash_{k}": v for k, v in hashes.items()}
+    return {**tags, "seed": str(cfg.seed), "experiment": str(cfg.name), **hashed}
 
 
 def json_safe(obj: Any) -> Any:
@@ -278,7 +292,9 @@ class Run:
 
     def __init__(self, cfg: Any, run_dir: Path, is_main: bool = True, resuming: bool = False):
         self.cfg, self.run_dir, self.is_main, self.resuming = cfg, Path(run_dir), is_main, resuming
-        self.tracker = make_tracker(cfg) if is_main else NullTracker()
+        self.tracker = NullTracker()
+        if is_main and cfg.logger.get("enabled", True):
+            self.tracker = MlflowTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name)
         self.tags: dict[str, str] = {}
 
     def start(
@@ -317,17 +333,29 @@ class Run:
         if err is not None:
             self.tracker.end("KILLED" if isinstance(err, RunStopped) else "FAILED")
 
+    def summary(self, t0: float, **fields: Any) -> dict[str, Any]:
+        """``fields`` with the run's experiment, seed, tags, directory and wall time since
+        ``t0`` (a ``time.perf_counter()``)."""
+        return {
+            "experiment": str(self.cfg.name),
+            "seed": int(self.cfg.seed),
+            **fields,
+            "wall_time_s": time.perf_counter() - t0,
+            "run_dir": str(self.run_dir),
+            "tags": self.tags,
+        }
+
     def finish(
         self,
         summary: dict[str, Any],
         *,
         step: int,
         files: Iterable[Path] = (),
-        table: str | None = None,
+        table: Callable[[dict[str, Any]], str] | None = None,
         extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Write ``summary.json`` (and ``extra`` JSON files by name), log the final metrics
-        at ``step`` and ``files`` as artifacts, end the MLflow run, print ``table``."""
+        at ``step`` and ``files`` as artifacts, end the MLflow run, print ``table(summary)``."""
         summary = json_safe({**summary, "threads": torch.get_num_threads()})
         if not self.is_main:  # the same state on every rank; rank 0 writes and logs it
             return summary
@@ -342,5 +370,5 @@ class Run:
         self.tracker.log_artifacts([f for f in dict.fromkeys(files) if Path(f).exists()])
         self.tracker.end("FINISHED")
         if table is not None:
-            print(table, flush=True)
+            print(table(summary), flush=True)
         return summary

@@ -5,13 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import math
-import statistics
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
+from fedlightning.tracking.mlflow_tracker import mlflow_experiment
 from fedlightning.tracking.plots import (
     plot_importances,
     plot_optimization_history,
@@ -26,11 +26,7 @@ class SweepTracker:
     ``logger.tracking_uri`` and ``logger.experiment_name``)."""
 
     def __init__(self, tracking_uri: str, experiment_name: str) -> None:
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(tracking_uri)
-        exp = self.client.get_experiment_by_name(experiment_name)
-        self.exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment_name)
+        self.client, self.exp_id = mlflow_experiment(tracking_uri, experiment_name)
 
     def parent(self, study: optuna.Study, spec: Any) -> str:
         """The study's run: created once, found again through the study on resume."""
@@ -134,14 +130,11 @@ def sweep_plots(study: optuna.Study, spec: Any, out_dir: Path) -> list[Path]:
         if len(set(xs)) < 2:
             continue
         seeds = [t.user_attrs.get("seed_values") or [t.value] for t in numeric]
-        means = [statistics.fmean(v) for v in seeds]
-        stds = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in seeds]
         name = key.replace("/", "_")
         paths.append(
             plot_sensitivity(
                 xs,
-                means,
-                stds,
+                seeds,
                 out_dir / f"sensitivity_{name}.png",
                 key,
                 spec.metric,

@@ -133,15 +133,3 @@ class GradientProjection(pl.Callback):
             elif self.bases[name].size(1) > 0:
                 p.copy_(before + project_out(p - before, self._basis(name, p)))
         self._snapshot.clear()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "bases": {k: v.detach().cpu().clone() for k, v in self.bases.items()},
-            "project_update": self.project_update,
-            "frozen_biases": list(self.frozen_biases),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.project_update = bool(state_dict.get("project_update", self.project_update))
-        self.frozen_biases = list(state_dict.get("frozen_biases", self.frozen_biases))
-        self.set_bases(state_dict["bases"])

@@ -15,7 +15,7 @@ from fedlightning.clients.losses import distillation_kl, retention_objective
 from fedlightning.clients.node_classifier import OptimizerFactory
 from fedlightning.objectives import symmetric_info_nce
 
-__all__ = ["ContinualRetrievalClient", "similarity_distillation_kl", "symmetric_info_nce"]
+__all__ = ["ContinualRetrievalClient", "similarity_distillation_kl"]
 
 
 def similarity_distillation_kl(student_sim: Tensor, teacher_sim: Tensor, tau: float) -> Tensor:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.data.temporal.protocol import format_table
 from fedlightning.errors import ConfigError
-from fedlightning.runs import Run
+from fedlightning.runs import Run, run_tags
 from fedlightning.temporal.contexts import cached_contexts
 from fedlightning.temporal.setup import bank_variant, ensure_bank, temporal_setup
 
@@ -24,42 +24,37 @@ def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str
     cfg, run_dir, _, stream, bank_cfg, proto, files = temporal_setup(cfg, run_dir)
     params = OmegaConf.to_container(cfg.protocol, resolve=True)
     variant = bank_variant(bank_cfg)
-    tags = {
-        "method": bank_cfg.encoder,
-        "dataset": stream.name,
-        "task": "bank",
-        "variant": variant,
-        "backbone": bank_cfg.encoder,
-        "seed": str(cfg.seed),
-        "experiment": str(cfg.name),
-        **{f"hash_{k}": v for k, v in proto.hashes.items()},
-    }
+    tags = run_tags(
+        cfg,
+        proto.hashes,
+        method=bank_cfg.encoder,
+        dataset=stream.name,
+        task="bank",
+        variant=variant,
+        backbone=bank_cfg.encoder,
+    )
     run = Run(cfg, run_dir)
     with run.start(tags):
         bank = ensure_bank(stream, proto, bank_cfg, int(cfg.seed), params["cache_dir"], run.tracker)
         path, digest = bank["path"], bank["hash"]
         ctx_path, ctx_hash, ctx_reused = cached_contexts(path, digest, proto, params["cache_dir"])
     metrics, reused, history = bank["metrics"], bank["reused"], bank["history"]
-    summary = {
-        "experiment": str(cfg.name),
-        "seed": int(cfg.seed),
-        "metrics": {"bank_val_auc": metrics["auc"], "bank_val_ap": metrics["ap"]},
-        "comm": {"uplink_mib": 0.0, "downlink_mib": 0.0, "fields": {}},
-        "hashes": {**proto.hashes, "bank": digest, "contexts": ctx_hash},
-        "contexts": {"path": str(ctx_path), "reused": ctx_reused},
-        "bank": {"path": str(path), "reused": reused, "variant": variant, "history": history},
-        "table": proto.table(),
-        "tasks": proto.tasks.stats(stream),
-        "collisions": proto.negatives["checks"],
-        "wall_time_s": time.perf_counter() - t0,
-        "rounds": 0,
-        "run_dir": str(run_dir),
-        "tags": tags,
-    }
+    summary = run.summary(
+        t0,
+        metrics={"bank_val_auc": metrics["auc"], "bank_val_ap": metrics["ap"]},
+        comm={"uplink_mib": 0.0, "downlink_mib": 0.0, "fields": {}},
+        hashes={**proto.hashes, "bank": digest, "contexts": ctx_hash},
+        contexts={"path": str(ctx_path), "reused": ctx_reused},
+        bank={"path": str(path), "reused": reused, "variant": variant, "history": history},
+        table=proto.table(),
+        tasks=proto.tasks.stats(stream),
+        collisions=proto.negatives["checks"],
+        rounds=0,
+    )
     run.tracker.set_tags({"hash_bank": digest})
-    table = None
-    if verbose:
-        table = "\n".join(
+
+    def table(summary: dict[str, Any]) -> str:
+        return "\n".join(
             [
                 format_table(proto.table()),
                 f"bank             {bank_cfg.encoder} ({variant})"
@@ -69,4 +64,7 @@ def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str
                 f"hash[bank]       {digest}\nwall time        {summary['wall_time_s']:.1f} s",
             ]
         )
-    return run.finish(summary, step=len(history), files=[*files, path], table=table)
+
+    return run.finish(
+        summary, step=len(history), files=[*files, path], table=table if verbose else None
+    )

@@ -3,7 +3,6 @@ and an MLflow run."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from fedlightning.config import build, dataset_node, validate
 from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
 from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
 from fedlightning.data.streams import ClassStream
-from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.federation.stages import ContinualLoop
@@ -25,9 +24,10 @@ from fedlightning.runs import (
     CHECKPOINT_FILE,
     Observer,
     Run,
-    json_safe,
+    check_protocol,
     prepare_run_dir,
     resume_loop,
+    run_tags,
     summary_table,
 )
 from fedlightning.utils.io import write_json
@@ -86,13 +86,7 @@ def load_graph(cfg: DictConfig) -> MultimodalGraph:
 def save_protocol(obj: Any, path: Path, resuming: bool) -> None:
     """Save a protocol object; on resume, refuse if it no longer matches the saved one."""
     if resuming and path.exists():
-        saved = json.loads(path.read_text()).get("hash")
-        if saved != obj.hash:
-            raise FedLightningError(
-                f"{path}: the run was started with protocol hash {saved}, "
-                f"but the same config now gives {obj.hash} (data or code "
-                "changed); refusing to resume"
-            )
+        check_protocol(path, "hash", obj.hash)
         return
     obj.save(path)
 
@@ -112,22 +106,6 @@ def check_algorithm_fits_protocol(algorithm: Any, stream: Any) -> None:
             "protocol",
             f"algorithm {algorithm.name!r} needs the class-incremental stream: add protocol=cil",
         )
-
-
-def run_tags(
-    cfg: DictConfig, graph: MultimodalGraph, algorithm: Any, hashes: dict[str, str]
-) -> dict[str, str]:
-    """The MLflow tags every run carries (DESIGN.md): reports select runs by these."""
-    return {
-        "method": algorithm.name,
-        "dataset": graph.name,
-        "task": str(cfg.task),
-        "variant": str(algorithm.variant),
-        "backbone": str(cfg.model.net.get("conv", "custom")),
-        "seed": str(cfg.seed),
-        "experiment": str(cfg.name),
-        **{f"hash_{k}": v for k, v in hashes.items()},
-    }
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -244,22 +222,26 @@ def train_graph(
         )
     if resume_loop(loop, world, cfg, run_dir, hashes, resuming):
         log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
-    tags = run_tags(cfg, graph, algorithm, hashes)
+    tags = run_tags(
+        cfg,
+        hashes,
+        method=algorithm.name,
+        dataset=graph.name,
+        task=str(cfg.task),
+        variant=str(algorithm.variant),
+        backbone=str(cfg.model.net.get("conv", "custom")),
+    )
     with run.start(tags):
         history = loop.run()
-    summary = {
-        "experiment": str(cfg.name),
-        "seed": int(cfg.seed),
-        "rounds": loop.completed_rounds,
-        "metrics": loop.final_metrics(),
-        "comm": loop.ledger.summary(),
-        "hashes": hashes,
-        "wall_time_s": time.perf_counter() - t0,
-        "run_dir": str(run_dir),
-        "tags": tags,
-        "resumed": resuming,
+    summary = run.summary(
+        t0,
+        rounds=loop.completed_rounds,
+        metrics=loop.final_metrics(),
+        comm=loop.ledger.summary(),
+        hashes=hashes,
+        resumed=resuming,
         **loop.summary_extras(),
-    }
+    )
     artifacts = []
     if world.is_main:
         artifacts = loop.write_artifacts(run_dir, f"{cfg.name} ({algorithm.name}, {graph.name})")
@@ -268,6 +250,6 @@ def train_graph(
         summary,
         step=loop.completed_rounds,
         files=[*protocol_files, *artifacts],
-        table=format_summary(json_safe(summary)) if verbose else None,
+        table=format_summary if verbose else None,
         extra={"history.json": history},
     )

@@ -30,9 +30,9 @@ from fedlightning.runs import (
     Run,
     load_checkpoint,
     resume_loop,
+    run_tags,
     summary_table,
 )
-from fedlightning.runs import json_safe as run_json_safe
 from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
@@ -212,17 +212,16 @@ def train_temporal(
     cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]
 
     variant = algorithm.variant(bank_cfg.pretrained, bank_cfg.negatives == "filtered")
-    tags = {
-        "method": algorithm.name,
-        "dataset": stream.name,
-        "task": "temporal",
-        "families": ",".join(families),
-        "variant": variant,
-        "backbone": bank_cfg.encoder,
-        "seed": str(cfg.seed),
-        "experiment": str(cfg.name),
-        **{f"hash_{k}": v for k, v in proto.hashes.items()},
-    }
+    tags = run_tags(
+        cfg,
+        proto.hashes,
+        method=algorithm.name,
+        dataset=stream.name,
+        task="temporal",
+        families=",".join(families),
+        variant=variant,
+        backbone=bank_cfg.encoder,
+    )
     run = Run(cfg, run_dir, world.is_main, resuming)
     with run.start(tags):
         bank = world.on_main(
@@ -263,27 +262,23 @@ def train_temporal(
         results = loop.run()
     metrics = loop.final_metrics()
     adapter = algorithm.adapter(*dims)
-    summary = {
-        "experiment": str(cfg.name),
-        "seed": int(cfg.seed),
-        "rounds": int(cfg.federation.rounds),
-        "tasks_done": len(results),
-        "families": families,
-        "metrics": metrics,
-        "comm": {
+    summary = run.summary(
+        t0,
+        rounds=int(cfg.federation.rounds),
+        tasks_done=len(results),
+        families=families,
+        metrics=metrics,
+        comm={
             **loop.comm(),
             "adapter_values": adapter.num_values(),
             "message_values_by_hand": {f: algorithm.message_size(adapter, f) for f in families},
             "paper_message_values": PAPER_MESSAGE_VALUES,
         },
-        "hashes": hashes,
-        "bank": {"path": str(bank["path"]), "reused": bank["reused"], **bank["metrics"]},
-        "table": proto.table(),
-        "wall_time_s": time.perf_counter() - t0,
-        "run_dir": str(run_dir),
-        "tags": tags,
-        "resumed": resuming,
-    }
+        hashes=hashes,
+        bank={"path": str(bank["path"]), "reused": bank["reused"], **bank["metrics"]},
+        table=proto.table(),
+        resumed=resuming,
+    )
     plots = []
     if world.is_main:
         from fedlightning.tracking.plots import plot_task_metrics
@@ -295,6 +290,6 @@ def train_temporal(
         summary,
         step=len(results),
         files=[*files, *plots],
-        table=format_temporal_summary(run_json_safe(summary)) if verbose else None,
+        table=format_temporal_summary if verbose else None,
         extra={"task_metrics.json": results},
     )

@@ -31,14 +31,13 @@ from fedlightning.errors import ConfigError
 from fedlightning.flower.node import node_folder, open_node, setup_node
 from fedlightning.flower.records import (
     COUNTS,
-    SCALARS,
     TASK,
     TENSORS,
     message_records,
     record_tensors,
+    records_message,
 )
 from fedlightning.flower.runner import run_clients
-from fedlightning.messages import ServerBroadcast
 from fedlightning.server.aggregate import model_state
 
 log = logging.getLogger("fedlightning")
@@ -163,11 +162,7 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
 
     def train(node: Any, msg: Message) -> RecordDict:
         task = msg.content[TASK]
-        broadcast = ServerBroadcast(
-            round=int(task["round"]),
-            tensors=record_tensors(msg.content[TENSORS]),
-            scalars=dict(msg.content[SCALARS]),
-        )
+        broadcast = records_message(msg.content, round=int(task["round"]))
         return message_records(node.work(str(task["kind"]), broadcast, dict(task)))
 
     def evaluate(node: Any, msg: Message) -> RecordDict:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedlightning.messages import ClientUpdate, Message
+from fedlightning.messages import ClientUpdate, Message, ServerBroadcast
 
 TENSORS, SCALARS, COUNTS, TASK = "tensors", "scalars", "counts", "task"
 UPDATE_RECORDS = (TENSORS, SCALARS)  # what a ClientApp's train reply may hold
@@ -29,6 +29,11 @@ def tensor_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
 def record_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """An ``ArrayRecord`` back as named tensors."""
     return {name: torch.from_numpy(array.numpy().copy()) for name, array in record.items()}
+
+
+def records_message(content: RecordDict, kind: type = ServerBroadcast, **fields: Any) -> Any:
+    """The ``kind`` message (with ``fields``) of a ``RecordDict``'s tensors and scalars."""
+    return kind(tensors=record_tensors(content[TENSORS]), scalars=dict(content[SCALARS]), **fields)
 
 
 def message_records(message: Message | None, task: Mapping[str, Any] | None = None) -> RecordDict:
@@ -55,12 +60,7 @@ def records_update(content: RecordDict, round: int, client_id: int) -> ClientUpd
         raise ValueError(f"client {client_id} sent undeclared records {extra}")
     if not list(content.keys()):
         return None
-    return ClientUpdate(
-        round=round,
-        client_id=client_id,
-        tensors=record_tensors(content[TENSORS]),
-        scalars=dict(content[SCALARS]),
-    )
+    return records_message(content, ClientUpdate, round=round, client_id=client_id)
 
 
 def content_fields(content: RecordDict) -> dict[str, dict[str, list[int]]]:

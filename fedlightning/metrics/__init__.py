@@ -15,22 +15,17 @@ from fedlightning.metrics.diagnostics import (
     semantic_drift,
 )
 from fedlightning.metrics.open_set import (
-    FPR95,
-    OODAUROC,
     auroc_known_vs_unknown,
     energy_score,
     fpr_at_threshold,
     fpr_at_tpr,
     msp_score,
     open_accuracy,
-    open_set_predict,
     threshold_at_tpr,
 )
 from fedlightning.metrics.retrieval import cosine_similarity_matrix, max_similarity, recall_at_k
 
 __all__ = [
-    "FPR95",
-    "OODAUROC",
     "AccuracyMatrix",
     "auroc_known_vs_unknown",
     "average_accuracy",
@@ -45,7 +40,6 @@ __all__ = [
     "max_similarity",
     "msp_score",
     "open_accuracy",
-    "open_set_predict",
     "principal_basis",
     "prototype_dispersion",
     "recall_at_k",

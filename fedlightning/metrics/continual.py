@@ -3,7 +3,7 @@ r"""Class-incremental metrics: the accuracy matrix and AM / FM / seen-task curve
 Stages are 0-based in code. ``M[t, j]`` is the accuracy, after training stage ``t``, on the
 test nodes of the classes that stage ``j`` introduced, pooled over clients (weighted by test
 nodes). Entries never measured (``j > t``, or no test node) are NaN. ``T`` is the number of
-stages, so the final row is ``M[T-1]`` (``M[T]`` in the 1-based notation of DESIGN.md).
+stages, so the final row is ``M[T-1]`` (``M[T]`` in the paper's 1-based notation).
 """
 
 from __future__ import annotations

@@ -8,28 +8,20 @@ Eq. (6)). Rates are fractions in [0, 1].
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 from torchmetrics.functional.classification import binary_auroc
-from torchmetrics.utilities import dim_zero_cat
 
 __all__ = [
-    "FPR95",
-    "OODAUROC",
     "auroc_known_vs_unknown",
     "energy_score",
     "fpr_at_threshold",
     "fpr_at_tpr",
     "msp_score",
     "open_accuracy",
-    "open_set_predict",
     "threshold_at_tpr",
 ]
-
-ScoreFn = Callable[[Tensor, Tensor], Tensor]
 
 
 def _known_logits(logits: Tensor, known: Tensor) -> Tensor:
@@ -148,28 +140,6 @@ def auroc_known_vs_unknown(known_scores: Tensor, unknown_scores: Tensor) -> floa
     return float(binary_auroc(preds, target))
 
 
-def open_set_predict(
-    logits: Tensor, known: Tensor, threshold: float, score_fn: ScoreFn = msp_score
-) -> Tensor:
-    r"""Open-world prediction of FedOGL Eq. (6): a known class, or ``-1`` (OOD).
-
-    .. math::
-        \hat{y}_i = \begin{cases} \arg\max_{c \in \mathcal{C}_K} \ell_{i,c}, & \rho_i \ge
-        \delta \\ -1, & \rho_i < \delta \end{cases}
-
-    Labels index the full class axis; ``score_fn(logits, known)`` gives :math:`\rho`.
-
-    Shapes:
-        - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
-        - **output:** :math:`(N,)` long
-    """
-    known = torch.as_tensor(known, device=logits.device).bool()
-    known_idx = known.nonzero().flatten()
-    pred = known_idx[_known_logits(logits, known).argmax(dim=1)]
-    score = score_fn(logits, known)
-    return pred.masked_fill(score < threshold, -1)
-
-
 def open_accuracy(pred: Tensor, y: Tensor, is_known: Tensor) -> float:
     r"""Open-set accuracy: knowns must get their class, unknowns must be rejected.
 
@@ -185,62 +155,3 @@ def open_accuracy(pred: Tensor, y: Tensor, is_known: Tensor) -> float:
         return math.nan
     ok = torch.where(is_known, pred == y, pred == -1)
     return float(ok.double().mean())
-
-
-class _KnownUnknownScores(Metric):
-    """Accumulates scores and known/unknown flags (cat states, so DDP gathers them)."""
-
-    is_differentiable = False
-    full_state_update = False
-
-    scores: list[Tensor]
-    is_known: list[Tensor]
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("scores", default=[], dist_reduce_fx="cat")
-        self.add_state("is_known", default=[], dist_reduce_fx="cat")
-
-    def update(self, scores: Tensor, is_known: Tensor) -> None:
-        """Add a batch of scores with their bool known flags (both :math:`(N,)`)."""
-        scores = _scores(scores).double()
-        is_known = torch.as_tensor(is_known, device=scores.device).bool().flatten()
-        if scores.shape != is_known.shape:
-            raise ValueError(
-                f"scores and is_known differ in length: {scores.numel()} vs {is_known.numel()}"
-            )
-        self.scores.append(scores)
-        self.is_known.append(is_known)
-
-    def _split(self) -> tuple[Tensor, Tensor]:
-        if not self.scores:
-            empty = torch.zeros(0, dtype=torch.float64)
-            return empty, empty
-        s, k = dim_zero_cat(self.scores), dim_zero_cat(self.is_known).bool()
-        return s[k], s[~k]
-
-
-class FPR95(_KnownUnknownScores):
-    """FPR of unknowns at the threshold accepting ``tpr`` of knowns; see :func:`fpr_at_tpr`."""
-
-    higher_is_better = False
-
-    def __init__(self, tpr: float = 0.95, **kwargs) -> None:
-        super().__init__(**kwargs)
-        if not 0.0 < tpr <= 1.0:
-            raise ValueError(f"tpr must be in (0, 1], got {tpr}")
-        self.tpr = tpr
-
-    def compute(self) -> Tensor:
-        """FPR as a 0-d float64 tensor; NaN if either side is empty."""
-        return torch.tensor(fpr_at_tpr(*self._split(), tpr=self.tpr), dtype=torch.float64)
-
-
-class OODAUROC(_KnownUnknownScores):
-    """AUROC of known (positive) vs unknown nodes; see :func:`auroc_known_vs_unknown`."""
-
-    higher_is_better = True
-
-    def compute(self) -> Tensor:
-        """AUROC as a 0-d float64 tensor; NaN if either side is empty."""
-        return torch.tensor(auroc_known_vs_unknown(*self._split()), dtype=torch.float64)

@@ -50,10 +50,14 @@ def weighted_average(
     return out
 
 
+def strip_prefix(fields: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The fields named ``<prefix><key>``, by ``key`` (in order)."""
+    return {k[len(prefix) :]: v for k, v in fields.items() if k.startswith(prefix)}
+
+
 def model_state(message_tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """The model weights inside a message (fields named ``model.<key>``), without the prefix."""
-    n = len(MODEL_PREFIX)
-    return {k[n:]: v for k, v in message_tensors.items() if k.startswith(MODEL_PREFIX)}
+    return strip_prefix(message_tensors, MODEL_PREFIX)
 
 
 def as_model_fields(state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning.messages import ClientUpdate
-from fedlightning.server.aggregate import model_state
+from fedlightning.server.aggregate import model_state, strip_prefix
 from fedlightning.server.alignment import class_descriptors, refine_heads, similarity_consensus
 from fedlightning.server.basis import aggregate_bases
 from fedlightning.server.prototypes import (
@@ -37,22 +37,11 @@ class BasisMemory(ServerModule):
         self.bases: dict[str, Tensor] = {}
 
     def end_stage(self, stage: int, updates: Sequence[ClientUpdate]) -> None:
-        names = sorted(
-            {
-                k[len(BASIS_PREFIX) :]
-                for u in updates
-                for k in u.tensors
-                if k.startswith(BASIS_PREFIX)
-            }
-        )
-        for name in names:
-            sent = [u for u in updates if BASIS_PREFIX + name in u.tensors]
+        sent = [(strip_prefix(u.tensors, BASIS_PREFIX), u.scalars) for u in updates]
+        for name in sorted({k for bases, _ in sent for k in bases}):
+            has = [(b[name], scalars["basis_nodes"]) for b, scalars in sent if name in b]
             self.bases[name] = aggregate_bases(
-                self.bases.get(name),
-                [u.tensors[BASIS_PREFIX + name] for u in sent],
-                [u.scalars["basis_nodes"] for u in sent],
-                self.rho,
-                self.rank,
+                self.bases.get(name), [b for b, _ in has], [n for _, n in has], self.rho, self.rank
             )
 
     def broadcast_fields(self) -> dict[str, Tensor]:
@@ -105,7 +94,7 @@ class PrototypeMemory(ServerModule):
     ) -> None:
         self.banks = {side: PrototypeBank(slots, eta) for side in sides}
         self.kappa, self.gamma = kappa, gamma
-        self.lambda_lab, self.lambda_tr, self.steps, self.lr = lambda_lab, lambda_tr, steps, lr
+        self.refine_kw = dict(lambda_lab=lambda_lab, lambda_tr=lambda_tr, steps=steps, lr=lr)
         self.head_prefix = head_prefix
         self.heads: deque[tuple[list[dict[str, Tensor]], list[float]]] = deque(maxlen=window)
         self.schedule: Callable[[int], tuple[list[int], bool]] | None = None
@@ -121,11 +110,7 @@ class PrototypeMemory(ServerModule):
             for side, bank in self.banks.items():
                 for c, p, n in read_prototypes(u, side):
                     bank.update(c, p, n)
-        n = len(self.head_prefix)
-        heads = [
-            {k[n:]: v for k, v in model_state(u.tensors).items() if k.startswith(self.head_prefix)}
-            for u in updates
-        ]
+        heads = [strip_prefix(model_state(u.tensors), self.head_prefix) for u in updates]
         self.heads.append((heads, [max(u.num_examples, 1e-12) for u in updates]))
 
     def known_prototypes(self, side: str, known: list[int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -155,17 +140,7 @@ class PrototypeMemory(ServerModule):
         head = _linear(state, self.head_prefix)
         q_cli = client_consensus(*self.client_heads(), p_tilde, known)
         self.last_refine = refine_head(
-            head,
-            P,
-            labels,
-            q_cli,
-            known,
-            self.kappa,
-            self.gamma,
-            self.lambda_lab,
-            self.lambda_tr,
-            self.steps,
-            self.lr,
+            head, P, labels, q_cli, known, self.kappa, self.gamma, **self.refine_kw
         )
         return {**state, **_linear_state(head, self.head_prefix)}
 
@@ -207,31 +182,19 @@ class AlignmentMemory(PrototypeMemory):
             return state  # nothing to contrast a class with
         A, B = class_descriptors(Pq, lq, classes), class_descriptors(Pv, lv, classes)
         heads, weights = self.client_heads()
-        pairs = [(_side(h, self.query), _side(h, self.item)) for h in heads]
+        pairs = [
+            (strip_prefix(h, f"{self.query}."), strip_prefix(h, f"{self.item}.")) for h in heads
+        ]
         targets = similarity_consensus(pairs, weights, A, B, self.temperature)
         hq, hv = (_linear(state, f"{self.head_prefix}{m}.") for m in (self.query, self.item))
         self.last_refine = refine_heads(
-            hq,
-            hv,
-            A,
-            B,
-            targets,
-            self.temperature,
-            self.gamma,
-            self.lambda_lab,
-            self.lambda_tr,
-            self.steps,
-            self.lr,
+            hq, hv, A, B, targets, self.temperature, self.gamma, **self.refine_kw
         )
         return {
             **state,
             **_linear_state(hq, f"{self.head_prefix}{self.query}."),
             **_linear_state(hv, f"{self.head_prefix}{self.item}."),
         }
-
-
-def _side(head: dict[str, Tensor], side: str) -> dict[str, Tensor]:
-    return {k[len(side) + 1 :]: v for k, v in head.items() if k.startswith(side + ".")}
 
 
 def _linear(state: dict[str, Tensor], prefix: str) -> nn.Linear:

@@ -1,6 +1,6 @@
 r"""FedTIP's server mathematics (paper 001, Sec. 3.5 and 4.3-4.4), Lightning-free.
 
-One equation, one function: Eqs. (27)-(30); the prompt update (Eq. 31) and anchors
+One equation, one function: Eqs. (27)-(29); the prompt update (Eqs. 30-31) and anchors
 (Eqs. 23-24) go through the additive statistics of Eq. (6), so secure summation could
 replace the plain sums (:func:`pairwise_masks`); the private prototype of Eqs. (4), (5), (7).
 """
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.server.aggregate import strip_prefix
 
 EPS = 1e-8
 
@@ -41,14 +42,6 @@ def median_norm(deltas: Sequence[Tensor]) -> float:
 def reliability(coverage: float, norm: float, gamma: float, eps: float = EPS) -> float:
     r"""Eq. (29): :math:`r_k = b_k \min(1, \gamma / (\lVert\Delta\Omega_k\rVert_2 + \epsilon))`."""
     return coverage * min(1.0, gamma / (norm + eps))
-
-
-def aggregation_weights(sizes: Sequence[float], reliabilities: Sequence[float]) -> Tensor:
-    r"""Eq. (30): :math:`w_k = n_k r_k / \sum_j n_j r_j` (float64)."""
-    a = torch.tensor(sizes, dtype=torch.float64) * torch.tensor(reliabilities, dtype=torch.float64)
-    if a.sum() <= 0:
-        raise ValueError(f"aggregation weights need some n_k r_k > 0, got {a.tolist()}")
-    return a / a.sum()
 
 
 @dataclass
@@ -105,7 +98,8 @@ def client_statistics(m: ClientSummary, r: float) -> SufficientStatistics:
 
 def prompt_update(omega: Tensor, stats: SufficientStatistics, eta_s: float = 1.0) -> Tensor:
     r"""Eq. (31) through Eq. (6): :math:`\Omega^{(r+1)} = \Omega^{(r)} + \eta_s S_\Omega / Z_\Omega`,
-    i.e. :math:`\Omega^{(r)} + \eta_s \sum_k w_k \Delta\Omega_k` with the weights of Eq. (30)."""
+    i.e. :math:`\Omega^{(r)} + \eta_s \sum_k w_k \Delta\Omega_k` with the weights of Eq. (30),
+    :math:`w_k = n_k r_k / \sum_j n_j r_j`."""
     return (omega.double() + eta_s * stats.s_omega / stats.z_omega).to(omega.dtype)
 
 
@@ -247,16 +241,14 @@ def read_broadcast(
     broadcast: ServerBroadcast, shapes: Mapping[str, Sequence[int]], field: str = "adapter"
 ) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
     r"""A client's view of a broadcast: :math:`\Omega` as a state dict, and the anchors."""
-    anchors = {
-        int(k[len(ANCHOR) :]): v for k, v in broadcast.tensors.items() if k.startswith(ANCHOR)
-    }
+    anchors = {int(k): v for k, v in strip_prefix(broadcast.tensors, ANCHOR).items()}
     return unflatten(broadcast.tensors[field], shapes), anchors
 
 
 def read_update(update: ClientUpdate) -> ClientSummary:
     """The server's view of a message (absent coverage/norm: unused by the server)."""
-    counts = {int(k[6:]): int(v) for k, v in update.scalars.items() if k.startswith("count.")}
-    protos = {int(k[6:]): v for k, v in update.tensors.items() if k.startswith("proto.")}
+    counts = {int(k): int(v) for k, v in strip_prefix(update.scalars, "count.").items()}
+    protos = {int(k): v for k, v in strip_prefix(update.tensors, "proto.").items()}
     delta = update.tensors["delta"]
     return ClientSummary(
         delta,

@@ -4,7 +4,6 @@ from the cache when built (:func:`ensure_bank`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -17,8 +16,8 @@ from fedlightning.config import build_stream
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
 from fedlightning.data.temporal.protocol import TemporalProtocol, format_table, materialize_checked
-from fedlightning.errors import ConfigError, FedLightningError
-from fedlightning.runs import prepare_run_dir
+from fedlightning.errors import ConfigError
+from fedlightning.runs import check_protocol, prepare_run_dir
 from fedlightning.temporal.bank import (
     BANK_VERSION,
     BankConfig,
@@ -63,14 +62,8 @@ def temporal_setup(cfg: DictConfig, run_dir: Path):
     bank_cfg = bank_config(cfg)  # on resume, the saved run's bank, not this invocation's
     stream = build_stream(cfg)
     _, proto, _ = materialize_checked(stream, cfg.protocol)
-    saved = run_dir / "protocol.json"
-    if resuming and saved.exists():
-        before = json.loads(saved.read_text())["hashes"]
-        if before != proto.hashes:
-            raise FedLightningError(
-                f"{saved}: the run was started with protocol hashes {before}, but the same "
-                f"config now gives {proto.hashes} (data or code changed); refusing to resume"
-            )
+    if resuming and (run_dir / "protocol.json").exists():
+        check_protocol(run_dir / "protocol.json", "hashes", proto.hashes)
     files = proto.write(run_dir)
     log.info("%s\n%s", stream, format_table(proto.table()))
     return cfg, run_dir, resuming, stream, bank_cfg, proto, files

@@ -23,6 +23,17 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def mlflow_experiment(tracking_uri: str, name: str, create: bool = True) -> tuple[Any, str | None]:
+    """An ``MlflowClient`` at ``tracking_uri`` and the id of its experiment ``name``: created
+    when missing (``create``), else ``None``."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(name) if create else None
+    return client, exp_id
+
+
 class NullTracker:
     """Tracks nothing (``logger=none``)."""
 
@@ -72,13 +83,11 @@ class MlflowTracker(NullTracker):
         from mlflow.tracking import MlflowClient
 
         self.mlflow.set_tracking_uri(self.tracking_uri)
-        self.client = MlflowClient(self.tracking_uri)
         if run_id is not None:  # resume: the same run continues
-            self.run_id = run_id
+            self.client, self.run_id = MlflowClient(self.tracking_uri), run_id
             self.client.update_run(run_id, status="RUNNING")
             return run_id
-        exp = self.client.get_experiment_by_name(self.experiment_name)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment_name)
+        self.client, exp_id = mlflow_experiment(self.tracking_uri, self.experiment_name)
         run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
         from mlflow.entities import Param

@@ -4,6 +4,7 @@ and used through ``Figure`` (neither ``pyplot`` nor a GUI backend is needed)."""
 from __future__ import annotations
 
 import itertools
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -103,14 +104,16 @@ def plot_importances(importances: dict[str, float], path: str | Path) -> Path:
 
 def plot_sensitivity(
     x: Sequence[float],
-    mean: Sequence[float],
-    std: Sequence[float],
+    values: Sequence[Sequence[float]],
     path: str | Path,
     xlabel: str,
     ylabel: str,
     log_x: bool = False,
 ) -> Path:
-    """A metric against one parameter: mean with std error bars (over seeds), sorted by x."""
+    """A metric against one parameter: the mean of each x's ``values`` (over seeds) with
+    sample-std error bars (0 for one value), sorted by x."""
+    mean = [statistics.fmean(v) for v in values]
+    std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
     order = sorted(range(len(x)), key=lambda i: x[i])
     fig, ax = _subplots(figsize=(5, 3.6))
     ax.errorbar(

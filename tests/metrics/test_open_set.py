@@ -9,15 +9,12 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from fedlightning.metrics import (
-    FPR95,
-    OODAUROC,
     auroc_known_vs_unknown,
     energy_score,
     fpr_at_threshold,
     fpr_at_tpr,
     msp_score,
     open_accuracy,
-    open_set_predict,
     threshold_at_tpr,
 )
 
@@ -116,20 +113,7 @@ def test_auroc_large_scores_not_saturated():
     assert math.isnan(auroc_known_vs_unknown(known, torch.tensor([])))
 
 
-def test_open_set_predict_and_accuracy():
-    # Classes 0..2, class 1 unknown (not yet introduced). Known logits [a, c]:
-    #   node 0: [0, ln3] over {0, 2} -> class 2, rho 0.75 -> accepted at 0.7
-    #   node 1: [ln3, 0]             -> class 0, rho 0.75 -> accepted
-    #   node 2: [0, 0]               -> rho 0.5 -> rejected (-1)
-    logits = torch.tensor([[0.0, 9.0, LN3], [LN3, 9.0, 0.0], [0.0, 9.0, 0.0]], dtype=torch.float64)
-    known = torch.tensor([True, False, True])
-    pred = open_set_predict(logits, known, threshold=0.7)
-    assert pred.tolist() == [2, 0, -1]
-    # Threshold exactly at rho accepts (rho >= delta).
-    assert open_set_predict(logits, known, threshold=0.75).tolist() == [2, 0, -1]
-    # With energy, node 2 scores log 2 ~ 0.693 and node 0 log 4 ~ 1.386.
-    assert open_set_predict(logits, known, 1.0, score_fn=energy_score).tolist() == [2, 0, -1]
-
+def test_open_accuracy():
     # node 0 known y=2 (right), node 1 known y=2 (wrong), node 2 unknown y=1 (rejected:
     # right), node 3 known rejected (wrong), node 4 unknown accepted as 0 (wrong) -> 2/5.
     pred = torch.tensor([2, 0, -1, -1, 0])
@@ -137,28 +121,3 @@ def test_open_set_predict_and_accuracy():
     is_known = torch.tensor([True, True, False, True, False])
     assert open_accuracy(pred, y, is_known) == pytest.approx(2 / 5)
     assert math.isnan(open_accuracy(pred[:0], y[:0], is_known[:0]))
-
-
-def test_metric_classes_accumulate():
-    g = torch.Generator().manual_seed(0)
-    scores = torch.randn(100, generator=g).round()
-    is_known = torch.rand(100, generator=g) < 0.6
-    fpr, auc = FPR95(), OODAUROC()
-    for lo in range(0, 100, 30):  # uneven batches
-        fpr.update(scores[lo : lo + 30], is_known[lo : lo + 30])
-        auc.update(scores[lo : lo + 30], is_known[lo : lo + 30])
-    ks, us = scores[is_known], scores[~is_known]
-    assert fpr.compute().item() == pytest.approx(fpr_at_tpr(ks, us, 0.95))
-    assert auc.compute().item() == pytest.approx(auroc_known_vs_unknown(ks, us))
-    assert FPR95(tpr=0.5).higher_is_better is False
-
-
-def test_metric_classes_empty_is_nan():
-    with pytest.warns(UserWarning, match="before the ``update``"):
-        assert math.isnan(FPR95().compute().item())
-    with pytest.warns(UserWarning, match="before the ``update``"):
-        assert math.isnan(OODAUROC().compute().item())
-    # Only knowns seen: no unknown side, so NaN too.
-    m = OODAUROC()
-    m.update(torch.tensor([0.3, 0.4]), torch.tensor([True, True]))
-    assert math.isnan(m.compute().item())

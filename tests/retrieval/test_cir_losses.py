@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from fedlightning.clients.continual_retrieval import similarity_distillation_kl, symmetric_info_nce
+from fedlightning.clients.continual_retrieval import similarity_distillation_kl
+from fedlightning.objectives import symmetric_info_nce
 
 EYE = torch.eye(2)
 

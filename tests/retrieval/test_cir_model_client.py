@@ -12,13 +12,13 @@ from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.clients.continual_retrieval import (
     ContinualRetrievalClient,
     similarity_distillation_kl,
-    symmetric_info_nce,
 )
 from fedlightning.errors import ConfigError
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.retrieval_stages import RetrievalLoop
 from fedlightning.models import MultimodalGNN
 from fedlightning.models.cross_modal import CrossModalGNN
+from fedlightning.objectives import symmetric_info_nce
 
 N, D_TEXT, D_BOW = 16, 8, 6
 DIMS = {"text": D_TEXT, "bow": D_BOW}

@@ -6,7 +6,6 @@ import torch
 from fedlightning.server.reliability import (
     ClientSummary,
     aggregate,
-    aggregation_weights,
     anchor_update,
     client_statistics,
     clip_embeddings,
@@ -28,14 +27,12 @@ def test_label_coverage_eq27():
         label_coverage({}, [0, 1])
 
 
-def test_median_norm_reliability_and_weights_eqs28_30():
+def test_median_norm_and_reliability_eqs28_29():
     deltas = [torch.tensor([1.0, 0.0]), torch.tensor([3.0, 4.0]), torch.tensor([0.0, 2.0])]
     assert median_norm(deltas) == pytest.approx(2.0)  # norms 1, 5, 2
     assert median_norm([*deltas, torch.tensor([0.0, 3.0])]) == pytest.approx(2.5)  # 1, 2, 3, 5
     assert reliability(0.5, norm=4.0, gamma=2.0) == pytest.approx(0.25)  # clipped: 2 / 4
     assert reliability(0.5, norm=1.0, gamma=2.0) == pytest.approx(0.5)  # below the median
-    w = aggregation_weights([6, 4], [0.5, 1.0])  # n r = 3, 4
-    assert w.tolist() == pytest.approx([3 / 7, 4 / 7])
 
 
 def msg(delta, protos, counts, coverage):
@@ -85,7 +82,8 @@ def test_masked_shares_sum_to_the_same_update_eq6():
     assert torch.allclose(sum(masked), plain.s_omega, atol=1e-12)
     omega = torch.zeros(5)
     by_sum = prompt_update(omega, plain, 1.0)
-    w = aggregation_weights([m.size for m in msgs], r)
+    nr = torch.tensor([m.size * rk for m, rk in zip(msgs, r, strict=True)], dtype=torch.float64)
+    w = nr / nr.sum()  # Eq. (30)
     direct = sum(wk * m.delta.double() for wk, m in zip(w, msgs, strict=True))
     assert torch.allclose(by_sum.double(), direct, atol=1e-6)
 
