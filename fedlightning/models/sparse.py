@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
+
+# CSR products are what this layer is for; torch calls their support "beta" on every first use.
+warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
 
 
 class _SparseAffine(torch.autograd.Function):
@@ -23,7 +28,8 @@ class _SparseAffine(torch.autograd.Function):
     @staticmethod
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[None, Tensor, Tensor]:
         (x,) = ctx.saved_tensors
-        x_t = torch.sparse_coo_tensor(x.indices().flip(0), x.values(), (x.size(1), x.size(0)))
+        size = (x.size(1), x.size(0))
+        x_t = torch.sparse_coo_tensor(x.indices().flip(0), x.values(), size, check_invariants=False)
         return None, torch.sparse.mm(x_t, grad).t(), grad.sum(0)
 
 

@@ -458,3 +458,76 @@ def test_folder_config_passes_the_keys(tmp_path, compose):
     node, taken = dataset_node(cfg)  # the loader's arguments, as the trainer builds them
     assert node["labels_as"] == "auto" and taken["display_name"] == "small"  # meta.json's
     assert instantiate(node).num_edges == 1
+
+
+# --- sparse modalities: features/<m>.npz ---------------------------------------------------
+
+
+def _bag_of_words_graph(sparse: bool) -> MultimodalGraph:
+    return make_synthetic(num_nodes=120, num_classes=3, modalities={"text": 4},
+                          multi_hot={"words": 60}, density=0.1, missing_rate=0.3, seed=1,
+                          sparse=sparse)  # fmt: skip
+
+
+def test_sparse_modality_round_trip_stays_sparse_and_equals_dense(tmp_path):
+    g = _bag_of_words_graph(sparse=True)
+    dense = _bag_of_words_graph(sparse=False)
+    words = g.features["words"]
+    assert words.layout == torch.sparse_coo and words.is_coalesced()
+    assert torch.equal(words.to_dense(), dense.features["words"])  # the same draws
+    hidden = ~g.mask[:, g.modalities.index("words")]
+    assert hidden.any() and words.to_dense()[hidden].abs().sum() == 0  # missing rows are empty
+    save_folder(g, tmp_path / "out")
+    assert (tmp_path / "out" / "features" / "words.npz").exists()
+    import scipy.sparse
+
+    stored = scipy.sparse.load_npz(tmp_path / "out" / "features" / "words.npz")
+    assert stored.format == "csr" and stored.nnz == words._nnz()
+    h = load_folder(tmp_path / "out")
+    assert h.features["words"].layout == torch.sparse_coo
+    assert torch.equal(h.features["words"].to_dense(), dense.features["words"])
+    assert torch.equal(h.features["text"], g.features["text"])
+    sub = h.subgraph(torch.tensor([5, 1, 7]))  # row selection keeps it sparse
+    assert sub.features["words"].layout == torch.sparse_coo
+    assert torch.equal(sub.features["words"].to_dense(), dense.features["words"][[1, 5, 7]])
+
+
+def test_a_hand_written_npz_with_a_mask_and_duplicates(tmp_path):
+    import scipy.sparse
+
+    folder = write_npy_variant(tmp_path / "f")
+    rows, cols, vals = [0, 0, 2, 5, 5], [1, 1, 0, 3, 2], [1.0, 2.0, 4.0, 1.0, 1.0]
+    m = scipy.sparse.coo_matrix((vals, (rows, cols)), shape=(N, 4))  # (0, 1) twice: summed
+    scipy.sparse.save_npz(folder / "features" / "bow.npz", m)
+    (folder / "masks").mkdir()
+    np.save(folder / "masks" / "bow.npy", np.array([1, 1, 1, 1, 1, 0], dtype=bool))
+    g = load_folder(folder)
+    expected = torch.zeros(N, 4)
+    expected[0, 1], expected[2, 0] = 3.0, 4.0  # node 5 is masked: its words are dropped
+    assert g.modalities == ["bow", "text"]
+    assert torch.equal(g.features["bow"].to_dense(), expected)
+
+
+@pytest.mark.parametrize(
+    ("write", "pattern"),
+    [
+        (lambda f: (f / "features" / "bow.npz").write_bytes(b"PK\x03\x04broken"),
+         r"bow\.npz: not a readable SciPy sparse matrix"),
+        (lambda f: np.savez(f / "features" / "bow.npz", a=np.ones(3)),
+         r"bow\.npz: not a readable SciPy sparse matrix"),
+        (lambda f: __import__("scipy.sparse").sparse.save_npz(
+            f / "features" / "bow.npz", __import__("scipy.sparse").sparse.csr_matrix(np.ones((N + 1, 2)))),
+         r"bow\.npz: field `features` of modality 'bow': expected a 2-D matrix \[6, d\]"),
+        (lambda f: __import__("scipy.sparse").sparse.save_npz(
+            f / "features" / "bow.npz", __import__("scipy.sparse").sparse.csr_matrix(
+                np.array([[0, np.nan]] * 3 + [[1, 0]] * 3))),
+         r"expected finite values, found NaN or inf in 3 row\(s\), first row 0"),
+        (lambda f: (f / "features" / "text.npz").write_bytes(b""),
+         r"modality 'text' is given twice \(\.npy and \.npz\)"),
+    ],
+)  # fmt: skip
+def test_bad_sparse_modality_is_named(tmp_path, write, pattern):
+    folder = write_npy_variant(tmp_path / "f")
+    write(folder)
+    with pytest.raises(DataError, match=pattern):
+        load_folder(folder)

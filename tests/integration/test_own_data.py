@@ -253,3 +253,40 @@ def test_a_folder_run_is_named_after_the_folder_and_keeps_its_class_names(tmp_pa
     assert mrun.info.run_name == f"my_graph-cil_fedavg_cora-{run.name}"
     assert mrun.data.tags["experiment"] == "cil_fedavg_cora"
     assert "class_names.json" in {a.path for a in client.list_artifacts(mrun.info.run_id)}
+
+
+def test_a_sparse_folder_with_named_classes_trains_like_its_dense_twin(tmp_path):
+    """`features/words.npz` (SciPy CSR) and class-name labels: `cil_fedogl` from the command
+    line gives the metrics of the same folder written dense, within float tolerance (sparse
+    and dense products round differently; the dropout draws are the same, one per
+    non-zero)."""
+    import scipy.sparse
+
+    from fedlightning.data.graphs import make_synthetic, save_folder
+
+    g = make_synthetic(num_nodes=300, num_classes=4, modalities={"text": 8},
+                       multi_hot={"words": 300}, density=0.03, p_in=0.1, p_out=0.005,
+                       missing_rate=0.2, signal=0.5, seed=0)  # fmt: skip
+    names = ["ML", "AI", "IR", "DB"]
+    summaries = {}
+    for kind in ("sparse", "dense"):
+        folder = tmp_path / kind / "pages"
+        save_folder(g, folder)
+        if kind == "dense":  # the same words, written dense
+            words = folder / "features" / "words.npz"
+            np.save(folder / "features" / "words.npy", scipy.sparse.load_npz(words).toarray())
+            words.unlink()
+        for f in ("labels.npy", "class_names.json", "meta.json"):  # named by its folder
+            (folder / f).unlink()
+        (folder / "labels.csv").write_text("".join(f"{names[y]}\n" for y in g.y.tolist()))
+        r = fl(["train", "experiment=cil_fedogl_cora", "dataset=folder", f"dataset.path={folder}",
+                "protocol.stream.stages=[2,1]", "federation.rounds=2", "federation.clients=2",
+                "logger=none"], tmp_path / kind)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        (run,) = (tmp_path / kind / "outputs" / "pages" / "cil_fedogl_cora").iterdir()
+        summaries[kind] = json.loads((run / "summary.json").read_text())
+    sparse, dense = summaries["sparse"]["metrics"], summaries["dense"]["metrics"]
+    assert sparse.keys() == dense.keys() and "am" in sparse
+    for key, value in dense.items():
+        assert sparse[key] == pytest.approx(value, abs=1e-4), key
+    assert summaries["sparse"]["comm"] == summaries["dense"]["comm"]

@@ -217,7 +217,9 @@ def _sparse_tensor(x: object) -> torch.Tensor:
     coo.sum_duplicates()
     index = torch.from_numpy(np.vstack([coo.row, coo.col]).astype(np.int64))
     values = torch.from_numpy(coo.data.astype(np.float32))
-    return torch.sparse_coo_tensor(index, values, coo.shape, is_coalesced=True)
+    return torch.sparse_coo_tensor(
+        index, values, coo.shape, is_coalesced=True, check_invariants=True
+    )
 
 
 def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Tensor]:

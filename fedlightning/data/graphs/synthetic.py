@@ -73,8 +73,11 @@ def _multi_hot(
         members = np.flatnonzero(y == c)
         words[members] = rng.choice(d, size=(members.size, k), p=p[c])
     index = torch.from_numpy(np.stack([np.repeat(np.arange(n), k), words.ravel()]))
-    x = torch.sparse_coo_tensor(index, torch.ones(n * k), (n, d)).coalesce()
-    return torch.sparse_coo_tensor(x.indices(), torch.ones_like(x.values()), x.shape).coalesce()
+    x = torch.sparse_coo_tensor(index, torch.ones(n * k), (n, d), check_invariants=True)
+    x = x.coalesce()
+    return torch.sparse_coo_tensor(
+        x.indices(), torch.ones_like(x.values()), x.shape, is_coalesced=True, check_invariants=False
+    )
 
 
 def make_synthetic(
