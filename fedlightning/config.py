@@ -24,7 +24,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 # Keys of a dataset config that are not its loader's arguments: the name the run takes
 # (declared by every dataset config) and the graph keys applied after loading.
 DISPLAY_NAME_KEY = "display_name"
-GRAPH_ONLY_KEYS = ("missing_rate",)
+GRAPH_ONLY_KEYS = ("missing_rate", "sparse_modalities")
 
 
 def data_name(value: Any, kind: str = "name", override: Any = None) -> str:

@@ -63,11 +63,21 @@ def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> t
 
 
 def load_graph(cfg: DictConfig) -> MultimodalGraph:
-    """Build the dataset; ``dataset.missing_rate`` (if set) hides modalities, seeded by
-    ``protocol.seed``. The mask reaches the model, whose fusion ignores what is missing."""
+    """Build the dataset; ``dataset.sparse_modalities`` (names) are stored sparse, and
+    ``dataset.missing_rate`` (if set) hides modalities, seeded by ``protocol.seed``. The mask
+    reaches the model, whose fusion ignores what is missing."""
     node, taken = dataset_node(cfg)
     rate = taken.get("missing_rate") or 0.0
     graph = build(node, "dataset")
+    sparse = list(taken.get("sparse_modalities") or [])
+    unknown = sorted(set(sparse) - set(graph.modalities))
+    if unknown:
+        raise ConfigError(
+            "dataset.sparse_modalities",
+            f"unknown modalities {unknown}; {graph.name!r} has {graph.modalities}",
+        )
+    for m in sparse:
+        graph.features[m] = graph.features[m].to_sparse_coo().coalesce()
     if rate:
         if isinstance(rate, dict):
             unknown = set(rate) - set(graph.modalities)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fedlightning.data.temporal import make_synthetic_stream
 from fedlightning.errors import ConfigError
@@ -290,3 +291,18 @@ def test_a_sparse_folder_with_named_classes_trains_like_its_dense_twin(tmp_path)
     for key, value in dense.items():
         assert sparse[key] == pytest.approx(value, abs=1e-4), key
     assert summaries["sparse"]["comm"] == summaries["dense"]["comm"]
+
+
+def test_cora_bag_of_words_can_be_kept_sparse(compose, shared_data):
+    """`dataset.sparse_modalities=[bow]`: Cora's words become a sparse COO modality with the
+    same entries; an unknown modality is one ConfigError naming the key."""
+    from fedlightning.experiments.graph import load_graph
+
+    dense = load_graph(compose(["experiment=fedavg_cora", f"data_root={shared_data}"]))
+    sparse = load_graph(compose(["experiment=fedavg_cora", f"data_root={shared_data}",
+                                 "dataset.sparse_modalities=[bow]"]))  # fmt: skip
+    assert sparse.features["bow"].layout == torch.sparse_coo
+    assert torch.equal(sparse.features["bow"].to_dense(), dense.features["bow"])
+    with pytest.raises(ConfigError, match="dataset.sparse_modalities.*unknown modalities"):
+        load_graph(compose(["experiment=fedavg_cora", f"data_root={shared_data}",
+                            "dataset.sparse_modalities=[text]"]))  # fmt: skip
