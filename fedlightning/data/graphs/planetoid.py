@@ -205,21 +205,35 @@ def read_gnn_benchmark_npz(path: str | os.PathLike[str]) -> GnnBenchmarkNpz:
     return GnnBenchmarkNpz(adj, attr, labels, node_names, class_names)
 
 
+def _bow_graph(
+    name: str,
+    bow: np.ndarray,
+    src: np.ndarray,
+    dst: np.ndarray,
+    labels: np.ndarray,
+    class_names: list[str],
+    node_ids: list[str] | None = None,
+) -> MultimodalGraph:
+    """The one-modality graph of either source: float32 ``bow`` ``[N, d]``, the edges
+    ``src -> dst`` made undirected, int64 ``labels``."""
+    n = labels.size
+    return MultimodalGraph(
+        name=name,
+        features={"bow": torch.from_numpy(bow)},
+        mask=full_mask(n, 1),
+        edge_index=clean_edges(torch.from_numpy(np.stack([src, dst]).astype(np.int64)), n),
+        y=torch.from_numpy(labels),
+        class_names=list(class_names),
+        node_ids=node_ids,
+    )
+
+
 def _load_npz(name: str, root: Path) -> MultimodalGraph:
     folder = require_dir(root / "gnn_benchmark", f"the gnn-benchmark file {name}.npz")
     z = read_gnn_benchmark_npz(folder / f"{name}.npz")
-    n = z.labels.size
-    x = torch.from_numpy(z.attr.toarray().astype(np.float32))
     coo = z.adj.tocoo()
-    return MultimodalGraph(
-        name=name,
-        features={"bow": x},
-        mask=full_mask(n, 1),
-        edge_index=clean_edges(torch.from_numpy(np.stack([coo.row, coo.col]).astype(np.int64)), n),
-        y=torch.from_numpy(z.labels),
-        class_names=z.class_names,
-        node_ids=z.node_names,
-    )
+    bow = z.attr.toarray().astype(np.float32)
+    return _bow_graph(name, bow, coo.row, coo.col, z.labels, z.class_names, z.node_names)
 
 
 # ------------------------------------------------------------------------------------------
@@ -371,18 +385,9 @@ def _load_raw(name: str, root: Path) -> MultimodalGraph:
             f"field `graph`: expected node ids in 0..{n - 1}, got "
             f"{min(src.min(), dst.min())}..{max(src.max(), dst.max())}",
         )
-    edge_index = clean_edges(torch.from_numpy(np.stack([src, dst])), n)
-
     names = PLANETOID_CLASS_NAMES.get(name, [])
     class_names = names if len(names) == c else [f"class_{i}" for i in range(c)]
-    return MultimodalGraph(
-        name=name,
-        features={"bow": torch.from_numpy(feats)},
-        mask=full_mask(n, 1),
-        edge_index=edge_index,
-        y=torch.from_numpy(labels),
-        class_names=list(class_names),
-    )
+    return _bow_graph(name, feats, src, dst, labels, class_names)
 
 
 def load_planetoid(

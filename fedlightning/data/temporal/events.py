@@ -44,11 +44,10 @@ class EventStream:
 
     def __post_init__(self) -> None:
         n = len(self.src)
-        for key in ("dst", "t"):
-            if len(getattr(self, key)) != n:
-                raise ValueError(f"EventStream.{key} has {len(getattr(self, key))} rows, src {n}")
-        if self.label is not None and len(self.label) != n:
-            raise ValueError(f"EventStream.label has {len(self.label)} rows, src {n}")
+        for key in ("dst", "t", "label"):
+            v = getattr(self, key)
+            if v is not None and len(v) != n:
+                raise ValueError(f"EventStream.{key} has {len(v)} rows, src {n}")
         if self.msg is not None and (self.msg.ndim != 2 or len(self.msg) != n):
             raise ValueError(f"EventStream.msg must be [E, d] with E = {n}, got {self.msg.shape}")
         if n and np.any(np.diff(self.t) < 0):
