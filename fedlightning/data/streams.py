@@ -30,11 +30,6 @@ _BUILTIN_CLASSES = {
 }
 
 
-def _example(num_classes: int) -> list[int]:
-    """The layout with the most stages that fits ``num_classes``: ``[2, 1, ..., 1]``."""
-    return [2] + [1] * (num_classes - 3)
-
-
 def check_stages(
     stages: Any, num_classes: int | None = None, dataset: str = "the dataset"
 ) -> list[int]:
@@ -78,7 +73,7 @@ def check_stages(
             raise ConfigError(
                 STAGES_KEY,
                 f"{out} introduce {sum(out)} classes, but {dataset} has {c}: at least one "
-                f"must stay unknown (at most {c - 1} in all, e.g. {_example(c)})",
+                f"must stay unknown (at most {c - 1} in all, e.g. {[2] + [1] * (c - 3)})",
             )
     return out
 
