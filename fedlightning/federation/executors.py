@@ -17,7 +17,6 @@ import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
 import lightning.pytorch as pl
@@ -124,15 +123,8 @@ class LeanExecutor:
             getattr(cb, name)(state, module, *args)
 
 
-class _OneBatch(torch.utils.data.Dataset):
-    def __init__(self, batch: Any) -> None:
-        self.batch = batch
-
-    def __len__(self) -> int:
-        return 1
-
-    def __getitem__(self, i: int) -> Any:
-        return copy.copy(self.batch)  # Lightning moves a PyG Data in place: move a copy
+def _copy_first(items: list[Any]) -> Any:
+    return copy.copy(items[0])  # Lightning moves a PyG Data in place: move a copy
 
 
 class TrainerExecutor:
@@ -187,7 +179,5 @@ class TrainerExecutor:
         )
         # A private generator keeps the DataLoader from drawing on the global RNG, so both
         # executors consume the same random numbers (dropout) and give the same weights.
-        loader = DataLoader(
-            _OneBatch(batch), batch_size=1, collate_fn=itemgetter(0), generator=torch.Generator()
-        )
+        loader = DataLoader([batch], collate_fn=_copy_first, generator=torch.Generator())
         trainer.fit(module, train_dataloaders=loader)
