@@ -96,19 +96,12 @@ def _read_cites(path: Path, index: dict[str, int]) -> torch.Tensor:
 
 
 def load_citeseer_mm(root: str | os.PathLike[str] | None = None) -> MultimodalGraph:
-    """Load ``citeseer_mm``: the 3,186 CiteSeer papers with real titles and abstracts, in
-    the order of ``citeseer_minilm_ids.json``, with two modalities:
-
-    * ``text``: float32 ``[3186, 384]`` all-MiniLM-L6-v2 embeddings of title + abstract,
-    * ``bow``: float32 ``[3186, 3703]`` 0/1 word indicators, the rows of the gnn-benchmark
-      ``citeseer.npz`` whose ``node_names`` are the paper ids.
-
-    Labels come from the class line of ``citeseer_texts.txt``, ``class_names`` sorted
-    (``['AI', 'Agents', 'DB', 'HCI', 'IR', 'ML']``); edges are the citations of
-    ``citeseer.cites`` between two of the papers, undirected, without self citations
-    (4,225). Files under ``<root>/citeseer_tape/`` (the four above and
-    ``citeseer_minilm.npy``) and ``<root>/gnn_benchmark/citeseer.npz``; a missing or
-    malformed file, or a paper id missing from one, is a DataError.
+    """Load ``citeseer_mm`` (``docs/datasets.md``): the 3,186 CiteSeer papers with known
+    texts, in the order of ``citeseer_minilm_ids.json``, with modalities ``text`` (float32
+    ``[3186, 384]`` MiniLM embeddings) and ``bow`` (float32 0/1 ``[3186, 3703]``, the rows
+    of ``citeseer.npz`` named by the paper ids); labels from ``citeseer_texts.txt``, class
+    names sorted; the citations between two of the papers, undirected, no self loops. A
+    missing or malformed file, or a paper id missing from one, is a DataError.
     """
     base = data_root(root)
     tape = require_dir(

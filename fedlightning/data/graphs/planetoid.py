@@ -36,11 +36,8 @@ __all__ = ["data_root", "load_planetoid", "read_gnn_benchmark_npz", "GnnBenchmar
 #: The environment variable naming the data directory.
 DATA_ENV = "FEDLIGHTNING_DATA"
 
-# Class names of the raw Planetoid label columns. The raw files carry no names; this order
-# was established by matching every node's binary bag-of-words row against the
-# gnn-benchmark npz files (which do name their classes) and reading off the npz label of
-# each match: all 2,708 Cora rows and 3,312 of 3,327 CiteSeer rows (the other 15 are the
-# zero-feature placeholders) map one column to exactly one npz class.
+# Class names of the raw Planetoid label columns (the files carry none), found by matching
+# each node's word vector with the named gnn-benchmark npz files (docs/datasets.md).
 PLANETOID_CLASS_NAMES = {
     "cora": [
         "Theory",
@@ -396,26 +393,14 @@ def load_planetoid(
     root: str | os.PathLike[str] | None = None,
 ) -> MultimodalGraph:
     """Load Cora or CiteSeer as a one-modality (``bow``, 0/1 word indicators, float32)
-    :class:`MultimodalGraph`, edges undirected, coalesced and free of self loops.
-
-    ======== ========= ====== ============== =======
-    name     source    nodes  edges (undir.) classes
-    ======== ========= ====== ============== =======
-    cora     planetoid  2,708          5,278       7
-    cora     npz        2,708          5,278       7
-    citeseer planetoid  3,327          4,552       6
-    citeseer npz        3,312          4,536       6
-    ======== ========= ====== ============== =======
-
-    The two sources number the classes differently; compare them by ``class_names``.
-    CiteSeer from ``planetoid`` holds, as in PyG, 15 placeholder nodes with all-zero
-    features and label 0 (``AI``): nodes of the citation graph without released features.
+    :class:`MultimodalGraph`, edges undirected, coalesced and free of self loops (sizes and
+    sources in ``docs/datasets.md``). The two sources number the classes differently:
+    compare them by ``class_names``.
 
     Args:
         name: ``"cora"`` or ``"citeseer"``.
-        source: ``"planetoid"`` reads ``<root>/planetoid/ind.<name>.{x,tx,allx,y,ty,ally,
-            graph,test.index}``; ``"npz"`` reads ``<root>/gnn_benchmark/<name>.npz`` (which
-            also gives ``node_ids``).
+        source: ``"planetoid"`` reads ``<root>/planetoid/ind.<name>.*``; ``"npz"`` reads
+            ``<root>/gnn_benchmark/<name>.npz`` (which also gives ``node_ids``).
         root: the data directory (:func:`data_root`).
 
     Raises a ValueError for an unknown ``name`` or ``source``, a DataError naming the file
