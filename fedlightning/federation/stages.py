@@ -47,13 +47,9 @@ def nan_to_none(rows: list[list[float]]) -> list[list[float | None]]:
 
 
 class ContinualLoop(FederatedLoop):
-    """Runs ``T`` stages of ``rounds_per_stage`` rounds in the class-incremental stream.
-
-    After every round: closed-set accuracy over the known classes (val/test, pooled). After
-    every stage: the accuracy-matrix row (pooled and per client, test and val), the
-    rejection threshold calibrated at 95% TPR on validation known-class nodes, FPR95, AUROC
-    of known vs unknown and open-set accuracy on test, and the diagnostics of FedOGL
-    Eqs. (2)-(4) from an evaluation probe on the global model (outside the ledger).
+    """Runs ``T`` stages of ``rounds_per_stage`` rounds in the class-incremental stream:
+    closed-set accuracy over the known classes after every round, the open-world evaluation
+    of docs/architecture.md (Eq. (6)'s threshold, FedOGL Eqs. (2)-(4)) after every stage.
 
     Args:
         stream: the materialized class stream.
