@@ -107,12 +107,8 @@ def build_manifest(
     inductive_fraction: float = 0.1,
 ) -> Manifest:
     """The manifest of ``stream`` (module docstring); deterministic in its arguments."""
-    for key, v in (
-        ("pre", pre),
-        ("pre_val", pre_val),
-        ("candidate", candidate),
-        ("down_val", down_val),
-    ):
+    fractions = {"pre": pre, "pre_val": pre_val, "candidate": candidate, "down_val": down_val}
+    for key, v in fractions.items():
         if not 0 < v < 1:
             raise ValueError(f"protocol.manifest.{key} must lie in (0, 1), got {v}")
     if pre + pre_val >= 1 or candidate + down_val >= 1:
@@ -135,10 +131,7 @@ def build_manifest(
     params = {
         "stream": stream.fingerprint,
         "seed": int(seed),
-        "pre": pre,
-        "pre_val": pre_val,
-        "candidate": candidate,
-        "down_val": down_val,
+        **fractions,
         "inductive_fraction": inductive_fraction,
     }
     return Manifest(outcome, inductive, nodes, [int(b) for b in bounds], params)
