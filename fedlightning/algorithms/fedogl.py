@@ -1,12 +1,7 @@
-"""FedOGL: federated open-world multimodal graph learning (paper 000), node classification.
-
-A composition: the retention objective of Eq. (5) (replay + task-start distillation, from
-:class:`ContinualFedAvg`), structure-basis shielding of Eqs. (7)-(9)
-(:class:`~fedlightning.callbacks.GradientProjection` on the client,
-:class:`~fedlightning.server.fedogl.BasisMemory` on the server), prototype memory of
-Eqs. (10)-(14) (:func:`~fedlightning.server.prototypes.local_prototypes` on the client,
-:class:`~fedlightning.server.fedogl.PrototypeMemory` on the server) and MSP rejection,
-Eq. (6). Each module has an ablation switch (paper Table 2).
+"""FedOGL: federated open-world multimodal graph learning (paper 000), node classification,
+as a composition (docs/fedogl.md): retention, Eq. (5); structure-basis shielding, Eqs.
+(7)-(9); prototype memory, Eqs. (10)-(14); MSP rejection, Eq. (6); each with an ablation
+switch (paper Table 2).
 """
 
 from __future__ import annotations
