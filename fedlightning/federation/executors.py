@@ -1,12 +1,7 @@
-"""Executors run one client's local fit of a LightningModule (docs/architecture.md,
-"Execution"): :class:`LeanExecutor` (default), a plain loop calling the module's and the
-callbacks' hooks in Lightning's order, and :class:`TrainerExecutor`, a real
-``lightning.Trainer`` (DDP, mixed precision). Both call ``configure_optimizers`` afresh and
-run ``epochs`` full-batch steps; a test pins them to the same weights and hook sequence.
-
-Both take a ``device`` (``None``: where the module is): the module and a shallow copy of the
-batch move there for the fit (never the client's own data), and the module back to the CPU,
-so updates, evaluation and the server stay on the CPU. Tensors a module keeps outside its
+"""Executors run one client's local fit of a LightningModule: ``epochs`` full-batch steps,
+``configure_optimizers`` called afresh (docs/architecture.md, "Execution"). On a ``device``
+(``None``: where the module is) the fit runs on a shallow copy of the batch (never the
+client's own data) and the module returns to the CPU; tensors a module keeps outside its
 parameters move in its ``on_fit_start`` (e.g. a teacher, FedProx's anchor).
 """
 
