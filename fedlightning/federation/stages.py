@@ -213,27 +213,18 @@ class ContinualLoop(FederatedLoop):
                     client_mat.update(t, node_stage[mk], (pred == y)[mk])
                     node = c.data.node_id[m] if "node_id" in c.data else m.nonzero().squeeze(1)
                     client = torch.full_like(node, c.client_id)
-                    open_parts.append((pred[m], score[m], y[m], is_known[m], node, client))
+                    open_parts.append((node, client, y[m], pred[m], score[m], is_known[m]))
             self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
             reps_all.append((c, reps))
         for s in SPLITS:
             self.rows[s].append(mats[s].compute()[t].tolist())
         cat = {s: {k: torch.cat(v) for k, v in d.items()} for s, d in scores.items()}
         delta = threshold_at_tpr(cat["val"][True])  # Eq. (6)'s delta_t: validation only
-        pred, score, y, is_known, node, client = (
+        node, client, y, pred, score, is_known = (
             torch.cat(x) for x in zip(*open_parts, strict=True)
         )
-        self.test_scores.append(
-            {
-                "node": node,
-                "client": client,
-                "y": y,
-                "pred": pred,
-                "score": score,
-                "known": is_known,
-                "threshold": delta,
-            }
-        )
+        per_node = {"node": node, "client": client, "y": y, "pred": pred, "score": score}
+        self.test_scores.append({**per_node, "known": is_known, "threshold": delta})
         pred_open = torch.where(score >= delta, pred, torch.full_like(pred, -1))
         res = {
             "stage": t + 1,

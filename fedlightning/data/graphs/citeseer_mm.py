@@ -79,8 +79,7 @@ def read_tape_records(path: Path) -> dict[str, tuple[str, str]]:
 
 
 def _read_cites(path: Path, index: dict[str, int]) -> torch.Tensor:
-    src: list[int] = []
-    dst: list[int] = []
+    pairs: list[tuple[int, int]] = []
     what = "the citations, one `cited citing` pair of paper ids per line"
     for lineno, line in read_lines(require_file(path, what), what):
         tok = line.split()
@@ -90,9 +89,8 @@ def _read_cites(path: Path, index: dict[str, int]) -> torch.Tensor:
             )
         # Citations of papers outside the 3,186 (no text, hence no embedding) are dropped.
         if tok[0] in index and tok[1] in index:
-            src.append(index[tok[0]])
-            dst.append(index[tok[1]])
-    return torch.tensor([src, dst], dtype=torch.long).reshape(2, -1)
+            pairs.append((index[tok[0]], index[tok[1]]))
+    return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).T
 
 
 def load_citeseer_mm(root: str | os.PathLike[str] | None = None) -> MultimodalGraph:
