@@ -75,16 +75,8 @@ class FedOGL(ContinualFedAvg):
         proto: dict | None = None,
         **kw: Any,
     ) -> None:
-        off = [
-            n
-            for n, on in (
-                ("replay", replay),
-                ("distill", distill),
-                ("projection", projection),
-                ("prototypes", prototypes),
-            )
-            if not on
-        ]
+        modules = dict(replay=replay, distill=distill, projection=projection, prototypes=prototypes)
+        off = [n for n, on in modules.items() if not on]
         super().__init__(
             name="fedogl",
             variant="full" if not off else "no_" + "_no_".join(off),
