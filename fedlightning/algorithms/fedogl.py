@@ -16,7 +16,7 @@ from fedlightning.callbacks import GradientProjection
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.structure import protected_biases, protected_inputs
-from fedlightning.server import Server, fedavg
+from fedlightning.server import Server
 from fedlightning.server.aggregate import model_state
 from fedlightning.server.basis import class_balanced_weights, residual_basis
 from fedlightning.server.fedogl import (
@@ -97,7 +97,7 @@ class FedOGL(ContinualFedAvg):
             mem = self.prototype_memory()
             mem.schedule = self.schedule
             modules["prototypes"] = mem
-        return Server(global_state, aggregator=fedavg, modules=modules)
+        return Server(global_state, modules=modules)
 
     def prototype_memory(self) -> PrototypeMemory:
         """The server's prototype module, Eqs. (12)-(14)."""

@@ -58,6 +58,7 @@ class Algorithm:
         return []
 
     def server(self, global_state: dict) -> Server:
+        """The method's server; by default FedAvg aggregation and no modules."""
         return Server(global_state)
 
     def setup(self, stream: Any, rounds_per_stage: int, seed: int, num_classes: int) -> None:
