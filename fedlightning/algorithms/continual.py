@@ -18,7 +18,6 @@ from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm, FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
-from fedlightning.server import Server, fedavg
 from fedlightning.server.aggregate import model_state
 from fedlightning.utils.seeding import torch_generator
 
@@ -112,9 +111,6 @@ class ContinualFedAvg(Algorithm):
             "tau": self.tau,
             "distill_on": self.distill_on,
         }
-
-    def server(self, global_state: dict) -> Server:
-        return Server(global_state, aggregator=fedavg)
 
     # ---------------------------------------------------------------- client side
     def supervised_classes(self, client_id: int, t: int) -> torch.Tensor:

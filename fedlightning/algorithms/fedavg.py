@@ -9,7 +9,6 @@ from torch import nn
 
 from fedlightning.clients import NodeClassifier
 from fedlightning.federation.algorithm import Algorithm
-from fedlightning.server import Server, fedavg
 
 
 class FedAvg(Algorithm):
@@ -19,6 +18,3 @@ class FedAvg(Algorithm):
 
     def client_module(self, net: nn.Module, optimizer: Any) -> NodeClassifier:
         return NodeClassifier(net, optimizer)
-
-    def server(self, global_state: dict) -> Server:
-        return Server(global_state, aggregator=fedavg)

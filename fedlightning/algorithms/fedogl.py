@@ -1,12 +1,7 @@
-"""FedOGL: federated open-world multimodal graph learning (paper 000), node classification.
-
-A composition: the retention objective of Eq. (5) (replay + task-start distillation, from
-:class:`ContinualFedAvg`), structure-basis shielding of Eqs. (7)-(9)
-(:class:`~fedlightning.callbacks.GradientProjection` on the client,
-:class:`~fedlightning.server.fedogl.BasisMemory` on the server), prototype memory of
-Eqs. (10)-(14) (:func:`~fedlightning.server.prototypes.local_prototypes` on the client,
-:class:`~fedlightning.server.fedogl.PrototypeMemory` on the server) and MSP rejection,
-Eq. (6). Each module has an ablation switch (paper Table 2).
+"""FedOGL: federated open-world multimodal graph learning (paper 000), node classification,
+as a composition (docs/fedogl.md): retention, Eq. (5); structure-basis shielding, Eqs.
+(7)-(9); prototype memory, Eqs. (10)-(14); MSP rejection, Eq. (6); each with an ablation
+switch (paper Table 2).
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from fedlightning.callbacks import GradientProjection
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.structure import protected_biases, protected_inputs
-from fedlightning.server import Server, fedavg
+from fedlightning.server import Server
 from fedlightning.server.aggregate import model_state
 from fedlightning.server.basis import class_balanced_weights, residual_basis
 from fedlightning.server.fedogl import (
@@ -80,16 +75,8 @@ class FedOGL(ContinualFedAvg):
         proto: dict | None = None,
         **kw: Any,
     ) -> None:
-        off = [
-            n
-            for n, on in (
-                ("replay", replay),
-                ("distill", distill),
-                ("projection", projection),
-                ("prototypes", prototypes),
-            )
-            if not on
-        ]
+        modules = dict(replay=replay, distill=distill, projection=projection, prototypes=prototypes)
+        off = [n for n, on in modules.items() if not on]
         super().__init__(
             name="fedogl",
             variant="full" if not off else "no_" + "_no_".join(off),
@@ -110,7 +97,7 @@ class FedOGL(ContinualFedAvg):
             mem = self.prototype_memory()
             mem.schedule = self.schedule
             modules["prototypes"] = mem
-        return Server(global_state, aggregator=fedavg, modules=modules)
+        return Server(global_state, modules=modules)
 
     def prototype_memory(self) -> PrototypeMemory:
         """The server's prototype module, Eqs. (12)-(14)."""

@@ -307,7 +307,9 @@ def extract(
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(out, "exists and is not empty; refusing to overwrite, choose a new --out")
-    node_file = Path(nodes) if nodes else _first(raw, ("nodes.csv", "nodes.jsonl"))
+    node_file = Path(nodes) if nodes else raw / "nodes.csv"
+    if not nodes and not node_file.is_file():  # read_nodes names the file if it is missing
+        node_file = raw / "nodes.jsonl"
     ids, texts, labels = read_nodes(node_file, id_column, text_column, label_column)
     index = {node: i for i, node in enumerate(ids)}
     edge_index = read_edges(raw / "edges.csv", index)
@@ -356,13 +358,6 @@ def extract(
     save_folder(graph, out)
     (out / "encoders.json").write_text(json.dumps(record, indent=2), encoding="utf-8")
     return record
-
-
-def _first(folder: Path, names: tuple[str, ...]) -> Path:
-    for n in names:
-        if (folder / n).is_file():
-            return folder / n
-    raise DataError(folder, f"expected one of {list(names)} (the node table)")
 
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:

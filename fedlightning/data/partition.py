@@ -107,6 +107,7 @@ class Partitioner:
     client, cached under ``cache_dir`` (``None``: not cached) by the hash of its inputs."""
 
     method = "base"
+    param_names: tuple[str, ...] = ()  # the attributes that are the manifest's `params`
 
     def __init__(
         self, split: tuple[float, float, float] = (0.6, 0.2, 0.2), cache_dir: str | None = None
@@ -120,7 +121,7 @@ class Partitioner:
         self.cache_dir = Path(cache_dir) if cache_dir else None
 
     def params(self) -> dict[str, Any]:
-        return {}
+        return {k: getattr(self, k) for k in self.param_names}
 
     def assign(self, graph: MultimodalGraph, num_clients: int, seed: int) -> list[int]:
         raise NotImplementedError
@@ -169,13 +170,11 @@ class LouvainPartitioner(Partitioner):
     """Louvain communities (networkx, seeded; ``resolution``) merged into K clients by size."""
 
     method = "louvain"
+    param_names = ("resolution",)
 
     def __init__(self, resolution: float = 1.0, **kw: Any) -> None:
         super().__init__(**kw)
         self.resolution = float(resolution)
-
-    def params(self) -> dict[str, Any]:
-        return {"resolution": self.resolution}
 
     def assign(self, graph: MultimodalGraph, num_clients: int, seed: int) -> list[int]:
         import networkx as nx  # only the Louvain partitioner needs it
@@ -236,6 +235,7 @@ class DirichletPartitioner(Partitioner):
     """
 
     method = "dirichlet"
+    param_names = ("alpha",)
 
     def __init__(self, alpha: float = 0.5, **kw: Any) -> None:
         super().__init__(**kw)
@@ -244,9 +244,6 @@ class DirichletPartitioner(Partitioner):
         if not (np.isfinite(alpha) and alpha > 0):
             raise ConfigError("partition.alpha", f"must be a finite number > 0, got {alpha}")
         self.alpha = float(alpha)
-
-    def params(self) -> dict[str, Any]:
-        return {"alpha": self.alpha}
 
     def assign(self, graph: MultimodalGraph, num_clients: int, seed: int) -> list[int]:
         rng = np.random.default_rng(derive_seed(seed, "dirichlet_partition"))

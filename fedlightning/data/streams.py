@@ -30,23 +30,14 @@ _BUILTIN_CLASSES = {
 }
 
 
-def _example(num_classes: int) -> list[int]:
-    """The layout with the most stages that fits ``num_classes``: ``[2, 1, ..., 1]``."""
-    return [2] + [1] * (num_classes - 3)
-
-
 def check_stages(
     stages: Any, num_classes: int | None = None, dataset: str = "the dataset"
 ) -> list[int]:
     """Check a class-incremental stage layout (``protocol.stream.stages``: a list, tuple or
-    ``ListConfig``) under the rules of ``docs/datasets.md``; return it as ints.
-
-    A non-empty list of integers, every stage >= 1 class, the first >= 2 (with one known
-    class, cross-entropy is zero and the softmax score always 1); with ``num_classes``
-    :math:`C` known (:func:`config_num_classes`; ``None`` checks only the layout), at most
-    :math:`C - 1` classes in all (one never introduced: the open-set metrics' unknown), so
-    :math:`C` >= 3. A violation is a one-line ConfigError naming the key; ``dataset`` is
-    how messages name the dataset.
+    ``ListConfig``) under rules 1-3 of ``docs/datasets.md``; return it as ints. With
+    ``num_classes`` ``None`` (:func:`config_num_classes` does not know it) only the layout is
+    checked. A violation is a one-line ConfigError naming the key; ``dataset`` is how
+    messages name the dataset.
     """
     if isinstance(stages, (str, bytes, Mapping)) or not hasattr(stages, "__iter__"):
         raise ConfigError(
@@ -78,7 +69,7 @@ def check_stages(
             raise ConfigError(
                 STAGES_KEY,
                 f"{out} introduce {sum(out)} classes, but {dataset} has {c}: at least one "
-                f"must stay unknown (at most {c - 1} in all, e.g. {_example(c)})",
+                f"must stay unknown (at most {c - 1} in all, e.g. {[2] + [1] * (c - 3)})",
             )
     return out
 
@@ -160,14 +151,9 @@ class ClassStream:
 
 
 class ClassIncrementalStream:
-    """Builds a :class:`ClassStream` from stage sizes (e.g. ``[2, 1, 1, 1]``, checked by
-    :func:`check_stages` here and against the graph's classes when built), seeded by
-    ``protocol.seed``.
-
-    The class order is a seeded permutation. At each stage, each client observes
-    ``ceil(client_fraction x n)`` (``client_fraction`` in (0, 1]) of the ``n`` new classes
-    that occur among its training nodes (a seeded choice); a new class that no client drew
-    goes to the client with the most training nodes of it.
+    """Builds a :class:`ClassStream` from stage sizes (e.g. ``[2, 1, 1, 1]``), seeded by
+    ``protocol.seed``, under the rules of ``docs/datasets.md`` (the class order and which
+    classes each client observes, ``client_fraction`` in (0, 1]).
     """
 
     def __init__(self, stages: list[int], client_fraction: float = 1.0) -> None:

@@ -16,16 +16,9 @@ from fedlightning.server.aggregate import as_model_fields, model_state
 
 @dataclass
 class FederatedClient:
-    """One client: its private data and the state it keeps between rounds.
-
-    ``state`` is checkpointed whole: methods add entries (replay memory, teacher weights, a
-    local basis, ...) without changing the checkpoint format.
-
-    Args:
-        client_id: index ``0..K-1``.
-        data: the client's subgraph with ``train_mask``, ``val_mask``, ``test_mask``.
-        state: persistent, checkpointed client state (default empty).
-    """
+    """Client ``client_id`` (``0..K-1``): its subgraph ``data`` (with ``train_mask``,
+    ``val_mask``, ``test_mask``) and the ``state`` it keeps between rounds, checkpointed
+    whole (methods add entries: replay memory, teacher weights, ...)."""
 
     client_id: int
     data: Data
@@ -65,6 +58,7 @@ class Algorithm:
         return []
 
     def server(self, global_state: dict) -> Server:
+        """The method's server; by default FedAvg aggregation and no modules."""
         return Server(global_state)
 
     def setup(self, stream: Any, rounds_per_stage: int, seed: int, num_classes: int) -> None:

@@ -1,12 +1,7 @@
-"""Executors run one client's local fit of a LightningModule (docs/architecture.md,
-"Execution"): :class:`LeanExecutor` (default), a plain loop calling the module's and the
-callbacks' hooks in Lightning's order, and :class:`TrainerExecutor`, a real
-``lightning.Trainer`` (DDP, mixed precision). Both call ``configure_optimizers`` afresh and
-run ``epochs`` full-batch steps; a test pins them to the same weights and hook sequence.
-
-Both take a ``device`` (``None``: where the module is): the module and a shallow copy of the
-batch move there for the fit (never the client's own data), and the module back to the CPU,
-so updates, evaluation and the server stay on the CPU. Tensors a module keeps outside its
+"""Executors run one client's local fit of a LightningModule: ``epochs`` full-batch steps,
+``configure_optimizers`` called afresh (docs/architecture.md, "Execution"). On a ``device``
+(``None``: where the module is) the fit runs on a shallow copy of the batch (never the
+client's own data) and the module returns to the CPU; tensors a module keeps outside its
 parameters move in its ``on_fit_start`` (e.g. a teacher, FedProx's anchor).
 """
 
@@ -17,7 +12,6 @@ import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
 import lightning.pytorch as pl
@@ -124,15 +118,8 @@ class LeanExecutor:
             getattr(cb, name)(state, module, *args)
 
 
-class _OneBatch(torch.utils.data.Dataset):
-    def __init__(self, batch: Any) -> None:
-        self.batch = batch
-
-    def __len__(self) -> int:
-        return 1
-
-    def __getitem__(self, i: int) -> Any:
-        return copy.copy(self.batch)  # Lightning moves a PyG Data in place: move a copy
+def _copy_first(items: list[Any]) -> Any:
+    return copy.copy(items[0])  # Lightning moves a PyG Data in place: move a copy
 
 
 class TrainerExecutor:
@@ -187,7 +174,5 @@ class TrainerExecutor:
         )
         # A private generator keeps the DataLoader from drawing on the global RNG, so both
         # executors consume the same random numbers (dropout) and give the same weights.
-        loader = DataLoader(
-            _OneBatch(batch), batch_size=1, collate_fn=itemgetter(0), generator=torch.Generator()
-        )
+        loader = DataLoader([batch], collate_fn=_copy_first, generator=torch.Generator())
         trainer.fit(module, train_dataloaders=loader)

@@ -34,16 +34,13 @@ def sample_clients(seed: int, round: int, num_clients: int, fraction: float) -> 
 
 def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
     """Accuracy pooled over clients (weighted by nodes) per split, and per client on test."""
-    out: dict[str, float] = {}
-    for split in ("train", "val", "test"):
-        correct = sum(r[f"{split}_correct"] for r in results.values())
-        total = sum(r[f"{split}_total"] for r in results.values())
-        out[f"{split}_acc"] = correct / total if total else float("nan")
-    for k, r in results.items():
-        out[f"client{k}_test_acc"] = (
-            r["test_correct"] / r["test_total"] if r["test_total"] else float("nan")
-        )
-    return out
+
+    def acc(rs: Sequence[dict[str, int]], split: str) -> float:
+        total = sum(r[f"{split}_total"] for r in rs)
+        return sum(r[f"{split}_correct"] for r in rs) / total if total else float("nan")
+
+    out = {f"{s}_acc": acc(list(results.values()), s) for s in ("train", "val", "test")}
+    return out | {f"client{k}_test_acc": acc([r], "test") for k, r in results.items()}
 
 
 @dataclass

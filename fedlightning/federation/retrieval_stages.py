@@ -12,7 +12,6 @@ are the client's test nodes of unknown classes, scored against the same items.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,25 +30,6 @@ from fedlightning.metrics import (
 )
 
 WRONG = -2  # a known query's label when its paired item is not ranked first
-
-
-@dataclass
-class SplitQueries:
-    """One client's retrieval results on one split, against its known-class items.
-
-    Attributes:
-        node_stage: stage that introduced each known query's class ``[n]``.
-        hit: whether each known query ranks its own item first ``[n]``.
-        y: class of each known query ``[n]``.
-        known_score: max similarity of each known query to the items ``[n]``.
-        unknown_score: the same for unknown-class queries ``[u]``.
-    """
-
-    node_stage: Tensor
-    hit: Tensor
-    y: Tensor
-    known_score: Tensor
-    unknown_score: Tensor
 
 
 class RetrievalLoop(ContinualLoop):
@@ -89,9 +69,12 @@ class RetrievalLoop(ContinualLoop):
 
     def split_queries(
         self, data: Any, q: Tensor, k: Tensor, pairs: Tensor, split: str, t: int
-    ) -> SplitQueries | None:
-        """Retrieval among ``data``'s ``split`` nodes after stage ``t``; ``None`` if the
-        client has no known-class pair there (no candidate to retrieve or compare with)."""
+    ) -> dict[str, Tensor] | None:
+        """Retrieval among ``data``'s ``split`` nodes after stage ``t``: per known-class query
+        (``[n]``) the stage that introduced its class ``node_stage``, whether it ranks its own
+        item first ``hit``, its class ``y`` and its max similarity to the known-class items
+        ``known_score``; ``unknown_score`` ``[u]`` of the unknown-class queries. ``None`` if
+        the client has no known-class pair there (no candidate to retrieve or compare with)."""
         node_stage = self.class_stage[data.y]
         is_known = (node_stage >= 0) & (node_stage <= t)
         m = data[f"{split}_mask"]
@@ -101,35 +84,35 @@ class RetrievalLoop(ContinualLoop):
         net = self.module.net
         unknown = m & ~is_known & net.availability(data, net.query)
         items = k[known]
-        return SplitQueries(
-            node_stage=node_stage[known],
-            hit=recall_at_k(q[known], items, 1),
-            y=data.y[known],
-            known_score=max_similarity(q[known], items),
-            unknown_score=max_similarity(q[unknown], items) if bool(unknown.any()) else q[:0, 0],
-        )
+        return {
+            "node_stage": node_stage[known],
+            "hit": recall_at_k(q[known], items, 1),
+            "y": data.y[known],
+            "known_score": max_similarity(q[known], items),
+            "unknown_score": max_similarity(q[unknown], items) if bool(unknown.any()) else q[:0, 0],
+        }
 
     def evaluate_stage(self, t: int) -> dict[str, float]:
         """The open-world retrieval evaluation after stage ``t`` (0-based)."""
         T = self.stream.num_stages
         mats = {s: AccuracyMatrix(T) for s in SPLITS}
-        results: dict[str, list[SplitQueries]] = {s: [] for s in SPLITS}
+        results: dict[str, list[dict[str, Tensor]]] = {s: [] for s in SPLITS}
         for c, q, k, pairs in self._forward_all():
             client_mat = AccuracyMatrix(T)
             for s in SPLITS:
                 r = self.split_queries(c.data, q, k, pairs, s, t)
                 if r is None:
                     continue
-                mats[s].update(t, r.node_stage, r.hit)
+                mats[s].update(t, r["node_stage"], r["hit"])
                 if s == "test":
-                    client_mat.update(t, r.node_stage, r.hit)
+                    client_mat.update(t, r["node_stage"], r["hit"])
                 results[s].append(r)
             self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
         for s in SPLITS:
             self.rows[s].append(mats[s].compute()[t].tolist())
 
         def cat(split: str, field: str) -> Tensor:
-            parts = [getattr(r, field) for r in results[split]]
+            parts = [r[field] for r in results[split]]
             return torch.cat(parts) if parts else torch.zeros(0)
 
         delta = threshold_at_tpr(cat("val", "known_score"))  # Eq. (6)'s delta_t: val only

@@ -1,10 +1,5 @@
-"""Runners decide where clients run (docs/scaling.md). Same seed, same result, whichever runner.
-
-A :class:`Runner` has an ``executor`` (how one local fit runs), a ``world``
-(:class:`~fedlightning.federation.world.World`: which process writes files),
-``run_round(round, clients, fit)`` (the updates, in the order given) and
-``evaluate(round, clients, evaluate)`` (each client's evaluation counts). Flower's runner
-(:mod:`fedlightning.flower`) is one too.
+"""Runners decide where a round's clients run (docs/scaling.md); same seed, same result,
+whichever runner (Flower's, :mod:`fedlightning.flower`, is one too).
 """
 
 from __future__ import annotations
@@ -105,26 +100,20 @@ def contiguous_shares(n: int, size: int) -> list[range]:
 
 
 class DistributedRunner(SequentialRunner):
-    """Spreads each round's clients over the processes of a ``torchrun`` job (docs/scaling.md).
-
-    Every rank holds the whole federated state and runs the same loop. Rank ``r`` fits its
-    contiguous share of the round's clients (:func:`contiguous_shares`); every rank then
-    gathers all updates and the fitted clients' ``state`` in client order, and sets the
-    global RNG to its state after the round's last fit, so the server step, evaluation and
-    stage-end exchange see exactly a sequential run's inputs (bitwise on CPU). Only rank 0
-    logs and writes (:func:`~fedlightning.federation.world.quiet_other_ranks`). Without
-    ``torchrun`` it is a world of one process.
+    """Spreads each round's clients over the processes of a ``torchrun`` job, bitwise a
+    sequential run on CPU (docs/scaling.md): rank ``r`` fits its :func:`contiguous_shares`
+    share, every rank gathers all updates and client states; only rank 0 logs and writes.
+    Without ``torchrun`` it is a world of one process.
 
     Args:
         executor: the local-fit executor; its ``device`` is set to this rank's device.
         backend: ``auto`` (NCCL on GPUs, Gloo on CPU), ``gloo`` or ``nccl``.
         device: ``auto`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``cpu``
             or ``cuda``.
-        timeout_s: seconds a rank waits for the others in a collective before it fails with
+        timeout_s: seconds a rank waits in a collective before it fails with
             :class:`~fedlightning.federation.world.RankLost` (default ``600``).
-        progress: a progress bar over rank 0's share, when the terminal is interactive.
-        kill_at: fault injection, ``"ROUND:N"``: the rank that fits the N-th client of
-            ROUND kills itself with SIGKILL right after that fit.
+        progress, kill_at: as :class:`SequentialRunner`'s (the bar on rank 0; the rank
+            that fits the N-th client of ROUND kills itself).
     """
 
     name = "distributed"

@@ -47,13 +47,9 @@ def nan_to_none(rows: list[list[float]]) -> list[list[float | None]]:
 
 
 class ContinualLoop(FederatedLoop):
-    """Runs ``T`` stages of ``rounds_per_stage`` rounds in the class-incremental stream.
-
-    After every round: closed-set accuracy over the known classes (val/test, pooled). After
-    every stage: the accuracy-matrix row (pooled and per client, test and val), the
-    rejection threshold calibrated at 95% TPR on validation known-class nodes, FPR95, AUROC
-    of known vs unknown and open-set accuracy on test, and the diagnostics of FedOGL
-    Eqs. (2)-(4) from an evaluation probe on the global model (outside the ledger).
+    """Runs ``T`` stages of ``rounds_per_stage`` rounds in the class-incremental stream:
+    closed-set accuracy over the known classes after every round, the open-world evaluation
+    of docs/architecture.md (Eq. (6)'s threshold, FedOGL Eqs. (2)-(4)) after every stage.
 
     Args:
         stream: the materialized class stream.
@@ -217,27 +213,18 @@ class ContinualLoop(FederatedLoop):
                     client_mat.update(t, node_stage[mk], (pred == y)[mk])
                     node = c.data.node_id[m] if "node_id" in c.data else m.nonzero().squeeze(1)
                     client = torch.full_like(node, c.client_id)
-                    open_parts.append((pred[m], score[m], y[m], is_known[m], node, client))
+                    open_parts.append((node, client, y[m], pred[m], score[m], is_known[m]))
             self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
             reps_all.append((c, reps))
         for s in SPLITS:
             self.rows[s].append(mats[s].compute()[t].tolist())
         cat = {s: {k: torch.cat(v) for k, v in d.items()} for s, d in scores.items()}
         delta = threshold_at_tpr(cat["val"][True])  # Eq. (6)'s delta_t: validation only
-        pred, score, y, is_known, node, client = (
+        node, client, y, pred, score, is_known = (
             torch.cat(x) for x in zip(*open_parts, strict=True)
         )
-        self.test_scores.append(
-            {
-                "node": node,
-                "client": client,
-                "y": y,
-                "pred": pred,
-                "score": score,
-                "known": is_known,
-                "threshold": delta,
-            }
-        )
+        per_node = {"node": node, "client": client, "y": y, "pred": pred, "score": score}
+        self.test_scores.append({**per_node, "known": is_known, "threshold": delta})
         pred_open = torch.where(score >= delta, pred, torch.full_like(pred, -1))
         res = {
             "stage": t + 1,

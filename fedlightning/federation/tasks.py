@@ -1,15 +1,8 @@
-r"""FedTIP's per-task protocol loop (paper 001, Sec. 3.2-3.3, 4.4 and 5.1).
-
-For every task of the manifest and every task family (``nc``, ``lp``), a fresh adapter is
-federated over the task's active clients for ``rounds`` rounds of ``epochs`` local steps
-(each round a :func:`~fedlightning.federation.round.federated_round` whose client work is
-the algorithm's ``task_work``), then the server scores its validation and test segments
-with the global adapter. Fits read only precomputed (cached) contexts.
-
-One ledger covers the run: each message per client, round, field (``<family>/<field>``,
-Eq. 32) and direction in the scope ``task=<id>``, and the downlink of Eq. (33): the bank
-once per newly provisioned client, then the adapter and anchors to every active client in
-every round. The loop is checkpointed after each task.
+"""FedTIP's per-task protocol loop (paper 001, Sec. 3.2-3.3, 4.4 and 5.1; docs/fedtip.md): per
+task and family, a fresh adapter federated over the task's active clients, then scored by the
+server on its validation and test segments; checkpointed after each task. One ledger covers
+the run (scope ``task=<id>``, fields ``<family>/<field>``, Eq. 32), with the downlink of Eq.
+(33): the bank once per newly provisioned client, the adapter and anchors every round.
 """
 
 from __future__ import annotations

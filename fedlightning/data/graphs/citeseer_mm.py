@@ -79,8 +79,7 @@ def read_tape_records(path: Path) -> dict[str, tuple[str, str]]:
 
 
 def _read_cites(path: Path, index: dict[str, int]) -> torch.Tensor:
-    src: list[int] = []
-    dst: list[int] = []
+    pairs: list[tuple[int, int]] = []
     what = "the citations, one `cited citing` pair of paper ids per line"
     for lineno, line in read_lines(require_file(path, what), what):
         tok = line.split()
@@ -90,25 +89,17 @@ def _read_cites(path: Path, index: dict[str, int]) -> torch.Tensor:
             )
         # Citations of papers outside the 3,186 (no text, hence no embedding) are dropped.
         if tok[0] in index and tok[1] in index:
-            src.append(index[tok[0]])
-            dst.append(index[tok[1]])
-    return torch.tensor([src, dst], dtype=torch.long).reshape(2, -1)
+            pairs.append((index[tok[0]], index[tok[1]]))
+    return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).T
 
 
 def load_citeseer_mm(root: str | os.PathLike[str] | None = None) -> MultimodalGraph:
-    """Load ``citeseer_mm``: the 3,186 CiteSeer papers with real titles and abstracts, in
-    the order of ``citeseer_minilm_ids.json``, with two modalities:
-
-    * ``text``: float32 ``[3186, 384]`` all-MiniLM-L6-v2 embeddings of title + abstract,
-    * ``bow``: float32 ``[3186, 3703]`` 0/1 word indicators, the rows of the gnn-benchmark
-      ``citeseer.npz`` whose ``node_names`` are the paper ids.
-
-    Labels come from the class line of ``citeseer_texts.txt``, ``class_names`` sorted
-    (``['AI', 'Agents', 'DB', 'HCI', 'IR', 'ML']``); edges are the citations of
-    ``citeseer.cites`` between two of the papers, undirected, without self citations
-    (4,225). Files under ``<root>/citeseer_tape/`` (the four above and
-    ``citeseer_minilm.npy``) and ``<root>/gnn_benchmark/citeseer.npz``; a missing or
-    malformed file, or a paper id missing from one, is a DataError.
+    """Load ``citeseer_mm`` (``docs/datasets.md``): the 3,186 CiteSeer papers with known
+    texts, in the order of ``citeseer_minilm_ids.json``, with modalities ``text`` (float32
+    ``[3186, 384]`` MiniLM embeddings) and ``bow`` (float32 0/1 ``[3186, 3703]``, the rows
+    of ``citeseer.npz`` named by the paper ids); labels from ``citeseer_texts.txt``, class
+    names sorted; the citations between two of the papers, undirected, no self loops. A
+    missing or malformed file, or a paper id missing from one, is a DataError.
     """
     base = data_root(root)
     tape = require_dir(

@@ -110,7 +110,7 @@ def _feature(folder: Path, modality: str, choice: str | None, n: int, config_key
     x = x.astype(np.float32)
     available = np.isfinite(x).all(axis=1) & (x != 0).any(axis=1)
     x[~available] = 0.0
-    return torch.from_numpy(x), torch.from_numpy(available), path.name
+    return torch.from_numpy(x), torch.from_numpy(available)
 
 
 def load_magb(
@@ -148,7 +148,7 @@ def load_magb(
     ):
         got = _feature(folder, m, choice, n, key)
         if got is not None:
-            features[m], mask, _ = got
+            features[m], mask = got
             masks.append(mask)
     if not features:
         raise DataError(folder, "no TextFeature/ or ImageFeature/ .npy file")

@@ -36,11 +36,8 @@ __all__ = ["data_root", "load_planetoid", "read_gnn_benchmark_npz", "GnnBenchmar
 #: The environment variable naming the data directory.
 DATA_ENV = "FEDLIGHTNING_DATA"
 
-# Class names of the raw Planetoid label columns. The raw files carry no names; this order
-# was established by matching every node's binary bag-of-words row against the
-# gnn-benchmark npz files (which do name their classes) and reading off the npz label of
-# each match: all 2,708 Cora rows and 3,312 of 3,327 CiteSeer rows (the other 15 are the
-# zero-feature placeholders) map one column to exactly one npz class.
+# Class names of the raw Planetoid label columns (the files carry none), found by matching
+# each node's word vector with the named gnn-benchmark npz files (docs/datasets.md).
 PLANETOID_CLASS_NAMES = {
     "cora": [
         "Theory",
@@ -205,21 +202,35 @@ def read_gnn_benchmark_npz(path: str | os.PathLike[str]) -> GnnBenchmarkNpz:
     return GnnBenchmarkNpz(adj, attr, labels, node_names, class_names)
 
 
+def _bow_graph(
+    name: str,
+    bow: np.ndarray,
+    src: np.ndarray,
+    dst: np.ndarray,
+    labels: np.ndarray,
+    class_names: list[str],
+    node_ids: list[str] | None = None,
+) -> MultimodalGraph:
+    """The one-modality graph of either source: float32 ``bow`` ``[N, d]``, the edges
+    ``src -> dst`` made undirected, int64 ``labels``."""
+    n = labels.size
+    return MultimodalGraph(
+        name=name,
+        features={"bow": torch.from_numpy(bow)},
+        mask=full_mask(n, 1),
+        edge_index=clean_edges(torch.from_numpy(np.stack([src, dst]).astype(np.int64)), n),
+        y=torch.from_numpy(labels),
+        class_names=list(class_names),
+        node_ids=node_ids,
+    )
+
+
 def _load_npz(name: str, root: Path) -> MultimodalGraph:
     folder = require_dir(root / "gnn_benchmark", f"the gnn-benchmark file {name}.npz")
     z = read_gnn_benchmark_npz(folder / f"{name}.npz")
-    n = z.labels.size
-    x = torch.from_numpy(z.attr.toarray().astype(np.float32))
     coo = z.adj.tocoo()
-    return MultimodalGraph(
-        name=name,
-        features={"bow": x},
-        mask=full_mask(n, 1),
-        edge_index=clean_edges(torch.from_numpy(np.stack([coo.row, coo.col]).astype(np.int64)), n),
-        y=torch.from_numpy(z.labels),
-        class_names=z.class_names,
-        node_ids=z.node_names,
-    )
+    bow = z.attr.toarray().astype(np.float32)
+    return _bow_graph(name, bow, coo.row, coo.col, z.labels, z.class_names, z.node_names)
 
 
 # ------------------------------------------------------------------------------------------
@@ -371,18 +382,9 @@ def _load_raw(name: str, root: Path) -> MultimodalGraph:
             f"field `graph`: expected node ids in 0..{n - 1}, got "
             f"{min(src.min(), dst.min())}..{max(src.max(), dst.max())}",
         )
-    edge_index = clean_edges(torch.from_numpy(np.stack([src, dst])), n)
-
     names = PLANETOID_CLASS_NAMES.get(name, [])
     class_names = names if len(names) == c else [f"class_{i}" for i in range(c)]
-    return MultimodalGraph(
-        name=name,
-        features={"bow": torch.from_numpy(feats)},
-        mask=full_mask(n, 1),
-        edge_index=edge_index,
-        y=torch.from_numpy(labels),
-        class_names=list(class_names),
-    )
+    return _bow_graph(name, feats, src, dst, labels, class_names)
 
 
 def load_planetoid(
@@ -391,26 +393,14 @@ def load_planetoid(
     root: str | os.PathLike[str] | None = None,
 ) -> MultimodalGraph:
     """Load Cora or CiteSeer as a one-modality (``bow``, 0/1 word indicators, float32)
-    :class:`MultimodalGraph`, edges undirected, coalesced and free of self loops.
-
-    ======== ========= ====== ============== =======
-    name     source    nodes  edges (undir.) classes
-    ======== ========= ====== ============== =======
-    cora     planetoid  2,708          5,278       7
-    cora     npz        2,708          5,278       7
-    citeseer planetoid  3,327          4,552       6
-    citeseer npz        3,312          4,536       6
-    ======== ========= ====== ============== =======
-
-    The two sources number the classes differently; compare them by ``class_names``.
-    CiteSeer from ``planetoid`` holds, as in PyG, 15 placeholder nodes with all-zero
-    features and label 0 (``AI``): nodes of the citation graph without released features.
+    :class:`MultimodalGraph`, edges undirected, coalesced and free of self loops (sizes and
+    sources in ``docs/datasets.md``). The two sources number the classes differently:
+    compare them by ``class_names``.
 
     Args:
         name: ``"cora"`` or ``"citeseer"``.
-        source: ``"planetoid"`` reads ``<root>/planetoid/ind.<name>.{x,tx,allx,y,ty,ally,
-            graph,test.index}``; ``"npz"`` reads ``<root>/gnn_benchmark/<name>.npz`` (which
-            also gives ``node_ids``).
+        source: ``"planetoid"`` reads ``<root>/planetoid/ind.<name>.*``; ``"npz"`` reads
+            ``<root>/gnn_benchmark/<name>.npz`` (which also gives ``node_ids``).
         root: the data directory (:func:`data_root`).
 
     Raises a ValueError for an unknown ``name`` or ``source``, a DataError naming the file

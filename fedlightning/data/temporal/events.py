@@ -11,23 +11,12 @@ import torch
 
 @dataclass
 class EventStream:
-    """Interactions ``(src_n, dst_n, t_n, y_n, x_n)`` in chronological order (FedTIP Sec. 3).
-
-    Node ids are ``0..num_nodes-1``. For a bipartite stream (users interact with items),
-    sources are users and destinations items, and ``node_type`` marks each node (``0`` user,
-    ``1`` item); a non-bipartite stream (Bitcoin's who-rates-whom) has one node type.
-
-    Attributes:
-        name: dataset name, e.g. ``"wikipedia"``.
-        src, dst: int64 ``[E]``.
-        t: int64 or float64 ``[E]``, non-decreasing.
-        label: optional int64 ``[E]`` state label of the event's source at ``t`` (0/1).
-        msg: optional float32 ``[E, d]`` edge features.
-        num_nodes: number of nodes.
-        bipartite: whether sources and destinations are two node types.
-        node_type: int64 ``[num_nodes]`` (all zeros when not bipartite).
-        source: the file the stream was read from (for messages and records).
-        node_names: optional original id of each node (e.g. the raw user id).
+    """Interactions ``(src_n, dst_n, t_n, y_n, x_n)`` in chronological order (FedTIP Sec. 3):
+    int64 ``src``, ``dst`` ``[E]`` among nodes ``0..num_nodes-1``; ``t`` int64 or float64
+    ``[E]``, non-decreasing; optional int64 ``label`` ``[E]``, the source's 0/1 state at
+    ``t``; optional float32 edge features ``msg`` ``[E, d]``. A ``bipartite`` stream has users
+    as sources and items as destinations (``node_type`` ``0``/``1``; all zeros otherwise).
+    ``source`` is the file read, ``node_names`` each node's original id (optional).
     """
 
     name: str
@@ -44,11 +33,10 @@ class EventStream:
 
     def __post_init__(self) -> None:
         n = len(self.src)
-        for key in ("dst", "t"):
-            if len(getattr(self, key)) != n:
-                raise ValueError(f"EventStream.{key} has {len(getattr(self, key))} rows, src {n}")
-        if self.label is not None and len(self.label) != n:
-            raise ValueError(f"EventStream.label has {len(self.label)} rows, src {n}")
+        for key in ("dst", "t", "label"):
+            v = getattr(self, key)
+            if v is not None and len(v) != n:
+                raise ValueError(f"EventStream.{key} has {len(v)} rows, src {n}")
         if self.msg is not None and (self.msg.ndim != 2 or len(self.msg) != n):
             raise ValueError(f"EventStream.msg must be [E, d] with E = {n}, got {self.msg.shape}")
         if n and np.any(np.diff(self.t) < 0):

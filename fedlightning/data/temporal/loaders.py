@@ -133,9 +133,11 @@ def _stream(
     bipartite: bool,
     label: np.ndarray | None = None,
     msg: np.ndarray | None = None,
+    warn_shared: bool = False,
 ) -> EventStream:
     """The events sorted stably by time, raw ids mapped to nodes (sorted raw ids; when
-    ``bipartite``, sources ``0..U-1`` named ``u<raw>`` then destinations ``i<raw>``)."""
+    ``bipartite``, sources ``0..U-1`` named ``u<raw>`` then destinations ``i<raw>``).
+    ``warn_shared``: warn what the bipartite reading does to ids seen on both sides."""
     order = np.argsort(t, kind="stable")
     src_raw, dst_raw = src_raw[order], dst_raw[order]
     if bipartite:
@@ -143,6 +145,20 @@ def _stream(
         i_ids, dst = _map_ids(dst_raw)
         n_u, n_i = len(u_ids), len(i_ids)
         num_nodes = n_u + n_i
+        both = np.intersect1d(u_ids, i_ids, assume_unique=True) if warn_shared else u_ids[:0]
+        if both.size:
+            log.warning(
+                "%s: %d ids appear as both source and destination; read as bipartite "
+                "(dataset.bipartite=true) each is two nodes: %d sources + %d destinations = "
+                "%d nodes. If sources and destinations share one id space, set "
+                "dataset.bipartite=false (%d nodes).",
+                path,
+                both.size,
+                n_u,
+                n_i,
+                num_nodes,
+                num_nodes - both.size,
+            )
         dst = dst + n_u
         node_type = np.concatenate([np.zeros(n_u, np.int64), np.ones(n_i, np.int64)])
         node_names = [f"u{r}" for r in u_ids.tolist()] + [f"i{r}" for r in i_ids.tolist()]
@@ -289,19 +305,10 @@ def load_bitcoin_csv(
     )
 
 
-# Separator names accepted besides the characters themselves (`dataset.sep=tab`).
-_SEPARATORS = {
-    "tab": "\t",
-    "\t": "\t",
-    "comma": ",",
-    ",": ",",
-    "semicolon": ";",
-    ";": ";",
-    "space": None,
-    "whitespace": None,
-    " ": None,
-}
 _SEP_NAMES = {"\t": "tab", ",": "comma", ";": "semicolon", None: "whitespace"}
+# `dataset.sep`: a separator's name or the character itself (" " and "space": whitespace)
+_SEPARATORS = {**{v: k for k, v in _SEP_NAMES.items()}, **{k: k for k in _SEP_NAMES if k}}
+_SEPARATORS.update({"space": None, " ": None})
 _GENERIC = "`src dst time [label] [features...]`"
 
 
@@ -437,25 +444,10 @@ def load_interactions(
             lambda r: f"{table[r, 3]:g}" if table is not None else repr(cols[3][r][:40]),
         )
     msg = values[:, first_feature - 2 :].astype(np.float32) if ncols > first_feature else None
-    if bipartite:  # the reading is the user's choice: say what it does to shared ids
-        u_ids, i_ids = np.unique(src_raw), np.unique(dst_raw)
-        n_u, n_i = len(u_ids), len(i_ids)
-        both = np.intersect1d(u_ids, i_ids, assume_unique=True)
-        if both.size:
-            log.warning(
-                "%s: %d ids appear as both source and destination; read as bipartite "
-                "(dataset.bipartite=true) each is two nodes: %d sources + %d destinations = "
-                "%d nodes. If sources and destinations share one id space, set "
-                "dataset.bipartite=false (%d nodes).",
-                path,
-                both.size,
-                n_u,
-                n_i,
-                n_u + n_i,
-                n_u + n_i - both.size,
-            )
     name = name if name is not None else path.stem
-    return _stream(path, name, src_raw, dst_raw, values[:, 0], bipartite, label=label, msg=msg)
+    return _stream(
+        path, name, src_raw, dst_raw, values[:, 0], bipartite, label, msg, warn_shared=True
+    )
 
 
 def _numeric_table(

@@ -1,17 +1,5 @@
-r"""The chronological manifest of FedTIP (Sec. 3.1, 5.1.1): six outcomes, one per event.
-
-With :math:`N` events in time order, the boundaries are
-
-.. math::
-    n_{pre} = \mathrm{round}(0.7 N),\quad n_{pv} = \mathrm{round}(0.8 N) - n_{pre},\quad
-    R = N - n_{pre} - n_{pv},\quad n_{cand} = n_{val} = \mathrm{round}(0.1 R)
-
-(the fractions are parameters), each snapped forward to the end of its group of equal
-timestamps, so that no timestamp straddles two segments ("preceding" always means strictly
-earlier). Inductive nodes: a seeded sample of ``inductive_fraction`` of the distinct nodes
-that appear in the downstream validation and test segments, per node type. Events of the
-candidate window that touch an inductive node become the exclusion outcome; the others form
-the supervised pool. Test events touching an inductive node are flagged inductive.
+"""The chronological manifest of FedTIP (Sec. 3.1, 5.1.1): six outcomes, one per event, and
+the inductive flags (boundaries and rules in ``docs/temporal.md``).
 """
 
 from __future__ import annotations
@@ -119,12 +107,8 @@ def build_manifest(
     inductive_fraction: float = 0.1,
 ) -> Manifest:
     """The manifest of ``stream`` (module docstring); deterministic in its arguments."""
-    for key, v in (
-        ("pre", pre),
-        ("pre_val", pre_val),
-        ("candidate", candidate),
-        ("down_val", down_val),
-    ):
+    fractions = {"pre": pre, "pre_val": pre_val, "candidate": candidate, "down_val": down_val}
+    for key, v in fractions.items():
         if not 0 < v < 1:
             raise ValueError(f"protocol.manifest.{key} must lie in (0, 1), got {v}")
     if pre + pre_val >= 1 or candidate + down_val >= 1:
@@ -147,10 +131,7 @@ def build_manifest(
     params = {
         "stream": stream.fingerprint,
         "seed": int(seed),
-        "pre": pre,
-        "pre_val": pre_val,
-        "candidate": candidate,
-        "down_val": down_val,
+        **fractions,
         "inductive_fraction": inductive_fraction,
     }
     return Manifest(outcome, inductive, nodes, [int(b) for b in bounds], params)

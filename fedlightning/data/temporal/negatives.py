@@ -1,20 +1,6 @@
-r"""Stage-valid negative destinations and their collision checks (FedTIP Sec. 3, 5.1.2).
-
-One negative destination per positive event :math:`(u, i, t)`, drawn uniformly from the
-candidate pool, the destinations observed in the pre-training segment, and valid when
-
-- ``same_time``: it is not :math:`i` and not a true destination of :math:`u` at time
-  :math:`t` (any event :math:`(u, j, t)` of the stream);
-- ``strict``: additionally, :math:`(u, j)` never occurred strictly before :math:`t`;
-- ``unfiltered`` (task supports only, the ablation without filtered negatives, paper
-  Table 4): any pool destination but :math:`i` itself.
-
-Draws are deterministic per ``protocol.seed``, mode, set (a task, or an evaluation
-segment) and event. After a bounded number of rejected draws the sampler scans a seeded
-permutation of the pool; a pool with no valid destination is a sampling failure (``-1``).
-Every materialized set is checked: positive collisions, same-time true-edge collisions,
-historical-pair collisions and failures (the paper reports zeros for the first, second and
-fourth in both modes, and for the third in ``strict``).
+"""Stage-valid negative destinations and their collision checks (FedTIP Sec. 3, 5.1.2; the
+rules of ``same_time``, ``strict`` and the supports' ``unfiltered`` in ``docs/temporal.md``).
+Draws are deterministic per seed, mode, set (a task, or an evaluation segment) and event.
 """
 
 from __future__ import annotations

@@ -62,19 +62,17 @@ class TemporalProtocol:
             "tasks": self.tasks.to_json(),
             "negatives": self.negatives,
         }
-        paths = []
+        hashes = self.hashes
         for name, body in bodies.items():
-            path = folder / f"{name}.json"
-            write_json(path, {"hash": self.hashes[name], **body})
-            paths.append(path)
+            write_json(folder / f"{name}.json", {"hash": hashes[name], **body})
         summary = {
-            "hashes": self.hashes,
+            "hashes": hashes,
             "table": self.table(),
             "tasks": self.tasks.stats(self.stream),
             "collisions": self.negatives["checks"],
         }
         write_json(folder / "protocol.json", summary)
-        return [*paths, folder / "protocol.json"]
+        return [folder / f"{name}.json" for name in (*bodies, "protocol")]
 
 
 def build_temporal_protocol(stream: EventStream, protocol: dict[str, Any]) -> TemporalProtocol:

@@ -1,13 +1,5 @@
-r"""Few-shot task supports (FedTIP Sec. 3.2, 5.1.1): who adapts on which events.
-
-Each task :math:`\tau` draws ``active`` clients (default 5) among those whose supervised pool
-holds at least ``support // active - 1`` events (any non-empty pool if too few do), then
-``support`` events (default 30) from their pools. When the stream has
-labels, one positive event of an active client is forced into the task first (an active
-client with a positive replaces a drawn one if none has any); the remaining events are split
-as evenly as possible over the active clients, the odd ones to seeded clients, so clients
-get 5 to 7 events of a 30-event, 5-client task. A client short of events gives its share to
-the others. Deterministic in ``protocol.seed`` and the task number.
+"""Few-shot task supports (FedTIP Sec. 3.2, 5.1.1): who adapts on which events (the rule in
+``docs/temporal.md``); deterministic in ``protocol.seed`` and the task number.
 """
 
 from __future__ import annotations
