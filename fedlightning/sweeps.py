@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import psutil  # a dependency of torch-geometric
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
@@ -193,16 +194,9 @@ def _override(key: str, value: Any) -> str:
 
 
 def _alive(owner: str) -> bool:
+    """Whether ``host:pid`` runs; another machine's trial: only its own process can tell."""
     host, _, pid = owner.partition(":")
-    if host != socket.gethostname():
-        return True  # another machine's trial: only its own process can tell
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
-    return True
+    return host != socket.gethostname() or psutil.pid_exists(int(pid))
 
 
 def retry_dead_trials(study: optuna.Study) -> list[int]:
