@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from fedlightning.errors import ConfigError
-from fedlightning.tracking import flatten
+from fedlightning.tracking import MlflowTracker, flatten
 from fedlightning.tracking.mlflow_tracker import mlflow_experiment
 from fedlightning.tracking.plots import plot_accuracy_matrix, plot_scatter, plot_sensitivity
 
@@ -304,8 +304,8 @@ def main(argv: list[str]) -> int:
     runs = select(runs, args.layout, method)
     if not runs:
         raise ConfigError("--task", f"no finished runs with task {args.task!r} match")
-    default = FAMILY_METRICS.get(args.family) if args.family else None
-    chosen = args.metrics or default or DEFAULT_METRICS.get(args.task, "am,fm,fpr95")
+    chosen = args.metrics or FAMILY_METRICS.get(args.family)
+    chosen = chosen or DEFAULT_METRICS.get(args.task, "am,fm,fpr95")
     metrics = [m.strip() for m in chosen.split(",") if m.strip()]
     table = aggregate(runs, metrics, args.layout)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -321,11 +321,8 @@ def main(argv: list[str]) -> int:
     print(md)
     print(f"{len(runs)} runs; wrote {', '.join(str(f) for f in files)}")
     if args.log:
-        from fedlightning.tracking import MlflowTracker
-
         tracker = MlflowTracker(uri, args.experiment_name)
-        params = {k: str(v) for k, v in vars(args).items()}
-        tracker.start(f"report-{stem}", {"task": "report", "layout": args.layout}, params)
+        tracker.start(f"report-{stem}", {"task": "report", "layout": args.layout}, vars(args))
         tracker.log_artifacts(files)
         tracker.end()
     return 0

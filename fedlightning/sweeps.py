@@ -8,6 +8,7 @@ failed and its parameters run again, resuming its checkpointed runs (docs/experi
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import math
@@ -19,10 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import psutil  # a dependency of torch-geometric
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
 from fedlightning.errors import ConfigError, RunStopped
+from fedlightning.tracking import MlflowTracker
+from fedlightning.tracking.plots import (
+    plot_importances,
+    plot_optimization_history,
+    plot_sensitivity,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +39,7 @@ PRUNERS = ("none", "median", "threshold")
 PARAM_TYPES = ("float", "int", "categorical")
 # Objectives measured only at a stage's end report this stage metric while the run goes.
 STAGE_PROXY = {"val_am": "val_seen_acc", "val_fpr95": "val_fpr95"}
+PARENT_ATTR = "mlflow_parent_run_id"
 
 
 @dataclass
@@ -50,9 +59,6 @@ class SweepSpec:
     pruner: dict[str, Any]
     storage: str
     study_name: str
-
-    def grid(self) -> dict[str, list[Any]]:
-        return {k: list(p["choices"]) for k, p in self.space.items()}
 
 
 def _fail(path: Path, key: str, message: str) -> ConfigError:
@@ -154,7 +160,8 @@ class AskTellGridSampler(optuna.samplers.GridSampler):
 def make_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
     s = spec.sampler
     if s["name"] == "grid":
-        return AskTellGridSampler(spec.grid(), seed=s.get("seed", 0))
+        grid = {k: list(p["choices"]) for k, p in spec.space.items()}
+        return AskTellGridSampler(grid, seed=s.get("seed", 0))
     if s["name"] == "random":
         return optuna.samplers.RandomSampler(seed=s.get("seed", 0))
     return optuna.samplers.TPESampler(seed=s.get("seed", 0), n_startup_trials=s.get("startup", 5))
@@ -187,16 +194,9 @@ def _override(key: str, value: Any) -> str:
 
 
 def _alive(owner: str) -> bool:
+    """Whether ``host:pid`` runs; another machine's trial: only its own process can tell."""
     host, _, pid = owner.partition(":")
-    if host != socket.gethostname():
-        return True  # another machine's trial: only its own process can tell
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
-    return True
+    return host != socket.gethostname() or psutil.pid_exists(int(pid))
 
 
 def retry_dead_trials(study: optuna.Study) -> list[int]:
@@ -217,7 +217,8 @@ def finished(study: optuna.Study) -> int:
 
 
 class Sweep:
-    """One process's work on a study: run trials until ``spec.trials`` have finished.
+    """One process's work on a study: run trials until ``spec.trials`` have finished; with
+    the experiment's logger on, the study is an MLflow run and each trial a nested one.
 
     Args:
         spec: a checked sweep file.
@@ -236,11 +237,9 @@ class Sweep:
             raise _fail(
                 spec.path, f"space.{missing[0]}", f"not a key of experiment {spec.experiment}"
             )
-        self.tracker = None
+        self.parent: MlflowTracker | None = None  # the study's MLflow run
         if base.logger.get("enabled", False):
-            from fedlightning.sweep_tracking import SweepTracker
-
-            self.tracker = SweepTracker(base.logger.tracking_uri, base.logger.experiment_name)
+            self.parent = MlflowTracker(base.logger.tracking_uri, base.logger.experiment_name)
 
     # --------------------------------------------------------------------- study
     def run(self) -> optuna.Study:
@@ -262,26 +261,64 @@ class Sweep:
                     f"{study.user_attrs[key]!r}, not {value!r}: choose another study_name",
                 )
             study.set_user_attr(key, value)
-        parent = self.tracker.parent(study, self.spec) if self.tracker else None
+        if self.parent:
+            self.start_parent(study)
         retried = retry_dead_trials(study)
         if retried:
             log.info("sweep %s: trials %s died; running their parameters again", study, retried)
         while finished(study) < self.spec.trials:
             trial = study.ask()
             trial.set_user_attr("owner", f"{socket.gethostname()}:{os.getpid()}")
-            state, value = self.run_trial(study, trial, parent)
+            state, value = self.run_trial(study, trial)
             study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
             self.progress(study, trial, state, value)
-        if self.tracker:
-            self.tracker.finish(study, self.spec, parent, self.out_dir / study.study_name)
+        if self.parent:
+            self.finish_parent(study)
         return study
+
+    def start_parent(self, study: optuna.Study) -> None:
+        """The study's MLflow run: created once, found again through the study on resume."""
+        spec = self.spec
+        tags = {
+            "task": "sweep",
+            "experiment": spec.experiment,
+            "study": study.study_name,
+            "objective": spec.metric,
+            "direction": spec.direction,
+            "storage": spec.storage,
+            "sweep_file": str(spec.path),
+        }
+        keys = ("trials", "seeds", "sampler", "pruner", "overrides")
+        params = {k: json.dumps(getattr(spec, k)) for k in keys}
+        params |= {f"space.{k}": json.dumps(v) for k, v in spec.space.items()}
+        resumed = study.user_attrs.get(PARENT_ATTR)
+        run_id = self.parent.start(f"sweep-{study.study_name}", tags, params, resumed)
+        study.set_user_attr(PARENT_ATTR, run_id)
+
+    def finish_parent(self, study: optuna.Study) -> None:
+        """Best parameters, trial table and plots on the parent run; the parent ends."""
+        out_dir = self.out_dir / study.study_name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        files = [write_trials_csv(study, out_dir / "trials.csv")]
+        if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            best = study.best_trial
+            self.parent.client.log_metric(self.parent.run_id, "best_value", best.value)
+            self.parent.set_tags(
+                {"best_trial": str(best.number)}
+                | {f"best.{k}": str(v) for k, v in best.params.items()}
+            )
+            path = out_dir / "best_params.json"
+            path.write_text(json.dumps({"value": best.value, "params": best.params}, indent=2))
+            files += [path, *sweep_plots(study, self.spec, out_dir)]
+        self.parent.log_artifacts(files)
+        self.parent.end()
 
     def progress(self, study: optuna.Study, trial: optuna.Trial, state, value) -> None:
         params = "  ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items()
         )
         best = ""
-        if any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
+        if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             best = f"  (best {study.best_value:.4f}, trial {study.best_trial.number})"
         shown = f"{self.spec.metric} {value:.4f}" if state == TrialState.COMPLETE else state.name
         print(
@@ -291,16 +328,19 @@ class Sweep:
         )
 
     # --------------------------------------------------------------------- trial
-    def run_trial(self, study, trial, parent) -> tuple[TrialState, float | None]:
+    def run_trial(self, study, trial) -> tuple[TrialState, float | None]:
         params = {k: suggest(trial, k, p) for k, p in self.spec.space.items()}
         home = trial.user_attrs.get("retry_of", trial.number)  # a retry resumes its runs
         trial_dir = self.out_dir / study.study_name / f"trial_{home}"
-        run = self.tracker.trial(parent, trial, params) if self.tracker else None
+        run = self.trial_run(trial, params) if self.parent else None
         values: list[float] = []
 
         def end(status: str, value: float | None) -> None:
-            if run:
-                self.tracker.end_trial(run, status, value, values, trial_dir)
+            if run:  # the objective and each seed's value where finite
+                seeds = [(i, {"objective_seed": v}) for i, v in enumerate(values)]
+                run.log_metric_rows([(0, {"objective": value}), *seeds])
+                run.set_tags({"run_dir": str(trial_dir.resolve())})
+                run.end(status)
 
         try:
             for i, seed in enumerate(self.spec.seeds):
@@ -323,6 +363,19 @@ class Sweep:
         end("FINISHED", value)
         return TrialState.COMPLETE, value
 
+    def trial_run(self, trial: optuna.Trial, params: dict[str, Any]) -> MlflowTracker:
+        """A run nested in the study's, with the trial's sampled parameters."""
+        tags = {
+            "mlflow.parentRunId": self.parent.run_id,
+            "task": "sweep_trial",
+            "trial": str(trial.number),
+        }
+        if "retry_of" in trial.user_attrs:
+            tags["retry_of"] = str(trial.user_attrs["retry_of"])
+        run = MlflowTracker(self.parent.tracking_uri, self.parent.experiment_name)
+        run.start(f"trial-{trial.number}", tags, params)
+        return run
+
     def run_seed(self, run_dir: Path, params, seed: int, run, observe) -> dict[str, Any]:
         """One training run: read it if finished, resume it if checkpointed, else start."""
         if (run_dir / "summary.json").exists():
@@ -330,7 +383,7 @@ class Sweep:
         over = [f"experiment={self.spec.experiment}", *self.spec.overrides, *self.overrides]
         over += [_override(k, v) for k, v in params.items()] + [f"seed={seed}"]
         if run:
-            over.append(f"logger.parent_run_id={run}")
+            over.append(f"logger.parent_run_id={run.run_id}")
         if (run_dir / "checkpoint.pt").exists():
             over.append(f"resume={run_dir}")
         return self.train(self.compose(over), run_dir, observe)
@@ -350,3 +403,42 @@ class Sweep:
                 raise RunStopped(f"trial {trial.number} pruned at {kind} {step}")
 
         return observe
+
+
+def write_trials_csv(study: optuna.Study, path: Path) -> Path:
+    """One row per trial: number, state, value, per-seed values, parameters."""
+    keys = sorted({k for t in study.get_trials(deepcopy=False) for k in t.params})
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["number", "state", "value", "seed_values", *keys])
+        for t in study.get_trials(deepcopy=False):
+            seed_values = json.dumps(t.user_attrs.get("seed_values", []))
+            w.writerow(
+                [t.number, t.state.name, t.value, seed_values, *(t.params.get(k) for k in keys)]
+            )
+    return path
+
+
+def sweep_plots(study: optuna.Study, spec: SweepSpec, out_dir: Path) -> list[Path]:
+    """Optimization history, parameter importances, and one sensitivity curve a parameter."""
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    maximize = spec.direction == "maximize"
+    history = out_dir / "optimization_history.png"
+    paths = [plot_optimization_history([t.value for t in done], history, maximize, spec.metric)]
+    if len(done) >= 2:
+        try:
+            imp = optuna.importance.get_param_importances(study)
+        except (RuntimeError, ValueError):  # e.g. every trial at the same point
+            imp = {}
+        if imp:
+            paths.append(plot_importances(imp, out_dir / "param_importance.png"))
+    for key, p in spec.space.items():
+        numeric = [t for t in done if isinstance(t.params.get(key), (int, float))]
+        xs = [t.params[key] for t in numeric]
+        if len(set(xs)) < 2:
+            continue
+        seeds = [t.user_attrs.get("seed_values") or [t.value] for t in numeric]
+        path = out_dir / f"sensitivity_{key.replace('/', '_')}.png"
+        log_x = bool(p.get("log"))
+        paths.append(plot_sensitivity(xs, seeds, path, key, spec.metric, log_x=log_x))
+    return paths

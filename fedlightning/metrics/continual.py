@@ -115,18 +115,14 @@ def _forgetting(M: Tensor, diag: bool) -> float:
     T = M.shape[0]
     if T == 1:
         return 0.0
-    drops = []
-    for j in range(T - 1):
-        final = M[T - 1, j]
-        if diag:
-            ref = M[j, j]
-        else:
-            earlier = M[j : T - 1, j]
-            earlier = earlier[torch.isfinite(earlier)]
-            ref = earlier.max() if earlier.numel() else torch.tensor(math.nan)
-        d = ref - final
-        if torch.isfinite(d):
-            drops.append(float(d))
+    old = M[:-1, :-1]  # old task j (column) after stage t < T-1 (row)
+    if diag:
+        ref = old.diagonal()
+    else:  # the best finite M[t, j] over j <= t < T-1, -inf when none
+        earlier = torch.ones_like(old, dtype=torch.bool).tril() & torch.isfinite(old)
+        ref = old.masked_fill(~earlier, -math.inf).amax(dim=0)
+    d = ref - M[-1, :-1]
+    drops = d[torch.isfinite(d)].tolist()
     return sum(drops) / len(drops) if drops else math.nan
 
 

@@ -45,12 +45,10 @@ class NullTracker:
         return None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        pass
+        self.log_metric_rows([(step, metrics)])
 
     def log_metric_rows(self, rows: Iterable[tuple[int, Mapping[str, float]]]) -> None:
         """Several steps' metrics at once (one request per 500 values)."""
-        for step, metrics in rows:
-            self.log_metrics(metrics, step)
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         pass
@@ -102,9 +100,6 @@ class MlflowTracker(NullTracker):
             self.tracking_uri,
         )
         return self.run_id
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self.log_metric_rows([(step, metrics)])
 
     def log_metric_rows(self, rows: Iterable[tuple[int, Mapping[str, float]]]) -> None:
         import time

@@ -56,9 +56,8 @@ def plot_accuracy_matrix(matrix, path: str | Path, title: str = "") -> Path:
     im = ax.imshow(np.ma.masked_invalid(m), vmin=0, vmax=1, cmap="viridis")
     for (t, j), v in np.ndenumerate(m):
         if np.isfinite(v):
-            ax.text(
-                j, t, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.5 else "black"
-            )
+            color = "white" if v < 0.5 else "black"
+            ax.text(j, t, f"{v:.2f}", ha="center", va="center", color=color)
     ax.set_xticks(range(m.shape[1]), [f"{j + 1}" for j in range(m.shape[1])])
     ax.set_yticks(range(m.shape[0]), [f"{t + 1}" for t in range(m.shape[0])])
     ax.set(xlabel="classes of stage j", ylabel="after stage t", title=title or "accuracy matrix")
@@ -112,17 +111,11 @@ def plot_sensitivity(
 ) -> Path:
     """A metric against one parameter: the mean of each x's ``values`` (over seeds) with
     sample-std error bars (0 for one value), sorted by x."""
-    mean = [statistics.fmean(v) for v in values]
-    std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
     order = sorted(range(len(x)), key=lambda i: x[i])
+    mean = [statistics.fmean(values[i]) for i in order]
+    std = [statistics.stdev(values[i]) if len(values[i]) > 1 else 0.0 for i in order]
     fig, ax = _subplots(figsize=(5, 3.6))
-    ax.errorbar(
-        [x[i] for i in order],
-        [mean[i] for i in order],
-        yerr=[std[i] for i in order],
-        marker="o",
-        capsize=3,
-    )
+    ax.errorbar([x[i] for i in order], mean, yerr=std, marker="o", capsize=3)
     if log_x:
         ax.set_xscale("log")
     ax.set(xlabel=xlabel, ylabel=ylabel, title=f"sensitivity to {xlabel}")

@@ -1,20 +1,17 @@
-"""Lean start-up: PyG and torchmetrics imported without the heavy optional packages they probe.
+"""Lean start-up: PyG and torchmetrics imported without the heavy optional packages they
+probe whenever installed (why and what it saves: docs/scaling.md, "Start-up time").
 
-``import torch_geometric`` imports ``transformers`` (through ``torch_geometric.llm``) and
-``torchmetrics`` imports ``matplotlib.pyplot``, ``scipy.signal`` and ``transformers``
-whenever they are installed; the package uses none of them (docs/scaling.md, "Start-up
-time"). :func:`install` (called by ``fedlightning/__init__.py``) puts one finder first on
+:func:`install` (called by ``fedlightning/__init__.py``) puts one finder first on
 ``sys.meta_path``: while a guarded package's ``__init__`` runs, and only in the importing
 thread, its probed packages (:data:`GUARDED`) look absent (``ModuleNotFoundError``, no
 distribution metadata), so it takes its own "not installed" branch. Once every guarded
 package is imported the finder removes itself and the probed packages import normally.
 
-Left behind (``tests/test_lean_imports.py`` checks both libraries still work): in PyG,
+Left behind in PyG (``tests/test_lean_imports.py`` checks both libraries still work):
 annotation-only names (``BatchEncoding`` is ``Dict``, ``PreTrainedTokenizerBase`` is
 ``None``, the unused ``WITH_TRANSFORMERS`` is ``False``); PyG imports ``transformers`` where
-it needs it. In torchmetrics, ``Metric.plot`` and the transformer-based metrics are
-unavailable. ``FEDLIGHTNING_LEAN_IMPORTS=0`` switches the guard off; a guarded package
-already imported is not guarded and a probed package already imported is never hidden.
+it needs it. A guarded package already imported is not guarded and a probed package already
+imported is never hidden.
 """
 
 from __future__ import annotations
