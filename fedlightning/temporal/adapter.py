@@ -112,7 +112,9 @@ class PromptAdapter(nn.Module):
         d_z, k = 2 * d_h + d_t + d_e + 2, copies
 
         def phi() -> nn.Sequential:
-            return nn.Sequential(StackedLinear(k, d_z, bottleneck), nn.ReLU(), StackDropout(dropout))
+            return nn.Sequential(
+                StackedLinear(k, d_z, bottleneck), nn.ReLU(), StackDropout(dropout)
+            )
 
         self.phi_f, self.phi_t = phi(), phi()
         self.gate_f = StackedLinear(k, bottleneck, 2 * d_h)  # W_f, b_f

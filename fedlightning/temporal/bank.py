@@ -76,15 +76,9 @@ class StageProgress:
         if now - self.last >= PROGRESS_LOG_EVERY_S and self.done < self.total:
             self.last = now
             rate = self.done / max(now - self.t0, 1e-9)
-            self.log.info(
-                "%s: %d/%d events  %.0fs  %.0f events/s  eta %.0fs",
-                self.stage,
-                self.done,
-                self.total,
-                now - self.t0,
-                rate,
-                (self.total - self.done) / max(rate, 1e-9),
-            )
+            eta = (self.total - self.done) / max(rate, 1e-9)
+            line = "%s: %d/%d events  %.0fs  %.0f events/s  eta %.0fs"
+            self.log.info(line, self.stage, self.done, self.total, now - self.t0, rate, eta)
 
     def close(self) -> None:
         """End the stage (summary line)."""
