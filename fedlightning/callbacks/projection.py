@@ -43,7 +43,7 @@ class GradientProjection(pl.Callback):
         self.project_update = bool(project_update)
         self.frozen_biases: list[str] = list(frozen_biases or [])
         self.bases: dict[str, Tensor] = {}
-        self._cast: dict[str, Tensor] = {}
+        self._cast: dict[str, Tensor] = {}  # the bases on their weights' device and dtype
         self._snapshot: dict[str, Tensor] = {}
         self.set_bases(bases or {})
 
@@ -81,16 +81,12 @@ class GradientProjection(pl.Callback):
                 )
         return params
 
-    def _basis(self, name: str, like: Tensor) -> Tensor:
-        u = self._cast.get(name)
-        if u is None or u.device != like.device or u.dtype != like.dtype:
-            u = self.bases[name].to(device=like.device, dtype=like.dtype)
-            self._cast[name] = u
-        return u
-
     def on_fit_start(self, trainer: Any, pl_module: pl.LightningModule) -> None:
         self._snapshot.clear()
-        self._params(pl_module)  # fail before training on a wrong name or shape
+        params = self._params(pl_module)  # fail before training on a wrong name or shape
+        self._cast = {
+            n: u.to(device=params[n].device, dtype=params[n].dtype) for n, u in self.bases.items()
+        }
 
     @torch.no_grad()
     def on_after_backward(self, trainer: Any, pl_module: pl.LightningModule) -> None:
@@ -98,7 +94,7 @@ class GradientProjection(pl.Callback):
         for name in self.bases:
             p = params[name]
             if p.grad is not None and self.bases[name].size(1) > 0:
-                p.grad.copy_(project_out(p.grad, self._basis(name, p)))
+                p.grad.copy_(project_out(p.grad, self._cast[name]))
         for name in self.frozen_biases:
             if params[name].grad is not None:
                 params[name].grad.zero_()
@@ -131,5 +127,5 @@ class GradientProjection(pl.Callback):
             if name in self.frozen_biases:
                 p.copy_(before)
             elif self.bases[name].size(1) > 0:
-                p.copy_(before + project_out(p - before, self._basis(name, p)))
+                p.copy_(before + project_out(p - before, self._cast[name]))
         self._snapshot.clear()

@@ -14,9 +14,7 @@ def proximal_term(
     r"""FedProx's proximal term (Li et al., 2020, Eq. (2)), :math:`\frac{\mu}{2} \lVert w -
     w^t \rVert_2^2`, over ``(name, parameter)`` pairs of ``w`` and the round's global
     weights ``anchor`` (name -> :math:`w^t`)."""
-    total = torch.zeros(())
-    for name, p in params:
-        total = total + (p - anchor[name]).pow(2).sum()
+    total = sum(((p - anchor[name]).pow(2).sum() for name, p in params), torch.zeros(()))
     return 0.5 * mu * total
 
 

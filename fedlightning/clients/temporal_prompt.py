@@ -1,19 +1,14 @@
 r"""FedTIP's client: the prompt adapter's local fit (paper 001, Sec. 4.3, Eq. (26)).
 
-Only the adapter :math:`\Omega` of Eq. (17) trains; the bank's states, recencies and time
-encoding arrive precomputed in the batch (:func:`fedlightning.temporal.contexts.event_batch`).
-The module computes
-
 .. math::
     \mathcal{L}_k = \mathcal{L}_k^{task} + \lambda_p \lVert \Omega_k - \Omega^{(r)} \rVert_2^2
     + \lambda_a \mathcal{L}_k^{anchor}
 
-with the prototypical loss (Eqs. 18-19) for node classification (``family="nc"``) or the
-two-way softmax over the positive and the client-visible negative destination (Eqs. 20-21,
-25) for link prediction (``family="lp"``), whose "classes" are the negative (0) and the
-positive pair (1) (methods.md). The anchor term (Eq. 22) skips classes the server has no
-anchor for yet. The active clients of a round train together, stacked
-(:func:`stack_batches`, :mod:`fedlightning.temporal.adapter`).
+with the prototypical loss (Eqs. 18-19, ``family="nc"``) or the two-way softmax over the
+positive and the client-visible negative (Eqs. 20-21, 25, ``family="lp"``, whose "classes"
+are the negative (0) and the positive pair (1)), and the anchor term (Eq. 22). Only the
+adapter :math:`\Omega` of Eq. (17) trains, on the bank's precomputed contexts
+(:func:`fedlightning.temporal.contexts.event_batch`), a round's clients stacked.
 """
 
 from __future__ import annotations

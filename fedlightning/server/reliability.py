@@ -192,7 +192,6 @@ class FedTIPServer:
         self.reliability_weights, self.use_anchors = reliability_weights, anchors
         self.anchors: dict[int, Tensor] = {}
         self.uploaded: dict[int, Tensor] = {}
-        self.reliabilities: list[list[float]] = []
 
     def state(self) -> dict[str, Tensor]:
         r""":math:`\Omega^{(r)}` as a state dict."""
@@ -205,9 +204,9 @@ class FedTIPServer:
         return ServerBroadcast(round=round, tensors=tensors)
 
     def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
-        """One round's messages into the adapter and the anchors; keeps the :math:`r_k`."""
+        """One round's messages into the adapter and the anchors."""
         messages = [read_update(u) for u in updates]
-        omega, anchors, r = aggregate(
+        omega, anchors, _ = aggregate(
             self.omega, self.anchors, messages, self.eta_s, self.beta, self.reliability_weights
         )
         self.omega = omega
@@ -217,7 +216,6 @@ class FedTIPServer:
             counted = [m for m in messages if m.prototypes]
             if counted:
                 self.uploaded = anchor_update({}, _sum_statistics(counted, [1.0] * len(counted)))
-        self.reliabilities.append(r)
 
     def class_prototypes(self) -> dict[int, Tensor]:
         """The prototypes the server scores node classification against."""
@@ -229,12 +227,8 @@ ANCHOR = "anchor."
 
 def unflatten(flat: Tensor, shapes: Mapping[str, Sequence[int]]) -> dict[str, Tensor]:
     """A flat parameter vector as ``name -> tensor`` views of ``shapes``, in order."""
-    out, start = {}, 0
-    for k, shape in shapes.items():
-        n = math.prod(shape)
-        out[k] = flat[start : start + n].view(shape)
-        start += n
-    return out
+    parts = flat.split([math.prod(shape) for shape in shapes.values()])
+    return {k: x.view(shape) for (k, shape), x in zip(shapes.items(), parts, strict=True)}
 
 
 def read_broadcast(

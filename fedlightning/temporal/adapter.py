@@ -88,8 +88,9 @@ class PromptAdapter(nn.Module):
     low-rank map, whose output layer starts at zero: training starts from the pre-training
     similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)` of Eq. (10) (Sec. 4.3; docs/fedtip.md).
     ``static=True`` is the static-prompt ablation (gates that ignore the event). ``d_h``,
-    ``d_t``, ``d_e``: bank state, time-encoding and edge-feature widths; ``dropout``: a :class:`StackDropout` on the bottleneck activations; ``copies``:
-    parameter sets (clients) stacked on a leading axis.
+    ``d_t``, ``d_e``: bank state, time-encoding and edge-feature widths; ``dropout``: a
+    :class:`StackDropout` on the bottleneck activations; ``copies``: parameter sets
+    (clients) stacked on a leading axis.
     """
 
     def __init__(
@@ -105,18 +106,17 @@ class PromptAdapter(nn.Module):
         residual: bool = True,
     ) -> None:
         super().__init__()
-        self.d_h, self.d_t, self.d_e, self.static, self.copies = d_h, d_t, d_e, static, copies
-        self.residual = residual
+        self.d_h, self.static, self.residual, self.copies = d_h, static, residual, copies
         self.config = dict(d_h=d_h, d_t=d_t, d_e=d_e, bottleneck=bottleneck, rank=rank)
         self.config.update(static=static, dropout=dropout, residual=residual)
-        d_z = 2 * d_h + d_t + d_e + 2
-        k = copies
-        self.phi_f = nn.Sequential(
-            StackedLinear(k, d_z, bottleneck), nn.ReLU(), StackDropout(dropout)
-        )
-        self.phi_t = nn.Sequential(
-            StackedLinear(k, d_z, bottleneck), nn.ReLU(), StackDropout(dropout)
-        )
+        d_z, k = 2 * d_h + d_t + d_e + 2, copies
+
+        def phi() -> nn.Sequential:
+            return nn.Sequential(
+                StackedLinear(k, d_z, bottleneck), nn.ReLU(), StackDropout(dropout)
+            )
+
+        self.phi_f, self.phi_t = phi(), phi()
         self.gate_f = StackedLinear(k, bottleneck, 2 * d_h)  # W_f, b_f
         self.gate_t = StackedLinear(k, bottleneck, d_t)  # W_t, b_t
         self.psi = nn.Sequential(

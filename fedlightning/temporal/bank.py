@@ -1,22 +1,12 @@
-r"""Building the frozen temporal knowledge bank of FedTIP (paper 001, Sec. 4.2, Eqs. (8)-(11)).
+r"""Building the frozen temporal knowledge bank of FedTIP (paper 001, Sec. 4.2, Eqs. (8)-(11);
+docs/temporal.md).
 
-The encoder streams the pre-training segment in time order, in batches: each batch's sources,
-destinations and one negative destination per event are embedded from the state before the
-batch, a step is taken on
-
-.. math::
-    \mathcal{L}_{pre} = -\log \frac{e^{s(h_u, h_i)/\tau}}{e^{s(h_u, h_i)/\tau} +
-    e^{s(h_u, h_j)/\tau}}, \qquad s = \cos
-
-(Eq. (10)), then the batch is ingested. Negatives (Eq. (9)) are destination-side nodes
-:math:`j` with :math:`(u, j)` not seen up to :math:`t` (``negatives="filtered"``) or any
-destination-side node (``"unfiltered"``, an ablation). Early stopping on the pre-validation
-AP; the bank :math:`\mathcal{B}_0` of Eq. (11) is the frozen encoder with its time encoding,
-the state after streaming pre-training and pre-validation and the negative index, saved as
-one versioned file (docs/temporal.md). ``pretrained=False`` gives the untrained ablation bank.
-
-Every streaming stage runs on one thread (:func:`streaming_threads`; docs/fedtip.md, "Cold
-start") and reports its progress (:class:`StageProgress`).
+The encoder streams the pre-training segment in time order, in batches: each batch is embedded
+from the state before it, a step is taken on Eq. (10) with one negative of Eq. (9) per event
+(``negatives="filtered"``: a destination-side node :math:`j` with :math:`(u, j)` not seen up to
+:math:`t`; ``"unfiltered"``: any, an ablation), then the batch is ingested. Early stopping on
+the pre-validation AP. Every streaming stage runs on one thread (:func:`streaming_threads`;
+docs/fedtip.md, "Cold start") and reports its progress (:class:`StageProgress`).
 """
 
 from __future__ import annotations
@@ -75,7 +65,6 @@ class StageProgress:
     def __init__(self, stage: str, total: int, logger: logging.Logger | None = None) -> None:
         self.stage, self.total, self.done = stage, int(total), 0
         self.log = logger or log
-        self.every_s = PROGRESS_LOG_EVERY_S
         self.t0 = self.last = time.perf_counter()
         self.log.info("%s: %d events (%d threads)", stage, self.total, torch.get_num_threads())
         self.bar = tqdm(total=self.total, desc=stage, unit="event", disable=None, leave=False)
@@ -84,18 +73,12 @@ class StageProgress:
         self.done += n
         self.bar.update(n)
         now = time.perf_counter()
-        if now - self.last >= self.every_s and self.done < self.total:
+        if now - self.last >= PROGRESS_LOG_EVERY_S and self.done < self.total:
             self.last = now
             rate = self.done / max(now - self.t0, 1e-9)
-            self.log.info(
-                "%s: %d/%d events  %.0fs  %.0f events/s  eta %.0fs",
-                self.stage,
-                self.done,
-                self.total,
-                now - self.t0,
-                rate,
-                (self.total - self.done) / max(rate, 1e-9),
-            )
+            eta = (self.total - self.done) / max(rate, 1e-9)
+            line = "%s: %d/%d events  %.0fs  %.0f events/s  eta %.0fs"
+            self.log.info(line, self.stage, self.done, self.total, now - self.t0, rate, eta)
 
     def close(self) -> None:
         """End the stage (summary line)."""
@@ -111,7 +94,8 @@ class StageProgress:
 
 
 def pretraining_loss(hu: Tensor, hi: Tensor, hj: Tensor, tau: float) -> Tensor:
-    """Eq. (10): two-way softmax of the cosine scores of the positive and the negative."""
+    r"""Eq. (10): :math:`-\log \frac{e^{s(h_u, h_i)/\tau}}{e^{s(h_u, h_i)/\tau} +
+    e^{s(h_u, h_j)/\tau}}`, :math:`s = \cos`, averaged over the events."""
     pos = F.cosine_similarity(hu, hi, dim=-1) / tau
     neg = F.cosine_similarity(hu, hj, dim=-1) / tau
     return -(pos - torch.logaddexp(pos, neg)).mean()

@@ -1,11 +1,7 @@
 r"""Event contexts from the frozen bank (FedTIP Sec. 4.2, Eq. (12); methods.md, state
-construction; docs/temporal.md).
-
-From the bank snapshot the server streams the downstream validation, then the test segment,
-in batches that never split a group of equal timestamps: each batch is scored from the
-state before it, then ingested (the candidate window never is). Each client of each task
-streams its own support from its own copy of the snapshot (Eq. (12)). Nothing here depends
-on an adapter: the contexts of a (bank, protocol) pair are computed once, on one thread.
+construction; docs/temporal.md, "Event contexts"): the server's validation and test segments
+and each task client's support, streamed from the bank snapshot, computed once per (bank,
+protocol) on one thread.
 """
 
 from __future__ import annotations
@@ -73,11 +69,9 @@ def load_bank(path: str | Path, stream: EventStream):
         p.requires_grad_(False)
     with torch.no_grad():
         enc.eval()  # TGN's memory flushes its (empty) message store here, before the state
-    enc.load_state_dict(saved["weights"])
+    enc.load_state_dict(saved["weights"])  # buffers: TGN's memory, frequency, last time
     loader_state = ("neighbors", "neighbor_e_id", "cur_e_id", "event_ids")
     set_stream_state(enc, *(saved[k] for k in loader_state), saved)
-    enc.state.frequency.copy_(saved["frequency"])
-    enc.state.last_time.copy_(saved["last_time"])
     return enc
 
 
@@ -103,9 +97,8 @@ def stream_contexts(
     (Eq. (13)), read before the event's timestamp group is ingested (zeros for a failed
     negative, ``-1``); with ``events`` and ``t`` ``[n]`` (from the stream's start)."""
     neg_of = dict(zip(idx.tolist(), negatives.tolist(), strict=True))
-    parts: dict[str, list[Tensor]] = {
-        k: [] for k in ("t", "src", "dst", "neg", "dt_src", "dt_dst", "dt_neg")
-    }
+    keys = ("t", "src", "dst", "neg", "dt_src", "dt_dst", "dt_neg")
+    rows: list[tuple[Tensor, ...]] = []
     for b in group_batches(stream.t, idx, batch_size):
         src, dst, t, msg = event_tensors(enc, stream, b)
         j = torch.tensor([neg_of[e] for e in b.tolist()])
@@ -113,37 +106,23 @@ def stream_contexts(
         h, dt = pre_event_states(enc, src, dst, t, j.clamp(min=0))
         (h_u, h_i, h_j), (dt_u, dt_i, dt_j) = h.split(len(b)), dt.split(len(b))
         h_j, dt_j = h_j.masked_fill(failed.unsqueeze(1), 0.0), dt_j.masked_fill(failed, 0.0)
-        for key, part in zip(parts, (t.float(), h_u, h_i, h_j, dt_u, dt_i, dt_j), strict=True):
-            parts[key].append(part)
+        rows.append((t.float(), h_u, h_i, h_j, dt_u, dt_i, dt_j))
         enc.ingest(src, dst, t, msg, torch.from_numpy(b))
         if progress is not None:
             progress.update(len(b))
-    out = {"events": torch.from_numpy(idx)}
-    for key, xs in parts.items():
-        empty = torch.zeros(0, enc.out_dim) if key in ("src", "dst", "neg") else torch.zeros(0)
-        out[key] = torch.cat(xs) if xs else empty
-    return out
+    if not rows:  # no event: empty columns
+        rows = [(torch.zeros(0), *[torch.zeros(0, enc.out_dim)] * 3, *[torch.zeros(0)] * 3)]
+    cols = (torch.cat(xs) for xs in zip(*rows, strict=True))
+    return {"events": torch.from_numpy(idx), **dict(zip(keys, cols, strict=True))}
 
 
 def fork(enc):
     """An independent copy of an encoder's state that shares what streaming never mutates:
     the stream's event arrays and the TGN message-store entries (replaced, not changed)."""
-    t, m = enc.state.event_t, enc.state.event_msg
-    memory = getattr(enc, "memory", None)
-    stores = {s: getattr(memory, s) for s in MSG_STORES} if memory is not None else {}
-    enc.state.event_t = enc.state.event_msg = None
-    for s in stores:
-        setattr(memory, s, {})
-    try:
-        twin = copy.deepcopy(enc)
-    finally:
-        enc.state.attach(t, m)
-        for s, store in stores.items():
-            setattr(memory, s, store)
-    twin.state.attach(t, m)
-    for s, store in stores.items():
-        setattr(twin.memory, s, dict(store))
-    return twin
+    shared = [enc.state.event_t, enc.state.event_msg]
+    if hasattr(enc, "memory"):
+        shared += [x for s in MSG_STORES for v in getattr(enc.memory, s).values() for x in v]
+    return copy.deepcopy(enc, {id(x): x for x in shared})
 
 
 @streaming_threads()
