@@ -50,9 +50,7 @@ def read_tape_records(path: Path) -> dict[str, tuple[str, str]]:
     except UnicodeDecodeError as e:
         raise DataError(path, f"expected UTF-8 text ({e})") from e
     # splitlines also handles CRLF; trailing blank lines (a final newline) carry no record.
-    lines = [ln.strip() for ln in text.splitlines()]
-    while lines and not lines[-1]:
-        lines.pop()
+    lines = [ln.strip() for ln in text.rstrip().splitlines()]
     if len(lines) % 3:
         raise DataError(
             path,
