@@ -15,8 +15,6 @@ from fedlightning.errors import DataError
 
 __all__ = ["load_citeseer_mm"]
 
-_TAPE = "citeseer_tape"
-
 
 def _read_ids(path: Path) -> list[str]:
     require_file(path, "the JSON list of paper ids, one per row of citeseer_minilm.npy")
@@ -101,7 +99,7 @@ def load_citeseer_mm(root: str | os.PathLike[str] | None = None) -> MultimodalGr
     """
     base = data_root(root)
     tape = require_dir(
-        base / _TAPE,
+        base / "citeseer_tape",
         "citeseer_minilm_ids.json, citeseer_minilm.npy, citeseer_texts.txt and citeseer.cites",
     )
     ids = _read_ids(tape / "citeseer_minilm_ids.json")

@@ -1,11 +1,5 @@
-"""The folder format for a user's own multimodal graph (``docs/datasets.md``)::
-
-edge_index.npy | edges.csv      int [2, E] | comma-separated, optional header
-labels.npy     | labels.csv     [N] class ids or names | one a line, optional header
-features/<modality>.npy | .npz  float [N, d] dense | SciPy sparse (save_npz), one a modality
-masks/<modality>.npy            optional bool or 0/1 [N]: True where the node has it
-class_names.json, node_ids.json, meta.json   optional: C names, N ids, {"name": ...}
-"""
+"""The folder format for a user's own multimodal graph (``docs/datasets.md``): labels, edges,
+``features/``, optional ``masks/``, ``class_names.json``, ``node_ids.json``, ``meta.json``."""
 
 from __future__ import annotations
 
@@ -461,9 +455,7 @@ def load_folder(
     """Load a multimodal graph stored in the folder format (``docs/datasets.md``).
 
     Edges are made undirected, coalesced and free of self loops; rows that a mask marks
-    unavailable are zeroed; modalities come in the sorted order of their file names. Class
-    names become ids in the order of ``class_names.json`` when the folder has one, else in
-    sorted order.
+    unavailable are zeroed; modalities come in the sorted order of their file names.
 
     Args:
         path: the dataset folder.

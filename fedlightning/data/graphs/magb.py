@@ -1,8 +1,5 @@
 """MAGB / OpenMAG-style dataset folders (Grocery, Ele-Fashion, Movies, Toys, RedditS, ...):
-``<Name>.csv`` (one row per node: `label`, `neighbors` such as "[3, 17, 42]", texts),
-``TextFeature/*.npy`` and ``ImageFeature/*.npy`` (float ``[N, d]``); the DGL file
-``<Name>Graph.pt`` is not read. Layout and rules in ``docs/datasets.md``.
-"""
+``<Name>.csv``, ``TextFeature/*.npy``, ``ImageFeature/*.npy`` (layout in ``docs/datasets.md``)."""
 
 from __future__ import annotations
 
