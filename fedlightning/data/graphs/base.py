@@ -96,9 +96,8 @@ class MultimodalGraph:
 
     def to_data(self) -> Data:
         """A PyG ``Data`` with ``x_<modality>`` attributes, ``modality_mask``, ``edge_index``, ``y``."""
-        data = Data(edge_index=self.edge_index, y=self.y, num_nodes=self.num_nodes)
-        for m, x in self.features.items():
-            data[f"x_{m}"] = x
+        feats = {f"x_{m}": x for m, x in self.features.items()}
+        data = Data(edge_index=self.edge_index, y=self.y, num_nodes=self.num_nodes, **feats)
         data.modality_mask = self.mask
         return data
 
