@@ -1,11 +1,6 @@
-"""Modality features from raw node texts and images: ``fedlightning data features``.
-
-Reads a raw graph folder (``nodes.csv`` or ``nodes.jsonl``, ``edges.csv``, optional
-``images/<id>.<suffix>``), runs pre-trained encoders on CPU in batches (sentence-transformers
-for texts, EfficientNet-Lite0 or any ``module:factory`` backbone for images; nothing is
-fetched from a hub) and writes a dataset in the folder format, with ``encoders.json``
-(``docs/datasets.md``). The encoders are the optional extra ``fedlightning[features]``.
-"""
+"""``fedlightning data features``: a raw graph folder's node texts and images encoded on CPU
+by local pre-trained models (the extra ``fedlightning[features]``; nothing fetched from a hub)
+into a dataset in the folder format, with ``encoders.json`` (``docs/datasets.md``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-r"""Input dropout that costs what the input's non-zero entries cost (docs/fedogl.md, "Input
-dropout on sparse inputs").
-
-Inverted dropout :math:`\tilde{x}_{ij} = x_{ij} m_{ij}/(1-p)`, :math:`m_{ij} \sim
-\mathrm{Bernoulli}(1-p)`, leaves a zero entry zero whatever its mask, so masks drawn for the
-non-zero entries only give the same distribution of :math:`\tilde{x}`.
-"""
+"""Input dropout that costs what the input's non-zero entries cost: a zero entry stays zero
+whatever its mask (docs/fedogl.md, "Input dropout on sparse inputs")."""
 
 from __future__ import annotations
 

@@ -94,7 +94,6 @@ class MultimodalGNN(nn.Module):
     ) -> None:
         super().__init__()
         self.modalities = list(in_dims)
-        self.conv = conv
         self.encoders = ModalityEncoders(in_dims, hidden, dropout)
         self.gnn = GNNEncoder(hidden, hidden, gnn_layers, conv, dropout)
         self.project = nn.Linear(2 * hidden + len(in_dims), hidden)

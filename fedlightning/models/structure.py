@@ -72,11 +72,8 @@ def protected_inputs(net: nn.Module, data: Any, layer: int = -1) -> dict[str, Te
         at = layer % len(gnn.convs)
         h = gnn.forward_until(x, data.edge_index, at)
         inp = protected_input(gnn.convs[at], h, data.edge_index)
-        prefix = f"{name}.convs.{at}."
-        if isinstance(inp, dict):
-            out.update({f"{prefix}{k}.weight": v for k, v in inp.items()})
-        else:
-            out[f"{prefix}lin.weight"] = inp
+        inp = inp if isinstance(inp, dict) else {"lin": inp}
+        out.update({f"{name}.convs.{at}.{k}.weight": v for k, v in inp.items()})
     return out
 
 

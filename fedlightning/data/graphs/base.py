@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -96,9 +96,8 @@ class MultimodalGraph:
 
     def to_data(self) -> Data:
         """A PyG ``Data`` with ``x_<modality>`` attributes, ``modality_mask``, ``edge_index``, ``y``."""
-        data = Data(edge_index=self.edge_index, y=self.y, num_nodes=self.num_nodes)
-        for m, x in self.features.items():
-            data[f"x_{m}"] = x
+        feats = {f"x_{m}": x for m, x in self.features.items()}
+        data = Data(edge_index=self.edge_index, y=self.y, num_nodes=self.num_nodes, **feats)
         data.modality_mask = self.mask
         return data
 
@@ -146,31 +145,18 @@ def apply_missing(
         rate: one rate for all modalities, or a rate per modality name (missing names: 0).
         seed: the protocol seed.
     """
-    mods = graph.modalities
-    rates = (
-        {m: float(rate) for m in mods}
-        if not isinstance(rate, dict)
-        else {m: float(rate.get(m, 0.0)) for m in mods}
-    )
-    if all(r == 0.0 for r in rates.values()):
+    rates = [float(rate.get(m, 0.0) if isinstance(rate, dict) else rate) for m in graph.modalities]
+    if all(r == 0.0 for r in rates):
         return graph
     gen = torch.Generator().manual_seed(int(seed))
-    draws = torch.rand(graph.num_nodes, len(mods), generator=gen)
-    hide = draws < torch.tensor([rates[m] for m in mods])
+    draws = torch.rand(graph.num_nodes, len(rates), generator=gen)
+    hide = draws < torch.tensor(rates)
     all_hidden = hide.all(dim=1)
     if all_hidden.any():
         keep = draws[all_hidden].argmin(dim=1)
         hide[all_hidden.nonzero().squeeze(1), keep] = False
     mask = graph.mask & ~hide
-    return MultimodalGraph(
-        graph.name,
-        zero_missing(graph.features, mask),
-        mask,
-        graph.edge_index,
-        graph.y,
-        graph.class_names,
-        graph.node_ids,
-    )
+    return replace(graph, features=zero_missing(graph.features, mask), mask=mask)
 
 
 def zero_missing(features: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:

@@ -15,8 +15,6 @@ from fedlightning.errors import DataError
 
 __all__ = ["load_citeseer_mm"]
 
-_TAPE = "citeseer_tape"
-
 
 def _read_ids(path: Path) -> list[str]:
     require_file(path, "the JSON list of paper ids, one per row of citeseer_minilm.npy")
@@ -50,9 +48,7 @@ def read_tape_records(path: Path) -> dict[str, tuple[str, str]]:
     except UnicodeDecodeError as e:
         raise DataError(path, f"expected UTF-8 text ({e})") from e
     # splitlines also handles CRLF; trailing blank lines (a final newline) carry no record.
-    lines = [ln.strip() for ln in text.splitlines()]
-    while lines and not lines[-1]:
-        lines.pop()
+    lines = [ln.strip() for ln in text.rstrip().splitlines()]
     if len(lines) % 3:
         raise DataError(
             path,
@@ -103,7 +99,7 @@ def load_citeseer_mm(root: str | os.PathLike[str] | None = None) -> MultimodalGr
     """
     base = data_root(root)
     tape = require_dir(
-        base / _TAPE,
+        base / "citeseer_tape",
         "citeseer_minilm_ids.json, citeseer_minilm.npy, citeseer_texts.txt and citeseer.cites",
     )
     ids = _read_ids(tape / "citeseer_minilm_ids.json")

@@ -1,11 +1,5 @@
-"""The folder format for a user's own multimodal graph (``docs/datasets.md``)::
-
-edge_index.npy | edges.csv      int [2, E] | comma-separated, optional header
-labels.npy     | labels.csv     [N] class ids or names | one a line, optional header
-features/<modality>.npy | .npz  float [N, d] dense | SciPy sparse (save_npz), one a modality
-masks/<modality>.npy            optional bool or 0/1 [N]: True where the node has it
-class_names.json, node_ids.json, meta.json   optional: C names, N ids, {"name": ...}
-"""
+"""The folder format for a user's own multimodal graph (``docs/datasets.md``): labels, edges,
+``features/``, optional ``masks/``, ``class_names.json``, ``node_ids.json``, ``meta.json``."""
 
 from __future__ import annotations
 
@@ -73,7 +67,11 @@ def _read_label_csv(path: Path) -> tuple[list[str], list[int]]:
     return values, [lineno for lineno, _ in rows]
 
 
-def _read_class_name_list(path: Path) -> list[str]:
+def _class_names_json(folder: Path) -> list[str] | None:
+    """The names of ``class_names.json``, ``None`` if the folder has none."""
+    path = folder / "class_names.json"
+    if not path.exists():
+        return None
     names = read_json(path)
     if not isinstance(names, list) or not names or not all(isinstance(s, str) and s for s in names):
         raise DataError(path, "expected a non-empty JSON list of class-name strings")
@@ -89,25 +87,18 @@ def _names_to_ids(
     for v, at in zip(values, where, strict=True):
         if not v:
             raise DataError(path, f"{at}field `label`: expected a non-empty class name, got ''")
-    cn_path = folder / "class_names.json"
-    if cn_path.exists():
-        names = _read_class_name_list(cn_path)
-        index = {c: i for i, c in enumerate(names)}
-        for v, at in zip(values, where, strict=True):
-            if v not in index:
-                shown = ", ".join(repr(c) for c in names[:10]) + (
-                    ", ..." if len(names) > 10 else ""
-                )
-                raise DataError(
-                    path,
-                    f"{at}field `label`: class name {v!r} is not in class_names.json "
-                    f"({len(names)} names: {shown})",
-                )
-        source = "the order of class_names.json"
-    else:
-        names = sorted(set(values))
-        index = {c: i for i, c in enumerate(names)}
-        source = "sorted order"
+    names, source = _class_names_json(folder), "the order of class_names.json"
+    if names is None:
+        names, source = sorted(set(values)), "sorted order"
+    index = {c: i for i, c in enumerate(names)}
+    for v, at in zip(values, where, strict=True):
+        if v not in index:
+            shown = ", ".join(map(repr, names[:10])) + (", ..." if len(names) > 10 else "")
+            raise DataError(
+                path,
+                f"{at}field `label`: class name {v!r} is not in class_names.json "
+                f"({len(names)} names: {shown})",
+            )
     y = np.fromiter((index[v] for v in values), dtype=np.int64, count=len(values))
     log.info(
         "%s: %d class names mapped to ids 0..%d in %s", path, len(names), len(names) - 1, source
@@ -181,19 +172,17 @@ def _read_labels(folder: Path, labels_as: str) -> tuple[np.ndarray, list[str], P
     if y.min() < 0:
         i = int(np.argmin(y))
         raise DataError(path, f"field `labels`: expected labels >= 0, node {i} has {y[i]}")
-    if names is not None:
-        return y, names, path
-    cn_path = folder / "class_names.json"
-    if not cn_path.exists():
-        return y, [f"class_{i}" for i in range(int(y.max()) + 1)], path
-    names = _read_class_name_list(cn_path)
-    if y.max() >= len(names):
-        i = int(np.argmax(y))
-        raise DataError(
-            path,
-            f"field `labels`: expected labels in 0..{len(names) - 1} "
-            f"({len(names)} names in class_names.json), node {i} has {y[i]}",
-        )
+    if names is None:
+        names = _class_names_json(folder)
+        if names is None:
+            names = [f"class_{i}" for i in range(int(y.max()) + 1)]
+        elif y.max() >= len(names):
+            i = int(np.argmax(y))
+            raise DataError(
+                path,
+                f"field `labels`: expected labels in 0..{len(names) - 1} "
+                f"({len(names)} names in class_names.json), node {i} has {y[i]}",
+            )
     return y, names, path
 
 
@@ -253,11 +242,7 @@ def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Te
                 f"{field}: expected a 2-D matrix [{n}, d] ({n} nodes as in "
                 f"{labels_file}, d >= 1), got shape {x.shape}",
             )
-        if not (
-            np.issubdtype(x.dtype, np.floating)
-            or np.issubdtype(x.dtype, np.integer)
-            or x.dtype == np.bool_
-        ):
+        if x.dtype.kind not in "biuf":
             raise DataError(p, f"{field}: expected a real numeric dtype, got {x.dtype}")
         if sparse:
             coo = x.tocoo()
@@ -297,22 +282,21 @@ def _read_masks(folder: Path, n: int, modalities: list[str]) -> torch.Tensor:
                 f"field `mask` of modality {p.stem!r}: expected shape ({n},) "
                 f"(one entry per node), got {m.shape}",
             )
-        if m.dtype != np.bool_:
-            numeric = np.issubdtype(m.dtype, np.integer) or np.issubdtype(m.dtype, np.floating)
-            if not numeric or not np.isin(m, (0, 1)).all():
-                raise DataError(
-                    p,
-                    f"field `mask` of modality {p.stem!r}: expected bool or 0/1 "
-                    f"values, got dtype {m.dtype} with values {np.unique(m)[:5]}",
-                )
+        if m.dtype != np.bool_ and (m.dtype.kind not in "iuf" or not np.isin(m, (0, 1)).all()):
+            raise DataError(
+                p,
+                f"field `mask` of modality {p.stem!r}: expected bool or 0/1 "
+                f"values, got dtype {m.dtype} with values {np.unique(m)[:5]}",
+            )
         mask[:, modalities.index(p.stem)] = torch.from_numpy(m.astype(np.bool_))
     return mask
 
 
 def _edge_column(
-    path: Path, header: list[str] | None, value: str | int | None, key: str, default: int
+    path: Path, first: list[str], value: str | int | None, key: str, default: int
 ) -> int:
-    """The 0-based column of one edge end: a header name, a 0-based position, or ``default``."""
+    """The 0-based column of one edge end: a name in the header ``first`` (line 1), a 0-based
+    position among its columns, or ``default``."""
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -322,17 +306,22 @@ def _edge_column(
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"dataset.{key}", f"a 0-based column position >= 0, got {value}")
+        if value >= len(first):
+            raise ConfigError(
+                f"dataset.{key}",
+                f"column position {value} (0-based) does not exist: {path} has {len(first)} "
+                "columns",
+            )
         return value
-    assert header is not None  # a named column makes line 1 the header
-    if value in header:
-        return header.index(value)
-    folded = [h.lower() for h in header]
+    if value in first:
+        return first.index(value)
+    folded = [h.lower() for h in first]
     if value.strip().lower() in folded:
         return folded.index(value.strip().lower())
     raise DataError(
         path,
         f"header line: field `{key}`: expected a column named {value!r} "
-        f"(dataset.{key}), the header has {header}",
+        f"(dataset.{key}), the header has {first}",
     )
 
 
@@ -357,19 +346,12 @@ def _read_edge_csv(
             f"edge), got {first_ln[:80]!r}",
         )
     named = isinstance(src_column, str) or isinstance(dst_column, str)
-    header: list[str] | None = first if named else None  # positions do not need a header
     cols = (
-        _edge_column(path, header, src_column, "src_column", 0),
-        _edge_column(path, header, dst_column, "dst_column", 1),
+        _edge_column(path, first, src_column, "src_column", 0),
+        _edge_column(path, first, dst_column, "dst_column", 1),
     )
-    for key, c in zip(("src_column", "dst_column"), cols, strict=True):
-        if c >= ncols:
-            raise ConfigError(
-                f"dataset.{key}",
-                f"column position {c} (0-based) does not exist: {path} has {ncols} columns",
-            )
-    if not named and not all(_is_int(first[c]) for c in cols):
-        header = first
+    # A name makes line 1 the header; else it is one when an edge column on it is no integer.
+    header = first if named or not all(_is_int(first[c]) for c in cols) else None
     if cols[0] == cols[1]:
         raise ConfigError(
             "dataset.dst_column", f"names the same column as dataset.src_column (column {cols[0]})"
@@ -383,12 +365,10 @@ def _read_edge_csv(
     layout = f"as the header `{first_ln.strip()[:60]}`" if header else f"as line {first_no}"
     # np.loadtxt with usecols lets the column count vary: every line is checked first.
     parts = list(split_rows(path, rows, ",", ncols, f"{ncols} comma-separated columns ({layout})"))
-    try:
-        # The fast path; on failure the slow scan below finds the offending line.
+    try:  # the fast path; on failure the slow scan below finds the offending line
         lines = [ln for _, ln in rows]
         out = np.loadtxt(lines, delimiter=",", dtype=np.int64, usecols=cols, ndmin=2, comments=None)
-        if out.shape == (len(rows), 2):
-            return out, label
+        return out, label
     except ValueError:
         pass
     for (lineno, _), p in zip(rows, parts, strict=True):
@@ -475,9 +455,7 @@ def load_folder(
     """Load a multimodal graph stored in the folder format (``docs/datasets.md``).
 
     Edges are made undirected, coalesced and free of self loops; rows that a mask marks
-    unavailable are zeroed; modalities come in the sorted order of their file names. Class
-    names become ids in the order of ``class_names.json`` when the folder has one, else in
-    sorted order.
+    unavailable are zeroed; modalities come in the sorted order of their file names.
 
     Args:
         path: the dataset folder.
@@ -498,8 +476,7 @@ def load_folder(
     y, class_names, labels_path = _read_labels(folder, labels_as)
     n = y.size
     features = _read_features(folder, n, labels_path.name)
-    modalities = list(features)
-    mask = _read_masks(folder, n, modalities)
+    mask = _read_masks(folder, n, list(features))
     return MultimodalGraph(
         name=name if name is not None else _read_name(folder),
         features=zero_missing(features, mask),

@@ -1,8 +1,5 @@
 """MAGB / OpenMAG-style dataset folders (Grocery, Ele-Fashion, Movies, Toys, RedditS, ...):
-``<Name>.csv`` (one row per node: `label`, `neighbors` such as "[3, 17, 42]", texts),
-``TextFeature/*.npy`` and ``ImageFeature/*.npy`` (float ``[N, d]``); the DGL file
-``<Name>Graph.pt`` is not read. Layout and rules in ``docs/datasets.md``.
-"""
+``<Name>.csv``, ``TextFeature/*.npy``, ``ImageFeature/*.npy`` (layout in ``docs/datasets.md``)."""
 
 from __future__ import annotations
 
@@ -85,9 +82,9 @@ def _edges(folder: Path, table: Path, neighbors: list[list[int]] | None, n: int)
     )
 
 
-def _feature(folder: Path, modality: str, choice: str | None, n: int, config_key: str):
+def _feature(folder: Path, modality: str, choice: str | None, n: int):
     """One modality's matrix and availability, or ``None`` when the folder has none."""
-    sub = folder / MODALITY_DIRS[modality]
+    sub, config_key = folder / MODALITY_DIRS[modality], f"dataset.{modality}_feature"
     if not sub.is_dir():
         if choice:
             raise DataError(sub, f"directory missing, but `{config_key}` names {choice!r}")
@@ -142,11 +139,8 @@ def load_magb(
     y, neighbors = _read_table(table, label_column, neighbors_column)
     n = len(y)
     features, masks = {}, []
-    for m, choice, key in (
-        ("text", text_feature, "dataset.text_feature"),
-        ("image", image_feature, "dataset.image_feature"),
-    ):
-        got = _feature(folder, m, choice, n, key)
+    for m, choice in (("text", text_feature), ("image", image_feature)):
+        got = _feature(folder, m, choice, n)
         if got is not None:
             features[m], mask = got
             masks.append(mask)

@@ -149,14 +149,12 @@ def read_gnn_benchmark_npz(path: str | os.PathLike[str]) -> GnnBenchmarkNpz:
     try:
         # allow_pickle=False: names are stored as fixed-width unicode, never as objects.
         with np.load(path, allow_pickle=False) as f:
-            missing = [k for k in required if k not in f.files]
-            if missing:
-                raise DataError(path, f"missing field(s) {missing}; the file has {sorted(f.files)}")
-            z = {k: f[k] for k in f.files}
-    except DataError:
-        raise
+            z = dict(f)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as e:
         raise DataError(path, f"not a readable .npz archive ({type(e).__name__}: {e})") from e
+    missing = [k for k in required if k not in z]
+    if missing:
+        raise DataError(path, f"missing field(s) {missing}; the file has {sorted(z)}")
 
     adj = _npz_csr(path, z, "adj", rows=None)
     n = adj.shape[0]

@@ -72,11 +72,10 @@ def _multi_hot(
     for c in range(p.shape[0]):
         members = np.flatnonzero(y == c)
         words[members] = rng.choice(d, size=(members.size, k), p=p[c])
-    index = torch.from_numpy(np.stack([np.repeat(np.arange(n), k), words.ravel()]))
-    x = torch.sparse_coo_tensor(index, torch.ones(n * k), (n, d), check_invariants=True)
-    x = x.coalesce()
+    flat = np.unique(np.repeat(np.arange(n), k) * d + words.ravel())  # sorted, row-major
+    index = torch.from_numpy(np.stack([flat // d, flat % d]))
     return torch.sparse_coo_tensor(
-        x.indices(), torch.ones_like(x.values()), x.shape, is_coalesced=True, check_invariants=False
+        index, torch.ones(flat.size), (n, d), is_coalesced=True, check_invariants=True
     )
 
 
