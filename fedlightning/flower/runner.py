@@ -1,9 +1,5 @@
-"""``runner=flower``: each round's clients run on Flower nodes, one node per client.
-
-The schedule, server step, ledger and checkpoints stay in the ServerApp's process; every
-round is a ``train`` exchange (work kinds ``fit``, ``stage_end``, ``task_fit``), a plain
-run's evaluation an ``evaluate`` exchange, and a ``query`` exchange sets the nodes up
-first (docs/scaling.md).
+"""``runner=flower``: each round's clients run on Flower nodes, one node per client; the
+schedule, server step, ledger and checkpoints stay in the ServerApp (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -87,7 +83,6 @@ class FlowerRunner(Runner):
         if float(timeout_s) <= 0 or float(connect_timeout_s) <= 0:
             raise ConfigError("runner.timeout_s", "timeouts must be > 0 seconds")
         self.executor, self.grid, self.world = executor, grid, World()
-        self.progress = progress
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.nodes: dict[int, int] = {}  # client id -> Flower node id
         self.run_dir: Path | None = None
@@ -150,7 +145,7 @@ class FlowerRunner(Runner):
     ) -> list[ClientUpdate | None]:
         """Send ``fit``'s broadcast, kind and parameters to each client's node; return
         their updates (``None``: no message) in order."""
-        task = {**self._task(round), "kind": fit.kind, "total": len(clients), **fit.params}
+        task = {**self._task(round), "kind": fit.kind, **fit.params}
         contents = {
             c.client_id: message_records(
                 fit.broadcast, {**task, "client": c.client_id, "position": i}
