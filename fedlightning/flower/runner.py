@@ -38,11 +38,6 @@ class NodeLost(FedLightningError):
     """A Flower node did not answer within ``runner.timeout_s``, or answered with an error."""
 
 
-def run_key(run_dir: Path) -> str:
-    """The run's name on the nodes: a hash of its directory, the same when it resumes."""
-    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-
-
 def run_clients(cfg: DictConfig) -> int:
     """How many clients (one Flower node each) the run has: ``federation.clients``, or for
     FedTIP's task protocol the clients that own the stream (``protocol.ownership.clients``)."""
@@ -91,7 +86,9 @@ class FlowerRunner(Runner):
     # ------------------------------------------------------------------ set-up
     def begin(self, cfg: DictConfig, run_dir: Path, hashes: dict[str, str]) -> None:
         """Find one node per client and hand each the run's config (``query`` exchange)."""
-        self.run_dir, self.key = Path(run_dir), run_key(run_dir)
+        self.run_dir = Path(run_dir)
+        # the run's name on the nodes: a hash of its directory, the same when it resumes
+        self.key = hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:16]
         num_clients = run_clients(cfg)
         deadline = time.monotonic() + self.connect_timeout_s
         node_ids = self._wait_for_nodes(num_clients, deadline)
@@ -164,20 +161,13 @@ class FlowerRunner(Runner):
         self, round: int, clients: Sequence[Any], evaluate: Callable[[Any], dict[str, int]]
     ) -> dict[int, dict[str, int]]:
         """Send the global model to every client's node; return their counts."""
-        fields = as_model_fields(evaluate.global_state)
-        task = self._task(round)
-        contents = {
-            c.client_id: RecordDict(
-                {
-                    TENSORS: tensor_record(fields),
-                    TASK: ConfigRecord({**task, "client": c.client_id}),
-                }
-            )
-            for c in clients
-        }
+        fields, task = as_model_fields(evaluate.global_state), self._task(round)
+        contents = {}
+        for c in clients:
+            ask = ConfigRecord({**task, "client": c.client_id})
+            contents[c.client_id] = RecordDict({TENSORS: tensor_record(fields), TASK: ask})
         replies = self._exchange(MessageType.EVALUATE, round, contents)
-        counts = {k: replies[k].content[COUNTS] for k in contents}
-        return {k: {name: int(v) for name, v in c.items()} for k, c in counts.items()}
+        return {k: {n: int(v) for n, v in replies[k].content[COUNTS].items()} for k in contents}
 
     # ------------------------------------------------------------------ exchanges
     def _task(self, round: int) -> dict[str, Any]:
