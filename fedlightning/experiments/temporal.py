@@ -1,9 +1,8 @@
-"""``fedlightning train experiment=fedtip_*`` (``task=temporal``): protocol, bank, cached
-contexts, then every task of the manifest (:class:`~fedlightning.federation.tasks.TaskLoop`),
-with MLflow logging, a checkpoint per task and ``summary.json`` (docs/fedtip.md). The run is
-tagged ``families=nc,lp`` (those it ran), its metrics named per family (``auc_nc``,
-``auc_tlp``, ``auc_ilp``). Under ``runner=distributed`` rank 0 alone writes; the other ranks
-get its results (:meth:`~fedlightning.federation.world.World.on_main`) and read the cache."""
+"""``fedlightning train`` for ``task=temporal`` (FedTIP and its comparators; docs/fedtip.md):
+protocol, bank, cached contexts, then every task of the manifest
+(:class:`~fedlightning.federation.tasks.TaskLoop`). Under ``runner=distributed`` rank 0 alone
+writes; the other ranks get its results (:meth:`~fedlightning.federation.world.World.on_main`)
+and read the cache."""
 
 from __future__ import annotations
 

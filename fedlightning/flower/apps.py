@@ -1,12 +1,7 @@
-"""The Flower ``ServerApp`` and ``ClientApp`` of fedlightning, and its simulation
-(docs/scaling.md).
-
-- ``server_app`` runs :func:`fedlightning.train.train` with ``runner=flower``; its run
-  config takes ``overrides`` (Hydra overrides), ``run-dir`` and ``resume``.
-- ``client_app`` answers ``query`` (set up the node's client), ``train`` and ``evaluate``;
-  its node config takes ``partition-id``, ``num-partitions``, ``state-dir`` (default
-  ``~/.cache/fedlightning/flower``) and ``data-root`` (default ``$FEDLIGHTNING_DATA``).
-- :func:`simulate`: both in Flower's simulation engine (``fedlightning flower-sim``).
+"""The Flower ``ServerApp`` (run config: ``overrides``, ``run-dir``, ``resume``) and
+``ClientApp`` (node config: ``partition-id``, ``num-partitions``, ``state-dir``, ``data-root``,
+default ``$FEDLIGHTNING_DATA``) of fedlightning, and :func:`simulate`, both in Flower's
+simulation engine (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -102,7 +97,7 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
     app = ClientApp()
 
     def open_task(msg: Message, context: Context) -> tuple[Any, Path, int]:
-        """The message's task, this node's client folder and id; the server's threads set."""
+        """The message's task, this node's client folder and id."""
         if "partition-id" not in context.node_config:
             raise ConfigError(
                 "partition-id",
@@ -110,7 +105,6 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
             )
         task, k = msg.content[TASK], int(context.node_config["partition-id"])
         root = context.node_config.get("state-dir") or state_dir or DEFAULT_STATE_DIR
-        torch.set_num_threads(int(task["threads"]))
         return task, node_folder(str(root), str(task["run"]), k), k
 
     @app.query()
@@ -122,6 +116,7 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
                 "federation.clients (protocol.ownership.clients for FedTIP)",
                 f"the run has {task['clients']} clients, this node's num-partitions is {parts}",
             )
+        torch.set_num_threads(int(task["threads"]))
         data_root = context.node_config.get("data-root") or os.environ.get("FEDLIGHTNING_DATA")
         hashes = json.loads(str(task["hashes"]))
         setup_node(where, k, str(task["config"]), hashes, data_root)
@@ -129,7 +124,9 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
 
     def answer(msg: Message, context: Context) -> Message:
         task, where, k = open_task(msg, context)
-        reply = open_node(where, k).answer(msg.metadata.message_type, msg.content, dict(task))
+        node = open_node(where, k)
+        torch.set_num_threads(int(task["threads"]))
+        reply = node.answer(msg.metadata.message_type, msg.content, dict(task))
         return Message(reply, reply_to=msg)
 
     app.train()(answer)
