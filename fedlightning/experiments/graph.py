@@ -147,9 +147,8 @@ def build_protocol(
     if partition.meta["split_fractions"][1] <= 0:
         raise ConfigError(
             "partition.split",
-            "the class-incremental protocol calibrates its "
-            "rejection threshold on validation nodes: the validation fraction "
-            "must be > 0",
+            "the class-incremental protocol calibrates its rejection threshold on validation "
+            "nodes: the validation fraction must be > 0",
         )
     stream = build(cfg.protocol.stream, "protocol.stream")(graph, partition, cfg.protocol.seed)
     save_protocol(stream, run_dir / "stream.json", resuming)
@@ -163,10 +162,8 @@ def build_protocol(
 def _report(tracker: Any, observe: Observer | None, kind: str, step: int, m: dict) -> None:
     """Log a round's metrics (or a stage's, as ``stage_<name>``), then show them to
     ``observe``."""
-    if kind == "stage":
-        tracker.log_metrics({f"stage_{k}": v for k, v in m.items() if k != "stage"}, step=step)
-    else:
-        tracker.log_metrics(m, step=step)
+    logged = {f"stage_{k}": v for k, v in m.items() if k != "stage"} if kind == "stage" else m
+    tracker.log_metrics(logged, step=step)
     if observe is not None:
         observe(kind, step, m)
 
@@ -211,25 +208,17 @@ def train_graph(
         on_round_end=lambda r, m: _report(run.tracker, observe, "round", r, m),
     )
     if stream is None:
-        schedule = algorithm.loop_class or FederatedLoop
-        loop = schedule(
-            algorithm, module, server, clients, runner, rounds=cfg.federation.rounds, **common
-        )
+        schedule, kwargs = algorithm.loop_class or FederatedLoop, {"rounds": cfg.federation.rounds}
     else:
         algorithm.setup(stream, cfg.federation.rounds, cfg.seed, graph.num_classes)
         schedule = algorithm.loop_class or ContinualLoop
-        loop = schedule(
-            algorithm,
-            module,
-            server,
-            clients,
-            runner,
+        kwargs = dict(
             stream=stream,
             rounds_per_stage=cfg.federation.rounds,
             num_classes=graph.num_classes,
             on_stage_end=lambda t, m: _report(run.tracker, observe, "stage", t, m),
-            **common,
         )
+    loop = schedule(algorithm, module, server, clients, runner, **kwargs, **common)
     if resume_loop(loop, world, cfg, run_dir, hashes, resuming):
         log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
     tags = run_tags(

@@ -1,9 +1,8 @@
-"""``fedlightning train experiment=fedtip_*`` (``task=temporal``): protocol, bank, cached
-contexts, then every task of the manifest (:class:`~fedlightning.federation.tasks.TaskLoop`),
-with MLflow logging, a checkpoint per task and ``summary.json`` (docs/fedtip.md). The run is
-tagged ``families=nc,lp`` (those it ran), its metrics named per family (``auc_nc``,
-``auc_tlp``, ``auc_ilp``). Under ``runner=distributed`` rank 0 alone writes; the other ranks
-get its results (:meth:`~fedlightning.federation.world.World.on_main`) and read the cache."""
+"""``fedlightning train`` for ``task=temporal`` (FedTIP and its comparators; docs/fedtip.md):
+protocol, bank, cached contexts, then every task of the manifest
+(:class:`~fedlightning.federation.tasks.TaskLoop`). Under ``runner=distributed`` rank 0 alone
+writes; the other ranks get its results (:meth:`~fedlightning.federation.world.World.on_main`)
+and read the cache."""
 
 from __future__ import annotations
 
@@ -96,22 +95,17 @@ def check_families(families: Any, stream: EventStream | None) -> list[str]:
     family ``stream`` supports (``nc`` only if :attr:`EventStream.has_labels`), logged; every
     family before the stream is read (``stream=None``). A :class:`ConfigError` naming
     ``families`` for a bad value or ``nc`` on a stream without usable labels."""
-    if isinstance(families, str):
-        if families != AUTO:
-            raise ConfigError(
-                "families", f"`{AUTO}` or a non-empty list of {list(FAMILIES)}, got {families!r}"
-            )
+    if isinstance(families, str) and families == AUTO:
         if stream is None:
             return list(FAMILIES)
         fams = [f for f in FAMILIES if f != "nc" or stream.has_labels]
         why = "state labels 0/1" if stream.has_labels else "no usable state labels"
         log.info("families=auto: %s on %s (%s)", ",".join(fams), stream.name, why)
         return fams
-    fams = list(families or [])
-    bad = [f for f in fams if f not in FAMILIES]
-    if not fams or bad:
+    fams = [] if isinstance(families, str) else list(families or [])
+    if not fams or any(f not in FAMILIES for f in fams):
         raise ConfigError(
-            "families", f"`{AUTO}` or a non-empty list of {list(FAMILIES)}, got {fams}"
+            "families", f"`{AUTO}` or a non-empty list of {list(FAMILIES)}, got {families!r}"
         )
     if stream is not None and "nc" in fams and not stream.has_labels:
         has = "none" if stream.label is None else "one value only"

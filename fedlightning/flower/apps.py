@@ -1,27 +1,20 @@
-"""The Flower ``ServerApp`` and ``ClientApp`` of fedlightning, and its simulation
-(docs/scaling.md).
-
-- ``server_app`` runs :func:`fedlightning.train.train` with ``runner=flower``; its run
-  config takes ``overrides`` (Hydra overrides), ``run-dir`` and ``resume``.
-- ``client_app`` answers ``query`` (set up the node's client), ``train`` and ``evaluate``;
-  its node config takes ``partition-id``, ``num-partitions``, ``state-dir`` (default
-  ``~/.cache/fedlightning/flower``) and ``data-root`` (default ``$FEDLIGHTNING_DATA``).
-- :func:`simulate`: both in Flower's simulation engine (``fedlightning flower-sim``).
+"""The Flower ``ServerApp`` (run config: ``overrides``, ``run-dir``, ``resume``) and
+``ClientApp`` (node config: ``partition-id``, ``num-partitions``, ``state-dir``, ``data-root``,
+default ``$FEDLIGHTNING_DATA``) of fedlightning, and :func:`simulate`, both in Flower's
+simulation engine (docs/scaling.md).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shlex
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig
@@ -29,18 +22,9 @@ from omegaconf import DictConfig
 from fedlightning.config import build, run_label
 from fedlightning.errors import ConfigError
 from fedlightning.flower.node import node_folder, open_node, setup_node
-from fedlightning.flower.records import (
-    COUNTS,
-    TASK,
-    TENSORS,
-    message_records,
-    record_tensors,
-    records_message,
-)
+from fedlightning.flower.records import TASK
 from fedlightning.flower.runner import run_clients
-from fedlightning.server.aggregate import model_state
 
-log = logging.getLogger("fedlightning")
 DEFAULT_STATE_DIR = "~/.cache/fedlightning/flower"
 
 
@@ -71,40 +55,30 @@ def default_run_dir(cfg: DictConfig) -> Path:
     return Path("outputs") / run_label(cfg) / str(cfg.name) / stamp
 
 
-def serve(grid: Grid, overrides: list[str], run_dir: Path | None = None) -> dict[str, Any]:
-    """Train the experiment ``overrides`` with its clients on ``grid``'s nodes."""
-    from fedlightning.train import train
-
-    cfg, _ = flower_configs(overrides)
-    runner = build(cfg.runner, "runner", grid=grid)
-    return train(cfg, run_dir or default_run_dir(cfg), runner=runner)
-
-
-def run_config_overrides(run_config: dict[str, Any]) -> tuple[list[str], Path | None]:
-    """``flwr run --run-config`` keys -> Hydra overrides and run directory."""
-    overrides = shlex.split(str(run_config.get("overrides", "")))
-    if run_config.get("resume"):
-        overrides.append(f"resume={run_config['resume']}")
-    run_dir = run_config.get("run-dir")
-    return overrides, Path(str(run_dir)) if run_dir else None
-
-
 def make_server_app(
     overrides: list[str] | None = None,
     run_dir: Path | None = None,
     result: dict[str, Any] | None = None,
 ) -> ServerApp:
-    """A ``ServerApp`` that runs ``overrides`` (``None``: from the run config) and puts the
-    summary (or the exception) into ``result``."""
+    """A ``ServerApp`` that trains ``overrides`` (``None``: from the run config) with its
+    clients on the grid's nodes and puts the summary (or the exception) into ``result``."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        from fedlightning.train import train
+
         args, folder = overrides, run_dir
-        if overrides is None:
-            args, folder = run_config_overrides(dict(context.run_config))
+        if overrides is None:  # the `flwr run --run-config` keys
+            config = dict(context.run_config)
+            args = shlex.split(str(config.get("overrides", "")))
+            if config.get("resume"):
+                args.append(f"resume={config['resume']}")
+            folder = Path(str(config["run-dir"])) if config.get("run-dir") else None
         try:
-            summary = serve(grid, args, folder)
+            cfg, _ = flower_configs(args)
+            runner = build(cfg.runner, "runner", grid=grid)
+            summary = train(cfg, folder or default_run_dir(cfg), runner=runner)
         except BaseException as e:
             if result is None:
                 raise
@@ -122,20 +96,20 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
     else ``state_dir``, else ``~/.cache/fedlightning/flower``."""
     app = ClientApp()
 
-    def folder(context: Context, task: Any) -> tuple[Path, int]:
+    def open_task(msg: Message, context: Context) -> tuple[Any, Path, int]:
+        """The message's task, this node's client folder and id."""
         if "partition-id" not in context.node_config:
             raise ConfigError(
                 "partition-id",
                 "this SuperNode has no client: start it with --node-config 'partition-id=K'",
             )
-        k = int(context.node_config["partition-id"])
+        task, k = msg.content[TASK], int(context.node_config["partition-id"])
         root = context.node_config.get("state-dir") or state_dir or DEFAULT_STATE_DIR
-        return node_folder(str(root), str(task["run"]), k), k
+        return task, node_folder(str(root), str(task["run"]), k), k
 
     @app.query()
     def setup(msg: Message, context: Context) -> Message:
-        task = msg.content[TASK]
-        where, k = folder(context, task)
+        task, where, k = open_task(msg, context)
         parts = context.node_config.get("num-partitions")
         if parts is not None and int(parts) != int(task["clients"]):
             raise ConfigError(
@@ -148,29 +122,15 @@ def make_client_app(state_dir: Path | None = None) -> ClientApp:
         setup_node(where, k, str(task["config"]), hashes, data_root)
         return Message(RecordDict({TASK: ConfigRecord({"client": k})}), reply_to=msg)
 
-    def answer(kind: str, work: Callable[[Any, Any], RecordDict]) -> Callable:
-        def handler(msg: Message, context: Context) -> Message:
-            task = msg.content[TASK]
-            where, k = folder(context, task)
-            node = open_node(where, k)
-            torch.set_num_threads(int(task["threads"]))
-            content = work(node, msg)
-            node.audit(kind, int(task["round"]), content)
-            return Message(content, reply_to=msg)
+    def answer(msg: Message, context: Context) -> Message:
+        task, where, k = open_task(msg, context)
+        node = open_node(where, k)
+        torch.set_num_threads(int(task["threads"]))
+        reply = node.answer(msg.metadata.message_type, msg.content, dict(task))
+        return Message(reply, reply_to=msg)
 
-        return handler
-
-    def train(node: Any, msg: Message) -> RecordDict:
-        task = msg.content[TASK]
-        broadcast = records_message(msg.content, round=int(task["round"]))
-        return message_records(node.work(str(task["kind"]), broadcast, dict(task)))
-
-    def evaluate(node: Any, msg: Message) -> RecordDict:
-        counts = node.evaluate(model_state(record_tensors(msg.content[TENSORS])))
-        return RecordDict({COUNTS: MetricRecord(counts)})
-
-    app.train()(answer("train", train))
-    app.evaluate()(answer("evaluate", evaluate))
+    app.train()(answer)
+    app.evaluate()(answer)
     return app
 
 

@@ -1,14 +1,8 @@
-"""A Flower node's side of a run: one folder per run and client on the node's own disk,
-``<root>/<run key>/client_<k>/`` (docs/scaling.md):
-
-- ``config.yaml``: the run's resolved config, as the server sent it at set-up;
-- ``client.pt``: the client built at set-up from the node's data (whose protocol hashes
-  must equal the server's): a graph client's subgraph, input sizes and class stream, or a
-  FedTIP client's support in every task it takes part in;
-- ``state_<round>.pt``: the client's persistent state after its fit in ``round``
-  (:class:`StateFiles`);
-- ``sent.jsonl``: an audit log of every reply the node sent.
-
+"""A Flower node's side of a run (docs/scaling.md): one folder per run and client on the
+node's own disk, ``<root>/<run key>/client_<k>/``, holding ``config.yaml`` (the run's
+resolved config), ``client.pt`` (the client built at set-up from the node's data: a graph
+client's subgraph, input sizes and class stream, or a FedTIP client's support per task),
+``state_<round>.pt`` (:class:`StateFiles`) and ``sent.jsonl`` (an audit log of every reply).
 A deployment starts a fresh ClientApp process per message, so a fit reads everything from
 this folder; a simulation reuses its processes and :func:`open_node`'s cache.
 """
@@ -22,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import RecordDict
+from flwr.app import MetricRecord, RecordDict
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.config import build
@@ -30,8 +24,16 @@ from fedlightning.errors import DataError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.loop import LocalEvaluate, LocalFit
 from fedlightning.federation.tasks import Member, TaskBatches, TaskContext
-from fedlightning.flower.records import content_fields
+from fedlightning.flower.records import (
+    COUNTS,
+    TENSORS,
+    content_fields,
+    message_records,
+    record_tensors,
+    records_message,
+)
 from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.server.aggregate import model_state
 from fedlightning.utils.io import save_torch
 
 CONFIG, CLIENT, AUDIT = "config.yaml", "client.pt", "sent.jsonl"
@@ -72,14 +74,13 @@ def setup_node(
 
 def check_hashes(cfg: DictConfig, ours: dict[str, str], server: dict[str, str]) -> None:
     """Refuse a node whose data (or code) gives other protocol objects than the server's."""
-    differ = {k: (v, server[k]) for k, v in ours.items() if k in server and server[k] != v}
-    if differ:
-        k, (mine, theirs) = next(iter(differ.items()))
-        raise DataError(
-            cfg.dataset.get("root") or cfg.dataset.get("path") or cfg.dataset.get("name"),
-            f"this node's data gives {k} hash {mine}, the server's run has {theirs}: the "
-            "node holds other data (or code) than the server",
-        )
+    for k, mine in ours.items():
+        if k in server and server[k] != mine:
+            raise DataError(
+                cfg.dataset.get("root") or cfg.dataset.get("path") or cfg.dataset.get("name"),
+                f"this node's data gives {k} hash {mine}, the server's run has {server[k]}: "
+                "the node holds other data (or code) than the server",
+            )
 
 
 def _graph_client(
@@ -95,11 +96,9 @@ def _graph_client(
         stream = build(cfg.protocol.stream, "protocol.stream")(graph, partition, cfg.protocol.seed)
         ours["stream"] = stream.hash
     check_hashes(cfg, ours, hashes)
-    client = build_client(graph, partition, client_id)
-    in_dims = {m: x.size(1) for m, x in graph.features.items()}
     return {
-        "data": client.data,
-        "in_dims": in_dims,
+        "data": build_client(graph, partition, client_id).data,
+        "in_dims": {m: x.size(1) for m, x in graph.features.items()},
         "num_classes": graph.num_classes,
         "stream": stream,
     }
@@ -187,28 +186,40 @@ class NodeClient:
                 saved["num_classes"],
             )  # fmt: skip
 
+    def answer(self, kind: str, content: RecordDict, task: dict[str, Any]) -> RecordDict:
+        """The reply to a ``train`` message (:meth:`work`'s update; no record for ``None``)
+        or an ``evaluate`` one (correct and total nodes per split of the global model on this
+        client's data), appended to ``sent.jsonl``."""
+        round = int(task["round"])
+        if kind == "evaluate":
+            evaluate = LocalEvaluate(self.module, model_state(record_tensors(content[TENSORS])))
+            counts = evaluate(FederatedClient(self.client_id, self.data))
+            reply = RecordDict({COUNTS: MetricRecord(counts)})
+        else:
+            broadcast = records_message(content, round=round)
+            reply = message_records(self.work(str(task["kind"]), broadcast, task))
+        entry = {"time": time.time(), "kind": kind, "round": round}
+        entry["records"] = content_fields(reply)
+        with open(self.folder / AUDIT, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        return reply
+
     def work(self, kind: str, broadcast: ServerBroadcast, task: dict[str, Any]) -> Any:
-        """The client's part of a round of ``kind`` (``fit``, ``stage_end``, ``task_fit``),
-        as the same round in one process gives it; the update, or ``None``."""
-        if kind == "fit":
-            return self.fit(broadcast, int(task["epochs"]))
-        if kind == "stage_end":
-            state = self.states.load(broadcast.round, inclusive=True)
-            client = FederatedClient(self.client_id, self.data, state)
-            return self.algorithm.stage_end_update(
-                self.module, client, broadcast, int(task["stage"])
-            )
+        """The client's part of a round of ``kind``, as the same round in one process gives
+        it: ``fit`` (:class:`LocalFit` from the state saved after this client's newest
+        earlier fit; the new state is saved for the next), ``stage_end`` (from the state
+        after this round) or ``task_fit``. The update, or ``None``."""
         if kind == "task_fit":
             return self.task_fit(broadcast, task)
-        raise ValueError(f"unknown work {kind!r}")
-
-    def fit(self, broadcast: ServerBroadcast, epochs: int) -> ClientUpdate:
-        """The round's local fit (:class:`LocalFit`, as in-process), from the state saved
-        after this client's last earlier fit; the new state is saved for the next."""
-        client = FederatedClient(self.client_id, self.data, self.states.load(broadcast.round))
-        fit = LocalFit(
-            self.algorithm, self.module, broadcast, self.executor, epochs, int(self.cfg.seed)
-        )
+        if kind not in ("fit", "stage_end"):
+            raise ValueError(f"unknown work {kind!r}")
+        state = self.states.load(broadcast.round, inclusive=kind == "stage_end")
+        client = FederatedClient(self.client_id, self.data, state)
+        if kind == "stage_end":
+            stage = int(task["stage"])
+            return self.algorithm.stage_end_update(self.module, client, broadcast, stage)
+        epochs, seed = int(task["epochs"]), int(self.cfg.seed)
+        fit = LocalFit(self.algorithm, self.module, broadcast, self.executor, epochs, seed)
         update = fit(client)
         self.states.save(broadcast.round, client.state)
         return update
@@ -232,17 +243,6 @@ class NodeClient:
             (update,) = work.share(range(position, position + 1))
             return update
         return work.one(Member(k))
-
-    def evaluate(self, global_state: dict[str, torch.Tensor]) -> dict[str, int]:
-        """Correct and total nodes per split of the global model on this client's data."""
-        return LocalEvaluate(self.module, global_state)(FederatedClient(self.client_id, self.data))
-
-    def audit(self, kind: str, round: int, content: RecordDict) -> None:
-        """Append what this node sends to the server to ``sent.jsonl``."""
-        entry = {"time": time.time(), "kind": kind, "round": round}
-        entry["records"] = content_fields(content)
-        with open(self.folder / AUDIT, "a") as f:
-            f.write(json.dumps(entry) + "\n")
 
 
 @functools.lru_cache(maxsize=8)

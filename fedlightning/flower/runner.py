@@ -1,9 +1,5 @@
-"""``runner=flower``: each round's clients run on Flower nodes, one node per client.
-
-The schedule, server step, ledger and checkpoints stay in the ServerApp's process; every
-round is a ``train`` exchange (work kinds ``fit``, ``stage_end``, ``task_fit``), a plain
-run's evaluation an ``evaluate`` exchange, and a ``query`` exchange sets the nodes up
-first (docs/scaling.md).
+"""``runner=flower``: each round's clients run on Flower nodes, one node per client; the
+schedule, server step, ledger and checkpoints stay in the ServerApp (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -40,11 +36,6 @@ POLL_S = 0.25  # between two pulls of replies from the SuperLink
 
 class NodeLost(FedLightningError):
     """A Flower node did not answer within ``runner.timeout_s``, or answered with an error."""
-
-
-def run_key(run_dir: Path) -> str:
-    """The run's name on the nodes: a hash of its directory, the same when it resumes."""
-    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
 def run_clients(cfg: DictConfig) -> int:
@@ -87,7 +78,6 @@ class FlowerRunner(Runner):
         if float(timeout_s) <= 0 or float(connect_timeout_s) <= 0:
             raise ConfigError("runner.timeout_s", "timeouts must be > 0 seconds")
         self.executor, self.grid, self.world = executor, grid, World()
-        self.progress = progress
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.nodes: dict[int, int] = {}  # client id -> Flower node id
         self.run_dir: Path | None = None
@@ -96,7 +86,9 @@ class FlowerRunner(Runner):
     # ------------------------------------------------------------------ set-up
     def begin(self, cfg: DictConfig, run_dir: Path, hashes: dict[str, str]) -> None:
         """Find one node per client and hand each the run's config (``query`` exchange)."""
-        self.run_dir, self.key = Path(run_dir), run_key(run_dir)
+        self.run_dir = Path(run_dir)
+        # the run's name on the nodes: a hash of its directory, the same when it resumes
+        self.key = hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:16]
         num_clients = run_clients(cfg)
         deadline = time.monotonic() + self.connect_timeout_s
         node_ids = self._wait_for_nodes(num_clients, deadline)
@@ -150,7 +142,7 @@ class FlowerRunner(Runner):
     ) -> list[ClientUpdate | None]:
         """Send ``fit``'s broadcast, kind and parameters to each client's node; return
         their updates (``None``: no message) in order."""
-        task = {**self._task(round), "kind": fit.kind, "total": len(clients), **fit.params}
+        task = {**self._task(round), "kind": fit.kind, **fit.params}
         contents = {
             c.client_id: message_records(
                 fit.broadcast, {**task, "client": c.client_id, "position": i}
@@ -169,20 +161,13 @@ class FlowerRunner(Runner):
         self, round: int, clients: Sequence[Any], evaluate: Callable[[Any], dict[str, int]]
     ) -> dict[int, dict[str, int]]:
         """Send the global model to every client's node; return their counts."""
-        fields = as_model_fields(evaluate.global_state)
-        task = self._task(round)
-        contents = {
-            c.client_id: RecordDict(
-                {
-                    TENSORS: tensor_record(fields),
-                    TASK: ConfigRecord({**task, "client": c.client_id}),
-                }
-            )
-            for c in clients
-        }
+        fields, task = as_model_fields(evaluate.global_state), self._task(round)
+        contents = {}
+        for c in clients:
+            ask = ConfigRecord({**task, "client": c.client_id})
+            contents[c.client_id] = RecordDict({TENSORS: tensor_record(fields), TASK: ask})
         replies = self._exchange(MessageType.EVALUATE, round, contents)
-        counts = {k: replies[k].content[COUNTS] for k in contents}
-        return {k: {name: int(v) for name, v in c.items()} for k, c in counts.items()}
+        return {k: {n: int(v) for n, v in replies[k].content[COUNTS].items()} for k in contents}
 
     # ------------------------------------------------------------------ exchanges
     def _task(self, round: int) -> dict[str, Any]:
