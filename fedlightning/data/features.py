@@ -8,7 +8,6 @@ import csv
 import importlib
 import json
 import logging
-import math
 import os
 import time
 import zipfile
@@ -353,10 +352,3 @@ def extract(
     save_folder(graph, out)
     (out / "encoders.json").write_text(json.dumps(record, indent=2), encoding="utf-8")
     return record
-
-
-def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine similarity of two matrices of the same shape."""
-    num = (a * b).sum(1)
-    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    return num / np.maximum(den, math.ulp(1.0))

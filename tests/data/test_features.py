@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ except ImportError:
         raise
     pytest.skip("pip install -e '.[features]' to run these", allow_module_level=True)
 
-from fedlightning.data.features import ImageEncoder, cosine_rows, extract  # noqa: E402
+from fedlightning.data.features import ImageEncoder, extract  # noqa: E402
 from fedlightning.data.graphs import load_folder  # noqa: E402
 from fedlightning.data.graphs.citeseer_mm import read_tape_records  # noqa: E402
 from fedlightning.errors import DataError  # noqa: E402
@@ -30,6 +31,13 @@ N = 80
 NO_TEXT = (3, 17, 40)  # nodes whose text cell is empty
 IMAGED = range(0, 24, 2)  # nodes with a photo
 CORRUPT = 30  # a node whose image file is not an image
+
+
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity of two matrices of the same shape."""
+    num = (a * b).sum(1)
+    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return num / np.maximum(den, math.ulp(1.0))
 
 
 def tape(shared_data: Path):
