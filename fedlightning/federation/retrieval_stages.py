@@ -46,7 +46,6 @@ class RetrievalLoop(ContinualLoop):
         if getattr(algorithm, "score", "similarity") != "similarity":
             raise ValueError(f"RetrievalLoop rejects by similarity, not {algorithm.score!r}")
         super().__init__(algorithm, *args, **kw)
-        self.score_fn = max_similarity
 
     # ------------------------------------------------------------------ evaluation
     @staticmethod
@@ -63,11 +62,9 @@ class RetrievalLoop(ContinualLoop):
         return recall_at_k(q[m], k[m], 1) if bool(m.any()) else m[:0]
 
     def stage_parts(self, c: Any, outputs: list[Any], t: int) -> dict[str, Parts | None]:
-        """Per split, retrieval among client ``c``'s nodes after stage ``t``: per known-class
-        query ``[n]`` its class's ``node_stage``, whether it ranks its own item first
-        ``hit``, its class ``y`` and its max similarity to the known-class items
-        ``known_score``; ``unknown_score`` ``[u]`` of the unknown-class queries. ``None``
-        without a known-class pair (no candidate to retrieve or compare with)."""
+        """Per split, client ``c``'s queries after stage ``t`` (module docstring): of the known
+        ones ``[n]`` ``node_stage``, ``hit``, class ``y`` and ``known_score``, the unknown
+        ones' ``unknown_score`` ``[u]``; ``None`` without a known-class pair."""
         q, k, pairs = outputs
         data, net = c.data, self.module.net
         node_stage = self.class_stage[data.y]

@@ -90,7 +90,6 @@ class ContinualLoop(FederatedLoop):
         self.num_classes, self.basis_rank = num_classes, basis_rank
         self.on_stage_end = on_stage_end
         self.class_stage = stream.class_stage(num_classes)
-        self.score_fn = SCORE_FNS.get(self.algorithm.score)  # None: the loop scores otherwise
         self.rows: dict[str, list[list[float]]] = {"test": [], "val": []}
         self.client_rows: dict[int, list[list[float]]] = {c.client_id: [] for c in self.clients}
         self.stage_results: list[dict[str, float]] = []
@@ -239,7 +238,7 @@ class ContinualLoop(FederatedLoop):
         node_stage = self.class_stage[y]
         is_known = (node_stage >= 0) & (node_stage <= t)
         pred = known[logits[:, known].argmax(-1)]
-        score = self.score_fn(logits, self.stream.known_mask(t, self.num_classes))
+        score = SCORE_FNS[self.algorithm.score](logits, self.stream.known_mask(t, self.num_classes))
         out = {}
         for s in SPLITS:
             m = c.data[f"{s}_mask"]
@@ -299,10 +298,10 @@ class ContinualLoop(FederatedLoop):
             if old
             else 0.0
         )
+        g_cat = torch.cat([r["g"][m] for m, _, r in train])
         drifts = []
         for i in range(t + 1):
-            nodes = torch.isin(y_cat, torch.tensor(self.stream.stages[i]))
-            g = torch.cat([r["g"][m] for m, _, r in train])[nodes]
+            g = g_cat[torch.isin(y_cat, torch.tensor(self.stream.stages[i]))]
             if min(g.shape) <= self.basis_rank:
                 continue
             basis = principal_basis(g, self.basis_rank)
