@@ -12,6 +12,7 @@ are the client's test nodes of unknown classes, scored against the same items.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -54,15 +55,10 @@ class RetrievalLoop(ContinualLoop):
         q, k = net(data)
         return q, k, net.pair_mask(data)
 
-    @staticmethod
-    def known_hits(data: Any, outputs: list[Any], known: Tensor, m: Tensor) -> Tensor:
-        """Recall@1 hits of the paired nodes among ``m``."""
-        q, k, pairs = outputs
-        m = m & pairs
-        return recall_at_k(q[m], k[m], 1) if bool(m.any()) else m[:0]
-
-    def stage_parts(self, c: Any, outputs: list[Any], t: int) -> dict[str, Parts | None]:
-        """Per split, client ``c``'s queries after stage ``t`` (module docstring): of the known
+    def stage_parts(
+        self, c: Any, outputs: list[Any], t: int, splits: Iterable[str] = SPLITS
+    ) -> dict[str, Parts | None]:
+        """Per split of ``splits``, client ``c``'s queries after stage ``t`` (module docstring): of the known
         ones ``[n]`` ``node_stage``, ``hit``, class ``y`` and ``known_score``, the unknown
         ones' ``unknown_score`` ``[u]``; ``None`` without a known-class pair."""
         q, k, pairs = outputs
@@ -70,7 +66,7 @@ class RetrievalLoop(ContinualLoop):
         node_stage = self.class_stage[data.y]
         is_known = (node_stage >= 0) & (node_stage <= t)
         out: dict[str, Parts | None] = {}
-        for s in SPLITS:
+        for s in splits:
             m = data[f"{s}_mask"]
             known = m & is_known & pairs
             if not known.any():

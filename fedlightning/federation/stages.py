@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -118,22 +118,15 @@ class ContinualLoop(FederatedLoop):
         return (net.head(reps["z"]) if "z" in reps else net(data)), reps
 
     def evaluate(self, round: int) -> dict[str, float]:
-        """:meth:`known_hits` over the known classes of the current stage, per split, pooled."""
-        known = torch.tensor(self.stream.known(self.stage_of(round)), dtype=torch.long)
+        """Closed-set accuracy over the known classes of the current stage (the ``hit`` of
+        :meth:`stage_parts`), per split, pooled over clients."""
         totals = {s: [0, 0] for s in ("train", *SPLITS)}
         for c, *outputs in self._forward_all():
-            is_known = torch.isin(c.data.y, known)
-            for s in totals:
-                hits = self.known_hits(c.data, outputs, known, c.data[f"{s}_mask"] & is_known)
-                totals[s][0] += int(hits.sum())
-                totals[s][1] += hits.numel()
+            for s, r in self.stage_parts(c, outputs, self.stage_of(round), totals).items():
+                if r is not None:
+                    totals[s][0] += int(r["hit"].sum())
+                    totals[s][1] += r["hit"].numel()
         return {f"{s}_acc": a / n if n else math.nan for s, (a, n) in totals.items()}
-
-    @staticmethod
-    def known_hits(data: Any, outputs: list[Any], known: Tensor, m: Tensor) -> Tensor:
-        """Closed-set hits of the nodes ``m``: the argmax over the known classes is right."""
-        logits = outputs[0]
-        return known[logits[m][:, known].argmax(-1)] == data.y[m]
 
     def end_of_round(self, round: int) -> None:
         if round % self.rounds_per_stage:
@@ -227,8 +220,10 @@ class ContinualLoop(FederatedLoop):
             **self.open_metrics(t, cat, delta, forward),
         }
 
-    def stage_parts(self, c: Any, outputs: list[Any], t: int) -> dict[str, Parts | None]:
-        """Per split, client ``c``'s nodes after stage ``t``: of the known-class nodes the
+    def stage_parts(
+        self, c: Any, outputs: list[Any], t: int, splits: Iterable[str] = SPLITS
+    ) -> dict[str, Parts | None]:
+        """Per split of ``splits``, client ``c``'s nodes after stage ``t``: of the known-class nodes the
         stage that introduced their class ``node_stage`` and the closed-set ``hit`` (the
         argmax over the known classes is right); the rejection scores ``known_score`` and
         ``unknown_score``; every node's ``node, client, y, pred, score, known``."""
@@ -240,7 +235,7 @@ class ContinualLoop(FederatedLoop):
         pred = known[logits[:, known].argmax(-1)]
         score = SCORE_FNS[self.algorithm.score](logits, self.stream.known_mask(t, self.num_classes))
         out = {}
-        for s in SPLITS:
+        for s in splits:
             m = c.data[f"{s}_mask"]
             mk = m & is_known  # the matrix is closed-set over the known classes
             node = c.data.node_id[m] if "node_id" in c.data else m.nonzero().squeeze(1)
