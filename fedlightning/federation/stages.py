@@ -373,22 +373,14 @@ class ContinualLoop(FederatedLoop):
         return paths
 
     # ------------------------------------------------------------------ state
+    own_state = ("rows", "client_rows", "stage_results", "centroids_at_intro", "bases_at_end")
+
     def state_dict(self) -> dict[str, Any]:
-        extra = {
-            "rows": self.rows,
-            "client_rows": self.client_rows,
-            "stage_results": self.stage_results,
-            "test_scores": self.test_scores,
-            "centroids_at_intro": self.centroids_at_intro,
-            "bases_at_end": self.bases_at_end,
-        }
+        extra = {k: getattr(self, k) for k in (*self.own_state, "test_scores")}
         return {**super().state_dict(), "extra": extra}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        state = state["extra"]
-        self.rows, self.client_rows = state["rows"], state["client_rows"]
-        self.stage_results = state["stage_results"]
-        self.test_scores = state.get("test_scores", [])
-        self.centroids_at_intro = state["centroids_at_intro"]
-        self.bases_at_end = state["bases_at_end"]
+        for k in self.own_state:
+            setattr(self, k, state["extra"][k])
+        self.test_scores = state["extra"].get("test_scores", [])  # not in older checkpoints
