@@ -56,11 +56,10 @@ class ContinualFedAvg(Algorithm):
         prox_mu: float = 0.0,
         score: str = "msp",
     ) -> None:
-        if replay_budget < 0:
-            raise ConfigError("algorithm.replay_budget", f"must be >= 0, got {replay_budget}")
         if replay_stages is not None and replay_stages < 1:
             raise ConfigError("algorithm.replay_stages", f"must be >= 1, got {replay_stages}")
         for key, value in (
+            ("replay_budget", replay_budget),
             ("lambda_rep", lambda_rep),
             ("lambda_dis", lambda_dis),
             ("prox_mu", prox_mu),

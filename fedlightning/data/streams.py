@@ -174,12 +174,8 @@ class ClassIncrementalStream:
         never = sorted(order[cuts[-1] :])
         k_clients = partition.num_clients
         train = partition.split == TRAIN
-        counts = torch.zeros(k_clients, c, dtype=torch.long)  # training nodes per client, class
-        counts.index_put_(
-            (partition.assignment[train], graph.y[train]),
-            torch.ones(int(train.sum()), dtype=torch.long),
-            accumulate=True,
-        )
+        cell = partition.assignment[train] * c + graph.y[train]
+        counts = torch.bincount(cell, minlength=k_clients * c).view(k_clients, c)  # train nodes
         observed: list[list[list[int]]] = [[] for _ in range(k_clients)]
         for t, new in enumerate(stages):
             rng = np.random.default_rng(derive_seed(seed, "observe", t))

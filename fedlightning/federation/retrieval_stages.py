@@ -12,21 +12,17 @@ are the client's test nodes of unknown classes, scored against the same items.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedlightning.federation.stages import SPLITS, ContinualLoop
+from fedlightning.federation.stages import SPLITS, ContinualLoop, Parts, Pooled
 from fedlightning.metrics import (
-    AccuracyMatrix,
-    auroc_known_vs_unknown,
-    fpr_at_tpr,
     max_similarity,
     open_accuracy,
     recall_at_k,
-    seen_accuracy_curve,
-    threshold_at_tpr,
 )
 
 WRONG = -2  # a known query's label when its paired item is not ranked first
@@ -51,7 +47,6 @@ class RetrievalLoop(ContinualLoop):
         if getattr(algorithm, "score", "similarity") != "similarity":
             raise ValueError(f"RetrievalLoop rejects by similarity, not {algorithm.score!r}")
         super().__init__(algorithm, *args, **kw)
-        self.score_fn = max_similarity
 
     # ------------------------------------------------------------------ evaluation
     @staticmethod
@@ -60,83 +55,49 @@ class RetrievalLoop(ContinualLoop):
         q, k = net(data)
         return q, k, net.pair_mask(data)
 
-    @staticmethod
-    def known_hits(data: Any, outputs: list[Any], known: Tensor, m: Tensor) -> Tensor:
-        """Recall@1 hits of the paired nodes among ``m``."""
+    def stage_parts(
+        self, c: Any, outputs: list[Any], t: int, splits: Iterable[str] = SPLITS
+    ) -> dict[str, Parts | None]:
+        """Per split of ``splits``, client ``c``'s queries after stage ``t`` (module docstring): of the known
+        ones ``[n]`` ``node_stage``, ``hit``, class ``y`` and ``known_score``, the unknown
+        ones' ``unknown_score`` ``[u]``; ``None`` without a known-class pair."""
         q, k, pairs = outputs
-        m = m & pairs
-        return recall_at_k(q[m], k[m], 1) if bool(m.any()) else m[:0]
-
-    def split_queries(
-        self, data: Any, q: Tensor, k: Tensor, pairs: Tensor, split: str, t: int
-    ) -> dict[str, Tensor] | None:
-        """Retrieval among ``data``'s ``split`` nodes after stage ``t``: per known-class query
-        (``[n]``) the stage that introduced its class ``node_stage``, whether it ranks its own
-        item first ``hit``, its class ``y`` and its max similarity to the known-class items
-        ``known_score``; ``unknown_score`` ``[u]`` of the unknown-class queries. ``None`` if
-        the client has no known-class pair there (no candidate to retrieve or compare with)."""
+        data, net = c.data, self.module.net
         node_stage = self.class_stage[data.y]
         is_known = (node_stage >= 0) & (node_stage <= t)
-        m = data[f"{split}_mask"]
-        known = m & is_known & pairs
-        if not bool(known.any()):
-            return None
-        net = self.module.net
-        unknown = m & ~is_known & net.availability(data, net.query)
-        items = k[known]
-        return {
-            "node_stage": node_stage[known],
-            "hit": recall_at_k(q[known], items, 1),
-            "y": data.y[known],
-            "known_score": max_similarity(q[known], items),
-            "unknown_score": max_similarity(q[unknown], items) if bool(unknown.any()) else q[:0, 0],
-        }
+        out: dict[str, Parts | None] = {}
+        for s in splits:
+            m = data[f"{s}_mask"]
+            known = m & is_known & pairs
+            if not known.any():
+                out[s] = None
+                continue
+            unknown = m & ~is_known & net.availability(data, net.query)
+            items = k[known]
+            out[s] = {
+                "node_stage": node_stage[known],
+                "hit": recall_at_k(q[known], items, 1),
+                "y": data.y[known],
+                "known_score": max_similarity(q[known], items),
+                "unknown_score": max_similarity(q[unknown], items) if unknown.any() else q[:0, 0],
+            }
+        return out
 
-    def evaluate_stage(self, t: int) -> dict[str, float]:
-        """The open-world retrieval evaluation after stage ``t`` (0-based)."""
-        T = self.stream.num_stages
-        mats = {s: AccuracyMatrix(T) for s in SPLITS}
-        results: dict[str, list[dict[str, Tensor]]] = {s: [] for s in SPLITS}
-        for c, q, k, pairs in self._forward_all():
-            client_mat = AccuracyMatrix(T)
-            for s in SPLITS:
-                r = self.split_queries(c.data, q, k, pairs, s, t)
-                if r is None:
-                    continue
-                mats[s].update(t, r["node_stage"], r["hit"])
-                if s == "test":
-                    client_mat.update(t, r["node_stage"], r["hit"])
-                results[s].append(r)
-            self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
-        for s in SPLITS:
-            self.rows[s].append(mats[s].compute()[t].tolist())
-
-        def cat(split: str, field: str) -> Tensor:
-            parts = [r[field] for r in results[split]]
-            return torch.cat(parts) if parts else torch.zeros(0)
-
-        delta = threshold_at_tpr(cat("val", "known_score"))  # Eq. (6)'s delta_t: val only
+    def open_metrics(
+        self, t: int, cat: Pooled, delta: float, forward: list[tuple]
+    ) -> dict[str, float]:
+        """Recall@1 over all known-class queries, pooled over clients, and the open-set
+        accuracy: known queries are right when accepted and hit, unknown ones when rejected."""
         hit, y = cat("test", "hit").bool(), cat("test", "y").long()
         known_score, unknown_score = cat("test", "known_score"), cat("test", "unknown_score")
-        # Known queries are right when accepted and hit; unknown ones when rejected.
         wrong = torch.full((unknown_score.numel(),), WRONG, dtype=torch.long)
         pred = torch.cat([torch.where(hit, y, WRONG), wrong])
         pred = torch.where(torch.cat([known_score, unknown_score]) >= delta, pred, -1)
-        truth = torch.cat([y, wrong])
         is_known = torch.arange(pred.numel()) < y.numel()
-        val_known, val_unknown = cat("val", "known_score"), cat("val", "unknown_score")
         return {
-            "stage": t + 1,
-            "seen_acc": seen_accuracy_curve(self.matrix("test"))[t],
-            "val_seen_acc": seen_accuracy_curve(self.matrix("val"))[t],
             "recall_at_1": _mean(hit),
             "val_recall_at_1": _mean(cat("val", "hit")),
-            "threshold": delta,
-            "fpr95": fpr_at_tpr(known_score, unknown_score),
-            "auroc_ood": auroc_known_vs_unknown(known_score, unknown_score),
-            "open_acc": open_accuracy(pred, truth, is_known),
-            "val_fpr95": fpr_at_tpr(val_known, val_unknown),
-            "val_auroc_ood": auroc_known_vs_unknown(val_known, val_unknown),
+            "open_acc": open_accuracy(pred, torch.cat([y, wrong]), is_known),
         }
 
 

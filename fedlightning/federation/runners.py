@@ -85,12 +85,10 @@ class SequentialRunner(Runner):
         last_rng = rng_state() if mine else None
         parts = self.world.all_gather((mine, last_rng), f"gathering round {round}")
         results = [r for part, _ in parts for r in part]
-        updates = []
-        for client, (update, state) in zip(clients, results, strict=True):
+        for client, (_, state) in zip(clients, results, strict=True):
             client.state = state  # the fitting rank's state, now on every rank
-            updates.append(update)
         set_rng_state(next(rng for _, rng in reversed(parts) if rng is not None))
-        return updates
+        return [update for update, _ in results]
 
 
 def contiguous_shares(n: int, size: int) -> list[range]:

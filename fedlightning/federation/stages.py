@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 SCORE_FNS = {"msp": msp_score, "energy": energy_score}
 SPLITS = ("val", "test")
+Parts = dict[str, Tensor]  # one client's part of a split's stage-end evaluation
+Pooled = Callable[[str, str], Tensor]  # (split, field) -> the field pooled over clients
 
 
 def nan_to_none(rows: list[list[float]]) -> list[list[float | None]]:
@@ -88,7 +90,6 @@ class ContinualLoop(FederatedLoop):
         self.num_classes, self.basis_rank = num_classes, basis_rank
         self.on_stage_end = on_stage_end
         self.class_stage = stream.class_stage(num_classes)
-        self.score_fn = SCORE_FNS.get(self.algorithm.score)  # None: the loop scores otherwise
         self.rows: dict[str, list[list[float]]] = {"test": [], "val": []}
         self.client_rows: dict[int, list[list[float]]] = {c.client_id: [] for c in self.clients}
         self.stage_results: list[dict[str, float]] = []
@@ -117,22 +118,15 @@ class ContinualLoop(FederatedLoop):
         return (net.head(reps["z"]) if "z" in reps else net(data)), reps
 
     def evaluate(self, round: int) -> dict[str, float]:
-        """:meth:`known_hits` over the known classes of the current stage, per split, pooled."""
-        known = torch.tensor(self.stream.known(self.stage_of(round)), dtype=torch.long)
+        """Closed-set accuracy over the known classes of the current stage (the ``hit`` of
+        :meth:`stage_parts`), per split, pooled over clients."""
         totals = {s: [0, 0] for s in ("train", *SPLITS)}
         for c, *outputs in self._forward_all():
-            is_known = torch.isin(c.data.y, known)
-            for s in totals:
-                hits = self.known_hits(c.data, outputs, known, c.data[f"{s}_mask"] & is_known)
-                totals[s][0] += int(hits.sum())
-                totals[s][1] += hits.numel()
+            for s, r in self.stage_parts(c, outputs, self.stage_of(round), totals).items():
+                if r is not None:
+                    totals[s][0] += int(r["hit"].sum())
+                    totals[s][1] += r["hit"].numel()
         return {f"{s}_acc": a / n if n else math.nan for s, (a, n) in totals.items()}
-
-    @staticmethod
-    def known_hits(data: Any, outputs: list[Any], known: Tensor, m: Tensor) -> Tensor:
-        """Closed-set hits of the nodes ``m``: the argmax over the known classes is right."""
-        logits = outputs[0]
-        return known[logits[m][:, known].argmax(-1)] == data.y[m]
 
     def end_of_round(self, round: int) -> None:
         if round % self.rounds_per_stage:
@@ -188,57 +182,91 @@ class ContinualLoop(FederatedLoop):
         )
 
     def evaluate_stage(self, t: int) -> dict[str, float]:
-        """The open-world evaluation after stage ``t`` (0-based)."""
+        """The open-world evaluation after stage ``t`` (0-based): every client's
+        :meth:`stage_parts` give the accuracy-matrix rows (pooled, and per client on test)
+        and the known- and unknown-class rejection scores, pooled over clients."""
         T = self.stream.num_stages
-        known = torch.tensor(self.stream.known(t), dtype=torch.long)
-        known_mask = self.stream.known_mask(t, self.num_classes)
         mats = {s: AccuracyMatrix(T) for s in SPLITS}
-        scores: dict[str, dict[bool, list[Tensor]]] = {s: {True: [], False: []} for s in SPLITS}
-        open_parts: list[tuple[Tensor, ...]] = []
-        reps_all = []
-        for c, logits, reps in self._forward_all():
-            y = c.data.y
-            node_stage = self.class_stage[y]
-            is_known = (node_stage >= 0) & (node_stage <= t)
-            pred = known[logits[:, known].argmax(-1)]
-            score = self.score_fn(logits, known_mask)
+        parts: dict[str, list[dict[str, Tensor]]] = {s: [] for s in SPLITS}
+        forward = self._forward_all()
+        for c, *outputs in forward:
             client_mat = AccuracyMatrix(T)
-            for s in SPLITS:
-                m = c.data[f"{s}_mask"]
-                mk = m & is_known  # the matrix is closed-set over the known classes
-                mats[s].update(t, node_stage[mk], (pred == y)[mk])
-                scores[s][True].append(score[m & is_known])
-                scores[s][False].append(score[m & ~is_known])
-                if s == "test":
-                    client_mat.update(t, node_stage[mk], (pred == y)[mk])
-                    node = c.data.node_id[m] if "node_id" in c.data else m.nonzero().squeeze(1)
-                    client = torch.full_like(node, c.client_id)
-                    open_parts.append((node, client, y[m], pred[m], score[m], is_known[m]))
+            for s, r in self.stage_parts(c, outputs, t).items():
+                if r is not None:
+                    mats[s].update(t, r["node_stage"], r["hit"])
+                    if s == "test":
+                        client_mat.update(t, r["node_stage"], r["hit"])
+                    parts[s].append(r)
             self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
-            reps_all.append((c, reps))
         for s in SPLITS:
             self.rows[s].append(mats[s].compute()[t].tolist())
-        cat = {s: {k: torch.cat(v) for k, v in d.items()} for s, d in scores.items()}
-        delta = threshold_at_tpr(cat["val"][True])  # Eq. (6)'s delta_t: validation only
-        node, client, y, pred, score, is_known = (
-            torch.cat(x) for x in zip(*open_parts, strict=True)
-        )
-        per_node = {"node": node, "client": client, "y": y, "pred": pred, "score": score}
-        self.test_scores.append({**per_node, "known": is_known, "threshold": delta})
-        pred_open = torch.where(score >= delta, pred, torch.full_like(pred, -1))
-        res = {
+
+        def cat(split: str, field: str) -> Tensor:
+            got = [r[field] for r in parts[split]]
+            return torch.cat(got) if got else torch.zeros(0)
+
+        delta = threshold_at_tpr(cat("val", "known_score"))  # Eq. (6)'s delta_t: val only
+        test = cat("test", "known_score"), cat("test", "unknown_score")
+        val = cat("val", "known_score"), cat("val", "unknown_score")
+        return {
             "stage": t + 1,
             "seen_acc": seen_accuracy_curve(self.matrix("test"))[t],
             "val_seen_acc": seen_accuracy_curve(self.matrix("val"))[t],
             "threshold": delta,
-            "fpr95": fpr_at_tpr(cat["test"][True], cat["test"][False]),
-            "auroc_ood": auroc_known_vs_unknown(cat["test"][True], cat["test"][False]),
-            "open_acc": open_accuracy(pred_open, y, is_known),
-            "val_fpr95": fpr_at_tpr(cat["val"][True], cat["val"][False]),
-            "val_auroc_ood": auroc_known_vs_unknown(cat["val"][True], cat["val"][False]),
+            "fpr95": fpr_at_tpr(*test),
+            "auroc_ood": auroc_known_vs_unknown(*test),
+            "val_fpr95": fpr_at_tpr(*val),
+            "val_auroc_ood": auroc_known_vs_unknown(*val),
+            **self.open_metrics(t, cat, delta, forward),
         }
-        res.update(self.diagnostics(t, reps_all))
-        return res
+
+    def stage_parts(
+        self, c: Any, outputs: list[Any], t: int, splits: Iterable[str] = SPLITS
+    ) -> dict[str, Parts | None]:
+        """Per split of ``splits``, client ``c``'s nodes after stage ``t``: of the known-class nodes the
+        stage that introduced their class ``node_stage`` and the closed-set ``hit`` (the
+        argmax over the known classes is right); the rejection scores ``known_score`` and
+        ``unknown_score``; every node's ``node, client, y, pred, score, known``."""
+        logits, _ = outputs
+        known = torch.tensor(self.stream.known(t), dtype=torch.long)
+        y = c.data.y
+        node_stage = self.class_stage[y]
+        is_known = (node_stage >= 0) & (node_stage <= t)
+        pred = known[logits[:, known].argmax(-1)]
+        score = SCORE_FNS[self.algorithm.score](logits, self.stream.known_mask(t, self.num_classes))
+        out = {}
+        for s in splits:
+            m = c.data[f"{s}_mask"]
+            mk = m & is_known  # the matrix is closed-set over the known classes
+            node = c.data.node_id[m] if "node_id" in c.data else m.nonzero().squeeze(1)
+            out[s] = {
+                "node_stage": node_stage[mk],
+                "hit": (pred == y)[mk],
+                "known_score": score[mk],
+                "unknown_score": score[m & ~is_known],
+                "node": node,
+                "client": torch.full_like(node, c.client_id),
+                "y": y[m],
+                "pred": pred[m],
+                "score": score[m],
+                "known": is_known[m],
+            }
+        return out
+
+    def open_metrics(
+        self, t: int, cat: Pooled, delta: float, forward: list[tuple]
+    ) -> dict[str, float]:
+        """The open-set accuracy of the test nodes (those scored below ``delta`` rejected as
+        unknown; every one's score kept for ``test_scores.pt``) and :meth:`diagnostics`."""
+        fields = ("node", "client", "y", "pred", "score", "known")
+        per_node = {k: cat("test", k) for k in fields}
+        self.test_scores.append({**per_node, "threshold": delta})
+        pred = per_node["pred"]
+        pred_open = torch.where(per_node["score"] >= delta, pred, torch.full_like(pred, -1))
+        return {
+            "open_acc": open_accuracy(pred_open, per_node["y"], per_node["known"]),
+            **self.diagnostics(t, [(c, reps) for c, _, reps in forward]),
+        }
 
     def diagnostics(
         self, t: int, reps_all: list[tuple[Any, dict[str, Tensor]]]
@@ -265,10 +293,10 @@ class ContinualLoop(FederatedLoop):
             if old
             else 0.0
         )
+        g_cat = torch.cat([r["g"][m] for m, _, r in train])
         drifts = []
         for i in range(t + 1):
-            nodes = torch.isin(y_cat, torch.tensor(self.stream.stages[i]))
-            g = torch.cat([r["g"][m] for m, _, r in train])[nodes]
+            g = g_cat[torch.isin(y_cat, torch.tensor(self.stream.stages[i]))]
             if min(g.shape) <= self.basis_rank:
                 continue
             basis = principal_basis(g, self.basis_rank)
@@ -345,22 +373,14 @@ class ContinualLoop(FederatedLoop):
         return paths
 
     # ------------------------------------------------------------------ state
+    own_state = ("rows", "client_rows", "stage_results", "centroids_at_intro", "bases_at_end")
+
     def state_dict(self) -> dict[str, Any]:
-        extra = {
-            "rows": self.rows,
-            "client_rows": self.client_rows,
-            "stage_results": self.stage_results,
-            "test_scores": self.test_scores,
-            "centroids_at_intro": self.centroids_at_intro,
-            "bases_at_end": self.bases_at_end,
-        }
+        extra = {k: getattr(self, k) for k in (*self.own_state, "test_scores")}
         return {**super().state_dict(), "extra": extra}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        state = state["extra"]
-        self.rows, self.client_rows = state["rows"], state["client_rows"]
-        self.stage_results = state["stage_results"]
-        self.test_scores = state.get("test_scores", [])
-        self.centroids_at_intro = state["centroids_at_intro"]
-        self.bases_at_end = state["bases_at_end"]
+        for k in self.own_state:
+            setattr(self, k, state["extra"][k])
+        self.test_scores = state["extra"].get("test_scores", [])  # not in older checkpoints

@@ -11,7 +11,7 @@ when that fails is the file scanned line by line to find the offending line.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +32,17 @@ log = logging.getLogger(__name__)
 
 # The header of the published JODIE files names all feature columns with this one name.
 _JODIE_FEATURES = "comma_separated_list_of_features"
-_WIKI_COLUMNS = ("user", "item", "timestamp")
-_BITCOIN_COLUMNS = ("source", "target", "rating", "time")
+
+_SEP_NAMES = {"\t": "tab", ",": "comma", ";": "semicolon", None: "whitespace"}
+# `dataset.sep`: a separator's name or the character itself (" " and "space": whitespace)
+_SEPARATORS = {**{v: k for k, v in _SEP_NAMES.items()}, **{k: k for k in _SEP_NAMES if k}}
+_SEPARATORS.update({"space": None, " ": None})
+_GENERIC = "`src dst time [label] [features...]`"
+
+Rows = list[tuple[int, str]]
 
 
-def _read_events(path: Path, what: str, comments: bool = False) -> list[tuple[int, str]]:
+def _read_events(path: Path, what: str, comments: bool = False) -> Rows:
     rows = read_lines(path, what, comments)
     if not rows:
         raise DataError(path, f"no events: expected {what}")
@@ -47,8 +53,16 @@ def _split(line: str, sep: str | None) -> list[str]:
     return [p.strip() for p in line.split(sep)]
 
 
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
 def _loadtxt(
-    rows: Sequence[tuple[int, str]], sep: str | None, ncols: int, dtype: type = np.float64
+    rows: Rows, sep: str | None, ncols: int, dtype: type = np.float64
 ) -> np.ndarray | None:
     """``rows`` parsed in one vectorised pass as ``[len(rows), ncols]``, else ``None``."""
     try:
@@ -58,41 +72,91 @@ def _loadtxt(
     return m if m.shape == (len(rows), ncols) else None
 
 
-def _parse_table(
-    path: Path,
-    rows: Sequence[tuple[int, str]],
-    names: Sequence[str],
-    sep: str | None,
-    integer: bool,
-    layout: str,
-) -> np.ndarray:
-    """``rows`` as an int64 (``integer``) or float64 matrix ``[len(rows), len(names)]``;
-    ``layout`` describes a row in messages, e.g. ``"3 integers `user item timestamp`"``."""
-    dtype = np.int64 if integer else np.float64
+def _integer_lines(path: Path, names: Sequence[str], sep: str | None) -> tuple[np.ndarray, Rows]:
+    """The lines of a headerless file of integer columns ``names`` as an int64 matrix
+    ``[E, len(names)]``, and the rows (for line numbers)."""
+    layout = f"`{(sep or ' ').join(names)}`"
+    rows = _read_events(path, f"{layout} integer lines")
     ncols = len(names)
-    out = _loadtxt(rows, sep, ncols, dtype)
+    out = _loadtxt(rows, sep, ncols, np.int64)
     if out is not None:
-        return out
-    conv, kind = (int, "an integer") if integer else (float, "a number")
-    out = np.empty((len(rows), ncols), dtype=dtype)
-    fields = split_rows(path, rows, sep, ncols, f"{ncols} columns ({layout})")
-    for r, ((lineno, _), parts) in enumerate(zip(rows, fields, strict=True)):
+        return out, rows
+    out = np.empty((len(rows), ncols), dtype=np.int64)
+    expected = f"{ncols} columns ({ncols} integers {layout}, no header)"
+    for r, parts in enumerate(split_rows(path, rows, sep, ncols, expected)):
         for j, p in enumerate(parts):
             try:
-                out[r, j] = conv(p)
+                out[r, j] = int(p)
             except (ValueError, OverflowError):
-                raise field_error(path, lineno, names[j], j + 1, kind, repr(p[:40])) from None
-    return out
+                raise field_error(
+                    path, rows[r][0], names[j], j + 1, "an integer", repr(p[:40])
+                ) from None
+    return out, rows
 
 
-def _check_sorted(path: Path, t: np.ndarray, linenos: np.ndarray, field: str, why: str) -> None:
+def _column_floats(
+    path: Path, values: Sequence[str], rows: Rows, field: str, col: int
+) -> np.ndarray:
+    """One column as float64; the first value that is not a finite number is a DataError."""
+    try:
+        out = np.asarray(values, dtype=np.str_).astype(np.float64)
+        ok = np.isfinite(out)
+        if ok.all():
+            return out
+        bad = int(np.argmin(ok))
+    except ValueError:
+        bad = next(i for i, v in enumerate(values) if not _is_number(v))
+    raise field_error(path, rows[bad][0], field, col, "a finite number", repr(values[bad][:40]))
+
+
+def _events_table(
+    path: Path, rows: Rows, sep: str | None, names: Sequence[str], expected: str, text_ids: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(src_raw, dst_raw, values)`` of ``src dst time ...`` rows: the ids int64 (with
+    ``text_ids``, strings unless every one is an integer), the other columns as finite
+    float64 ``[E, len(names) - 2]``. A row without ``len(names)`` fields is a DataError
+    ``expected {expected}``; so is a bad field, naming it by ``names``."""
+    ncols = len(names)
+    m = _loadtxt(rows, sep, ncols)
+    # the fast path: every field a finite number, ids integers that float64 holds exactly
+    if m is not None and np.isfinite(m).all():
+        ids = m[:, :2]
+        if np.all(ids == np.floor(ids)) and np.all(np.abs(ids) < 2.0**53):
+            return m[:, 0].astype(np.int64), m[:, 1].astype(np.int64), m[:, 2:]
+    cols = list(zip(*split_rows(path, rows, sep, ncols, expected), strict=True))
+    if not text_ids:  # field by field, naming the first bad line and column
+        m = np.stack(
+            [_column_floats(path, cols[j], rows, names[j], j + 1) for j in range(ncols)], 1
+        )
+        for j in (0, 1):
+            bad = np.flatnonzero(m[:, j] != np.floor(m[:, j]))
+            if bad.size:
+                r = bad[0]
+                raise field_error(path, rows[r][0], names[j], j + 1, "an integer id", m[r, j])
+        return m[:, 0].astype(np.int64), m[:, 1].astype(np.int64), m[:, 2:]
+    for j in (0, 1):
+        empty = [i for i, v in enumerate(cols[j]) if not v]
+        if empty:
+            raise field_error(path, rows[empty[0]][0], names[j], j + 1, "an id", "an empty field")
+    values = np.stack(
+        [_column_floats(path, cols[j], rows, names[j], j + 1) for j in range(2, ncols)], axis=1
+    )
+    src_raw = np.asarray(cols[0], dtype=np.str_)
+    dst_raw = np.asarray(cols[1], dtype=np.str_)
+    try:  # integer ids are sorted as numbers
+        return src_raw.astype(np.int64), dst_raw.astype(np.int64), values
+    except (ValueError, OverflowError):
+        return src_raw, dst_raw, values
+
+
+def _check_sorted(path: Path, t: np.ndarray, rows: Rows, field: str, why: str) -> None:
     down = np.flatnonzero(np.diff(t) < 0)
     if down.size:
         i = int(down[0]) + 1
         raise DataError(
             path,
-            f"line {linenos[i]}: field `{field}`: expected non-decreasing times ({why}), "
-            f"got {t[i]} after {t[i - 1]} on line {linenos[i - 1]}",
+            f"line {rows[i][0]}: field `{field}`: expected non-decreasing times ({why}), "
+            f"got {t[i]} after {t[i - 1]} on line {rows[i - 1][0]}",
         )
 
 
@@ -106,16 +170,17 @@ def _time_array(t: np.ndarray) -> np.ndarray:
     return t
 
 
-def _labels(
-    path: Path, values: np.ndarray, linenos: np.ndarray, field: str, got: Callable[[int], str]
-) -> np.ndarray:
-    """Column 4 as int64 state labels; another value than 0 and 1 is a DataError naming
-    ``field`` and showing row ``r``'s value as ``got(r)``."""
+def _labels(path: Path, values: np.ndarray, rows: Rows, field: str) -> np.ndarray:
+    """Column 4 as int64 state labels; another value than 0 and 1 is a DataError."""
     bad = np.flatnonzero((values != 0) & (values != 1))
     if bad.size:
         r = int(bad[0])
-        raise field_error(path, linenos[r], field, 4, "a state label 0 or 1", got(r))
+        raise field_error(path, rows[r][0], field, 4, "a state label 0 or 1", f"{values[r]:g}")
     return values.astype(np.int64)
+
+
+def _features(values: np.ndarray) -> np.ndarray | None:
+    return values.astype(np.float32) if values.shape[1] else None
 
 
 def _map_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -221,31 +286,12 @@ def load_jodie_csv(path: str | Path, name: str | None = None) -> EventStream:
                 f"`{','.join(header[:-1])},...`, got {ncols}",
             )
         names = header[:-1] + [f"feature {k}" for k in range(1, ncols - len(header) + 2)]
-    layout = f"as many as the header: `{','.join(header)[:80]}`"
-    m = _parse_table(path, rows, names, ",", integer=False, layout=layout)
-    linenos = np.array([i for i, _ in rows])
-
-    finite = np.isfinite(m)
-    if not finite.all():
-        r, j = np.argwhere(~finite)[0]
-        raise field_error(path, linenos[r], names[j], j + 1, "a finite number", m[r, j])
-    for j in (0, 1):
-        bad = np.flatnonzero(m[:, j] != np.floor(m[:, j]))
-        if bad.size:
-            r = bad[0]
-            raise field_error(path, linenos[r], names[j], j + 1, "an integer id", m[r, j])
-    label = _labels(path, m[:, 3], linenos, names[3], lambda r: f"{m[r, 3]:g}")
-    _check_sorted(path, m[:, 2], linenos, names[2], "JODIE files are sorted by time")
-    return _stream(
-        path,
-        name if name is not None else path.stem,
-        m[:, 0].astype(np.int64),
-        m[:, 1].astype(np.int64),
-        m[:, 2],
-        bipartite=True,
-        label=label,
-        msg=m[:, 4:].astype(np.float32) if m.shape[1] > 4 else None,
-    )
+    expected = f"{len(names)} columns (as many as the header: `{','.join(header)[:80]}`)"
+    src, dst, values = _events_table(path, rows, ",", names, expected, text_ids=False)
+    label = _labels(path, values[:, 1], rows, names[3])
+    _check_sorted(path, values[:, 0], rows, names[2], "JODIE files are sorted by time")
+    name = name if name is not None else path.stem
+    return _stream(path, name, src, dst, values[:, 0], True, label, _features(values[:, 2:]))
 
 
 def load_wikipedia_txt(path: str | Path, name: str = "wikipedia") -> EventStream:
@@ -256,12 +302,8 @@ def load_wikipedia_txt(path: str | Path, name: str = "wikipedia") -> EventStream
     for an empty file, a line that is not 3 integers, a time smaller than the one before.
     """
     path = Path(path)
-    rows = _read_events(path, "`user item timestamp` integer lines")
-    m = _parse_table(
-        path, rows, _WIKI_COLUMNS, None, integer=True, layout="3 integers `user item timestamp`"
-    )
-    linenos = np.array([i for i, _ in rows])
-    _check_sorted(path, m[:, 2], linenos, "timestamp", "the file is sorted by time")
+    m, rows = _integer_lines(path, ("user", "item", "timestamp"), None)
+    _check_sorted(path, m[:, 2], rows, "timestamp", "the file is sorted by time")
     return _stream(path, name, m[:, 0], m[:, 1], m[:, 2], bipartite=True)
 
 
@@ -279,20 +321,12 @@ def load_bitcoin_csv(
     outside ``-10..10``.
     """
     path = Path(path)
-    rows = _read_events(path, "`source,target,rating,time` integer lines")
-    m = _parse_table(
-        path,
-        rows,
-        _BITCOIN_COLUMNS,
-        ",",
-        integer=True,
-        layout="4 integers `source,target,rating,time`, no header",
-    )
-    bad = np.flatnonzero((m[:, 2] < -10) | (m[:, 2] > 10))
+    m, rows = _integer_lines(path, ("source", "target", "rating", "time"), ",")
+    rating = m[:, 2]
+    bad = np.flatnonzero((rating < -10) | (rating > 10))
     if bad.size:
         r = bad[0]
-        raise field_error(path, rows[r][0], "rating", 3, "an integer in -10..10", m[r, 2])
-    rating = m[:, 2]
+        raise field_error(path, rows[r][0], "rating", 3, "an integer in -10..10", rating[r])
     return _stream(
         path,
         name,
@@ -303,36 +337,6 @@ def load_bitcoin_csv(
         label=(rating < 0).astype(np.int64),
         msg=(rating / 10.0).astype(np.float32)[:, None] if rating_feature else None,
     )
-
-
-_SEP_NAMES = {"\t": "tab", ",": "comma", ";": "semicolon", None: "whitespace"}
-# `dataset.sep`: a separator's name or the character itself (" " and "space": whitespace)
-_SEPARATORS = {**{v: k for k, v in _SEP_NAMES.items()}, **{k: k for k in _SEP_NAMES if k}}
-_SEPARATORS.update({"space": None, " ": None})
-_GENERIC = "`src dst time [label] [features...]`"
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-    except ValueError:
-        return False
-    return True
-
-
-def _column_floats(
-    path: Path, values: Sequence[str], linenos: np.ndarray, field: str, col: int
-) -> np.ndarray:
-    """One column as float64; the first value that is not a finite number is a DataError."""
-    try:
-        out = np.asarray(values, dtype=np.str_).astype(np.float64)
-        ok = np.isfinite(out)
-        if ok.all():
-            return out
-        bad = int(np.argmin(ok))
-    except ValueError:
-        bad = next(i for i, v in enumerate(values) if not _is_number(v))
-    raise field_error(path, linenos[bad], field, col, "a finite number", repr(values[bad][:40]))
 
 
 def load_interactions(
@@ -411,66 +415,14 @@ def load_interactions(
         first_fields[j] if has_header else f"feature {j - first_feature + 1}"
         for j in range(first_feature, ncols)
     ]
-    linenos = np.array([i for i, _ in rows])
-
-    table = _numeric_table(rows, delim, ncols)
-    if table is not None:  # the fast path: every field a finite number, integral ids
-        src_raw, dst_raw = table[:, 0].astype(np.int64), table[:, 1].astype(np.int64)
-        values = table[:, 2:]
-    else:  # field by field, naming the first bad line and column
-        expected = f"{ncols} {sep_name}-separated columns (as line {first_line})"
-        cols = list(zip(*split_rows(path, rows, delim, ncols, expected), strict=True))
-        for j in (0, 1):
-            empty = [i for i, v in enumerate(cols[j]) if not v]
-            if empty:
-                raise field_error(
-                    path, linenos[empty[0]], names[j], j + 1, "an id", "an empty field"
-                )
-        values = np.stack(
-            [_column_floats(path, cols[j], linenos, names[j], j + 1) for j in range(2, ncols)],
-            axis=1,
-        )
-        src_raw = np.asarray(cols[0], dtype=np.str_)
-        dst_raw = np.asarray(cols[1], dtype=np.str_)
-        if _is_int_array(src_raw) and _is_int_array(dst_raw):  # sorted as numbers
-            src_raw, dst_raw = src_raw.astype(np.int64), dst_raw.astype(np.int64)
-    label = None
-    if has_label:
-        label = _labels(
-            path,
-            values[:, 1],
-            linenos,
-            "label",
-            lambda r: f"{table[r, 3]:g}" if table is not None else repr(cols[3][r][:40]),
-        )
-    msg = values[:, first_feature - 2 :].astype(np.float32) if ncols > first_feature else None
+    expected = f"{ncols} {sep_name}-separated columns (as line {first_line})"
+    src_raw, dst_raw, values = _events_table(path, rows, delim, names, expected, text_ids=True)
+    label = _labels(path, values[:, 1], rows, "label") if has_label else None
+    msg = _features(values[:, first_feature - 2 :])
     name = name if name is not None else path.stem
     return _stream(
         path, name, src_raw, dst_raw, values[:, 0], bipartite, label, msg, warn_shared=True
     )
-
-
-def _numeric_table(
-    rows: Sequence[tuple[int, str]], delim: str | None, ncols: int
-) -> np.ndarray | None:
-    """All rows as float64 when every field is a finite number and the ids are integers
-    that float64 holds exactly; else ``None`` (the caller then reads field by field)."""
-    m = _loadtxt(rows, delim, ncols)
-    if m is None or not np.isfinite(m).all():
-        return None
-    ids = m[:, :2]
-    if np.any(ids != np.floor(ids)) or np.any(np.abs(ids) >= 2.0**53):
-        return None
-    return m
-
-
-def _is_int_array(values: np.ndarray) -> bool:
-    """Whether every string of ``values`` is an integer (as ``int()`` reads it)."""
-    try:
-        values.astype(np.int64)
-    except (ValueError, OverflowError):
-        return False
-    return True
 
 
 def make_synthetic_stream(
