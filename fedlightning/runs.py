@@ -239,10 +239,12 @@ def _shapes(obj: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
 
 def restore(loop: Any, path: Path, state: dict[str, Any]) -> None:
     """``loop.load_state_dict(state)``; one line naming ``path`` if the state does not fit the
-    loop (a checkpoint of another model, or a partial one)."""
+    loop (a checkpoint of another model: its global model's shapes differ; or a partial one).
+    The server modules' states (prototype banks, bases) grow as a run goes: not compared."""
     server = getattr(loop, "server", None)
     if server is not None and isinstance(state, dict) and "server" in state:
-        ours, theirs = _shapes(server.state_dict()), _shapes(state["server"])
+        ours = _shapes(server.state_dict()["global_state"])
+        theirs = _shapes(state["server"].get("global_state", {}))
         for key in sorted(ours.keys() & theirs.keys()):
             if ours[key] != theirs[key]:
                 raise FedLightningError(

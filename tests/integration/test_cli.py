@@ -203,6 +203,20 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, cli_env):
     shutil.rmtree(tmp_path / "full")
 
 
+def test_fedogl_killed_after_a_stage_end_resumes_identically(tmp_path, cli_env):
+    """The default demo (FedOGL: prototype banks and bases that grow at every stage end)
+    killed in stage 2 resumes to the uninterrupted run's metrics and ledger."""
+    base = ["train", "federation.rounds=2", "logger=none"]
+    full = fl([*base, "hydra.run.dir=full"], tmp_path, cli_env)
+    assert full.returncode == 0, full.stderr
+    killed = fl([*base, "hydra.run.dir=killed", "runner.kill_at=3:2"], tmp_path, cli_env)
+    assert killed.returncode == -9
+    resumed = fl([*base, "resume=killed"], tmp_path, cli_env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("full", "killed"))
+    assert a["metrics"] == b["metrics"] and a["comm"] == b["comm"] and b["resumed"] is True
+
+
 def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env):
     base = [
         "train",
