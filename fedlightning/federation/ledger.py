@@ -77,10 +77,6 @@ class CommLedger:
     def mib(self, direction: str, **kw: Any) -> float:
         return values_to_mib(self.total(direction, **kw))
 
-    def by_field(self) -> dict[str, dict[str, int]]:
-        """Field name -> ``{"up": values, "down": values}``."""
-        return self.by("field")
-
     def by(self, column: str) -> dict[str, dict[str, int]]:
         """``str(key) -> {"up": values, "down": values}`` per key of an entry's ``column``
         (``round``, ``client``, ``field`` or ``scope``), in key order."""
@@ -99,7 +95,7 @@ class CommLedger:
             "downlink_values": self.total(DOWN),
             "uplink_bytes": self.total_bytes(UP),
             "downlink_bytes": self.total_bytes(DOWN),
-            "fields": self.by_field(),
+            "fields": self.by("field"),
             "per_client": self.by("client"),
             "per_round": self.by("round"),
         }

@@ -21,7 +21,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
-from fedlightning.federation.ledger import DOWN, UP, values_to_mib
+from fedlightning.federation.ledger import DOWN, UP
 from fedlightning.federation.loop import Schedule
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.messages import ServerBroadcast
@@ -188,8 +188,8 @@ class TaskLoop(Schedule):
                 for k, v in evaluate(adapter, protos, batch, family).items():
                     if not (split == "val" and k == "auc_ilp"):  # inductive flags: test only
                         metrics[prefix + k] = v
-        metrics["uplink_mib"] = values_to_mib(self.ledger.total(UP, scope=scope))
-        metrics["downlink_mib"] = values_to_mib(self.ledger.total(DOWN, scope=scope))
+        metrics["uplink_mib"] = self.ledger.mib(UP, scope=scope)
+        metrics["downlink_mib"] = self.ledger.mib(DOWN, scope=scope)
         metrics["task_time_s"] = time.perf_counter() - t0
         return metrics
 

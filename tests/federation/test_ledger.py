@@ -28,8 +28,8 @@ def test_counts_match_hand_counts():
     assert led.total("up", client=2) == 36
     # bytes: w float32 12*4, b float64 4*8, two scalars 2*4 = 88 per update
     assert led.total_bytes("up") == 88 * 6
-    assert led.by_field()["num_examples"] == {"up": 6, "down": 0}
-    assert led.by_field()["model.w"] == {"up": 72, "down": 72}
+    assert led.by("field")["num_examples"] == {"up": 6, "down": 0}
+    assert led.by("field")["model.w"] == {"up": 72, "down": 72}
     assert led.mib("up") == pytest.approx(4 * 108 / 1024**2)
     s = led.summary()
     assert s["uplink_mib"] == pytest.approx(values_to_mib(108))

@@ -226,15 +226,15 @@ def test_switches_change_only_their_mechanism():
     base = tiny_loop(FedTIP(), families=("lp",)).run()
     no_rwa = tiny_loop(FedTIP(aggregation="fedavg"), families=("lp",))
     no_rwa.run()
-    fields = no_rwa.ledger.by_field()
+    fields = no_rwa.ledger.by("field")
     assert "lp/coverage" not in fields and "lp/proto.1" in fields
     no_pa = tiny_loop(FedTIP(anchors=False), families=("lp",))
     no_pa.run()
-    assert not any(k.startswith("lp/anchor") for k in no_pa.ledger.by_field())
+    assert not any(k.startswith("lp/anchor") for k in no_pa.ledger.by("field"))
     central = tiny_loop(FedTIP(mode="central", anchors=False), families=("lp",))
     assert isinstance(central, PooledTaskLoop)  # pooled training is a schedule of its own
     central.run()
-    assert central.ledger.by_field() == {} and central.comm()["uplink_values"] == 0
+    assert central.ledger.by("field") == {} and central.comm()["uplink_values"] == 0
     assert FedTIP(prompt="static").variant() == "no_icp"
     assert FedTIP(anchors=False, aggregation="fedavg").variant() == "no_pa_rwa"
     assert FedTIP().variant(pretrained_bank=False) == "no_tkb"
