@@ -43,11 +43,6 @@ Parts = dict[str, Tensor]  # one client's part of a split's stage-end evaluation
 Pooled = Callable[[str, str], Tensor]  # (split, field) -> the field pooled over clients
 
 
-def nan_to_none(rows: list[list[float]]) -> list[list[float | None]]:
-    """NaN (no value: a stage not yet seen) as JSON null, so summary.json stays strict JSON."""
-    return [[None if math.isnan(v) else v for v in row] for row in rows]
-
-
 class ContinualLoop(FederatedLoop):
     """Runs ``T`` stages of ``rounds_per_stage`` rounds in the class-incremental stream:
     closed-set accuracy over the known classes after every round, the open-world evaluation
@@ -345,10 +340,11 @@ class ContinualLoop(FederatedLoop):
         return out
 
     def summary_extras(self) -> dict[str, Any]:
+        """NaN (a stage not yet seen) becomes null in summary.json (``Run.finish``)."""
         return {
-            "acc_matrix": nan_to_none(self.matrix("test").tolist()),
-            "val_acc_matrix": nan_to_none(self.matrix("val").tolist()),
-            "client_acc_matrices": {str(k): nan_to_none(v) for k, v in self.client_rows.items()},
+            "acc_matrix": self.matrix("test").tolist(),
+            "val_acc_matrix": self.matrix("val").tolist(),
+            "client_acc_matrices": {str(k): v for k, v in self.client_rows.items()},
             "stages": self.stage_results,
             "stream": {"stages": self.stream.stages, "never": self.stream.never},
         }
