@@ -14,7 +14,7 @@ from torch import Tensor
 
 from fedlightning.data.graphs.base import MultimodalGraph
 from fedlightning.errors import ConfigError, DataError
-from fedlightning.utils.io import content_hash, write_json
+from fedlightning.utils.io import ContentHashed, content_hash, write_json
 from fedlightning.utils.seeding import derive_seed, torch_generator
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ MIN_CLIENT_NODES = 10
 
 
 @dataclass
-class Partition:
+class Partition(ContentHashed):
     """Node-to-client assignment and per-client train/val/test split: a protocol object.
 
     Args:
@@ -41,19 +41,14 @@ class Partition:
     def num_clients(self) -> int:
         return int(self.meta["num_clients"])
 
-    def manifest(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {**self.meta, "assignment": self.assignment.tolist(), "split": self.split.tolist()}
-
-    @property
-    def hash(self) -> str:
-        """Content hash of the manifest: same inputs, same bytes, same hash."""
-        return content_hash(self.manifest())
 
     def client_nodes(self, k: int) -> Tensor:
         return (self.assignment == k).nonzero().squeeze(1)
 
     def save(self, path: str | Path) -> None:
-        write_json(path, {**self.manifest(), "hash": self.hash}, indent=None)
+        write_json(path, {**self.to_json(), "hash": self.hash}, indent=None)
 
     @classmethod
     def load(cls, path: str | Path) -> Partition:

@@ -16,7 +16,7 @@ from torch import Tensor
 from fedlightning.data.graphs.base import MultimodalGraph
 from fedlightning.data.partition import TRAIN, Partition
 from fedlightning.errors import ConfigError
-from fedlightning.utils.io import content_hash, write_json
+from fedlightning.utils.io import ContentHashed, write_json
 from fedlightning.utils.seeding import derive_seed
 
 UNKNOWN = -1
@@ -89,7 +89,7 @@ def config_num_classes(dataset: Mapping[str, Any]) -> int | None:
 
 
 @dataclass
-class ClassStream:
+class ClassStream(ContentHashed):
     r"""Which classes arrive at which stage, and which client observes which of them.
 
     After stage ``t`` (0-based) the known classes are
@@ -130,15 +130,11 @@ class ClassStream:
             out[classes] = t
         return out
 
-    def manifest(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {**self.meta, "stages": self.stages, "never": self.never, "observed": self.observed}
 
-    @property
-    def hash(self) -> str:
-        return content_hash(self.manifest())
-
     def save(self, path: str | Path) -> None:
-        write_json(path, {**self.manifest(), "hash": self.hash})
+        write_json(path, {**self.to_json(), "hash": self.hash})
 
     @classmethod
     def load(cls, path: str | Path) -> ClassStream:

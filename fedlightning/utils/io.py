@@ -18,6 +18,18 @@ def content_hash(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class ContentHashed:
+    """A protocol object whose ``hash`` is the :func:`content_hash` of its :meth:`to_json`:
+    same inputs, same JSON, same hash."""
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @property
+    def hash(self) -> str:
+        return content_hash(self.to_json())
+
+
 def _atomic(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

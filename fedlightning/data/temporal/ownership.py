@@ -9,14 +9,14 @@ from typing import Any
 import numpy as np
 
 from fedlightning.data.temporal.events import EventStream
-from fedlightning.utils.io import content_hash
+from fedlightning.utils.io import ContentHashed
 from fedlightning.utils.seeding import derive_seed
 
 KINDS = ("user_iid", "label_skew", "activity_skew")
 
 
 @dataclass
-class Ownership:
+class Ownership(ContentHashed):
     """``owner[user]`` for every source-side node (``-1`` for nodes that are not users)."""
 
     owner: np.ndarray
@@ -29,10 +29,6 @@ class Ownership:
 
     def to_json(self) -> dict[str, Any]:
         return {"params": self.params, "clients": self.clients, "owner": self.owner.tolist()}
-
-    @property
-    def hash(self) -> str:
-        return content_hash(self.to_json())
 
 
 def build_ownership(

@@ -12,7 +12,7 @@ import numpy as np
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import SUP_POOL, Manifest
 from fedlightning.data.temporal.ownership import Ownership
-from fedlightning.utils.io import content_hash
+from fedlightning.utils.io import ContentHashed
 from fedlightning.utils.seeding import derive_seed
 
 
@@ -35,7 +35,7 @@ class Task:
 
 
 @dataclass
-class TaskSet:
+class TaskSet(ContentHashed):
     tasks: list[Task]
     params: dict[str, Any]
 
@@ -47,10 +47,6 @@ class TaskSet:
                 for t in self.tasks
             ],
         }
-
-    @property
-    def hash(self) -> str:
-        return content_hash(self.to_json())
 
     def stats(self, stream: EventStream) -> dict[str, float]:
         """Support sizes per client, positives per task, tasks and clients with both labels."""
