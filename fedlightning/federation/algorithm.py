@@ -88,11 +88,6 @@ class Algorithm:
         executor.fit(module, client.data, epochs, self.callbacks())
         return self.make_update(module, client, broadcast.round)
 
-    def fit_clients(self, *args: Any, **kw: Any) -> list[ClientUpdate] | None:
-        """Several clients' fits at once, as one stacked module (FedTIP's task schedule
-        calls its override); ``None``: the clients fit one at a time (:meth:`local_fit`)."""
-        return None
-
     def stage_end_update(
         self, module: Any, client: FederatedClient, broadcast: ServerBroadcast, stage: int
     ) -> ClientUpdate | None:
