@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,26 +44,20 @@ def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
     return out | {f"client{k}_test_acc": acc([r], "test") for k, r in results.items()}
 
 
-@dataclass
-class LocalFit:
+def local_fit(
+    algorithm: Algorithm,
+    module: pl.LightningModule,
+    broadcast: ServerBroadcast,
+    executor: Any,
+    epochs: int,
+    seed: int,
+    client: FederatedClient,
+) -> ClientUpdate:
     """One client's part of a round: receive the broadcast, fit locally, return the update.
-
     The same call runs in this process, on another rank or on the client's Flower node;
-    seeded by ``(seed, "fit", round, client)``, its result does not depend on where.
-    """
-
-    algorithm: Algorithm
-    module: pl.LightningModule
-    broadcast: ServerBroadcast
-    executor: Any
-    epochs: int
-    seed: int
-
-    def __call__(self, client: FederatedClient) -> ClientUpdate:
-        torch.manual_seed(derive_seed(self.seed, "fit", self.broadcast.round, client.client_id))
-        return self.algorithm.local_fit(
-            self.module, client, self.broadcast, self.executor, self.epochs
-        )
+    seeded by ``(seed, "fit", round, client)``, its result does not depend on where."""
+    torch.manual_seed(derive_seed(seed, "fit", broadcast.round, client.client_id))
+    return algorithm.local_fit(module, client, broadcast, executor, epochs)
 
 
 @dataclass
@@ -168,8 +163,9 @@ class FederatedLoop(Schedule):
         return metrics
 
     def work(self, broadcast: ServerBroadcast) -> ClientWork:
-        """The clients' part of a round: each one's local fit (:class:`LocalFit`)."""
-        fit = LocalFit(
+        """The clients' part of a round: each one's :func:`local_fit`."""
+        fit = partial(
+            local_fit,
             self.algorithm,
             self.module,
             broadcast,

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedlightning.config import build
 from fedlightning.errors import DataError
 from fedlightning.federation.algorithm import FederatedClient
-from fedlightning.federation.loop import LocalEvaluate, LocalFit
+from fedlightning.federation.loop import LocalEvaluate, local_fit
 from fedlightning.federation.tasks import Member, TaskBatches, TaskContext
 from fedlightning.flower.records import (
     COUNTS,
@@ -206,7 +206,7 @@ class NodeClient:
 
     def work(self, kind: str, broadcast: ServerBroadcast, task: dict[str, Any]) -> Any:
         """The client's part of a round of ``kind``, as the same round in one process gives
-        it: ``fit`` (:class:`LocalFit` from the state saved after this client's newest
+        it: ``fit`` (:func:`local_fit` from the state saved after this client's newest
         earlier fit; the new state is saved for the next), ``stage_end`` (from the state
         after this round) or ``task_fit``. The update, or ``None``."""
         if kind == "task_fit":
@@ -219,8 +219,9 @@ class NodeClient:
             stage = int(task["stage"])
             return self.algorithm.stage_end_update(self.module, client, broadcast, stage)
         epochs, seed = int(task["epochs"]), int(self.cfg.seed)
-        fit = LocalFit(self.algorithm, self.module, broadcast, self.executor, epochs, seed)
-        update = fit(client)
+        update = local_fit(
+            self.algorithm, self.module, broadcast, self.executor, epochs, seed, client
+        )
         self.states.save(broadcast.round, client.state)
         return update
 
