@@ -192,41 +192,6 @@ def event_tensors(enc, stream: EventStream, idx: np.ndarray):
     )
 
 
-def stream_segment(
-    enc,
-    stream: EventStream,
-    idx: np.ndarray,
-    batch_size: int,
-    negatives: PretrainNegatives,
-    rng: np.random.Generator,
-    tau: float,
-    step: Callable[[Tensor], None] | None = None,
-    progress: StageProgress | None = None,
-) -> tuple[Tensor, Tensor, float]:
-    """Stream events ``idx`` in batches: score (and with ``step``, train), then ingest.
-    Returns the positive and negative scores and the mean loss."""
-    pos_all, neg_all, losses = [], [], []
-    for start in range(0, len(idx), batch_size):
-        b = idx[start : start + batch_size]
-        j = torch.from_numpy(negatives.sample(b, rng))
-        src, dst, t, msg = event_tensors(enc, stream, b)
-        with torch.set_grad_enabled(step is not None):
-            h = enc.embed(torch.cat([src, dst, j]), torch.cat([t, t, t]))
-            hu, hi, hj = h.split(len(b))
-            loss = pretraining_loss(hu, hi, hj, tau)
-        if step is not None:
-            step(loss)
-        pos_all.append(F.cosine_similarity(hu, hi, dim=-1).detach())
-        neg_all.append(F.cosine_similarity(hu, hj, dim=-1).detach())
-        losses.append(float(loss.detach()))
-        enc.ingest(src, dst, t, msg, torch.from_numpy(b))
-        negatives.observe(b)
-        enc.detach()
-        if progress is not None:
-            progress.update(len(b))
-    return torch.cat(pos_all), torch.cat(neg_all), float(np.mean(losses)) if losses else math.nan
-
-
 def link_metrics(pos: Tensor, neg: Tensor) -> dict[str, float]:
     """AUC-ROC and average precision of positives (1) against negatives (0)."""
     scores = torch.cat([pos, neg])
@@ -249,22 +214,40 @@ def stream_and_validate(
     stage: str,
     step: Callable[[Tensor], None] | None = None,
 ) -> tuple[float, float, dict[str, float], float]:
-    """Stream ``pre_idx`` in ``enc``'s mode (training with ``step``), then score ``val_idx``
-    in evaluation mode, as one :class:`StageProgress`. Returns the pre-training loss and
-    seconds, the validation metrics and loss."""
+    """Stream ``pre_idx`` in ``enc``'s mode, then ``val_idx`` in evaluation mode (negatives
+    drawn by ``(seed, "bank", "val")``), as one :class:`StageProgress`, in batches: each
+    scored (on ``pre_idx`` with ``step``, also trained), then ingested. Returns the
+    pre-training loss and seconds, the validation metrics and loss."""
     progress = StageProgress(stage, len(pre_idx) + len(val_idx))
-    t0 = time.perf_counter()
-    _, _, loss = stream_segment(
-        enc, stream, pre_idx, cfg.batch_size, negatives, rng, cfg.tau, step, progress
-    )
-    seconds = time.perf_counter() - t0
-    enc.eval()
     val_rng = np.random.default_rng(derive_seed(seed, "bank", "val"))
-    pos, neg, val_loss = stream_segment(
-        enc, stream, val_idx, cfg.batch_size, negatives, val_rng, cfg.tau, None, progress
-    )
+    segments = []
+    for idx, draw, fit in ((pre_idx, rng, step), (val_idx, val_rng, None)):
+        if segments:
+            enc.eval()
+        t0 = time.perf_counter()
+        pos, neg, losses = [], [], []
+        for start in range(0, len(idx), cfg.batch_size):
+            b = idx[start : start + cfg.batch_size]
+            j = torch.from_numpy(negatives.sample(b, draw))
+            src, dst, t, msg = event_tensors(enc, stream, b)
+            with torch.set_grad_enabled(fit is not None):
+                h = enc.embed(torch.cat([src, dst, j]), torch.cat([t, t, t]))
+                hu, hi, hj = h.split(len(b))
+                loss = pretraining_loss(hu, hi, hj, cfg.tau)
+            if fit is not None:
+                fit(loss)
+            pos.append(F.cosine_similarity(hu, hi, dim=-1).detach())
+            neg.append(F.cosine_similarity(hu, hj, dim=-1).detach())
+            losses.append(float(loss.detach()))
+            enc.ingest(src, dst, t, msg, torch.from_numpy(b))
+            negatives.observe(b)
+            enc.detach()
+            progress.update(len(b))
+        mean = float(np.mean(losses)) if losses else math.nan
+        segments.append((pos, neg, mean, time.perf_counter() - t0))
     progress.close()
-    return loss, seconds, link_metrics(pos, neg), val_loss
+    (_, _, loss, seconds), (pos, neg, val_loss, _) = segments
+    return loss, seconds, link_metrics(torch.cat(pos), torch.cat(neg)), val_loss
 
 
 @streaming_threads()
