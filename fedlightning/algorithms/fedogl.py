@@ -17,7 +17,7 @@ from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.structure import protected_biases, protected_inputs
 from fedlightning.server import Server
-from fedlightning.server.aggregate import model_state
+from fedlightning.server.aggregate import model_state, strip_prefix
 from fedlightning.server.basis import class_balanced_weights, residual_basis
 from fedlightning.server.fedogl import (
     BASIS_PREFIX,
@@ -123,11 +123,7 @@ class FedOGL(ContinualFedAvg):
         executor: Any,
         epochs: int,
     ) -> ClientUpdate:
-        bases = {
-            "net." + k[len(BASIS_PREFIX) :]: v
-            for k, v in broadcast.tensors.items()
-            if k.startswith(BASIS_PREFIX)
-        }
+        bases = {"net." + k: v for k, v in strip_prefix(broadcast.tensors, BASIS_PREFIX).items()}
         self.projector.set_bases(bases)
         self.projector.frozen_biases = (
             ["net." + n for n in protected_biases(module.net)] if bases else []
