@@ -16,11 +16,6 @@ MIB = 1024**2
 COLUMNS = ("direction", "round", "client", "field", "values", "bytes", "scope")
 
 
-def values_to_mib(values: int) -> float:
-    """Float32 MiB of ``values`` transmitted values: ``4 * values / 1024^2`` (FedTIP Eq. (32))."""
-    return 4.0 * values / MIB
-
-
 class CommLedger:
     """Counts transmitted values and bytes per direction, round, client and named field.
 
@@ -75,7 +70,8 @@ class CommLedger:
         return sum(e[5] for e in self.entries if e[0] == direction)
 
     def mib(self, direction: str, **kw: Any) -> float:
-        return values_to_mib(self.total(direction, **kw))
+        """:meth:`total` as float32 MiB: ``4 * values / 1024^2`` (FedTIP Eq. (32))."""
+        return 4.0 * self.total(direction, **kw) / MIB
 
     def by(self, column: str) -> dict[str, dict[str, int]]:
         """``str(key) -> {"up": values, "down": values}`` per key of an entry's ``column``

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fedlightning.federation.ledger import CommLedger, values_to_mib
+from fedlightning.federation.ledger import CommLedger
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 
 
@@ -32,7 +32,7 @@ def test_counts_match_hand_counts():
     assert led.by("field")["model.w"] == {"up": 72, "down": 72}
     assert led.mib("up") == pytest.approx(4 * 108 / 1024**2)
     s = led.summary()
-    assert s["uplink_mib"] == pytest.approx(values_to_mib(108))
+    assert s["uplink_mib"] == pytest.approx(4 * 108 / 1024**2)
     assert s["per_client"]["0"] == {"up": 36, "down": 32}
     assert s["per_round"]["2"] == {"up": 54, "down": 48}
 
