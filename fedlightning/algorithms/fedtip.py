@@ -129,7 +129,8 @@ class FedTIP(Algorithm):
             residual=self.residual,
         )
 
-    def client_module(self, adapter: PromptAdapter, family: str) -> FedTIPClient:
+    # ------------------------------------------------------------------ task verbs
+    def task_module(self, adapter: PromptAdapter, family: str) -> FedTIPClient:
         central = self.mode == "central"
         return FedTIPClient(
             adapter,
@@ -141,22 +142,16 @@ class FedTIP(Algorithm):
             weight_decay=self.weight_decay,
         )
 
-    def server(self, omega: dict[str, Tensor]) -> FedTIPServer:
-        return FedTIPServer(
-            omega, self.eta_s, self.beta, self.aggregation == "reliability", self.anchors
-        )
-
-    # ------------------------------------------------------------------ task verbs
     def attach(self, snapshot: Any, protocol: Any) -> None:
         """The bank's snapshot encoder and the temporal protocol, before the first task (for
         a comparator that tunes the encoder)."""
 
-    def task_module(self, adapter: PromptAdapter, family: str) -> FedTIPClient:
-        return self.client_module(adapter, family)
-
     def task_server(self, module: FedTIPClient) -> FedTIPServer:
         """The task's server, starting from the module's initial adapter."""
-        return self.server(module.adapter.state_dict())
+        omega = module.adapter.state_dict()
+        return FedTIPServer(
+            omega, self.eta_s, self.beta, self.aggregation == "reliability", self.anchors
+        )
 
     def task_work(
         self,

@@ -70,7 +70,7 @@ def test_stacked_client_loss_is_the_sum_of_each_clients_eq26(family):
     alg = FedTIP(dropout=0.0, lambda_p=0.5, lambda_a=0.3)
     single = alg.adapter(D_H, D_T, D_E)
     omega = {k: v.clone() for k, v in single.state_dict().items()}
-    module = alg.client_module(single, family)
+    module = alg.task_module(single, family)
     anchors = {1: torch.tensor([1.0, 0.0, 0.0, 0.0])}  # class 0 has no anchor yet: skipped
     batches = [client_batch(5, 1, [0, 1, 1, 0, 1]), client_batch(3, 2, [1, 1, 0])]
     module.receive(omega, anchors, copies=2)
@@ -93,11 +93,11 @@ def test_one_stacked_fit_equals_separate_fits():
     omega = alg.adapter(D_H, D_T, D_E).state_dict()
     anchors = {0: torch.ones(D_H), 1: -torch.ones(D_H)}
     batches = [client_batch(6, 3), client_batch(4, 4), client_batch(5, 5)]
-    together = alg.client_module(alg.adapter(D_H, D_T, D_E), "lp")
+    together = alg.task_module(alg.adapter(D_H, D_T, D_E), "lp")
     together.receive(omega, anchors, copies=3)
     LeanExecutor().fit(together, stack_batches(batches), epochs=5)
     for k, b in enumerate(batches):
-        alone = alg.client_module(alg.adapter(D_H, D_T, D_E), "lp")
+        alone = alg.task_module(alg.adapter(D_H, D_T, D_E), "lp")
         alone.receive(omega, anchors, copies=1)
         LeanExecutor().fit(alone, stack_batches([b]), epochs=5)
         got = together.adapter.copy_state(k)
@@ -111,7 +111,7 @@ def test_message_fields_and_values_eq2():
     alg = FedTIP(dropout=0.0)
     adapter = alg.adapter(D_H, D_T, D_E)
     omega = {k: v.clone() for k, v in adapter.state_dict().items()}
-    module = alg.client_module(adapter, "nc")
+    module = alg.task_module(adapter, "nc")
     batches = [client_batch(4, 1, [1, 1, 1, 0]), client_batch(3, 2, [1, 1, 1])]
     stack = stack_batches(batches)
     module.receive(omega, {}, copies=2)
@@ -143,7 +143,7 @@ def test_message_fields_and_values_eq2():
     assert s.counts == {0: 1, 1: 3} and s.size == 4 and set(s.prototypes) == {0, 1}
     # the FedAvg prompt on link prediction: the delta and the counts, nothing else
     fedavg = FedTIP(dropout=0.0, aggregation="fedavg", anchors=False)
-    lp = fedavg.client_module(fedavg.adapter(D_H, D_T, D_E), "lp")
+    lp = fedavg.task_module(fedavg.adapter(D_H, D_T, D_E), "lp")
     lp.receive(omega, {}, copies=1)
     (v,) = fedavg.make_updates(lp, stack_batches(batches[:1]), omega, 1, [0])[:1]
     assert set(v.tensors) == {"delta"} and set(v.scalars) == {"count.0", "count.1"}
@@ -282,7 +282,7 @@ def test_clipped_prototype_release_eq7_in_the_message():
     plain, clipped = FedTIP(dropout=0.0), FedTIP(dropout=0.0, clip=0.05, sigma=0.0)
     out = {}
     for name, alg in (("plain", plain), ("clipped", clipped)):
-        module = alg.client_module(alg.adapter(D_H, D_T, D_E), "nc")
+        module = alg.task_module(alg.adapter(D_H, D_T, D_E), "nc")
         module.receive(omega, {}, copies=1)
         (u,) = alg.make_updates(module, batch, omega, 1, [0])
         out[name] = u
@@ -293,7 +293,7 @@ def test_clipped_prototype_release_eq7_in_the_message():
     assert out["clipped"].tensors["proto.1"].norm() <= 0.05 + 1e-6
     assert torch.allclose(out["plain"].tensors["proto.1"], h1.mean(0), atol=1e-6)
     noisy = FedTIP(dropout=0.0, clip=0.05, sigma=1.0)
-    module = noisy.client_module(noisy.adapter(D_H, D_T, D_E), "nc")
+    module = noisy.task_module(noisy.adapter(D_H, D_T, D_E), "nc")
     module.receive(omega, {}, copies=1)
     g = torch.Generator().manual_seed(0)
     (u,) = noisy.make_updates(module, batch, omega, 1, [0], [g])
