@@ -28,8 +28,7 @@ class _SparseAffine(torch.autograd.Function):
     @staticmethod
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[None, Tensor, Tensor]:
         (x,) = ctx.saved_tensors
-        size = (x.size(1), x.size(0))
-        x_t = torch.sparse_coo_tensor(x.indices().flip(0), x.values(), size, check_invariants=False)
+        x_t = torch.sparse_coo_tensor(x.indices().flip(0), x.values(), (x.size(1), x.size(0)))
         return None, torch.sparse.mm(x_t, grad).t(), grad.sum(0)
 
 

@@ -10,6 +10,10 @@ from torch import Tensor
 from torch_geometric.data import Data
 from torch_geometric.utils import coalesce, remove_self_loops, subgraph, to_undirected
 
+# Sparse modalities are built from valid tensors' entries: torch's default (no invariant
+# checks), said explicitly, so torch does not warn that it is implicit.
+torch.sparse.check_sparse_tensor_invariants.disable()
+
 
 @dataclass
 class MultimodalGraph:
@@ -168,13 +172,8 @@ def zero_missing(features: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]
         if x.layout == torch.sparse_coo:
             x = x.coalesce()
             kept = mask[x.indices()[0], j]
-            x = torch.sparse_coo_tensor(
-                x.indices()[:, kept],
-                x.values()[kept],
-                x.shape,
-                is_coalesced=True,
-                check_invariants=False,  # a subset of a valid tensor's entries
-            )
+            index, values = x.indices()[:, kept], x.values()[kept]
+            x = torch.sparse_coo_tensor(index, values, x.shape, is_coalesced=True)
         else:
             x = x * mask[:, j : j + 1].to(x.dtype)
         out[m] = x

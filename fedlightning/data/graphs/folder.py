@@ -187,28 +187,19 @@ def _read_labels(folder: Path, labels_as: str) -> tuple[np.ndarray, list[str], P
 
 
 def _load_sparse(path: Path) -> object:
-    """A SciPy sparse matrix saved by ``scipy.sparse.save_npz`` (CSR, CSC or COO)."""
+    """A SciPy sparse matrix saved by ``scipy.sparse.save_npz``, as COO, duplicates summed."""
     import scipy.sparse
 
     try:
-        return scipy.sparse.load_npz(path)
+        coo = scipy.sparse.load_npz(path).tocoo()
     except Exception as e:  # a zip that is no sparse matrix, a truncated file, ...
         raise DataError(
             path,
             "not a readable SciPy sparse matrix (written by scipy.sparse.save_npz): "
             f"{type(e).__name__}: {str(e)[:120]}",
         ) from None
-
-
-def _sparse_tensor(x: object) -> torch.Tensor:
-    """A SciPy sparse matrix as a coalesced float32 torch COO tensor."""
-    coo = x.tocoo()
     coo.sum_duplicates()
-    index = torch.from_numpy(np.vstack([coo.row, coo.col]).astype(np.int64))
-    values = torch.from_numpy(coo.data.astype(np.float32))
-    return torch.sparse_coo_tensor(
-        index, values, coo.shape, is_coalesced=True, check_invariants=True
-    )
+    return coo
 
 
 def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Tensor]:
@@ -245,9 +236,8 @@ def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Te
         if x.dtype.kind not in "biuf":
             raise DataError(p, f"{field}: expected a real numeric dtype, got {x.dtype}")
         if sparse:
-            coo = x.tocoo()
             bad = np.zeros(n, dtype=bool)
-            bad[coo.row[~np.isfinite(coo.data)]] = True
+            bad[x.row[~np.isfinite(x.data)]] = True
         else:
             x = x.astype(np.float32)
             bad = ~np.isfinite(x).all(axis=1)
@@ -257,7 +247,10 @@ def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Te
                 f"{field}: expected finite values, found NaN or inf in "
                 f"{int(bad.sum())} row(s), first row {int(np.argmax(bad))}",
             )
-        features[p.stem] = _sparse_tensor(x) if sparse else torch.from_numpy(x)
+        if sparse:
+            index = torch.from_numpy(np.vstack([x.row, x.col]).astype(np.int64))
+            x = torch.sparse_coo_tensor(index, x.data.astype(np.float32), x.shape).coalesce()
+        features[p.stem] = x if sparse else torch.from_numpy(x)
     return features
 
 
@@ -488,14 +481,6 @@ def load_folder(
     )
 
 
-def _save_sparse(path: Path, x: torch.Tensor) -> None:
-    import scipy.sparse
-
-    x = x.detach().cpu().coalesce()
-    index, values = x.indices().numpy(), x.values().numpy().astype(np.float32)
-    scipy.sparse.save_npz(path, scipy.sparse.csr_matrix((values, tuple(index)), shape=x.shape))
-
-
 def save_folder(graph: MultimodalGraph, path: str | os.PathLike[str]) -> None:
     """Write ``graph`` in the folder format for :func:`load_folder`: a sparse modality as
     SciPy CSR ``.npz``, ``masks/`` only for modalities with missing rows, ``node_ids.json``
@@ -518,7 +503,11 @@ def save_folder(graph: MultimodalGraph, path: str | os.PathLike[str]) -> None:
     mask = graph.mask.cpu().numpy().astype(np.bool_)
     for j, (m, x) in enumerate(graph.features.items()):
         if x.layout == torch.sparse_coo:  # stays sparse: SciPy CSR
-            _save_sparse(folder / "features" / f"{m}.npz", x)
+            import scipy.sparse
+
+            x = x.detach().cpu().coalesce()
+            csr = scipy.sparse.csr_matrix((x.values().numpy(), tuple(x.indices().numpy())), x.shape)
+            scipy.sparse.save_npz(folder / "features" / f"{m}.npz", csr)
         else:
             np.save(folder / "features" / f"{m}.npy", x.detach().cpu().numpy().astype(np.float32))
         if not mask[:, j].all():

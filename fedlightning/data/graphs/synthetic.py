@@ -74,9 +74,7 @@ def _multi_hot(
         words[members] = rng.choice(d, size=(members.size, k), p=p[c])
     flat = np.unique(np.repeat(np.arange(n), k) * d + words.ravel())  # sorted, row-major
     index = torch.from_numpy(np.stack([flat // d, flat % d]))
-    return torch.sparse_coo_tensor(
-        index, torch.ones(flat.size), (n, d), is_coalesced=True, check_invariants=True
-    )
+    return torch.sparse_coo_tensor(index, torch.ones(flat.size), (n, d), is_coalesced=True)
 
 
 def make_synthetic(
