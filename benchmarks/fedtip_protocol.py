@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +33,11 @@ from fedlightning.experiments.temporal import check_families, temporal_inputs
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
 from fedlightning.federation.tasks import TaskLoop, evaluate
+from fedlightning.resources import conf_dir
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.utils.seeding import derive_seed
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(conf_dir())
 INPUTS = ("h_u", "h_i", "te", "x", "r_u", "r_i")
 
 

@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from fedlightning.resources import conf_dir
 from fedlightning.train import train
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(conf_dir())
 DATA = ["dataset=synthetic_20k", "partition=random", "logger=none"]
 METHODS = {
     "fedavg": ["experiment=fedavg_cora", "federation.local_epochs=2"],

@@ -24,9 +24,10 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from fedlightning.resources import conf_dir
 from fedlightning.train import train
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(conf_dir())
 METHODS = ("fedavg", "fedavg_replay", "fedogl")
 
 

@@ -14,13 +14,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.resources import conf_dir
 
 if TYPE_CHECKING:
     from fedlightning.data.temporal.events import EventStream
 
 log = logging.getLogger(__name__)
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(conf_dir())  # fedlightning/resources.py: the package's or the checkout's conf/
 # Keys of a dataset config that are not its loader's arguments: the name the run takes
 # (declared by every dataset config) and the graph keys applied after loading.
 DISPLAY_NAME_KEY = "display_name"

@@ -10,9 +10,10 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 import fedlightning.config  # noqa: F401  (registers the configs' resolvers, e.g. fl.data_name)
+from fedlightning.resources import conf_dir
 
 REPO = Path(__file__).resolve().parents[1]
-CONF_DIR = str(REPO / "conf")
+CONF_DIR = str(conf_dir())  # the imported package's configs
 SHARED_DATA = Path(os.environ.get("FEDLIGHTNING_TEST_DATA", REPO.parent / "shared" / "data"))
 
 

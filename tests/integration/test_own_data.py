@@ -15,6 +15,7 @@ import torch
 
 from fedlightning.data.temporal import make_synthetic_stream
 from fedlightning.errors import ConfigError
+from fedlightning.resources import conf_dir
 
 REPO = Path(__file__).resolve().parents[2]
 FL = str(Path(sys.executable).parent / "fedlightning")
@@ -157,7 +158,7 @@ def test_a_label_free_stream_runs_link_prediction_only(tmp_env, compose, caplog)
 
 
 # --- names that follow the data --------------------------------------------------------------
-DATASETS = sorted(p.stem for p in (REPO / "conf" / "dataset").glob("*.yaml"))
+DATASETS = sorted(p.stem for p in (conf_dir() / "dataset").glob("*.yaml"))
 
 
 def run_dir_of(overrides: list[str]) -> str:
@@ -201,7 +202,7 @@ def test_the_run_folder_takes_the_data_name_and_the_experiment_stays_the_recipe(
 @pytest.mark.parametrize("dataset", DATASETS)
 def test_every_dataset_config_declares_its_display_name(dataset, compose):
     over = [f"dataset={dataset}", "dataset.path=/d/x.csv"]
-    cfg = compose(over if "path: ???" in (REPO / "conf/dataset" / f"{dataset}.yaml").read_text()
+    cfg = compose(over if "path: ???" in (conf_dir() / "dataset" / f"{dataset}.yaml").read_text()
                   else [f"dataset={dataset}"])  # fmt: skip
     assert isinstance(cfg.dataset.display_name, str) and cfg.dataset.display_name
 

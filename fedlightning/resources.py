@@ -1,0 +1,36 @@
+"""Where the Hydra configs are: :func:`conf_dir`, the one function every reader of the
+configs goes through (the CLI, :func:`fedlightning.config.compose`, sweeps, the Flower apps,
+shell completion, the tests and benchmarks).
+
+The repository's top-level ``conf/`` is the one source of the configs. A wheel ships it as
+``fedlightning/conf/`` (``setup.py`` maps the package ``fedlightning.conf`` onto ``conf/``);
+a source checkout (an editable install, or ``PYTHONPATH`` pointing at the checkout) reads
+``conf/`` next to the package. Both are found from the imported package's own location, so
+the configs always belong to the ``fedlightning`` that runs them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+ROOT_CONFIG = "train.yaml"
+
+
+def conf_dir() -> Path:
+    """The config directory of the imported ``fedlightning``: ``fedlightning/conf`` of an
+    installed wheel, else ``conf/`` of the source checkout the package lives in."""
+    for candidate in (PACKAGE_DIR / "conf", PACKAGE_DIR.parent / "conf"):
+        if (candidate / ROOT_CONFIG).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"fedlightning's configs ({ROOT_CONFIG}) are neither in {PACKAGE_DIR / 'conf'} (a "
+        f"wheel install) nor in {PACKAGE_DIR.parent / 'conf'} (a source checkout): reinstall "
+        "the package"
+    )
+
+
+def config_names(group: str) -> list[str]:
+    """The options of a config group, e.g. ``config_names("experiment")``: the stems of
+    ``conf/<group>/*.yaml``, sorted."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
