@@ -1,7 +1,8 @@
 """Packaging beyond pyproject.toml (which holds the metadata): the repository's top-level
 ``conf/``, the one source of the Hydra configs, ships inside the wheel as the package data
-``fedlightning/conf/**.yaml``; fedlightning/resources.py finds it there, or in ``conf/`` of a
-source checkout. tests/test_packaging.py builds the wheel and runs it."""
+``fedlightning.conf`` (a folder ``conf`` inside the package); fedlightning/resources.py
+finds it there, or in ``conf/`` of a source checkout. tests/test_packaging.py builds the
+wheel and runs it."""
 
 from setuptools import find_packages, setup
 

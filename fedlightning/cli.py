@@ -37,6 +37,9 @@ commands:
   data manifest [--out DIR] [hydra overrides]
             materialize FedTIP's protocol objects and print the manifest table:
             fedlightning data manifest experiment=temporal_wikipedia
+  completion bash|zsh
+            tab completion of commands and overrides (add to ~/.bashrc or ~/.zshrc):
+            eval "$(fedlightning completion bash)"
 """
 
 
@@ -314,12 +317,24 @@ def _run_tool(command: str, rest: list[str]) -> int:
         return 2
 
 
+def _wants_shell_completion(args: list[str]) -> bool:
+    """Hydra's ``-sc``/``--shell-completion`` flag (``fedlightning train -sc install=bash``),
+    answered by :mod:`fedlightning.completion` rather than by Hydra."""
+    from fedlightning.completion import shell_completion_request
+
+    return shell_completion_request(args) is not None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return
     command, rest = args[0], args[1:]
+    if command == "completion" or _wants_shell_completion(args):
+        from fedlightning.completion import main as completion_main
+
+        sys.exit(completion_main(args))
     if command in TOOLS:
         sys.exit(_run_tool(command, rest))
     if command != "train":

@@ -3,7 +3,7 @@ configs goes through (the CLI, :func:`fedlightning.config.compose`, sweeps, the 
 shell completion, the tests and benchmarks).
 
 The repository's top-level ``conf/`` is the one source of the configs. A wheel ships it as
-``fedlightning/conf/`` (``setup.py`` maps the package ``fedlightning.conf`` onto ``conf/``);
+the folder ``conf`` inside the package (``setup.py`` maps ``fedlightning.conf`` onto ``conf/``);
 a source checkout (an editable install, or ``PYTHONPATH`` pointing at the checkout) reads
 ``conf/`` next to the package. Both are found from the imported package's own location, so
 the configs always belong to the ``fedlightning`` that runs them.
@@ -18,8 +18,8 @@ ROOT_CONFIG = "train.yaml"
 
 
 def conf_dir() -> Path:
-    """The config directory of the imported ``fedlightning``: ``fedlightning/conf`` of an
-    installed wheel, else ``conf/`` of the source checkout the package lives in."""
+    """The config directory of the imported ``fedlightning``: ``conf`` inside the package
+    (an installed wheel), else ``conf/`` of the source checkout the package lives in."""
     for candidate in (PACKAGE_DIR / "conf", PACKAGE_DIR.parent / "conf"):
         if (candidate / ROOT_CONFIG).is_file():
             return candidate

@@ -1,0 +1,144 @@
+"""Shell completion: the bash script of ``fedlightning completion bash`` sourced in a real
+bash, its function called the way bash's programmable completion calls it (``COMP_WORDS``,
+``COMP_CWORD``, ``COMP_LINE``, ``COMP_POINT``), ``COMPREPLY`` read back; ``fedlightning``
+there is this checkout's, with a ``torch`` that fails to import (completion must not load it)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedlightning.completion import candidates
+from fedlightning.resources import conf_dir
+
+REPO = Path(__file__).resolve().parents[1]
+HANG_GUARD_S = 120  # far above the normal time (seconds)
+CALL = """eval "$(fedlightning completion bash)" || exit 3
+COMP_WORDS=("$@"); COMP_CWORD=$(( $# - 1 )); COMP_POINT=${#COMP_LINE}
+_fedlightning_complete || exit 4
+printf '%s\\n' "${COMPREPLY[@]}"
+"""
+
+
+@pytest.fixture(scope="module")
+def shell_env(tmp_path_factory) -> dict[str, str]:
+    """PATH with a ``fedlightning`` that runs this checkout's package; ``import torch`` fails."""
+    root = tmp_path_factory.mktemp("completion")
+    (root / "bin").mkdir()
+    program = root / "bin" / "fedlightning"
+    program.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fedlightning "$@"\n')
+    program.chmod(0o755)
+    (root / "no_torch" / "torch").mkdir(parents=True)
+    (root / "no_torch" / "torch" / "__init__.py").write_text(
+        "raise ImportError('shell completion imported torch')\n"
+    )
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(root / "bin"), env["PATH"]])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(root / "no_torch")])
+    return env
+
+
+def complete(env: dict[str, str], line: str, words: list[str]) -> list[str]:
+    """COMPREPLY for the command line ``line`` (the cursor at its end) split by bash into
+    ``words`` (the last one: the word under completion)."""
+    r = subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", CALL, "bash", *words],
+        env={**env, "COMP_LINE": line},
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+def options(group: str, prefix: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob(f"{prefix}*.yaml"))
+
+
+def test_experiment_names_whole_word(shell_env):
+    """A shell that keeps ``key=value`` one word (bash without '=' in COMP_WORDBREAKS, zsh's
+    bashcompinit): the replies are whole overrides."""
+    line = "fedlightning train experiment=cil_fedogl_c"
+    reply = complete(shell_env, line, line.split())
+    expected = [f"experiment={name}" for name in options("experiment", "cil_fedogl_c")]
+    assert expected == ["experiment=cil_fedogl_citeseer_mm", "experiment=cil_fedogl_cora"]
+    assert sorted(reply) == expected
+
+
+def test_experiment_names_split_at_equals(shell_env):
+    """Bash's default COMP_WORDBREAKS splits ``experiment=cil_fedogl_c`` into three words:
+    the replies replace the last one and complete the line to the whole override."""
+    line = "fedlightning train experiment=cil_fedogl_c"
+    words = ["fedlightning", "train", "experiment", "=", "cil_fedogl_c"]
+    reply = complete(shell_env, line, words)
+    assert sorted(reply) == ["cil_fedogl_citeseer_mm", "cil_fedogl_cora"]
+    assert line[: -len(words[-1])] + reply[-1] == "fedlightning train experiment=cil_fedogl_cora"
+
+    # right after '=', bash's current word is "=" itself
+    line = "fedlightning train -m seed=0,1 experiment="
+    words = ["fedlightning", "train", "-m", "seed", "=", "0,1", "experiment", "="]
+    reply = complete(shell_env, line, words)
+    assert sorted(reply) == [f"={name}" for name in options("experiment", "")]
+
+
+def test_groups_and_keys(shell_env):
+    line = "fedlightning train algo"
+    assert "algorithm=" in complete(shell_env, line, line.split())
+    line = "fedlightning train federation.ro"
+    assert complete(shell_env, line, line.split()) == ["federation.rounds="]
+    line = "fedlightning train experiment=demo model.net.hid"
+    assert complete(shell_env, line, line.split()) == ["model.net.hidden="]
+
+
+def test_keys_follow_the_overrides_before(shell_env):
+    """Keys come from the config composed with the overrides already typed: FedProx has
+    ``algorithm.mu``, FedAvg has not."""
+    line = "fedlightning train algorithm=fedprox algorithm.m"
+    assert "algorithm.mu=" in complete(shell_env, line, line.split())
+    line = "fedlightning train algorithm=fedavg algorithm.m"
+    assert "algorithm.mu=" not in complete(shell_env, line, line.split())
+
+
+def test_commands(shell_env):
+    assert complete(shell_env, "fedlightning tr", ["fedlightning", "tr"]) == ["train"]
+    reply = complete(shell_env, "fedlightning ", ["fedlightning", ""])
+    assert {"train", "sweep", "report", "flower-sim", "data", "completion"} <= set(reply)
+    line = "fedlightning data manifest experiment=temporal_wi"
+    assert complete(shell_env, line, line.split()) == ["experiment=temporal_wikipedia"]
+
+
+def test_hydra_shell_completion_flag(shell_env):
+    """The commands of the issue: Hydra's ``-sc`` given to ``fedlightning train`` or to
+    ``fedlightning`` no longer fails, and the installed script completes ``fedlightning``."""
+    run = {"env": shell_env, "capture_output": True, "text": True, "timeout": HANG_GUARD_S}
+    r = subprocess.run(["fedlightning", "train", "-sc", "install=bash"], **run)
+    assert r.returncode == 0, r.stderr
+    registered = [ln for ln in r.stdout.splitlines() if ln.startswith("complete ")]
+    assert registered == ["complete -o default -F _fedlightning_complete fedlightning"]
+    env = {**shell_env, "COMP_LINE": "fedlightning train federation.ro", "COMP_POINT": "31"}
+    r = subprocess.run(["fedlightning", "-sc", "query=bash"], **{**run, "env": env})
+    assert (r.returncode, r.stdout.split()) == (0, ["federation.rounds="]), r.stderr
+
+
+def test_candidates_in_process():
+    """Options, option values (left to the shell's file names) and lines that do not parse."""
+    assert candidates("fedlightning flower-sim --r") == ["--run-dir"]
+    assert candidates("fedlightning flower-sim --run-dir ") == []
+    assert candidates("fedlightning data manifest --out x federation.ro") == ["federation.rounds="]
+    assert candidates("fedlightning sweep sw") == []  # a file: the shell's completion
+    assert candidates("fedlightning train dataset=no_such_dataset federation.ro") == []
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
+def test_zsh_script_parses(shell_env):
+    script = subprocess.run(
+        ["fedlightning", "completion", "zsh"], env=shell_env, capture_output=True, text=True
+    ).stdout
+    r = subprocess.run(["zsh", "-n"], input=script, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
