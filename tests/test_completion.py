@@ -6,9 +6,12 @@ there is this checkout's, with a ``torch`` that fails to import (completion must
 from __future__ import annotations
 
 import os
+import re
+import select
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,10 +138,96 @@ def test_candidates_in_process():
     assert candidates("fedlightning train dataset=no_such_dataset federation.ro") == []
 
 
+class Terminal:
+    """An interactive bash on a pseudo-terminal: what readline makes of typed keys."""
+
+    def __init__(self, env: dict[str, str]):
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.bash = subprocess.Popen(
+            ["bash", "--norc", "--noprofile", "-i"],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env={**env, "HISTFILE": os.devnull, "PS1": "$ "},
+            start_new_session=True,
+        )
+        os.close(slave)
+        self.seen = b""
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def read_until(self, pattern: bytes) -> re.Match:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while (m := re.search(pattern, self.seen)) is None:
+            assert time.monotonic() < deadline, self.seen[-2000:]
+            if select.select([self.master], [], [], 1)[0]:
+                self.seen += os.read(self.master, 4096)
+        self.seen = self.seen[m.end() :]
+        return m
+
+    def close(self) -> None:
+        self.bash.kill()
+        self.bash.wait(timeout=HANG_GUARD_S)
+        os.close(self.master)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="a pseudo-terminal")
+def test_real_bash_readline(shell_env):
+    """TAB in an interactive bash, its default COMP_WORDBREAKS ('=' included): the line
+    after completion (a space after a finished override, none after a key awaiting its
+    value; ``algo`` stops at the common prefix of ``algorithm.`` and ``algorithm=``)."""
+    term = Terminal(shell_env)
+    try:
+        term.type('bind "set bell-style none"; eval "$(fedlightning completion bash)"\n')
+        term.type("echo READY\n")
+        term.read_until(rb"[\r\n]READY\r?\n")
+        completed = {}
+        for line in (
+            "fedlightning train federation.ro",
+            "fedlightning train experiment=cil_fedogl_co",
+            "fedlightning tr",
+            "fedlightning train algo",
+        ):
+            term.read_until(rb"\$ ")
+            term.type(f'{line}\t\x01echo "LINE:\x05|"\n')  # TAB, then echo the line
+            completed[line] = term.read_until(rb"[\r\n]LINE:(.*)\|\r?\n").group(1).decode()
+    finally:
+        term.close()
+    assert completed == {
+        "fedlightning train federation.ro": "fedlightning train federation.rounds=",
+        "fedlightning train experiment=cil_fedogl_co": "fedlightning train experiment=cil_fedogl_cora ",
+        "fedlightning tr": "fedlightning train ",
+        "fedlightning train algo": "fedlightning train algorithm",
+    }
+
+
+ZSH_CALL = """compdef() { print -r -- "compdef $*" }
+compadd() { print -r -- "compadd $*" }
+_files() { print -r -- "_files" }
+eval "$(fedlightning completion zsh)" || exit 3
+words=("$@"); CURRENT=$#
+_fedlightning
+"""
+
+
 @pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
-def test_zsh_script_parses(shell_env):
-    script = subprocess.run(
-        ["fedlightning", "completion", "zsh"], env=shell_env, capture_output=True, text=True
-    ).stdout
-    r = subprocess.run(["zsh", "-n"], input=script, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+def test_zsh_function(shell_env):
+    """The zsh function with zsh's completion builtins stubbed: whole-word candidates, no
+    space after a key awaiting its value, file names when nothing matches."""
+
+    def run(*words: str) -> list[str]:
+        cmd = ["zsh", "-f", "-c", ZSH_CALL, "zsh", *words]
+        r = subprocess.run(cmd, env=shell_env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    first, *added = run("fedlightning", "train", "experiment=cil_fedogl_c")
+    assert first == "compdef _fedlightning fedlightning"
+    assert added == ["compadd -Q -- experiment=cil_fedogl_citeseer_mm experiment=cil_fedogl_cora"]
+    assert run("fedlightning", "train", "federation.ro")[1:] == [
+        "compadd -Q -S  -- federation.rounds="
+    ]
+    assert run("fedlightning", "sweep", "sw")[1:] == ["_files"]
