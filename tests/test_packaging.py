@@ -54,10 +54,16 @@ def fresh_env(wheel: Path, where: Path) -> Path:
     """A new virtual environment holding the wheel, that sees this interpreter's packages
     (torch & co.) through a ``.pth`` file written after the install, so that pip neither
     reinstalls them nor touches the ``fedlightning`` installed here; returns its ``bin``."""
-    _run([sys.executable, "-m", "venv", "--without-pip", where], cwd=where.parent)
+    from pip import __version__ as pip_version
+
+    remote = tuple(int(x) for x in pip_version.split(".")[:2]) >= (22, 3)  # pip --python
+    _run(
+        [sys.executable, "-m", "venv", *(["--without-pip"] if remote else []), where], where.parent
+    )
     bindir = where / ("Scripts" if os.name == "nt" else "bin")
     python = bindir / ("python.exe" if os.name == "nt" else "python")
-    pip = [sys.executable, "-m", "pip", "--python", python, "--disable-pip-version-check"]
+    pip = [sys.executable, "-m", "pip", "--python", python] if remote else [python, "-m", "pip"]
+    pip.append("--disable-pip-version-check")
     _run([*pip, "install", "--no-deps", "--no-index", "-q", wheel], cwd=where)
     purelib = _run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], where
