@@ -250,14 +250,21 @@ def train_graph(
     )
     with run.start(tags):
         history = loop.run()
+    extras = loop.summary_extras()
+    metrics = loop.final_metrics()
+    release = getattr(algorithm, "release", None)
+    if release is not None:  # FedOGL's prototype release and its budget (docs/security.md)
+        extras["privacy"] = algorithm.privacy_budget(loop.completed_rounds)
+        if release.on:
+            metrics["dp_epsilon"] = extras["privacy"]["epsilon"]
     summary = run.summary(
         t0,
         rounds=loop.completed_rounds,
-        metrics=loop.final_metrics(),
+        metrics=metrics,
         comm=loop.ledger.summary(),
         hashes=hashes,
         resumed=resuming,
-        **loop.summary_extras(),
+        **extras,
     )
     artifacts = []
     if world.is_main:
