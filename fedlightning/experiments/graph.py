@@ -30,7 +30,7 @@ from fedlightning.runs import (
     run_tags,
     summary_table,
 )
-from fedlightning.server.secure_sum import graph_secure_sum
+from fedlightning.server.secure_sum import enabled, graph_secure_sum
 from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
 
@@ -214,7 +214,7 @@ def train_graph(
     check_algorithm_fits_protocol(algorithm, stream)
     runner.begin(cfg, run_dir, hashes)
     server = algorithm.server(net.state_dict())
-    if cfg.federation.get("secure_sum", False):
+    if enabled(cfg.federation.get("secure_sum", False)):
         server.secure = secure_sum_of(cfg, server, runner)
     run = Run(cfg, run_dir, world.is_main, resuming)
 

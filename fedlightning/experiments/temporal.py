@@ -32,6 +32,7 @@ from fedlightning.runs import (
     run_tags,
     summary_table,
 )
+from fedlightning.server.secure_sum import enabled
 from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
@@ -87,7 +88,7 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
             f"task=temporal needs a FedTIP algorithm (fedtip, prompt_fedavg, prompt_central, "
             f"fulltune_fedavg), got {type(algorithm).__name__}",
         )
-    if cfg.federation.get("secure_sum", False):  # docs/security.md
+    if enabled(cfg.federation.get("secure_sum", False)):  # docs/security.md
         if "flower" in str(cfg.runner.get("_target_", "")):
             raise ConfigError(
                 "federation.secure_sum",

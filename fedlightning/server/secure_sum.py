@@ -298,3 +298,12 @@ def graph_secure_sum(server: Any, seed: int, max_update_norm: float | None = Non
             head = server.global_state[mod.head_prefix + "weight"]
             classes, dim = int(head.shape[0]), int(head.shape[1])
     return SecureSum(int(seed), ShareSpec("fedavg", classes, dim, max_update_norm))
+
+
+def enabled(value: Any) -> bool:
+    """``federation.secure_sum``: ``true`` or ``false``, else one :class:`ConfigError` line."""
+    if not isinstance(value, bool):
+        from fedlightning.errors import ConfigError
+
+        raise ConfigError("federation.secure_sum", f"must be true or false, got {value!r}")
+    return value

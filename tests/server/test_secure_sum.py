@@ -215,3 +215,12 @@ def test_only_weighted_sums_are_summed_securely():
     server = Server({"w": torch.zeros(2)}, aggregator=lambda us: {})
     with pytest.raises(ValueError, match="FedAvg aggregation"):
         graph_secure_sum(server, 0)
+
+
+def test_the_setting_is_a_boolean():
+    from fedlightning.errors import ConfigError
+    from fedlightning.server.secure_sum import enabled
+
+    assert enabled(True) and not enabled(False)
+    with pytest.raises(ConfigError, match="federation.secure_sum"):
+        enabled("yes")
