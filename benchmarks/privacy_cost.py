@@ -18,14 +18,7 @@ from pathlib import Path
 from typing import Any
 
 FEDOGL = ["experiment=cil_fedogl_cora", "federation.rounds=3"]
-FEDTIP = [
-    "experiment=fedtip_bitcoin_alpha",
-    "protocol.tasks.num_tasks=5",
-    "federation.rounds=5",
-    "federation.local_epochs=2",
-    "bank.epochs=1",
-    "bank.max_events=5000",
-]
+FEDTIP = ["experiment=fedtip_bitcoin_alpha", "protocol.tasks.num_tasks=20", "federation.rounds=5"]
 
 
 def run(overrides: list[str], out: Path) -> dict[str, Any]:
@@ -35,20 +28,20 @@ def run(overrides: list[str], out: Path) -> dict[str, Any]:
     return train(compose([*overrides, "logger=none", "runner.progress=false"]), out, verbose=False)
 
 
-def rows(name: str, base: list[str], metric: str, sigmas: list[float], clip: float, tmp: Path):
+def rows(
+    name: str, base: list[str], metrics: list[str], sigmas: list[float], clip: float, tmp: Path
+):
     settings: list[tuple[str, list[str]]] = [("none", [])]
     for s in sigmas:
         settings.append((f"{s:g}", [f"algorithm.dp.clip={clip}", f"algorithm.dp.sigma={s}"]))
     for label, extra in settings:
         s = run([*base, *extra], tmp / f"{name}-{label}")
         eps = s["privacy"]["epsilon"]
-        value = s["metrics"][metric]
+        value = ", ".join(f"{m} {s['metrics'][m]:.4f}" for m in metrics if m in s["metrics"])
         releases = s["privacy"]["releases"]
         eps_text = "inf" if eps is None else f"{eps:.3g}"
         clip_text = "-" if label == "none" else f"{clip:g}"
-        line = (
-            f"| {name} | {clip_text} | {label} | {metric} {value:.4f} | {eps_text} | {releases} |"
-        )
+        line = f"| {name} | {clip_text} | {label} | {value} | {eps_text} | {releases} |"
         print(line, flush=True)
 
 
@@ -63,9 +56,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if a.only in (None, "fedogl"):
-            rows("cil_fedogl_cora", FEDOGL, "am", a.sigmas, a.clip, tmp)
+            rows("cil_fedogl_cora", FEDOGL, ["am"], a.sigmas, a.clip, tmp)
         if a.only in (None, "fedtip"):
-            rows("fedtip_bitcoin_alpha", FEDTIP, "auc_tlp", a.sigmas, a.clip, tmp)
+            rows("fedtip_bitcoin_alpha", FEDTIP, ["auc_nc", "auc_tlp"], a.sigmas, a.clip, tmp)
 
 
 if __name__ == "__main__":

@@ -217,7 +217,7 @@ class SecureSum:
     ) -> ClientUpdate:
         """Client side: the masked share of ``update`` (ring elements, int64) with its
         scalars in the clear. ``peers``: the round's client ids, agreed at the broadcast."""
-        k, r = update.client_id, update.round
+        k, r = update.client_id, broadcast.round  # the round the peers were fixed in
         bound = RING_HALF / max(len(peers), 1)
         tensors = {}
         for f, x in self.spec.plain(update, broadcast).items():
