@@ -13,6 +13,7 @@ import torch
 from fedlightning.algorithms.continual import ContinualFedAvg
 from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.callbacks import GradientProjection
+from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.structure import protected_biases, protected_inputs
@@ -27,7 +28,9 @@ from fedlightning.server.fedogl import (
     BasisMemory,
     PrototypeMemory,
 )
+from fedlightning.server.privacy import PrototypeRelease, private_prototype
 from fedlightning.server.prototypes import local_prototypes
+from fedlightning.utils.seeding import torch_generator
 
 
 class FedOGL(ContinualFedAvg):
@@ -39,6 +42,9 @@ class FedOGL(ContinualFedAvg):
             score: as :class:`ContinualFedAvg` (Eq. (5), Eq. (6)).
         basis, proto: overrides of :attr:`BASIS_DEFAULTS` (``rank_local`` is ``r_l``,
             ``rank`` is ``r``) and :attr:`PROTO_DEFAULTS` (``slots`` is ``S``).
+        dp: the prototype release, FedTIP's Eq. (7) on Eq. (11)'s class means:
+            ``{clip, sigma, delta}``
+            (:class:`~fedlightning.server.privacy.PrototypeRelease`; ``clip=None``: off).
     """
 
     stage_end_exchange = True
@@ -73,6 +79,7 @@ class FedOGL(ContinualFedAvg):
         lambda_dis: float = 1.0,
         basis: dict | None = None,
         proto: dict | None = None,
+        dp: dict | None = None,
         **kw: Any,
     ) -> None:
         modules = dict(replay=replay, distill=distill, projection=projection, prototypes=prototypes)
@@ -88,6 +95,19 @@ class FedOGL(ContinualFedAvg):
         self.basis = {**self.BASIS_DEFAULTS, **dict(basis or {})}
         self.proto = {**self.PROTO_DEFAULTS, **dict(proto or {})}
         self.projector = GradientProjection(project_update=self.basis["project_update"])
+        self.release = PrototypeRelease.from_settings(dp)
+        if self.release.on and self.proto["modes"] != 1:
+            raise ConfigError(
+                "algorithm.dp.clip",
+                "the release's sensitivity holds for one mean per class: "
+                f"needs algorithm.proto.modes=1, got {self.proto['modes']}",
+            )
+
+    def privacy_budget(self, rounds: int) -> dict[str, Any]:
+        """The run's budget over all its prototype releases: one per round (every client
+        releases each class it observes once a round; a record belongs to one client, one
+        class), composed over ``rounds``."""
+        return self.release.budget(rounds if self.use_prototypes and self.release.on else 0)
 
     def server(self, global_state: dict) -> Server:
         modules: dict[str, Any] = {}
@@ -149,6 +169,9 @@ class FedOGL(ContinualFedAvg):
         banks = self.descriptors(module.net, batch)
         module.net.train()
         for side, (x, m) in banks.items():
+            if self.release.on:
+                self.add_released(update, client, round, side, x[m], batch.y[m], t)
+                continue
             protos = local_prototypes(
                 x[m],
                 batch.y[m],
@@ -161,6 +184,29 @@ class FedOGL(ContinualFedAvg):
                 for q, (p, n) in enumerate(items):
                     update.tensors[f"{PROTO_PREFIX}{pre}{c}.{q}"] = p.detach().clone()
                     update.scalars[f"{COUNT_PREFIX}{pre}{c}.{q}"] = float(n)
+
+    def add_released(
+        self,
+        update: ClientUpdate,
+        client: FederatedClient,
+        round: int,
+        side: str,
+        x: Any,
+        y: Any,
+        t: int,
+    ) -> None:
+        """Eq. (11) through Eq. (7): each observed class's clipped, noised mean
+        (:func:`~fedlightning.server.privacy.private_prototype`), drawn from
+        ``(seed, "release", round, client, side, class)``."""
+        pre = f"{side}." if side else ""
+        for c in self.stream.observed[client.client_id][t]:
+            h = x[y == c]
+            if h.size(0) == 0:
+                continue
+            g = torch_generator(self.seed, "release", round, client.client_id, side or "z", c)
+            p = private_prototype(h.detach().cpu(), self.release.clip, self.release.sigma, g)
+            update.tensors[f"{PROTO_PREFIX}{pre}{c}.0"] = p
+            update.scalars[f"{COUNT_PREFIX}{pre}{c}.0"] = float(h.size(0))
 
     @torch.no_grad()
     def stage_end_update(

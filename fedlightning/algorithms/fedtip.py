@@ -22,6 +22,7 @@ from fedlightning.clients.temporal_prompt import (
     family_views,
     stack_batches,
 )
+from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm
 from fedlightning.federation.round import ClientWork
 from fedlightning.federation.tasks import (
@@ -32,12 +33,9 @@ from fedlightning.federation.tasks import (
     TaskLoop,
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast
-from fedlightning.server.reliability import (
-    FedTIPServer,
-    label_coverage,
-    private_prototype,
-    read_broadcast,
-)
+from fedlightning.server.privacy import PrototypeRelease, private_prototype
+from fedlightning.server.reliability import FedTIPServer, label_coverage, read_broadcast
+from fedlightning.server.secure_sum import SecureSum, ShareSpec
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.utils.seeding import derive_seed, torch_generator
 
@@ -65,7 +63,9 @@ class FedTIP(Algorithm):
         bottleneck, rank, dropout: the adapter (``d_p = d_h``). residual: the template
             adds the gated source state (the pre-training similarity, Sec. 4.3).
         lr, weight_decay: Adam's. encoder_lr: the encoder's (``fulltune`` only).
-        clip, sigma: the prototype release of Eq. (7) (``clip=None``: off).
+        dp: the prototype release of Eq. (7): ``{clip, sigma, delta}``
+            (:class:`~fedlightning.server.privacy.PrototypeRelease`; ``clip=None``: off).
+        clip, sigma: the old names of ``dp.clip`` and ``dp.sigma`` (still read).
     """
 
     name: str = "fedtip"
@@ -86,10 +86,13 @@ class FedTIP(Algorithm):
     lr: float = 1e-3
     encoder_lr: float = 1e-4
     weight_decay: float = 1e-5
+    dp: Any = None
     clip: float | None = None
     sigma: float = 0.0
     loop_class = TaskLoop
     modes = MODES
+    secure_seed = None  # federation.secure_sum: the run's seed (set by the program)
+    max_update_norm = None  # under secure sums, each client's clip of its delta
 
     def __post_init__(self) -> None:
         for key, value, allowed in (
@@ -100,6 +103,16 @@ class FedTIP(Algorithm):
         ):
             if value not in allowed:
                 raise ValueError(f"algorithm.{key} must be one of {allowed}, got {value!r}")
+        dp = dict(self.dp or {})
+        if self.clip is not None or self.sigma:
+            if dp.get("clip") is not None or dp.get("sigma"):
+                raise ConfigError(
+                    "algorithm.clip",
+                    "set algorithm.dp.clip and algorithm.dp.sigma only "
+                    "(algorithm.clip and algorithm.sigma are their old names)",
+                )
+            dp.update(clip=self.clip, sigma=self.sigma)
+        self.release = PrototypeRelease.from_settings(dp)
         if self.mode == "central":  # pooled training: its own schedule, one client per task
             self.loop_class = PooledTaskLoop
 
@@ -149,9 +162,34 @@ class FedTIP(Algorithm):
     def task_server(self, module: FedTIPClient) -> FedTIPServer:
         """The task's server, starting from the module's initial adapter."""
         omega = module.adapter.state_dict()
-        return FedTIPServer(
+        server = FedTIPServer(
             omega, self.eta_s, self.beta, self.aggregation == "reliability", self.anchors
         )
+        if self.secure_seed is not None:
+            protos = "prototypes" in self.message_fields(module.family)
+            spec = ShareSpec("fedtip", 2 if protos else 0, module.adapter.d_h, self.max_update_norm)
+            server.secure = SecureSum(int(self.secure_seed), spec)
+        return server
+
+    def use_secure_sum(self, seed: int, max_update_norm: float | None = None) -> None:
+        """``federation.secure_sum=true``: every task's server sums masked shares of Eq. (6).
+        Eq. (28)'s median norm needs every client's norm before any client could weight its
+        share, so reliability weighting is refused (``aggregation=fedavg``: :math:`r_k=1`)."""
+        if self.aggregation == "reliability" and self.mode == "federated":
+            raise ConfigError(
+                "federation.secure_sum",
+                "FedTIP's reliability weights (Eqs. 28-30) need every "
+                "client's norm before masking: use algorithm.aggregation=fedavg",
+            )
+        self.secure_seed, self.max_update_norm = int(seed), max_update_norm
+
+    def privacy_budget(self, tasks: int, rounds: int, families: Sequence[str]) -> dict[str, Any]:
+        """The run's budget over all its prototype releases: one per task, family (that sends
+        prototypes) and round, each client's release of a class counted once (a record
+        belongs to one client and one class)."""
+        sending = [f for f in families if "prototypes" in self.message_fields(f)]
+        released = self.release.on and self.mode == "federated"
+        return self.release.budget(tasks * rounds * len(sending) if released else 0)
 
     def task_work(
         self,
@@ -248,11 +286,11 @@ class FedTIP(Algorithm):
                 for c in observed:
                     tensors[f"proto.{c}"] = (
                         q[k, c].clone()
-                        if self.clip is None
+                        if not self.release.on
                         else private_prototype(
                             class_members(views, family, k, c),
-                            self.clip,
-                            self.sigma,
+                            self.release.clip,
+                            self.release.sigma,
                             generators[k] if generators else None,
                         )
                     )

@@ -30,6 +30,7 @@ from fedlightning.runs import (
     run_tags,
     summary_table,
 )
+from fedlightning.server.secure_sum import enabled, graph_secure_sum
 from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
 
@@ -159,6 +160,21 @@ def build_protocol(
     return partition, stream, hashes
 
 
+def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
+    """``federation.secure_sum=true``: the server's protocol (docs/security.md), refused with
+    one line for a runner or an aggregation it does not cover."""
+    if getattr(runner, "name", "") == "flower":
+        raise ConfigError(
+            "federation.secure_sum",
+            "runner=flower does not mask on its nodes: use runner=sequential or runner=distributed",
+        )
+    bound = cfg.algorithm.get("max_update_norm")
+    try:
+        return graph_secure_sum(server, cfg.seed, None if bound is None else float(bound))
+    except ValueError as e:
+        raise ConfigError("federation.secure_sum", str(e)) from None
+
+
 def _report(tracker: Any, observe: Observer | None, kind: str, step: int, m: dict) -> None:
     """Log a round's metrics (or a stage's, as ``stage_<name>``), then show them to
     ``observe``."""
@@ -198,6 +214,8 @@ def train_graph(
     check_algorithm_fits_protocol(algorithm, stream)
     runner.begin(cfg, run_dir, hashes)
     server = algorithm.server(net.state_dict())
+    if enabled(cfg.federation.get("secure_sum", False)):
+        server.secure = secure_sum_of(cfg, server, runner)
     run = Run(cfg, run_dir, world.is_main, resuming)
 
     common = dict(
@@ -232,14 +250,21 @@ def train_graph(
     )
     with run.start(tags):
         history = loop.run()
+    extras = loop.summary_extras()
+    metrics = loop.final_metrics()
+    release = getattr(algorithm, "release", None)
+    if release is not None:  # FedOGL's prototype release and its budget (docs/security.md)
+        extras["privacy"] = algorithm.privacy_budget(loop.completed_rounds)
+        if release.on:
+            metrics["dp_epsilon"] = extras["privacy"]["epsilon"]
     summary = run.summary(
         t0,
         rounds=loop.completed_rounds,
-        metrics=loop.final_metrics(),
+        metrics=metrics,
         comm=loop.ledger.summary(),
         hashes=hashes,
         resumed=resuming,
-        **loop.summary_extras(),
+        **extras,
     )
     artifacts = []
     if world.is_main:

@@ -32,6 +32,7 @@ from fedlightning.runs import (
     run_tags,
     summary_table,
 )
+from fedlightning.server.secure_sum import enabled
 from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
@@ -87,6 +88,15 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
             f"task=temporal needs a FedTIP algorithm (fedtip, prompt_fedavg, prompt_central, "
             f"fulltune_fedavg), got {type(algorithm).__name__}",
         )
+    if enabled(cfg.federation.get("secure_sum", False)):  # docs/security.md
+        if "flower" in str(cfg.runner.get("_target_", "")):
+            raise ConfigError(
+                "federation.secure_sum",
+                "runner=flower does not mask on its nodes: use "
+                "runner=sequential or runner=distributed",
+            )
+        bound = cfg.algorithm.get("max_update_norm")
+        algorithm.use_secure_sum(int(cfg.seed), None if bound is None else float(bound))
     return algorithm
 
 
@@ -255,6 +265,9 @@ def train_temporal(
             log.info("resuming %s after task %d", run_dir, len(loop.results))
         results = loop.run()
     metrics = loop.final_metrics()
+    privacy = algorithm.privacy_budget(len(results), int(cfg.federation.rounds), families)
+    if algorithm.release.on:
+        metrics["dp_epsilon"] = privacy["epsilon"]
     adapter = algorithm.adapter(*dims)
     summary = run.summary(
         t0,
@@ -271,6 +284,7 @@ def train_temporal(
         hashes=hashes,
         bank={"path": str(bank["path"]), "reused": bank["reused"], **bank["metrics"]},
         table=proto.table(),
+        privacy=privacy,
         resumed=resuming,
     )
     plots = []

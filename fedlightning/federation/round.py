@@ -80,6 +80,10 @@ def federated_round(
     message into ``ledger`` (fields named ``<prefix>/<field>`` when ``prefix`` is set, in
     ``scope``), then ``aggregate(round, updates)`` (default ``server.aggregate``).
 
+    With ``server.secure`` (a :class:`~fedlightning.server.secure_sum.SecureSum`, set by
+    ``federation.secure_sum``) and the server's own aggregation, each client's fit returns its
+    masked share, and the server aggregates their sum alone (docs/security.md).
+
     Returns the updates sent, in client order (a client that sends nothing is left out).
     """
     broadcast = server.broadcast(round)
@@ -87,6 +91,10 @@ def federated_round(
     fit.broadcast = broadcast
     if fit.share is not None:
         fit.one = stacked(runner, clients, fit.share)
+    secure = getattr(server, "secure", None) if aggregate is None else None
+    peers = [c.client_id for c in clients]
+    if secure is not None:
+        fit = secure.client_side(fit, peers)
     updates = runner.run_round(round, clients, fit, desc=desc or f"round {round}")
     down = prefixed(broadcast, prefix)
     sent = []
@@ -95,5 +103,8 @@ def federated_round(
         if update is not None:
             ledger.record(UP, client.client_id, prefixed(update, prefix), scope)
             sent.append(update)
-    (aggregate or server.aggregate)(round, sent)
+    if secure is not None:
+        secure.aggregate(round, sent, broadcast, peers, server.aggregate)
+    else:
+        (aggregate or server.aggregate)(round, sent)
     return sent

@@ -2,7 +2,8 @@ r"""FedTIP's server mathematics (paper 001, Sec. 3.5 and 4.3-4.4), Lightning-fre
 
 One equation, one function: Eqs. (27)-(29); the prompt update (Eqs. 30-31) and anchors
 (Eqs. 23-24) go through the additive statistics of Eq. (6), so secure summation could
-replace the plain sums (:func:`pairwise_masks`); the private prototype of Eqs. (4), (5), (7).
+replace the plain sums (:mod:`~fedlightning.server.secure_sum`); the private prototype of
+Eqs. (4), (5), (7) is :mod:`~fedlightning.server.privacy`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.aggregate import strip_prefix
+from fedlightning.server.privacy import clip_embeddings, private_prototype  # noqa: F401
 
 EPS = 1e-8
 
@@ -150,23 +152,6 @@ def pairwise_masks(num_clients: int, shape: tuple[int, ...], seed: int) -> list[
             masks[i] += m
             masks[j] -= m
     return masks
-
-
-def clip_embeddings(h: Tensor, c_emb: float) -> Tensor:
-    r"""Rows scaled to norm at most :math:`C_{emb}` (the premise of Eq. (5))."""
-    norms = h.norm(dim=-1, keepdim=True).clamp(min=EPS)
-    return h * (c_emb / norms).clamp(max=1.0)
-
-
-def private_prototype(
-    h: Tensor, c_emb: float, sigma: float, generator: torch.Generator | None = None
-) -> Tensor:
-    r"""Eqs. (4), (5), (7): the mean of the clipped representations plus
-    :math:`\mathcal{N}(0, \sigma^2 \Delta_2^2 I)` with :math:`\Delta_2 = 2 C_{emb} / n_{k,c}`."""
-    q = clip_embeddings(h, c_emb).mean(0)
-    delta = 2.0 * c_emb / h.size(0)
-    noise = torch.randn(q.shape, generator=generator, dtype=q.dtype)
-    return q + sigma * delta * noise
 
 
 class FedTIPServer:

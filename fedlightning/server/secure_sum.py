@@ -1,0 +1,309 @@
+r"""Secure summation by pairwise masks (Bonawitz et al., CCS 2017, without its key agreement
+and secret sharing): a simulation of the protocol, not a cryptographic implementation
+(docs/security.md, "Secure sums").
+
+Each client turns its message into the *additive share* the aggregate sums (FedAvg:
+:math:`n_k \mathbf{w}_k`; FedTIP, Eq. (6): :math:`n_k \Delta\Omega_k` and
+:math:`n_{k,c}\mathbf{q}_{k,c}`), encodes it in fixed point in the ring
+:math:`\mathbb{Z}_{2^{64}}` (int64 with wrap-around), and adds, for every other client
+:math:`j` of the round, the mask :math:`+\mathbf{m}_{kj}` (:math:`k < j`) or
+:math:`-\mathbf{m}_{jk}` (:math:`k > j`), uniform on the ring and drawn from a seed agreed
+per pair. In the sum the masks cancel exactly; each share alone is uniform on the ring.
+The counts the weighting needs travel in the clear; the server sums the shares, decodes,
+divides, and hands the server's own aggregation one update: the aggregate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.server.aggregate import MODEL_PREFIX
+from fedlightning.server.fedogl import COUNT_PREFIX, PROTO_PREFIX, read_prototypes
+from fedlightning.utils.seeding import torch_generator
+
+FRACTION_BITS = 32  # fixed point: a share's value is round(x * 2^32) in Z_{2^64}
+SCALE = float(2**FRACTION_BITS)
+RING_HALF = 2.0**63  # the decoded sum is exact while |sum| * 2^32 < 2^63
+PROTO_SUM = "proto_sum"  # class -> summed n_{k,c} q_{k,c}, one row per class
+RULES = ("fedavg", "fedtip")
+
+
+def encode(x: Tensor, bound: float = RING_HALF) -> Tensor:
+    r"""Fixed point: :math:`\mathrm{round}(x\,2^{32})` as int64; ``ValueError`` if a value
+    is not finite or :math:`|x|\,2^{32} \ge` ``bound``."""
+    y = torch.round(x.double() * SCALE)
+    top = float(y.abs().max()) if y.numel() else 0.0
+    if not torch.isfinite(y).all() or top >= bound:
+        raise ValueError(
+            f"value outside the fixed-point range |x| < {bound / SCALE:.3g} ({FRACTION_BITS} "
+            f"fractional bits), got max |x| = {top / SCALE:.3g}"
+        )
+    return y.to(torch.int64)
+
+
+def decode(s: Tensor) -> Tensor:
+    """A ring element (int64, two's complement) back to float64."""
+    return s.double() / SCALE
+
+
+def pair_mask(seed: int, round: int, i: int, j: int, field: str, shape: Sequence[int]) -> Tensor:
+    r""":math:`\mathbf{m}_{ij}` (``i < j``) of one field: uniform int64 from the pair's seed
+    ``(seed, round, i, j, field)``."""
+    if not i < j:
+        raise ValueError(f"a pair mask is addressed by i < j, got {i}, {j}")
+    g = torch_generator(seed, "secure_sum", round, i, j, field)
+    return torch.randint(-(2**63), 2**63 - 1, tuple(shape), generator=g, dtype=torch.int64)
+
+
+def client_mask(
+    seed: int, round: int, client: int, peers: Sequence[int], field: str, shape: Sequence[int]
+) -> Tensor:
+    r"""Client ``client``'s net mask :math:`\sum_{j > k} \mathbf{m}_{kj} - \sum_{j < k}
+    \mathbf{m}_{jk}` over ``peers`` (the round's clients), in the ring."""
+    total = torch.zeros(tuple(shape), dtype=torch.int64)
+    for j in peers:
+        if j > client:
+            total += pair_mask(seed, round, client, j, field, shape)
+        elif j < client:
+            total -= pair_mask(seed, round, j, client, field, shape)
+    return total
+
+
+def _clip_norm(delta: Tensor, max_norm: float) -> Tensor:
+    norm = float(delta.double().norm())
+    return delta * min(1.0, max_norm / norm) if norm > 0 else delta
+
+
+@dataclass(frozen=True)
+class ShareSpec:
+    """What a client's additive share holds (plain values; the same layout for every client).
+
+    Args:
+        rule: ``fedavg`` (``model.<k>`` times ``num_examples``; FedAvg, FedProx, FedOGL's
+            model) or ``fedtip`` (``delta`` times :math:`n_k = \\sum_c n_{k,c}`, Eq. 6).
+        classes, dim: the ``proto_sum`` rows and width (``classes=0``: no prototypes).
+        max_update_norm: each client clips its update (``model.*`` minus the broadcast, or
+            ``delta``) to this L2 norm before scaling and masking; the server cannot check it.
+    """
+
+    rule: str = "fedavg"
+    classes: int = 0
+    dim: int = 0
+    max_update_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"share rule must be one of {RULES}, got {self.rule!r}")
+
+    def weight(self, update: ClientUpdate) -> float:
+        """The client's weight in the sum: ``num_examples`` or :math:`\\sum_c n_{k,c}`."""
+        if self.rule == "fedavg":
+            return update.num_examples
+        return sum(v for k, v in update.scalars.items() if k.startswith("count."))
+
+    def plain(self, update: ClientUpdate, broadcast: ServerBroadcast) -> dict[str, Tensor]:
+        """The client's plain additive share (float64), before encoding and masking."""
+        n = self.weight(update)
+        out: dict[str, Tensor] = {}
+        if self.rule == "fedavg":
+            model = {k: v for k, v in update.tensors.items() if k.startswith(MODEL_PREFIX)}
+            if self.max_update_norm is not None:
+                model = _clip_model(model, broadcast.tensors, self.max_update_norm)
+            out.update({k: n * v.double() for k, v in model.items()})
+        else:
+            delta = update.tensors["delta"]
+            if self.max_update_norm is not None:
+                delta = _clip_norm(delta, self.max_update_norm)
+            out["delta"] = n * delta.double()
+        if self.classes:
+            rows = torch.zeros(self.classes, self.dim, dtype=torch.float64)
+            for c, p, count in self.prototypes(update):
+                rows[c] += count * p.double()
+            out[PROTO_SUM] = rows
+        return out
+
+    def prototypes(self, update: ClientUpdate) -> list[tuple[int, Tensor, float]]:
+        """``(class, prototype, count)`` of a plain message, in either method's fields."""
+        if self.rule == "fedavg":
+            return [(c, p, float(n)) for c, p, n in read_prototypes(update)]
+        out = []
+        for k, p in update.tensors.items():
+            if k.startswith(PROTO_PREFIX):
+                c = int(k[len(PROTO_PREFIX) :])
+                out.append((c, p, update.scalars[f"count.{c}"]))
+        return out
+
+    def aggregate(
+        self, total: dict[str, Tensor], shares: Sequence[ClientUpdate], like: dict[str, Tensor]
+    ) -> ClientUpdate:
+        """The decoded sums over the clear counts of ``shares``: one update that the
+        server's own aggregation reads as the round's only, weighted by the total
+        (``like``: the broadcast, for the model's dtypes)."""
+        n = sum(self.weight(u) for u in shares)
+        if n <= 0:
+            raise ValueError("secure sum: the clients' total weight is 0, nothing to divide by")
+        tensors, scalars = {}, {}
+        for k, s in total.items():
+            if k == PROTO_SUM:
+                continue
+            dtype = like[k].dtype if k in like else torch.float32
+            mean = s / n
+            tensors[k] = mean.to(dtype) if dtype.is_floating_point else mean.round().to(dtype)
+        if self.rule == "fedavg":
+            scalars["num_examples"] = float(n)
+        if self.classes:
+            z = torch.zeros(self.classes, dtype=torch.float64)
+            for u in shares:
+                for key, v in u.scalars.items():
+                    c = _count_class(key, self.rule)
+                    if c is not None:
+                        z[c] += v
+            for c in range(self.classes):
+                if z[c] > 0:
+                    q = (total[PROTO_SUM][c] / z[c]).float()
+                    if self.rule == "fedavg":
+                        tensors[f"{PROTO_PREFIX}{c}.0"] = q
+                        scalars[f"{COUNT_PREFIX}{c}.0"] = float(z[c])
+                    else:
+                        tensors[f"{PROTO_PREFIX}{c}"] = q
+            if self.rule == "fedtip":
+                scalars.update({f"count.{c}": float(z[c]) for c in range(self.classes) if z[c]})
+        elif self.rule == "fedtip":
+            counts = {k: sum(u.scalars.get(k, 0.0) for u in shares) for k in _counts(shares)}
+            scalars.update(counts)
+        return ClientUpdate(round=shares[0].round, tensors=tensors, scalars=scalars)
+
+
+def _counts(shares: Sequence[ClientUpdate]) -> list[str]:
+    return sorted({k for u in shares for k in u.scalars if k.startswith("count.")})
+
+
+def _count_class(key: str, rule: str) -> int | None:
+    prefix = COUNT_PREFIX if rule == "fedavg" else "count."
+    if not key.startswith(prefix):
+        return None
+    return int(key[len(prefix) :].split(".")[0])
+
+
+def _clip_model(
+    model: dict[str, Tensor], start: dict[str, Tensor], max_norm: float
+) -> dict[str, Tensor]:
+    """``model`` moved back towards ``start`` so that its floating-point change has L2 norm
+    at most ``max_norm`` (integer buffers unchanged)."""
+    keys = [k for k, v in model.items() if v.dtype.is_floating_point]
+    norm = math.sqrt(sum(float((model[k].double() - start[k].double()).pow(2).sum()) for k in keys))
+    if norm <= max_norm:
+        return model
+    f = max_norm / norm
+    return {k: start[k] + f * (v - start[k]) if k in keys else v for k, v in model.items()}
+
+
+@dataclass(frozen=True)
+class SecureSum:
+    """The round's protocol: ``seed`` (pair seeds) and the :class:`ShareSpec`."""
+
+    seed: int
+    spec: ShareSpec
+
+    def mask(
+        self, update: ClientUpdate, broadcast: ServerBroadcast, peers: Sequence[int]
+    ) -> ClientUpdate:
+        """Client side: the masked share of ``update`` (ring elements, int64) with its
+        scalars in the clear. ``peers``: the round's client ids, agreed at the broadcast."""
+        k, r = update.client_id, broadcast.round  # the round the peers were fixed in
+        bound = RING_HALF / max(len(peers), 1)
+        tensors = {}
+        for f, x in self.spec.plain(update, broadcast).items():
+            try:
+                enc = encode(x, bound)
+            except ValueError as e:
+                raise ValueError(f"secure sum: client {k}, field {f}: {e}") from None
+            tensors[f] = enc + client_mask(self.seed, r, k, peers, f, x.shape)
+        return ClientUpdate(r, tensors, dict(update.scalars), client_id=k)
+
+    def unmask(
+        self, shares: Sequence[ClientUpdate], broadcast: ServerBroadcast, peers: Sequence[int]
+    ) -> ClientUpdate:
+        """Server side: the ring sum of ``shares``; for a client of ``peers`` whose share
+        did not arrive, every survivor reveals its pair mask with it (recovery), which the
+        server subtracts; then decode and :meth:`ShareSpec.aggregate`."""
+        if not shares:
+            raise ValueError(f"round {broadcast.round}: no client shares to sum")
+        fields = list(shares[0].tensors)
+        for u in shares[1:]:
+            if list(u.tensors) != fields:
+                raise ValueError(f"secure sum: client {u.client_id}'s share has other fields")
+        alive = [u.client_id for u in shares]
+        dropped = [j for j in peers if j not in alive]
+        total = {}
+        for f in fields:
+            s = torch.zeros_like(shares[0].tensors[f])
+            for u in shares:
+                s += u.tensors[f]
+            for i in alive:  # the survivors' revealed masks with the dropped clients
+                for j in dropped:
+                    if i < j:
+                        s -= pair_mask(self.seed, broadcast.round, i, j, f, s.shape)
+                    else:
+                        s += pair_mask(self.seed, broadcast.round, j, i, f, s.shape)
+            total[f] = decode(s)
+        return self.spec.aggregate(total, shares, broadcast.tensors)
+
+    def client_side(self, fit: Any, peers: Sequence[int]) -> Any:
+        """A round's :class:`~fedlightning.federation.round.ClientWork` whose per-client fit
+        returns the masked share (on the client's process: the plain update stays there)."""
+        inner = fit.one
+
+        def one(client: Any) -> ClientUpdate | None:
+            update = inner(client)
+            return None if update is None else self.mask(update, fit.broadcast, peers)
+
+        params = {**fit.params, "secure_sum": {"seed": self.seed, **asdict(self.spec)}}
+        return replace(fit, one=one, params=params)
+
+    def aggregate(
+        self,
+        round: int,
+        shares: Sequence[ClientUpdate],
+        broadcast: ServerBroadcast,
+        peers: Sequence[int],
+        aggregate: Callable[[int, list[ClientUpdate]], None],
+    ) -> None:
+        """Server side of a round: :meth:`unmask`, then ``aggregate(round, [the sum])``."""
+        aggregate(round, [self.unmask(shares, broadcast, peers)])
+
+
+def graph_secure_sum(server: Any, seed: int, max_update_norm: float | None = None) -> SecureSum:
+    """The protocol for a graph run's :class:`~fedlightning.server.server.Server`: FedAvg's
+    model sum (FedAvg, FedProx, the continual baselines, FedOGL) and, with FedOGL's
+    :class:`~fedlightning.server.fedogl.PrototypeMemory`, the per-class prototype sums.
+    ``ValueError`` for an aggregation that is not a weighted sum."""
+    from fedlightning.server.aggregate import fedavg
+    from fedlightning.server.fedogl import AlignmentMemory, PrototypeMemory
+
+    if server.aggregator is not fedavg:
+        raise ValueError("secure sums need the FedAvg aggregation (a weighted sum)")
+    classes = dim = 0
+    for mod in server.modules.values():
+        if isinstance(mod, AlignmentMemory):
+            raise ValueError("retrieval's per-modality prototype banks are not summed securely")
+        if isinstance(mod, PrototypeMemory):
+            head = server.global_state[mod.head_prefix + "weight"]
+            classes, dim = int(head.shape[0]), int(head.shape[1])
+    return SecureSum(int(seed), ShareSpec("fedavg", classes, dim, max_update_norm))
+
+
+def enabled(value: Any) -> bool:
+    """``federation.secure_sum``: ``true`` or ``false``, else one :class:`ConfigError` line."""
+    if not isinstance(value, bool):
+        from fedlightning.errors import ConfigError
+
+        raise ConfigError("federation.secure_sum", f"must be true or false, got {value!r}")
+    return value

@@ -1,0 +1,85 @@
+"""Secure sums and the private prototype release in real runs, in-process (docs/security.md)."""
+
+import json
+
+import pytest
+
+from fedlightning.errors import ConfigError
+from fedlightning.server.privacy import epsilon
+from fedlightning.train import train
+
+pytestmark = pytest.mark.slow
+TOL = 1e-6  # see docs/security.md: fixed-point sums are exact up to n 2^-33 per value
+
+
+def _close(a, b):
+    assert set(a) == set(b)
+    for k, v in a.items():
+        if isinstance(v, float) and "mib" not in k and "time" not in k:  # shares are int64
+            assert b[k] == pytest.approx(v, abs=TOL), k
+
+
+def test_fedavg_with_secure_sums_equals_the_plain_run(tmp_env, compose):
+    base = ["experiment=fedavg_synthetic", "federation.rounds=2", "logger=none"]
+    plain = train(compose(base), tmp_env / "plain", verbose=False)
+    secure = train(compose([*base, "federation.secure_sum=true"]), tmp_env / "s", verbose=False)
+    _close(plain["metrics"], secure["metrics"])
+    # what crossed were int64 ring elements: 8 bytes a model value instead of 4
+    assert secure["comm"]["uplink_values"] == plain["comm"]["uplink_values"]
+
+
+DEMO = [
+    "experiment=demo",
+    "federation.rounds=1",
+    "federation.local_epochs=1",
+    "protocol.stream.stages=[2,1]",
+]
+
+
+def test_fedogl_with_a_private_release_reports_its_budget(tmp_env, compose):
+    over = [*DEMO, "logger=none"]
+    dp = ["algorithm.dp.clip=1.0", "algorithm.dp.sigma=2.0"]
+    s = train(compose([*over, *dp]), tmp_env / "dp", verbose=False)
+    releases = 2  # 2 stages x 1 round, every client releases its classes once a round
+    assert s["privacy"]["releases"] == releases
+    assert s["privacy"]["epsilon"] == pytest.approx(epsilon(2.0, releases, 1e-5))
+    assert 0 < s["metrics"]["dp_epsilon"] < 100
+    on_disk = json.loads((tmp_env / "dp" / "summary.json").read_text())
+    assert on_disk["privacy"]["epsilon"] == pytest.approx(s["privacy"]["epsilon"])
+
+
+def test_fedogl_sums_models_and_prototypes_securely(tmp_env, compose):
+    over = [*DEMO, "logger=none", "federation.secure_sum=true"]
+    s = train(compose(over), tmp_env / "s", verbose=False)
+    assert 0.0 <= s["metrics"]["am"] <= 1.0
+
+
+FEDTIP = [
+    "experiment=fedtip_synthetic",
+    "protocol.tasks.num_tasks=1",
+    "federation.rounds=2",
+    "federation.local_epochs=1",
+    "bank.epochs=1",
+    "bank.max_events=2000",
+    "logger=none",
+]
+
+
+def test_fedtip_eq6_by_secure_sums_equals_the_plain_run(tmp_env, compose):
+    avg = [*FEDTIP, "algorithm.aggregation=fedavg"]
+    plain = train(compose(avg), tmp_env / "p", verbose=False)
+    secure = train(compose([*avg, "federation.secure_sum=true"]), tmp_env / "s", verbose=False)
+    _close(plain["metrics"], secure["metrics"])
+    with pytest.raises(ConfigError, match="federation.secure_sum"):
+        train(compose([*FEDTIP, "federation.secure_sum=true"]), tmp_env / "r", verbose=False)
+
+
+def test_fedtip_private_release_reports_its_budget(tmp_env, compose):
+    dp = train(
+        compose([*FEDTIP, "algorithm.dp.clip=1.0", "algorithm.dp.sigma=1.0"]),
+        tmp_env / "dp",
+        verbose=False,
+    )
+    fams = len(dp["families"])
+    assert dp["privacy"]["releases"] == 1 * 2 * fams
+    assert dp["metrics"]["dp_epsilon"] == pytest.approx(epsilon(1.0, 2 * fams, 1e-5))
