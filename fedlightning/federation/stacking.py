@@ -122,9 +122,10 @@ class StackedClients(pl.LightningModule):
         mu = float(getattr(m, "prox_mu", 0.0))
         copies = {n: p.unbind(0) for n, p in self.net.named_parameters()} if mu > 0 else {}
         losses = []
+        rows = self.segments.split(logits)
+        olds = self.segments.split(teacher) if teacher is not None else [None] * len(rows)
         for k, a, b in self.segments.ranges():
-            t = None if teacher is None else teacher[a:b]
-            loss = m.objective(logits[a:b], _Rows(batch, a, b), t)
+            loss = m.objective(rows[k], _Rows(batch, a, b), olds[k])
             if mu > 0:
                 own = ((n, ps[k]) for n, ps in copies.items())
                 loss = loss + proximal_term(own, self.anchor, mu)

@@ -45,6 +45,13 @@ class Segments:
         for k in range(self.copies):
             yield k, self.ptr[k], self.ptr[k + 1]
 
+    def split(self, x: Tensor) -> list[Tensor]:
+        """Each copy's rows of ``x`` (views of a dense ``x``, whose gradients come back as
+        one concatenation; row blocks of a sparse COO ``x``)."""
+        if x.layout == torch.sparse_coo:
+            return [x.narrow_copy(0, a, b - a) for _, a, b in self.ranges()]
+        return list(x.split([b - a for _, a, b in self.ranges()]))
+
     @contextlib.contextmanager
     def stream(self, k: int, device: torch.device) -> Iterator[None]:
         """Draw from copy ``k``'s stream: its saved state in, the advanced state back out."""
@@ -79,10 +86,6 @@ def _stacked_param(p: Tensor | None, copies: int) -> nn.Parameter | None:
     return nn.Parameter(p.detach().unsqueeze(0).repeat(copies, *([1] * p.dim())).contiguous())
 
 
-def _rows(x: Tensor, a: int, b: int) -> Tensor:
-    return x.narrow_copy(0, a, b - a) if x.layout == torch.sparse_coo else x[a:b]
-
-
 class SegmentLinear(nn.Module):
     """``K`` linear maps, copy ``k`` applied to rows ``ptr[k]:ptr[k+1]`` of a dense or sparse
     COO input with :func:`torch.nn.functional.linear` (the sparse path of
@@ -99,8 +102,7 @@ class SegmentLinear(nn.Module):
         ws = self.weight.unbind(0)  # one backward node that stacks the copies' gradients
         bs = self.bias.unbind(0) if self.bias is not None else [None] * len(ws)
         parts = []
-        for k, a, b in self.segments[0].ranges():
-            xk = _rows(x, a, b)
+        for k, xk in enumerate(self.segments[0].split(x)):
             if xk.layout == torch.sparse_coo:
                 parts.append(_SparseAffine.apply(xk, ws[k], bs[k]))
             else:
@@ -111,7 +113,7 @@ class SegmentLinear(nn.Module):
 def segment_add(x: Tensor, bias: Tensor, segments: Segments) -> Tensor:
     """``x[rows of k] + bias[k]`` for every copy ``k``."""
     bs = bias.unbind(0)
-    return torch.cat([x[a:b] + bs[k] for k, a, b in segments.ranges()])
+    return torch.cat([xk + bs[k] for k, xk in enumerate(segments.split(x))])
 
 
 class SegmentGCNConv(nn.Module):
@@ -168,9 +170,9 @@ class SegmentDropout(nn.Module):
         if seg.streams is None:
             return self._drop(x)
         parts = []
-        for k, a, b in seg.ranges():
+        for k, xk in enumerate(seg.split(x)):
             with seg.stream(k, x.device):
-                parts.append(self._drop(_rows(x, a, b)))
+                parts.append(self._drop(xk))
         return torch.cat(parts)
 
 
