@@ -29,7 +29,6 @@ from fedlightning.errors import ConfigError
 from fedlightning.models.stacked import (
     Segments,
     copy_state,
-    disjoint_union,
     load_copies,
     seeded_streams,
     stack_net,
@@ -178,13 +177,12 @@ def fit_stacked(
     net, segments = cached_stack(module.net, copies)
     start = {n: p.detach() for n, p in module.net.named_parameters()}
     load_copies(net, [start] * copies)
-    union, ptr = disjoint_union(batches)
-    segments.ptr = ptr
+    union = segments.bind(batches)
     teacher = None
     if teachers is not None:
         teacher, tseg = cached_stack(module.net, copies, "teacher")
         load_copies(teacher, teachers)
-        tseg.ptr = ptr
+        tseg.bind(batches)
         teacher.eval()
     segments.streams = seeded_streams(seeds, getattr(executor, "device", None))
     stacked = StackedClients(module, net, segments, teacher)
@@ -193,20 +191,6 @@ def fit_stacked(
     finally:
         streams, segments.streams = segments.streams, None
     return StackedFit(net, stacked.losses, streams)
-
-
-_UNIONS: dict[tuple[int, ...], tuple[list[Any], Any, list[int]]] = {}
-
-
-def union_of(graphs: Sequence[Any]) -> tuple[Any, list[int]]:
-    """:func:`~fedlightning.models.stacked.disjoint_union` of ``graphs``, kept while they
-    are the last graphs asked for (a run's evaluation asks for the same ones every round)."""
-    key = tuple(id(g) for g in graphs)
-    if key not in _UNIONS:
-        _UNIONS.clear()
-        _UNIONS[key] = (list(graphs), *disjoint_union(graphs))
-    _, union, ptr = _UNIONS[key]
-    return union, ptr
 
 
 @torch.no_grad()
@@ -222,7 +206,7 @@ def outputs_in_one_pass(
     ``fn`` returns a tensor ``[N, ...]`` or a tuple/dict of them."""
     stack, segments = cached_stack(net, len(graphs), "eval")
     load_copies(stack, [{n: state[n] for n, _ in net.named_parameters()}] * len(graphs))
-    union, segments.ptr = union_of(graphs)
+    union = segments.bind(graphs)
     stack.eval()
     out = fn(stack, union)
 

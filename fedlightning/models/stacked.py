@@ -38,6 +38,7 @@ class Segments:
         self.copies = copies
         self.ptr: list[int] = []
         self.streams: list[dict[str, Tensor]] | None = None
+        self._cut: list[tuple[Tensor, list[Tensor]]] = []  # sparse tensors and their rows
 
     def ranges(self) -> Iterator[tuple[int, int, int]]:
         if len(self.ptr) != self.copies + 1:
@@ -47,10 +48,36 @@ class Segments:
 
     def split(self, x: Tensor) -> list[Tensor]:
         """Each copy's rows of ``x`` (views of a dense ``x``, whose gradients come back as
-        one concatenation; row blocks of a sparse COO ``x``)."""
-        if x.layout == torch.sparse_coo:
-            return [x.narrow_copy(0, a, b - a) for _, a, b in self.ranges()]
-        return list(x.split([b - a for _, a, b in self.ranges()]))
+        one concatenation; row blocks of a sparse COO ``x``, cut once)."""
+        if x.layout != torch.sparse_coo:
+            return list(x.split([b - a for _, a, b in self.ranges()]))
+        for whole, parts in self._cut:
+            if whole is x:
+                return parts
+        parts = [x.narrow_copy(0, a, b - a) for _, a, b in self.ranges()]
+        return self.remember(x, parts)
+
+    def join(self, parts: list[Tensor]) -> Tensor:
+        """The copies' rows back as one tensor (a sparse one remembers its rows)."""
+        out = torch.cat(parts)
+        if out.layout == torch.sparse_coo:
+            self.remember(out, parts)
+        return out
+
+    def remember(self, x: Tensor, parts: list[Tensor]) -> list[Tensor]:
+        """Keep ``parts`` as the rows of the sparse ``x`` (the last few such tensors)."""
+        self._cut = [*self._cut[-7:], (x, parts)]
+        return parts
+
+    def bind(self, graphs: Sequence[Data]) -> Data:
+        """The disjoint union of ``graphs`` as this stack's input: ``ptr`` set, and each
+        sparse node attribute's rows known to be the graphs' own tensors."""
+        union, self.ptr = disjoint_union(graphs)
+        self._cut = []
+        for key, value in union.items():
+            if isinstance(value, Tensor) and value.layout == torch.sparse_coo:
+                self.remember(value, [g[key] for g in graphs])
+        return union
 
     @contextlib.contextmanager
     def stream(self, k: int, device: torch.device) -> Iterator[None]:
@@ -173,7 +200,7 @@ class SegmentDropout(nn.Module):
         for k, xk in enumerate(seg.split(x)):
             with seg.stream(k, x.device):
                 parts.append(self._drop(xk))
-        return torch.cat(parts)
+        return seg.join(parts)
 
 
 def _replacement(module: nn.Module, segments: Segments) -> nn.Module | None:

@@ -51,8 +51,11 @@ def graph(n: int, seed: int, classes: int = 3) -> Data:
     return data
 
 
-def clients_of(sizes: list[int]) -> list[FederatedClient]:
-    return [FederatedClient(k, graph(n, 10 + k)) for k, n in enumerate(sizes)]
+def clients_of(sizes: list[int], sparse: bool = False) -> list[FederatedClient]:
+    clients = [FederatedClient(k, graph(n, 10 + k)) for k, n in enumerate(sizes)]
+    for c in clients if sparse else []:  # a sparse COO modality, as dataset.sparse_modalities
+        c.data.x_text = c.data.x_text.to_sparse_coo().coalesce()
+    return clients
 
 
 def setup(algorithm, conv: str = "gcn", dropout: float = 0.5):
@@ -64,12 +67,15 @@ def setup(algorithm, conv: str = "gcn", dropout: float = 0.5):
     return net, module, broadcast
 
 
-@pytest.mark.parametrize("algorithm", [FedAvg(), FedProx(mu=0.5)], ids=["fedavg", "fedprox"])
-@pytest.mark.parametrize("conv", ["gcn", "sage"])
-def test_a_share_equals_its_clients_one_at_a_time(algorithm, conv):
+@pytest.mark.parametrize(
+    ("algorithm", "conv", "sparse"),
+    [(FedAvg(), "gcn", False), (FedAvg(), "sage", True), (FedProx(mu=0.5), "gcn", True)],
+    ids=["fedavg-gcn", "fedavg-sage-sparse", "fedprox-gcn-sparse"],
+)
+def test_a_share_equals_its_clients_one_at_a_time(algorithm, conv, sparse):
     """Clients of different sizes, dropout on: the stacked updates (weights and loss) are
     each client's own fit, and torch's generator ends where the last client's fit leaves it."""
-    clients = clients_of([40, 17, 63])
+    clients = clients_of([40, 17, 63], sparse)
     _, module, broadcast = setup(algorithm, conv)
     ex = LeanExecutor()
     one = [local_fit(algorithm, module, broadcast, ex, 3, 7, c) for c in clients]
