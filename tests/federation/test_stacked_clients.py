@@ -5,8 +5,13 @@ docs/scaling.md, and each client's slice depends on that client alone."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch_geometric.data import Data
@@ -228,3 +233,48 @@ def test_stacked_cora_equals_one_at_a_time(tmp_env, compose, shared_data, monkey
     one = run(compose, tmp_env, "one", [*overrides, "runner.stack_clients=false"])
     stacked = run(compose, tmp_env, "stacked", [*overrides, "runner.stack_clients=true"])
     assert_same_run(one, stacked)
+
+
+def same(a, b) -> bool:
+    """Exact equality of nested checkpoint contents."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return bool(a == b)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_stacking_their_shares_equal_the_sequential_run(tmp_env, compose):
+    """FedOGL (teacher, replay, projection, prototypes), 5 clients on 2 ranks: rank 0 stacks
+    2 clients, rank 1 stacks 3; the run is bitwise the sequential one-at-a-time run (server,
+    every client's state, the RNG after the last fit)."""
+    overrides = ["experiment=demo", "federation.rounds=1", "federation.local_epochs=2"]
+    overrides += ["threads=1", "logger=none", "runner.progress=false"]
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "FEDLIGHTNING_CACHE": str(tmp_env / "cache"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    args = [*overrides, "runner=distributed", "runner.stack_clients=true", "hydra.run.dir=dist"]
+    r = subprocess.run(
+        [*cmd, "-m", "fedlightning", "train", *args],
+        cwd=tmp_env,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    train(compose([*overrides, "runner.stack_clients=false"]), tmp_env / "seq", verbose=False)
+    dist = torch.load(tmp_env / "dist" / "checkpoint.pt", weights_only=False)
+    seq = torch.load(tmp_env / "seq" / "checkpoint.pt", weights_only=False)
+    for key in ("server", "clients", "ledger", "rng"):
+        assert same(dist[key], seq[key]), key
