@@ -17,7 +17,7 @@ import torch
 from fedlightning.federation.algorithm import Algorithm, FederatedClient
 from fedlightning.federation.ledger import CHECKPOINT_FORMAT, DOWN, UP, CommLedger
 from fedlightning.federation.round import ClientWork, federated_round
-from fedlightning.federation.stacking import UnionEvaluate, cached_stack
+from fedlightning.federation.stacking import UnionEvaluate, why_not_stacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.utils.io import save_torch
 from fedlightning.utils.seeding import derive_seed, rng_state, set_rng_state
@@ -197,23 +197,14 @@ class FederatedLoop(Schedule):
     def stacking(self) -> bool:
         """Whether the round's clients fit as one stack and evaluate in one pass
         (``runner.stack_clients``, docs/scaling.md): when the runner asks for it and the
-        method (``local_fit_share``), its client module (``stackable``) and its net
-        (:func:`~fedlightning.models.stacked.stack_net`) allow it; else one at a time."""
+        method, its client module, its net and its optimizer allow it
+        (:func:`~fedlightning.federation.stacking.why_not_stacked`); else one at a time."""
         if self._stacking is None:
-            why = ""
-            if not hasattr(self.algorithm, "local_fit_share"):
-                why = f"{type(self.algorithm).__name__} has no local_fit_share"
-            elif not getattr(self.module, "stackable", False):
-                why = f"{type(self.module).__name__} is not stackable"
-            else:
-                try:
-                    cached_stack(self.module.net, 1)
-                except ValueError as e:
-                    why = str(e)
             wanted = bool(getattr(self.runner, "stack_clients", False))
-            self._stacking = wanted and not why
-            if wanted and why:
+            why = why_not_stacked(self.algorithm, self.module) if wanted else ""
+            if why:
                 log.info("clients fit one at a time (runner.stack_clients): %s", why)
+            self._stacking = wanted and not why
         return self._stacking
 
     def evaluate(self, round: int) -> dict[str, float]:

@@ -60,6 +60,24 @@ def cached_stack(net: nn.Module, copies: int, role: str = "fit") -> tuple[nn.Mod
     return stacks[(copies, role)]
 
 
+def why_not_stacked(algorithm: Any, module: pl.LightningModule) -> str:
+    """Why ``algorithm``'s clients cannot fit as one stack with ``module`` (``""``: they
+    can): the method declares no ``local_fit_share``, the module is not ``stackable``, the
+    net cannot be stacked exactly, or the optimizer is not :data:`ELEMENTWISE`."""
+    if not hasattr(algorithm, "local_fit_share"):
+        return f"{type(algorithm).__name__} has no local_fit_share"
+    if not getattr(module, "stackable", False):
+        return f"{type(module).__name__} is not stackable"
+    try:
+        cached_stack(module.net, 1)
+    except ValueError as e:
+        return str(e)
+    probe = module.optimizer_factory([nn.Parameter(torch.zeros(1))])
+    if type(probe) not in ELEMENTWISE:
+        return f"{type(probe).__name__} is not an elementwise optimizer"
+    return ""
+
+
 class _Rows:
     """Rows ``a:b`` of a union's node attributes: one client's batch as its objective reads
     it (``batch.y``, ``batch.train_mask``, ``batch["sup_mask"]``, ...)."""
@@ -190,6 +208,8 @@ def fit_stacked(
         executor.fit(stacked, union, epochs, callbacks)
     finally:
         streams, segments.streams = segments.streams, None
+        if teacher is not None:
+            teacher.cpu()  # as the executor returns the stack to the CPU
     return StackedFit(net, stacked.losses, streams)
 
 

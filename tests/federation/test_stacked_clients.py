@@ -23,7 +23,12 @@ from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.loop import local_fit, local_fit_share
-from fedlightning.federation.stacking import StackedClients, UnionEvaluate, fit_stacked
+from fedlightning.federation.stacking import (
+    StackedClients,
+    UnionEvaluate,
+    fit_stacked,
+    why_not_stacked,
+)
 from fedlightning.messages import ServerBroadcast
 from fedlightning.models import MultimodalGNN
 from fedlightning.models.stacked import disjoint_union, load_copies, stack_net
@@ -180,6 +185,23 @@ def test_an_optimizer_that_is_not_elementwise_is_refused():
         fit_stacked(module, [graph(10, 0), graph(12, 1)], LeanExecutor(), 1, [], [0, 1])
 
 
+def test_what_cannot_stack_fits_one_at_a_time():
+    """The loop stacks only what stacks exactly; anything else says why and fits one by one."""
+    from fedlightning.algorithms.retrieval import ContinualRetrieval
+    from fedlightning.clients.continual_retrieval import ContinualRetrievalClient
+
+    algorithm = FedAvg()
+    net, module, _ = setup(algorithm)
+    assert why_not_stacked(algorithm, module) == ""
+    assert ContinualRetrievalClient.stackable is False  # its own training_step
+    assert "no local_fit_share" in why_not_stacked(object(), module)
+    lbfgs = algorithm.client_module(net, partial(torch.optim.LBFGS, lr=0.1))
+    assert "LBFGS is not an elementwise" in why_not_stacked(algorithm, lbfgs)
+    bn = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    assert "buffers" in why_not_stacked(algorithm, algorithm.client_module(bn, torch.optim.SGD))
+    assert hasattr(ContinualRetrieval, "local_fit_share")  # inherited, but its client says no
+
+
 def run(compose, tmp_path, name: str, overrides: list[str]) -> tuple[dict, dict]:
     cfg = compose(["logger=none", "threads=1", "runner.progress=false", *overrides])
     summary = train(cfg, tmp_path / name)
@@ -213,8 +235,9 @@ def assert_same_run(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
             "federation.participation=0.6",
         ],
         ["experiment=demo", "federation.rounds=1", "federation.local_epochs=3"],
+        ["experiment=demo", "federation.rounds=2", "federation.participation=0.6"],
     ],
-    ids=["fedavg", "fedprox_partial", "fedogl_cil"],
+    ids=["fedavg", "fedprox_partial", "fedogl_cil", "fedogl_cil_partial"],
 )
 def test_stacked_run_equals_one_at_a_time(tmp_env, compose, overrides):
     """Whole runs: metrics, messages and final global weights (FedOGL: with its stage-end
