@@ -185,10 +185,11 @@ class SegmentDropout(nn.Module):
         self.max_density = getattr(dropout, "max_density", None)  # InputDropout's
         self.train(dropout.training)
 
-    def _drop(self, x: Tensor) -> Tensor:
+    def _drop(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         if self.max_density is not None:
-            return nonzero_dropout(x, self.p, True, self.max_density)
-        return F.dropout(x, self.p, True)
+            return nonzero_dropout(x, self.p, True, self.max_density, out)
+        result = F.dropout(x, self.p, True)
+        return result if out is None else out.copy_(result)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0:
@@ -196,11 +197,17 @@ class SegmentDropout(nn.Module):
         seg = self.segments[0]
         if seg.streams is None:
             return self._drop(x)
-        parts = []
-        for k, xk in enumerate(seg.split(x)):
+        if x.layout == torch.sparse_coo or (x.requires_grad and torch.is_grad_enabled()):
+            parts = []
+            for k, xk in enumerate(seg.split(x)):
+                with seg.stream(k, x.device):
+                    parts.append(self._drop(xk))
+            return seg.join(parts)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        for k, (xk, ok) in enumerate(zip(seg.split(x), seg.split(out), strict=True)):
             with seg.stream(k, x.device):
-                parts.append(self._drop(xk))
-        return seg.join(parts)
+                self._drop(xk, ok)  # into client k's rows: no concatenation
+        return out
 
 
 def _replacement(module: nn.Module, segments: Segments) -> nn.Module | None:
