@@ -30,7 +30,7 @@ from fedlightning.federation.stacking import (
     why_not_stacked,
 )
 from fedlightning.messages import ServerBroadcast
-from fedlightning.models import MultimodalGNN
+from fedlightning.models import MultimodalGNN, nonzero_dropout
 from fedlightning.models.stacked import disjoint_union, load_copies, stack_net
 from fedlightning.server.aggregate import as_model_fields
 from fedlightning.server.basis import project_out
@@ -166,6 +166,22 @@ def test_projection_acts_on_every_client_slice():
     proj.on_after_backward(None, module)
     torch.testing.assert_close(module.w.grad, expected)
     assert (module.w.grad @ u).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("density", [0.05, 0.9])
+def test_input_dropout_into_a_buffer_draws_the_same(density):
+    """``nonzero_dropout(out=...)`` (a stack writes each client's rows into one buffer) gives
+    the values and the random draws of the plain call, on either of its dense paths."""
+    x = (torch.rand(30, 40) < density).float() * torch.randn(30, 40)
+    torch.manual_seed(3)
+    plain = nonzero_dropout(x, 0.5)
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    buffer = torch.full((60, 40), 7.0)
+    written = nonzero_dropout(x, 0.5, out=buffer[10:40])
+    assert torch.equal(written, plain) and torch.equal(buffer[10:40], plain)
+    assert torch.equal(torch.rand(3), after)
+    assert bool((buffer[:10] == 7).all() and (buffer[40:] == 7).all())
 
 
 def test_union_evaluation_equals_per_client_evaluation():
