@@ -83,20 +83,24 @@ class Segments:
     def stream(self, k: int, device: torch.device) -> Iterator[None]:
         """Draw from copy ``k``'s stream: its saved state in, the advanced state back out."""
         state = self.streams[k]
+        cuda = device.type == "cuda" and "cuda" in state
         torch.set_rng_state(state["cpu"])
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.set_rng_state(state["cuda"], device)
         try:
             yield
         finally:
             state["cpu"] = torch.get_rng_state()
-            if device.type == "cuda":
+            if cuda:
                 state["cuda"] = torch.cuda.get_rng_state(device)
 
 
 def seeded_streams(seeds: Sequence[int], device: torch.device | None = None) -> list[dict]:
     """One stream per seed: the generator states ``torch.manual_seed(seed)`` leaves, on the
-    CPU and (when ``device`` is a CUDA device) that device."""
+    CPU and on ``device`` when it is a CUDA device (``None``: the current CUDA device, when
+    there is one; without its state a stack's CUDA draws come from the global generator)."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     out = []
     for s in seeds:
         torch.manual_seed(s)
