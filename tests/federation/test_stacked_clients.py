@@ -218,6 +218,21 @@ def test_what_cannot_stack_fits_one_at_a_time():
     assert hasattr(ContinualRetrieval, "local_fit_share")  # inherited, but its client says no
 
 
+@pytest.fixture
+def stacked_steps(monkeypatch) -> list[int]:
+    """Counts the clients of every stacked training step (so a run that quietly fell back to
+    one at a time cannot pass for a stacked one)."""
+    seen: list[int] = []
+    step = StackedClients.training_step
+
+    def counted(self, batch, batch_idx=0):
+        seen.append(self.segments.copies)
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(StackedClients, "training_step", counted)
+    return seen
+
+
 def run(compose, tmp_path, name: str, overrides: list[str]) -> tuple[dict, dict]:
     cfg = compose(["logger=none", "threads=1", "runner.progress=false", *overrides])
     summary = train(cfg, tmp_path / name)
@@ -255,22 +270,27 @@ def assert_same_run(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
     ],
     ids=["fedavg", "fedprox_partial", "fedogl_cil", "fedogl_cil_partial"],
 )
-def test_stacked_run_equals_one_at_a_time(tmp_env, compose, overrides):
+def test_stacked_run_equals_one_at_a_time(tmp_env, compose, overrides, stacked_steps):
     """Whole runs: metrics, messages and final global weights (FedOGL: with its stage-end
     bases, so the later stages fit under gradient projection)."""
     one = run(compose, tmp_env, "one", [*overrides, "runner.stack_clients=false"])
+    assert stacked_steps == []
     stacked = run(compose, tmp_env, "stacked", [*overrides, "runner.stack_clients=true"])
+    assert stacked_steps and max(stacked_steps) > 1  # several clients per step
     assert_same_run(one, stacked)
     if "experiment=demo" in overrides:  # stages 2 and 3 fitted under Eq. (9)'s projection
         assert stacked[1]["modules"]["basis"]["bases"]
 
 
 @pytest.mark.realdata
-def test_stacked_cora_equals_one_at_a_time(tmp_env, compose, shared_data, monkeypatch):
+def test_stacked_cora_equals_one_at_a_time(
+    tmp_env, compose, shared_data, monkeypatch, stacked_steps
+):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     overrides = ["experiment=fedavg_cora", "federation.rounds=2", "federation.local_epochs=2"]
     one = run(compose, tmp_env, "one", [*overrides, "runner.stack_clients=false"])
     stacked = run(compose, tmp_env, "stacked", [*overrides, "runner.stack_clients=true"])
+    assert stacked_steps == [5] * 4  # 2 rounds x 2 epochs, the 5 clients at once
     assert_same_run(one, stacked)
 
 
