@@ -7,6 +7,7 @@ in switches: replay budget, distillation, the proximal term and the rejection sc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from fedlightning.clients.replay import class_balanced_sample, stage_batch
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm, FederatedClient
+from fedlightning.federation.stacking import fit_stacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server.aggregate import model_state
 from fedlightning.utils.seeding import torch_generator
@@ -156,6 +158,34 @@ class ContinualFedAvg(Algorithm):
         executor: Any,
         epochs: int,
     ) -> ClientUpdate:
+        batch = self.prepare(module, client, broadcast)
+        executor.fit(module, batch, epochs, self.callbacks())
+        return self.finish(module, client, broadcast, batch)
+
+    def local_fit_share(
+        self,
+        module: ContinualNodeClassifier,
+        clients: Sequence[FederatedClient],
+        broadcast: ServerBroadcast,
+        executor: Any,
+        epochs: int,
+        seeds: Sequence[int],
+    ) -> list[ClientUpdate]:
+        """:meth:`local_fit` of ``clients`` as one stacked fit, each with its own stage
+        batch, teacher and dropout stream (``seeds[k]``); their updates, in order."""
+        batches = [self.prepare(module, c, broadcast) for c in clients]
+        teachers = [c.state.get("teacher") for c in clients] if module._teacher else None
+        fitted = fit_stacked(module, batches, executor, epochs, self.callbacks(), seeds, teachers)
+        return [
+            self.finish(fitted.load(module, k), c, broadcast, batches[k])
+            for k, c in enumerate(clients)
+        ]
+
+    def prepare(
+        self, module: ContinualNodeClassifier, client: FederatedClient, broadcast: ServerBroadcast
+    ) -> Any:
+        """Before a client's fit: its stage's start (:meth:`begin_stage`), the broadcast and
+        the stage's classes and teacher in ``module``; returns its training batch."""
         t = self.stage_of(broadcast.round)
         global_state = model_state(broadcast.tensors)
         if client.state.get("stage") != t:
@@ -163,8 +193,16 @@ class ContinualFedAvg(Algorithm):
         module.receive(global_state)
         known = torch.tensor(self.stream.known(t), dtype=torch.long)
         module.set_stage(known, client.state.get("teacher"), client.state.get("teacher_known"))
-        batch = self.batch_at(client, t)
-        executor.fit(module, batch, epochs, self.callbacks())
+        return self.batch_at(client, t)
+
+    def finish(
+        self,
+        module: ContinualNodeClassifier,
+        client: FederatedClient,
+        broadcast: ServerBroadcast,
+        batch: Any,
+    ) -> ClientUpdate:
+        """After a client's fit (its weights in ``module``): its update."""
         update = self.make_update(module, client, broadcast.round)
         examples = int(batch.sup_mask.sum()) + int(batch.replay_mask.sum())
         update.scalars["num_examples"] = float(examples)

@@ -6,6 +6,7 @@ switch (paper Table 2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -135,6 +136,14 @@ class FedOGL(ContinualFedAvg):
     def callbacks(self) -> list:
         return [self.projector] if self.projection and self.projector.bases else []
 
+    def shield(self, module: Any, broadcast: ServerBroadcast) -> None:
+        """The round's bases (Eq. (9)) and frozen biases into the gradient projection."""
+        bases = {"net." + k: v for k, v in strip_prefix(broadcast.tensors, BASIS_PREFIX).items()}
+        self.projector.set_bases(bases)
+        self.projector.frozen_biases = (
+            ["net." + n for n in protected_biases(module.net)] if bases else []
+        )
+
     def local_fit(
         self,
         module: Any,
@@ -143,12 +152,27 @@ class FedOGL(ContinualFedAvg):
         executor: Any,
         epochs: int,
     ) -> ClientUpdate:
-        bases = {"net." + k: v for k, v in strip_prefix(broadcast.tensors, BASIS_PREFIX).items()}
-        self.projector.set_bases(bases)
-        self.projector.frozen_biases = (
-            ["net." + n for n in protected_biases(module.net)] if bases else []
-        )
-        update = super().local_fit(module, client, broadcast, executor, epochs)
+        self.shield(module, broadcast)
+        return super().local_fit(module, client, broadcast, executor, epochs)
+
+    def local_fit_share(
+        self,
+        module: Any,
+        clients: Sequence[FederatedClient],
+        broadcast: ServerBroadcast,
+        executor: Any,
+        epochs: int,
+        seeds: Sequence[int],
+    ) -> list[ClientUpdate]:
+        """:meth:`local_fit` of ``clients`` as one stacked fit: the projection acts on every
+        client's slice of the stacked weights."""
+        self.shield(module, broadcast)
+        return super().local_fit_share(module, clients, broadcast, executor, epochs, seeds)
+
+    def finish(
+        self, module: Any, client: FederatedClient, broadcast: ServerBroadcast, batch: Any
+    ) -> ClientUpdate:
+        update = super().finish(module, client, broadcast, batch)
         if self.use_prototypes:
             self.add_prototypes(module, client, broadcast.round, update)
         return update

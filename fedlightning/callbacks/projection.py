@@ -25,6 +25,9 @@ class GradientProjection(pl.Callback):
     ``on_train_batch_end``; the map is linear, so several steps of a batch project alike).
     ``frozen_biases`` get a zero gradient and, with ``project_update``, their change is
     reverted. Never reads ``trainer``: works in a ``lightning.Trainer`` and the LeanExecutor.
+    A stacked weight ``[K, out, in]`` (several clients fitted as one,
+    :mod:`fedlightning.federation.stacking`) is projected copy by copy, each exactly as a
+    one-client weight.
 
     Args:
         bases: parameter name as ``pl_module.named_parameters()`` names it (e.g.
@@ -74,12 +77,19 @@ class GradientProjection(pl.Callback):
             )
         for name, u in self.bases.items():
             p = params[name]
-            if p.dim() != 2 or p.size(1) != u.size(0):
+            if p.dim() not in (2, 3) or p.size(-1) != u.size(0):
                 raise ValueError(
                     f"GradientProjection: basis of {name!r} is {tuple(u.shape)} but the "
                     f"weight is {tuple(p.shape)}; expected [in={p.size(-1)}, r]"
                 )
         return params
+
+    def _project(self, name: str, g: Tensor) -> Tensor:
+        """Eq. (9) on ``g`` ``[out, in]``, or on each copy of a stacked ``[K, out, in]``."""
+        u = self._cast[name]
+        if g.dim() == 3:
+            return torch.stack([project_out(gk, u) for gk in g.unbind(0)])
+        return project_out(g, u)
 
     def on_fit_start(self, trainer: Any, pl_module: pl.LightningModule) -> None:
         self._snapshot.clear()
@@ -94,7 +104,7 @@ class GradientProjection(pl.Callback):
         for name in self.bases:
             p = params[name]
             if p.grad is not None and self.bases[name].size(1) > 0:
-                p.grad.copy_(project_out(p.grad, self._cast[name]))
+                p.grad.copy_(self._project(name, p.grad))
         for name in self.frozen_biases:
             if params[name].grad is not None:
                 params[name].grad.zero_()
@@ -127,5 +137,5 @@ class GradientProjection(pl.Callback):
             if name in self.frozen_biases:
                 p.copy_(before)
             elif self.bases[name].size(1) > 0:
-                p.copy_(before + project_out(p - before, self._cast[name]))
+                p.copy_(before + self._project(name, p - before))
         self._snapshot.clear()

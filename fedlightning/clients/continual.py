@@ -26,6 +26,8 @@ class ContinualNodeClassifier(NodeClassifier):
     ``optimizer``, ``prox_mu``: as in :class:`NodeClassifier`.
     """
 
+    stackable = True  # training_step is objective(net, teacher) + the proximal term
+
     def __init__(
         self,
         net: nn.Module,
@@ -87,15 +89,26 @@ class ContinualNodeClassifier(NodeClassifier):
 
     def training_step(self, batch: Data, batch_idx: int = 0) -> Tensor:
         full = self.net(batch)
+        return self.with_proximal(self.objective(full, batch, self.teacher_logits(batch)))
+
+    def teacher_logits(self, batch: Data) -> Tensor | None:
+        """The task-start teacher's logits on ``batch`` (no gradient), or ``None`` when the
+        distillation term is off (no teacher, no distilled node, no old class)."""
+        mask = self.distill_mask(batch) if self._teacher else None
+        if mask is None or not bool(mask.any()) or self.teacher_known.numel() == 0:
+            return None
+        with torch.no_grad():
+            return self._teacher[0](batch)
+
+    def objective(self, full: Tensor, batch: Data, teacher: Tensor | None = None) -> Tensor:
+        """Eq. (5) from the net's logits ``full`` on ``batch`` and the teacher's (``None``:
+        no distillation term)."""
         logits = restrict_logits(full, self.known)
         ce_cur = self._ce(logits, batch.y, batch.sup_mask)
         ce_rep = self._ce(logits, batch.y, batch.replay_mask) if self.lambda_rep else ce_cur * 0
         kl = ce_cur * 0
-        mask = self.distill_mask(batch) if self._teacher else None
+        mask = self.distill_mask(batch) if teacher is not None else None
         if mask is not None and bool(mask.any()) and self.teacher_known.numel() > 0:
-            with torch.no_grad():
-                teacher = restrict_logits(self._teacher[0](batch), self.teacher_known)[mask]
-            kl = distillation_kl(restrict_logits(full, self.teacher_known)[mask], teacher, self.tau)
-        return self.with_proximal(
-            retention_objective(ce_cur, ce_rep, kl, self.lambda_rep, self.lambda_dis)
-        )
+            old = restrict_logits(teacher, self.teacher_known)[mask]
+            kl = distillation_kl(restrict_logits(full, self.teacher_known)[mask], old, self.tau)
+        return retention_objective(ce_cur, ce_rep, kl, self.lambda_rep, self.lambda_dis)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -20,7 +20,19 @@ class NodeClassifier(pl.LightningModule):
     r"""Local training of a node classifier, one full-batch step per pass over the client's
     subgraph: :math:`\mathrm{CE}(f(G_k)_{V^{tr}_k}, y_{V^{tr}_k}) + \frac{\mu}{2}\lVert w -
     w^t\rVert^2` (FedProx's term when ``prox_mu > 0``, else FedAvg's client). ``optimizer``
-    is a partial optimizer, called with the parameters on every local fit."""
+    is a partial optimizer, called with the parameters on every local fit.
+
+    ``stackable``: its loss is :meth:`objective` plus the proximal term, so several clients
+    can fit as one stack (:mod:`fedlightning.federation.stacking`); a subclass that
+    overrides ``training_step`` is not stackable unless it says so.
+    """
+
+    stackable: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if "training_step" in cls.__dict__ and "stackable" not in cls.__dict__:
+            cls.stackable = False
 
     def __init__(self, net: nn.Module, optimizer: OptimizerFactory, prox_mu: float = 0.0) -> None:
         super().__init__()
@@ -44,10 +56,17 @@ class NodeClassifier(pl.LightningModule):
         return self.net(data)
 
     def training_step(self, batch: Data, batch_idx: int = 0) -> Tensor:
-        logits = self.net(batch)
-        return self.with_proximal(
-            F.cross_entropy(logits[batch.train_mask], batch.y[batch.train_mask])
-        )
+        return self.with_proximal(self.objective(self.net(batch), batch))
+
+    def teacher_logits(self, batch: Data) -> Tensor | None:
+        """A frozen teacher's logits on ``batch`` (``None``: the objective has no teacher)."""
+        return None
+
+    def objective(self, logits: Tensor, batch: Data, teacher: Tensor | None = None) -> Tensor:
+        """The data term of the local loss from the net's ``logits`` on ``batch`` (and the
+        teacher's, :meth:`teacher_logits`): the mean cross-entropy of the training nodes.
+        Stacked clients (:mod:`fedlightning.federation.stacking`) call it per client."""
+        return F.cross_entropy(logits[batch.train_mask], batch.y[batch.train_mask])
 
     def with_proximal(self, loss: Tensor) -> Tensor:
         """``loss`` plus FedProx's term (when ``prox_mu > 0``), kept as ``last_loss``."""
@@ -66,7 +85,12 @@ class NodeClassifier(pl.LightningModule):
         self.eval()
         pred = self.net(data).argmax(-1)
         self.train(was_training)
-        out: dict[str, Any] = {}
+        return self.split_counts(pred, data)
+
+    @staticmethod
+    def split_counts(pred: Tensor, data: Data) -> dict[str, int]:
+        """Correct predictions ``pred`` ``[N]`` and node counts per split of ``data``."""
+        out: dict[str, int] = {}
         for split in ("train", "val", "test"):
             m = data[f"{split}_mask"]
             out[f"{split}_correct"] = int((pred[m] == data.y[m]).sum())

@@ -17,6 +17,7 @@ import torch
 from fedlightning.federation.algorithm import Algorithm, FederatedClient
 from fedlightning.federation.ledger import CHECKPOINT_FORMAT, DOWN, UP, CommLedger
 from fedlightning.federation.round import ClientWork, federated_round
+from fedlightning.federation.stacking import UnionEvaluate, why_not_stacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.utils.io import save_torch
 from fedlightning.utils.seeding import derive_seed, rng_state, set_rng_state
@@ -58,6 +59,24 @@ def local_fit(
     seeded by ``(seed, "fit", round, client)``, its result does not depend on where."""
     torch.manual_seed(derive_seed(seed, "fit", broadcast.round, client.client_id))
     return algorithm.local_fit(module, client, broadcast, executor, epochs)
+
+
+def local_fit_share(
+    algorithm: Algorithm,
+    module: pl.LightningModule,
+    broadcast: ServerBroadcast,
+    executor: Any,
+    epochs: int,
+    seed: int,
+    clients: Sequence[FederatedClient],
+    positions: range,
+) -> list[ClientUpdate]:
+    """:func:`local_fit` of the round's ``clients`` at ``positions`` as one stacked fit
+    (``algorithm.local_fit_share``): client ``k``'s dropout is seeded by ``(seed, "fit",
+    round, k)`` as its own fit would be."""
+    mine = [clients[i] for i in positions]
+    seeds = [derive_seed(seed, "fit", broadcast.round, c.client_id) for c in mine]
+    return algorithm.local_fit_share(module, mine, broadcast, executor, epochs, seeds)
 
 
 @dataclass
@@ -135,17 +154,19 @@ class FederatedLoop(Schedule):
         self.on_round_end = on_round_end
         self.history: list[dict[str, float]] = []
         self.completed_rounds = 0
+        self._stacking: bool | None = None
 
     # ------------------------------------------------------------------ one round
     def run_round(self, round: int) -> dict[str, float]:
         t0 = time.perf_counter()
         sampled = sample_clients(self.seed, round, len(self.clients), self.participation)
+        round_clients = [self.clients[k] for k in sampled]
         updates = federated_round(
             round,
             self.server,
             self.runner,
-            [self.clients[k] for k in sampled],
-            self.work,
+            round_clients,
+            partial(self.work, clients=round_clients),
             self.ledger,
             desc=f"round {round}/{self.rounds}",
         )
@@ -162,22 +183,37 @@ class FederatedLoop(Schedule):
         metrics["round_time_s"] = time.perf_counter() - t0
         return metrics
 
-    def work(self, broadcast: ServerBroadcast) -> ClientWork:
-        """The clients' part of a round: each one's :func:`local_fit`."""
-        fit = partial(
-            local_fit,
-            self.algorithm,
-            self.module,
-            broadcast,
-            self.runner.executor,
-            self.local_epochs,
-            self.seed,
-        )
-        return ClientWork(one=fit, kind="fit", params={"epochs": int(self.local_epochs)})
+    def work(
+        self, broadcast: ServerBroadcast, clients: Sequence[FederatedClient] = ()
+    ) -> ClientWork:
+        """The clients' part of a round: each one's :func:`local_fit`, or, when the round's
+        ``clients`` are stacked (:meth:`stacking`), a share's :func:`local_fit_share`."""
+        args = (self.algorithm, self.module, broadcast, self.runner.executor)
+        args += (self.local_epochs, self.seed)
+        share = partial(local_fit_share, *args, list(clients)) if self.stacking() else None
+        params = {"epochs": int(self.local_epochs)}
+        return ClientWork(one=partial(local_fit, *args), share=share, kind="fit", params=params)
+
+    def stacking(self) -> bool:
+        """Whether the round's clients fit as one stack and evaluate in one pass
+        (``runner.stack_clients``, docs/scaling.md): when the runner asks for it and the
+        method, its client module, its net and its optimizer allow it
+        (:func:`~fedlightning.federation.stacking.why_not_stacked`); else one at a time."""
+        if self._stacking is None:
+            wanted = bool(getattr(self.runner, "stack_clients", False))
+            why = why_not_stacked(self.algorithm, self.module) if wanted else ""
+            if why:
+                log.info("clients fit one at a time (runner.stack_clients): %s", why)
+            self._stacking = wanted and not why
+        return self._stacking
 
     def evaluate(self, round: int) -> dict[str, float]:
-        """The global model on every client's whole subgraph (a measurement, not counted)."""
-        evaluate = LocalEvaluate(self.module, self.server.global_state)
+        """The global model on every client's whole subgraph (a measurement, not counted);
+        in one pass over all clients when they are stacked."""
+        if self.stacking():
+            evaluate = UnionEvaluate(self.module, self.server.global_state, self.clients)
+        else:
+            evaluate = LocalEvaluate(self.module, self.server.global_state)
         return pooled_metrics(self.runner.evaluate(round, self.clients, evaluate))
 
     def run(self) -> list[dict[str, float]]:

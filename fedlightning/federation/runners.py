@@ -24,6 +24,7 @@ class Runner:
     name = "runner"
     executor: Any
     world: World
+    stack_clients = False  # fit a round's clients as one stack where the method allows
 
     def begin(self, cfg: Any, run_dir: Any, hashes: dict[str, str]) -> None:
         """Before the first round, once the run's config, directory and protocol hashes are
@@ -51,12 +52,21 @@ class SequentialRunner(Runner):
         progress: a progress bar over clients when the terminal is interactive.
         kill_at: fault injection for resume tests, ``"ROUND:N"``: SIGKILL this process
             after the N-th client fit of that round (mid-round, as a crash).
+        stack_clients: fit a round's clients as one stack and evaluate them in one pass
+            where the method supports it (:mod:`~fedlightning.federation.stacking`).
     """
 
     name = "sequential"
 
-    def __init__(self, executor: Any, progress: bool = True, kill_at: str | None = None) -> None:
+    def __init__(
+        self,
+        executor: Any,
+        progress: bool = True,
+        kill_at: str | None = None,
+        stack_clients: bool = False,
+    ) -> None:
         self.executor, self.world, self.progress = executor, World(), progress
+        self.stack_clients = bool(stack_clients)
         self.kill_at = None
         if kill_at:  # "ROUND:N"
             round_, n = (int(x) for x in str(kill_at).split(":"))
@@ -112,6 +122,7 @@ class DistributedRunner(SequentialRunner):
             :class:`~fedlightning.federation.world.RankLost` (default ``600``).
         progress, kill_at: as :class:`SequentialRunner`'s (the bar on rank 0; the rank
             that fits the N-th client of ROUND kills itself).
+        stack_clients: as :class:`SequentialRunner`'s (each rank stacks its share).
     """
 
     name = "distributed"
@@ -124,8 +135,9 @@ class DistributedRunner(SequentialRunner):
         timeout_s: float = 600.0,
         progress: bool = True,
         kill_at: str | None = None,
+        stack_clients: bool = False,
     ) -> None:
-        super().__init__(executor, progress, kill_at)
+        super().__init__(executor, progress, kill_at, stack_clients)
         self.world = join_world(backend, device, float(timeout_s))
         self.executor.device = self.world.device
         self.progress = progress and self.world.is_main

@@ -15,6 +15,7 @@ from torch import Tensor
 from fedlightning.data.streams import ClassStream
 from fedlightning.federation.loop import FederatedLoop, sample_clients
 from fedlightning.federation.round import ClientWork, federated_round
+from fedlightning.federation.stacking import outputs_in_one_pass
 from fedlightning.messages import ServerBroadcast
 from fedlightning.metrics import (
     AccuracyMatrix,
@@ -99,6 +100,10 @@ class ContinualLoop(FederatedLoop):
     @torch.no_grad()
     def _forward_all(self) -> list[tuple]:
         """Global model on every client's whole subgraph: ``(client, *outputs)``."""
+        if self.stacking():  # one pass over every client (docs/scaling.md)
+            graphs, state = [c.data for c in self.clients], self.server.global_state
+            outs = outputs_in_one_pass(self.module.net, state, graphs, self._outputs)
+            return [(c, *o) for c, o in zip(self.clients, outs, strict=True)]
         self.module.receive(self.server.global_state)
         net = self.module.net
         net.eval()

@@ -34,7 +34,11 @@ def _dropped(values: Tensor, p: float) -> Tensor:
 
 
 def nonzero_dropout(
-    x: Tensor, p: float = 0.5, training: bool = True, max_density: float = MAX_DENSITY
+    x: Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    max_density: float = MAX_DENSITY,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Inverted dropout drawn for the non-zero (stored) entries of ``x`` only: the
     distribution of :func:`torch.nn.functional.dropout`, other random draws (torch's global
@@ -47,12 +51,14 @@ def nonzero_dropout(
     - any other dense input (denser, on an accelerator, or requiring grad, whose gradient at
       a zero entry is its mask): :func:`torch.nn.functional.dropout`.
 
-    Returns a tensor of ``x``'s shape, dtype, device and layout.
+    Returns a tensor of ``x``'s shape, dtype, device and layout; with ``out`` (a dense
+    contiguous tensor of ``x``'s shape, e.g. a row block of a larger one) a dense result is
+    written there instead, the same values and random draws.
     """
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must lie in [0, 1], got {p}")
     if not training or p == 0.0:
-        return x
+        return x if out is None else out.copy_(x)
     if x.layout == torch.sparse_coo:
         xc = x.coalesce()
         return torch.sparse_coo_tensor(
@@ -82,15 +88,19 @@ def nonzero_dropout(
         or (x.requires_grad and torch.is_grad_enabled())
         or x.numel() == 0
     ):
-        return F.dropout(x, p, True)
+        return _into(F.dropout(x, p, True), out)
     flat = x.reshape(-1)
     sample = flat[:: max(1, flat.numel() // DENSITY_SAMPLE)]
     if int(torch.count_nonzero(sample)) > max_density * sample.numel():
-        return F.dropout(x, p, True)
+        return _into(F.dropout(x, p, True), out)
     idx = flat.to(torch.bool).nonzero().squeeze(1)  # x != 0 (NaN too); the cast is faster
-    out = flat.clone()
-    out[idx] = flat[idx] * _keep_scale(idx.shape, p, flat)
-    return out.view(x.shape)
+    res = flat.clone() if out is None else out.view(-1).copy_(flat)
+    res[idx] = flat[idx] * _keep_scale(idx.shape, p, flat)
+    return res.view(x.shape)
+
+
+def _into(result: Tensor, out: Tensor | None) -> Tensor:
+    return result if out is None else out.copy_(result)
 
 
 class InputDropout(nn.Dropout):

@@ -1,0 +1,262 @@
+"""Stacked execution of graph clients (``runner.stack_clients``, docs/scaling.md): a round's
+clients fitted as one LightningModule, and the global model evaluated on every client in
+one pass.
+
+A fit of ``K`` clients runs the runner's own executor (the same hooks and callbacks as a
+one-client fit) on :class:`StackedClients`: a stack of ``K`` copies of the client module's
+net (:func:`~fedlightning.models.stacked.stack_net`) over the disjoint union of the
+clients' batches. The loss is the *sum* of the clients' own losses (each one's
+:meth:`objective`, a mean over its nodes, plus its proximal term), so the gradient of copy
+``k`` is client ``k``'s gradient alone; with an optimizer whose update is elementwise
+(:data:`ELEMENTWISE`) one optimizer over the stack is ``K`` independent optimizers. Dropout
+draws client ``k``'s rows from the stream ``torch.manual_seed(seeds[k])`` starts, in its
+own fit's order, so a client's masks are those of its one-at-a-time fit.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from fedlightning.clients.losses import proximal_term
+from fedlightning.errors import ConfigError
+from fedlightning.models.stacked import (
+    Segments,
+    copy_state,
+    load_copies,
+    seeded_streams,
+    stack_net,
+)
+
+#: Optimizers whose update of a parameter entry reads only that entry's gradient and state
+#: (plus step counters that every client shares): one of them over a stack is exact.
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+)
+
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached_stack(net: nn.Module, copies: int, role: str = "fit") -> tuple[nn.Module, Segments]:
+    """A stack of ``copies`` copies of ``net`` for ``role`` (``fit``, ``teacher``, ``eval``),
+    built once per net and size (its weights are set by whoever uses it)."""
+    stacks = _STACKS.setdefault(net, {})
+    if (copies, role) not in stacks:
+        stacks[(copies, role)] = stack_net(net, copies)
+    return stacks[(copies, role)]
+
+
+def why_not_stacked(algorithm: Any, module: pl.LightningModule) -> str:
+    """Why ``algorithm``'s clients cannot fit as one stack with ``module`` (``""``: they
+    can): the method declares no ``local_fit_share``, the module is not ``stackable``, the
+    net cannot be stacked exactly, or the optimizer is not :data:`ELEMENTWISE`."""
+    if not hasattr(algorithm, "local_fit_share"):
+        return f"{type(algorithm).__name__} has no local_fit_share"
+    if not getattr(module, "stackable", False):
+        return f"{type(module).__name__} is not stackable"
+    try:
+        cached_stack(module.net, 1)
+    except ValueError as e:
+        return str(e)
+    probe = module.optimizer_factory([nn.Parameter(torch.zeros(1))])
+    if type(probe) not in ELEMENTWISE:
+        return f"{type(probe).__name__} is not an elementwise optimizer"
+    return ""
+
+
+class _Rows:
+    """Rows ``a:b`` of a union's node attributes: one client's batch as its objective reads
+    it (``batch.y``, ``batch.train_mask``, ``batch["sup_mask"]``, ...)."""
+
+    def __init__(self, union: Any, a: int, b: int) -> None:
+        self._union, self._a, self._b = union, a, b
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._union, name)[self._a : self._b]
+
+    def __getitem__(self, name: str) -> Any:
+        return self._union[name][self._a : self._b]
+
+
+class StackedClients(pl.LightningModule):
+    """``K`` clients' local training as one module: the stack ``net``, the union batch, the
+    loss :math:`\\sum_k (\\ell_k + \\frac{\\mu}{2}\\lVert w_k - w^t\\rVert^2)` with
+    :math:`\\ell_k` the client module's :meth:`objective` on client ``k``'s rows.
+
+    Args:
+        module: the client LightningModule (a :class:`~fedlightning.clients.NodeClassifier`),
+            whose objective, proximal coefficient and anchor are used.
+        net, segments: the stack of its net and its rows.
+        teacher: a stack of the clients' frozen teachers (eval mode), or ``None``.
+    """
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        net: nn.Module,
+        segments: Segments,
+        teacher: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.client = [module]  # lists: neither is a submodule of the stack
+        self.teacher = [teacher] if teacher is not None else []
+        self.segments = segments
+        self.anchor: dict[str, Tensor] = dict(getattr(module, "anchor", {}))
+        self.losses: list[float] = []
+
+    def on_fit_start(self) -> None:
+        """Move the anchor, the teacher and the module's class ids to the fit's device."""
+        dev, m = self.device, self.client[0]
+        self.anchor = {k: v.to(dev) for k, v in self.anchor.items()}
+        for t in self.teacher:
+            t.to(dev)
+        for name in ("known", "teacher_known"):
+            if isinstance(getattr(m, name, None), Tensor):
+                setattr(m, name, getattr(m, name).to(dev))
+
+    def training_step(self, batch: Any, batch_idx: int = 0) -> Tensor:
+        m = self.client[0]
+        logits = self.net(batch)
+        teacher = None
+        if self.teacher:
+            with torch.no_grad():
+                teacher = self.teacher[0](batch)
+        mu = float(getattr(m, "prox_mu", 0.0))
+        copies = {n: p.unbind(0) for n, p in self.net.named_parameters()} if mu > 0 else {}
+        losses = []
+        rows = self.segments.split(logits)
+        olds = self.segments.split(teacher) if teacher is not None else [None] * len(rows)
+        for k, a, b in self.segments.ranges():
+            loss = m.objective(rows[k], _Rows(batch, a, b), olds[k])
+            if mu > 0:
+                own = ((n, ps[k]) for n, ps in copies.items())
+                loss = loss + proximal_term(own, self.anchor, mu)
+            losses.append(loss)
+        self.losses = [float(v.detach()) for v in losses]
+        return torch.stack(losses).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        opt = self.client[0].optimizer_factory(self.parameters())
+        if type(opt) not in ELEMENTWISE:
+            raise ConfigError(
+                "runner.stack_clients",
+                f"stacked clients need an elementwise optimizer ({', '.join(o.__name__ for o in ELEMENTWISE)}); "
+                f"got {type(opt).__name__}: set runner.stack_clients=false",
+            )
+        return opt
+
+
+@dataclass
+class StackedFit:
+    """The result of :func:`fit_stacked`: the trained stack, each client's loss and random
+    stream after its fit."""
+
+    net: nn.Module
+    losses: list[float]
+    streams: list[dict[str, Tensor]] = field(default_factory=list)
+
+    def load(self, module: pl.LightningModule, k: int) -> pl.LightningModule:
+        """Put client ``k``'s weights and loss into the client ``module`` and torch's CPU
+        generator where client ``k``'s own fit leaves it; returns ``module``."""
+        module.net.load_state_dict(copy_state(self.net, k))
+        module.last_loss = self.losses[k]
+        torch.set_rng_state(self.streams[k]["cpu"])
+        return module
+
+
+def fit_stacked(
+    module: pl.LightningModule,
+    batches: Sequence[Any],
+    executor: Any,
+    epochs: int,
+    callbacks: Sequence[pl.Callback],
+    seeds: Sequence[int],
+    teachers: Sequence[dict[str, Tensor]] | None = None,
+) -> StackedFit:
+    """Fit ``len(batches)`` clients at once, every copy starting from ``module.net``'s
+    current weights (the received broadcast): client ``k`` on ``batches[k]``, its dropout
+    seeded by ``seeds[k]``, its teacher (if any) ``teachers[k]``."""
+    copies = len(batches)
+    net, segments = cached_stack(module.net, copies)
+    start = {n: p.detach() for n, p in module.net.named_parameters()}
+    load_copies(net, [start] * copies)
+    union = segments.bind(batches)
+    teacher = None
+    if teachers is not None:
+        teacher, tseg = cached_stack(module.net, copies, "teacher")
+        load_copies(teacher, teachers)
+        tseg.bind(batches)
+        teacher.eval()
+    segments.streams = seeded_streams(seeds, getattr(executor, "device", None))
+    stacked = StackedClients(module, net, segments, teacher)
+    try:
+        executor.fit(stacked, union, epochs, callbacks)
+    finally:
+        streams, segments.streams = segments.streams, None
+        if teacher is not None:
+            teacher.cpu()  # as the executor returns the stack to the CPU
+    return StackedFit(net, stacked.losses, streams)
+
+
+@torch.no_grad()
+def outputs_in_one_pass(
+    net: nn.Module,
+    state: dict[str, Tensor],
+    graphs: Sequence[Any],
+    fn: Callable[[nn.Module, Any], Any],
+) -> list[Any]:
+    """``fn(net with state, graph)`` for every graph, computed as one pass of ``fn`` on their
+    disjoint union (a stack whose copies all hold ``state``: each graph's rows get the
+    products its own pass computes); every tensor of the result cut back per graph.
+    ``fn`` returns a tensor ``[N, ...]`` or a tuple/dict of them."""
+    stack, segments = cached_stack(net, len(graphs), "eval")
+    load_copies(stack, [{n: state[n] for n, _ in net.named_parameters()}] * len(graphs))
+    union = segments.bind(graphs)
+    stack.eval()
+    out = fn(stack, union)
+
+    def cut(value: Any, a: int, b: int) -> Any:
+        if isinstance(value, Tensor):
+            return value[a:b]
+        if isinstance(value, dict):
+            return {k: cut(v, a, b) for k, v in value.items()}
+        return type(value)(cut(v, a, b) for v in value)
+
+    return [cut(out, a, b) for _, a, b in segments.ranges()]
+
+
+@dataclass
+class UnionEvaluate:
+    """:class:`~fedlightning.federation.loop.LocalEvaluate` of every client in one pass: the
+    first call evaluates all ``clients`` (:func:`outputs_in_one_pass`), each call returns
+    one client's correct and total nodes per split."""
+
+    module: pl.LightningModule
+    global_state: dict[str, Tensor]
+    clients: Sequence[Any]
+    _done: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def __call__(self, client: Any) -> dict[str, int]:
+        if not self._done:
+            graphs = [c.data for c in self.clients]
+            logits = outputs_in_one_pass(
+                self.module.net, self.global_state, graphs, lambda net, g: net(g)
+            )
+            for c, out in zip(self.clients, logits, strict=True):
+                self._done[c.client_id] = self.module.split_counts(out.argmax(-1), c.data)
+        return self._done[client.client_id]

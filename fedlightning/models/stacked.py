@@ -1,0 +1,272 @@
+"""One net's copies for several clients, applied to the disjoint union of their graphs.
+
+A *stack* of ``K`` copies of a net (:func:`stack_net`) has the net's parameter names, each
+with a leading axis ``K`` (copy ``k`` is client ``k``'s weights). Its input is the disjoint
+union of the clients' graphs (:func:`disjoint_union`), client ``k``'s nodes at rows
+``ptr[k]:ptr[k+1]``. What has weights acts per client, on that client's rows alone, with
+exactly the product one client's net computes (:class:`SegmentLinear`,
+:class:`SegmentGCNConv`); what has none (ReLU, fusion, message passing over the union's
+edges, which never cross clients) acts on the union at once. Dropout draws each client's
+rows from that client's own random stream (:class:`SegmentDropout`), in the order its own
+fit would. So copy ``k``'s outputs and gradients are those of client ``k``'s net alone:
+they never depend on another client's rows or weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch_geometric.data import Batch, Data
+from torch_geometric.nn import GCNConv
+from torch_geometric.nn.conv.gcn_conv import gcn_norm
+from torch_geometric.nn.dense.linear import Linear as PygLinear
+
+from fedlightning.models.dropout import InputDropout, nonzero_dropout
+from fedlightning.models.sparse import _SparseAffine
+
+
+class Segments:
+    """The rows of each copy in the union (``ptr`` ``[K+1]``) and, while a fit runs, each
+    copy's random stream (torch's CPU generator state, and the CUDA one when used)."""
+
+    def __init__(self, copies: int) -> None:
+        self.copies = copies
+        self.ptr: list[int] = []
+        self.streams: list[dict[str, Tensor]] | None = None
+        self._cut: list[tuple[Tensor, list[Tensor]]] = []  # sparse tensors and their rows
+
+    def ranges(self) -> Iterator[tuple[int, int, int]]:
+        if len(self.ptr) != self.copies + 1:
+            raise RuntimeError(f"the stack holds {self.copies} copies; set {self.copies + 1} ptr")
+        for k in range(self.copies):
+            yield k, self.ptr[k], self.ptr[k + 1]
+
+    def split(self, x: Tensor) -> list[Tensor]:
+        """Each copy's rows of ``x`` (views of a dense ``x``, whose gradients come back as
+        one concatenation; row blocks of a sparse COO ``x``, cut once)."""
+        if x.layout != torch.sparse_coo:
+            return list(x.split([b - a for _, a, b in self.ranges()]))
+        for whole, parts in self._cut:
+            if whole is x:
+                return parts
+        parts = [x.narrow_copy(0, a, b - a) for _, a, b in self.ranges()]
+        return self.remember(x, parts)
+
+    def join(self, parts: list[Tensor]) -> Tensor:
+        """The copies' rows back as one tensor (a sparse one remembers its rows)."""
+        out = torch.cat(parts)
+        if out.layout == torch.sparse_coo:
+            self.remember(out, parts)
+        return out
+
+    def remember(self, x: Tensor, parts: list[Tensor]) -> list[Tensor]:
+        """Keep ``parts`` as the rows of the sparse ``x`` (the last few such tensors)."""
+        self._cut = [*self._cut[-7:], (x, parts)]
+        return parts
+
+    def bind(self, graphs: Sequence[Data]) -> Data:
+        """The disjoint union of ``graphs`` as this stack's input: ``ptr`` set, and each
+        sparse node attribute's rows known to be the graphs' own tensors."""
+        union, self.ptr = disjoint_union(graphs)
+        self._cut = []
+        for key, value in union.items():
+            if isinstance(value, Tensor) and value.layout == torch.sparse_coo:
+                self.remember(value, [g[key] for g in graphs])
+        return union
+
+    @contextlib.contextmanager
+    def stream(self, k: int, device: torch.device) -> Iterator[None]:
+        """Draw from copy ``k``'s stream: its saved state in, the advanced state back out."""
+        state = self.streams[k]
+        cuda = device.type == "cuda" and "cuda" in state
+        torch.set_rng_state(state["cpu"])
+        if cuda:
+            torch.cuda.set_rng_state(state["cuda"], device)
+        try:
+            yield
+        finally:
+            state["cpu"] = torch.get_rng_state()
+            if cuda:
+                state["cuda"] = torch.cuda.get_rng_state(device)
+
+
+def seeded_streams(seeds: Sequence[int], device: torch.device | None = None) -> list[dict]:
+    """One stream per seed: the generator states ``torch.manual_seed(seed)`` leaves, on the
+    CPU and on ``device`` when it is a CUDA device (``None``: the current CUDA device, when
+    there is one; without its state a stack's CUDA draws come from the global generator)."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for s in seeds:
+        torch.manual_seed(s)
+        state = {"cpu": torch.get_rng_state()}
+        if device is not None and device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(device)
+        out.append(state)
+    return out
+
+
+def _stacked_param(p: Tensor | None, copies: int) -> nn.Parameter | None:
+    if p is None:
+        return None
+    return nn.Parameter(p.detach().unsqueeze(0).repeat(copies, *([1] * p.dim())).contiguous())
+
+
+class SegmentLinear(nn.Module):
+    """``K`` linear maps, copy ``k`` applied to rows ``ptr[k]:ptr[k+1]`` of a dense or sparse
+    COO input with :func:`torch.nn.functional.linear` (the sparse path of
+    :class:`~fedlightning.models.sparse.SparseLinear`); ``weight`` ``[K, out, in]``,
+    ``bias`` ``[K, out]`` or ``None``."""
+
+    def __init__(self, linear: nn.Module, segments: Segments) -> None:
+        super().__init__()
+        self.segments = [segments]  # a list: not a submodule
+        self.weight = _stacked_param(linear.weight, segments.copies)
+        self.bias = _stacked_param(getattr(linear, "bias", None), segments.copies)
+
+    def forward(self, x: Tensor) -> Tensor:
+        ws = self.weight.unbind(0)  # one backward node that stacks the copies' gradients
+        bs = self.bias.unbind(0) if self.bias is not None else [None] * len(ws)
+        parts = []
+        for k, xk in enumerate(self.segments[0].split(x)):
+            if xk.layout == torch.sparse_coo:
+                parts.append(_SparseAffine.apply(xk, ws[k], bs[k]))
+            else:
+                parts.append(F.linear(xk, ws[k], bs[k]))
+        return torch.cat(parts)
+
+
+def segment_add(x: Tensor, bias: Tensor, segments: Segments) -> Tensor:
+    """``x[rows of k] + bias[k]`` for every copy ``k``."""
+    bs = bias.unbind(0)
+    return torch.cat([xk + bs[k] for k, xk in enumerate(segments.split(x))])
+
+
+class SegmentGCNConv(nn.Module):
+    """:class:`~torch_geometric.nn.GCNConv`'s forward (``A_hat (x W_k^T) + b_k``) with per-copy
+    ``lin.weight`` ``[K, out, in]`` and ``bias`` ``[K, out]``; the normalisation and the
+    propagation run on the union (its components are the clients' graphs)."""
+
+    def __init__(self, conv: GCNConv, segments: Segments) -> None:
+        super().__init__()
+        if conv.cached:
+            raise ValueError("stacked clients need GCNConv(cached=False)")
+        self.conv = [conv]  # its settings and propagate; its own weights are not used
+        self.segments = [segments]
+        self.lin = SegmentLinear(conv.lin, segments)
+        self.bias = _stacked_param(conv.bias, segments.copies)
+
+    def forward(self, x: Tensor, edge_index: Tensor, edge_weight: Tensor | None = None) -> Tensor:
+        conv = self.conv[0]
+        if conv.normalize:
+            edge_index, edge_weight = gcn_norm(
+                edge_index,
+                edge_weight,
+                x.size(conv.node_dim),
+                conv.improved,
+                conv.add_self_loops,
+                conv.flow,
+                x.dtype,
+            )
+        out = conv.propagate(edge_index, x=self.lin(x), edge_weight=edge_weight)
+        return out if self.bias is None else segment_add(out, self.bias, self.segments[0])
+
+
+class SegmentDropout(nn.Module):
+    """A dropout module (:class:`torch.nn.Dropout` or
+    :class:`~fedlightning.models.dropout.InputDropout`) drawn per copy: copy ``k``'s rows
+    with copy ``k``'s stream (:attr:`Segments.streams`), as its own fit draws them; without
+    streams, the module itself on the whole input (torch's global generator)."""
+
+    def __init__(self, dropout: nn.Dropout, segments: Segments) -> None:
+        super().__init__()
+        self.p, self.segments = dropout.p, [segments]
+        self.max_density = getattr(dropout, "max_density", None)  # InputDropout's
+        self.train(dropout.training)
+
+    def _drop(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        if self.max_density is not None:
+            return nonzero_dropout(x, self.p, True, self.max_density, out)
+        result = F.dropout(x, self.p, True)
+        return result if out is None else out.copy_(result)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0:
+            return x
+        seg = self.segments[0]
+        if seg.streams is None:
+            return self._drop(x)
+        if x.layout == torch.sparse_coo or (x.requires_grad and torch.is_grad_enabled()):
+            parts = []
+            for k, xk in enumerate(seg.split(x)):
+                with seg.stream(k, x.device):
+                    parts.append(self._drop(xk))
+            return seg.join(parts)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        for k, (xk, ok) in enumerate(zip(seg.split(x), seg.split(out), strict=True)):
+            with seg.stream(k, x.device):
+                self._drop(xk, ok)  # into client k's rows: no concatenation
+        return out
+
+
+def _replacement(module: nn.Module, segments: Segments) -> nn.Module | None:
+    if isinstance(module, GCNConv):
+        return SegmentGCNConv(module, segments)
+    if isinstance(module, nn.Linear | PygLinear):
+        return SegmentLinear(module, segments)
+    if isinstance(module, nn.Dropout | InputDropout):
+        return SegmentDropout(module, segments)
+    return None
+
+
+def _swap(module: nn.Module, segments: Segments) -> None:
+    for name, child in list(module.named_children()):
+        new = _replacement(child, segments)
+        if new is None:
+            _swap(child, segments)
+        else:
+            setattr(module, name, new)
+
+
+def stack_net(net: nn.Module, copies: int) -> tuple[nn.Module, Segments]:
+    """A stack of ``copies`` copies of ``net`` (each one ``net``'s current weights) and its
+    :class:`Segments`; the stack's parameters keep ``net``'s names.
+
+    Raises ``ValueError`` for a net the stack cannot copy exactly: buffers, or weights
+    outside ``nn.Linear``, PyG's ``Linear`` and ``GCNConv``.
+    """
+    if next(net.buffers(), None) is not None:
+        raise ValueError(f"{type(net).__name__} has buffers; stacked clients need none")
+    segments = Segments(copies)
+    stack = copy.deepcopy(net)
+    _swap(stack, segments)
+    own = dict(net.named_parameters())
+    got = dict(stack.named_parameters())
+    if set(got) != set(own) or any(got[n].shape[1:] != p.shape for n, p in own.items()):
+        odd = sorted(n for n in own if n not in got or got[n].shape[1:] != own[n].shape)
+        raise ValueError(f"{type(net).__name__}: cannot stack the weights {odd}")
+    return stack, segments
+
+
+@torch.no_grad()
+def load_copies(stack: nn.Module, states: Sequence[dict[str, Tensor]]) -> None:
+    """Set copy ``k`` of every parameter to ``states[k][name]``."""
+    for name, p in stack.named_parameters():
+        p.copy_(torch.stack([s[name] for s in states]))
+
+
+def copy_state(stack: nn.Module, k: int) -> dict[str, Tensor]:
+    """Copy ``k`` of the stack as the plain net's state dict (detached, cloned)."""
+    return {n: p.detach()[k].clone() for n, p in stack.named_parameters()}
+
+
+def disjoint_union(graphs: Sequence[Data]) -> tuple[Data, list[int]]:
+    """The disjoint union of ``graphs`` (node attributes concatenated, edges offset) and
+    ``ptr``: graph ``k``'s nodes are rows ``ptr[k]:ptr[k+1]``."""
+    union = Batch.from_data_list(list(graphs))
+    return union, [int(v) for v in union.ptr]
