@@ -172,6 +172,7 @@ def _wait_for_lightning_ranks(timeout_s: float = 60.0) -> None:
 
 def _resume_run_dir(args: list[str]) -> list[str]:
     """On ``resume=DIR``, keep the resuming invocation's Hydra files inside ``DIR/.resume``."""
+    _resume_scratch[0] = False
     resume = next((a for a in args if a.startswith("resume=") and a != "resume=null"), None)
     if resume is None:
         return args
@@ -514,11 +515,26 @@ def _run_tool(command: str, rest: list[str]) -> int:
     except Exception as e:  # Hydra's composition errors (an unknown override, group, key)
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
+        from yaml import YAMLError
 
+        if isinstance(e, YAMLError):  # a file the command reads (a sweep file, say)
+            print(f"error: {yaml_error_line(e)}", file=sys.stderr, flush=True)
+            return 2
         if not isinstance(e, (HydraException, OmegaConfBaseException)):
             raise
-        print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
+        print(f"error: {hydra_error_line(e)}", file=sys.stderr, flush=True)
         return 2
+
+
+def yaml_error_line(e: Exception) -> str:
+    """A YAML syntax error as one line: the file, line and column, and what was expected."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+    if mark is None:
+        return f"not valid YAML ({problem})"
+    return (
+        f"{mark.name}: not valid YAML (line {mark.line + 1}, column {mark.column + 1}: {problem})"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

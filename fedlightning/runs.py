@@ -335,7 +335,17 @@ class Run:
         from fedlightning.config import run_label  # (Hydra only when a run starts)
 
         name = name or f"{run_label(self.cfg)}-{self.cfg.name}-{self.run_dir.name}"
-        run_id = self.tracker.start(name, mlflow_tags, params, run_id=run_id)
+        try:
+            run_id = self.tracker.start(name, mlflow_tags, params, run_id=run_id)
+        except FedLightningError:
+            raise
+        except Exception as e:  # the store's URI, path or database: before any training
+            uri = self.cfg.logger.get("tracking_uri")
+            raise ConfigError(
+                "logger.tracking_uri",
+                f"MLflow cannot open the store {uri!r} ({type(e).__name__}: "
+                f"{_reason(e)[:200]}); fix the URI or run with logger=none",
+            ) from None
         if run_id and self.is_main and record_id:
             write_json(saved, {"run_id": run_id, "tracking_uri": self.cfg.logger.tracking_uri})
         return self
