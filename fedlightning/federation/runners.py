@@ -50,17 +50,19 @@ class SequentialRunner(Runner):
         executor: the local-fit executor (:mod:`~fedlightning.federation.executors`).
         progress: a progress bar over clients when the terminal is interactive.
         kill_at: fault injection for resume tests, ``"ROUND:N"``: SIGKILL this process
-            after the N-th client fit of that round (mid-round, as a crash).
+            after the N-th client fit of that round (mid-round, as a crash);
+            ``"ROUND:N:KIND"``: only in that round's work of ``KIND`` (``stage_end``: the
+            stage-end exchange that follows the stage's last round).
     """
 
     name = "sequential"
 
     def __init__(self, executor: Any, progress: bool = True, kill_at: str | None = None) -> None:
         self.executor, self.world, self.progress = executor, World(), progress
-        self.kill_at = None
-        if kill_at:  # "ROUND:N"
-            round_, n = (int(x) for x in str(kill_at).split(":"))
-            self.kill_at = (round_, n)
+        self.kill_at: tuple[int, int, str | None] | None = None
+        if kill_at:  # "ROUND:N" or "ROUND:N:KIND"
+            round_, n, *kind = str(kill_at).split(":")
+            self.kill_at = (int(round_), int(n), kind[0] if kind else None)
 
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
@@ -76,9 +78,10 @@ class SequentialRunner(Runner):
             disable=None if self.progress else True,
         )
         mine = []
+        kind = getattr(fit, "kind", "fit")
         for i in bar:
             mine.append((fit(clients[i]), clients[i].state))
-            if self.kill_at == (round, i + 1):
+            if self.kill_at in ((round, i + 1, None), (round, i + 1, kind)):
                 os.kill(os.getpid(), signal.SIGKILL)
         if self.world.size == 1:
             return [update for update, _ in mine]
