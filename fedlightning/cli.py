@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -69,11 +70,12 @@ def _train(cfg: DictConfig) -> float:
         else:
             if ranks > 1 and _relaunch_argv:
                 sys.argv = list(_relaunch_argv)
+            started = time.monotonic()
             try:
                 summary = train(cfg, hydra_cfg.runtime.output_dir)
             finally:
-                if ranks > 1:
-                    _wait_for_lightning_ranks()
+                if ranks > 1:  # they do this run's work: as long as it took, at least
+                    _wait_for_lightning_ranks(max(60.0, time.monotonic() - started))
     except (FedLightningError, InterpolationResolutionError, MissingMandatoryValue) as e:
         _drop_resume_scratch(cfg, hydra_cfg.runtime.output_dir)
         line = str(e) if isinstance(e, FedLightningError) else hydra_error_line(e)
@@ -156,7 +158,9 @@ def _train_lightning_rank(cfg: DictConfig) -> dict:
 
 def _wait_for_lightning_ranks(timeout_s: float = 60.0) -> None:
     """Wait for the ranks Lightning started (they end with the loop), so none outlives the
-    command; kill any still running after ``timeout_s``."""
+    command; kill any still running after ``timeout_s`` (the caller's: the time rank 0's
+    run took, which the other ranks' same work needs too, so a loaded machine is waited
+    for)."""
     import psutil  # a dependency of torch-geometric
 
     ranks = [
@@ -546,7 +550,14 @@ def main(argv: list[str] | None = None) -> None:
     if command in TOOLS:
         sys.exit(_run_tool(command, rest))
     if command != "train":
-        print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        names = ["train", *TOOLS]
+        close = difflib.get_close_matches(command, names, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        print(
+            f"error: unknown command {command!r} ({hint}commands: {', '.join(names)}; "
+            "fedlightning --help)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     try:
         _refuse_before_hydra(rest)
