@@ -50,6 +50,7 @@ commands:
 # `hydra.run.dir=<this run's dir> hydra.job.name=train_ddp_process_<rank>
 # hydra.output_subdir=null`: the ranks share rank 0's (time-stamped) run directory.
 LIGHTNING_RANK_JOB = "train_ddp_process_"
+LIGHTNING_RANK_ARG = f"hydra.job.name={LIGHTNING_RANK_JOB}"
 _relaunch_argv: list[str] = []  # the command line that starts `fedlightning train` again
 
 
@@ -239,10 +240,18 @@ def _refuse_before_hydra(args: list[str]) -> None:
     """Refuse, before Hydra creates or writes anything (its ``.hydra`` files, its log), what
     the run wrapper would refuse anyway: ``resume=DIR`` of a folder that holds no run or a
     finished one, and a fresh run whose ``hydra.run.dir`` already holds a run. Hydra's own
-    modes (``-m``, ``--cfg``, ...) and the ranks Lightning starts are left to the run."""
+    modes (``--cfg``, ``--info``, ...) and the ranks Lightning starts are left to the run; a
+    multirun (``-m``) into a ``hydra.sweep.dir`` whose job folders hold a run is refused."""
     from fedlightning.runs import check_resume_dir, refuse_existing_run
 
-    if any(a.startswith("-") or a.startswith(f"hydra.job.name={LIGHTNING_RANK_JOB}") for a in args):
+    flags = {a for a in args if a.startswith("-")}
+    if flags - {"-m", "--multirun"} or any(a.startswith(LIGHTNING_RANK_ARG) for a in args):
+        return
+    if flags:  # a multirun: its jobs' folders <hydra.sweep.dir>/<job number>
+        sweep_dir = _override(args, "hydra.sweep.dir")
+        if sweep_dir is not None and "${" not in sweep_dir and Path(sweep_dir).is_dir():
+            for job in sorted(p for p in Path(sweep_dir).iterdir() if p.is_dir()):
+                refuse_existing_run(job)
         return
     resume = _override(args, "resume")
     if resume not in (None, "null", ""):

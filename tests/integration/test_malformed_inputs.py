@@ -246,6 +246,16 @@ CASES: dict[str, Case] = {
         setup=lambda c, r: (c / "afile").write_text("x"),
         **SUB,
     ),
+    "multirun into a sweep of runs": train(
+        "-m",
+        *SYN,
+        "federation.rounds=1",
+        "seed=0,1",
+        "hydra.sweep.dir=sweep",
+        needle="already holds a run",
+        setup=lambda c, r: shutil.copytree(r["done"], c / "sweep" / "0"),
+        untouched="sweep",
+    ),
     # --- resume
     "resume of nothing": train("resume=nowhere", needle="config `resume`"),
     "resume of an empty dir": train(
