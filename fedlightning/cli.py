@@ -347,7 +347,7 @@ def hydra_error_line(e: BaseException, dir_key: str = "hydra.run.dir") -> str | 
         return _missing_option_line(e)
     if isinstance(e, (HydraException, OmegaConfBaseException)):
         return _compact(e)
-    if isinstance(e, (OSError, ValueError)):  # mkdir of the run directory, its log file
+    if isinstance(e, (OSError, ValueError)) and _in_hydra_job_setup(e):  # mkdir, its log
         cause = f": {e.__cause__}" if e.__cause__ is not None else ""
         return f"config `{dir_key}`: cannot create or write the run directory ({e}{cause})"
     return None
@@ -364,6 +364,24 @@ def _show_user_errors_as_set() -> None:
         os.environ.pop(_FULL_ERROR, None)
     else:
         os.environ[_FULL_ERROR] = _user_full_error[0]
+
+
+def _in_hydra_job_setup(e: BaseException) -> bool:
+    """Whether ``e`` came out of Hydra setting a job up (``run_job``: its directory, log
+    file, ``.hydra`` files; a sweeper's ``sweep`` or launcher's ``launch``: the sweep
+    directory)."""
+    import hydra as hydra_pkg
+
+    root = Path(hydra_pkg.__file__).resolve().parent
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in ("run_job", "sweep", "launch") and Path(
+            code.co_filename
+        ).resolve().is_relative_to(root):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _raised_in_task(e: BaseException) -> bool:
