@@ -93,7 +93,7 @@ def test_sequential_kill_in_the_stage_end_exchange_resumes_bitwise(tmp_path, env
 def test_distributed_kill_in_the_stage_end_exchange_resumes_bitwise(tmp_path, env, compose):
     """Rank 1 answers positions 2.. of the exchange and dies after the third client; torchrun
     stops rank 0; the resumed two-rank run equals the uninterrupted sequential run."""
-    dist = ["runner=distributed", "runner.timeout_s=120"]
+    dist = ["runner=distributed"]
     args = [*DEMO, *dist, "hydra.run.dir=killed", "runner.kill_at=2:3:stage_end"]
     killed = torchrun(args, tmp_path, env)
     assert "SIGKILL" in killed.stderr and "rank      : 1" in killed.stderr, killed.stderr[-3000:]
