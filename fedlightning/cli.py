@@ -191,14 +191,26 @@ def _resume_run_dir(args: list[str]) -> list[str]:
     if any(a.startswith("hydra.run.dir=") for a in args):
         return args
     folder = resume.split("=", 1)[1]
-    _resume_scratch[0] = True
+    _resume_scratch[0] = _checkpoint_stamp(Path(folder))
     return [*args, f"hydra.run.dir={folder}/.resume/${{now:%Y-%m-%d_%H-%M-%S-%f}}"]
+
+
+def _checkpoint_stamp(run_dir: Path) -> tuple[int, int] | None:
+    """``run_dir/checkpoint.pt``'s size and modification time (``None``: no such file)."""
+    try:
+        st = (run_dir / "checkpoint.pt").stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def _drop_resume_scratch(cfg: DictConfig, output_dir: str) -> None:
     """A refused resume leaves nothing in the run it refused: remove the folder this
-    invocation made for its Hydra files (``DIR/.resume/<time>``), and ``.resume`` if empty."""
-    if not (_resume_scratch[0] and cfg.get("resume")):
+    invocation made for its Hydra files (``DIR/.resume/<time>``), and ``.resume`` if empty.
+    A resume that trained (its checkpoint moved on) before it failed keeps its log there."""
+    if _resume_scratch[0] is False or not cfg.get("resume"):
+        return
+    if _checkpoint_stamp(Path(cfg.resume)) != _resume_scratch[0]:
         return
     import shutil
 
@@ -355,7 +367,9 @@ def hydra_error_line(e: BaseException, dir_key: str = "hydra.run.dir") -> str | 
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"  # set: Hydra raises its errors instead of printing them
 _user_full_error: list[str | None] = [None]  # the user's own setting, while a task runs
-_resume_scratch = [False]  # whether this invocation chose the resume's hydra.run.dir
+# False, or (when this invocation chose the resume's hydra.run.dir) the resumed checkpoint's
+# stamp at the start
+_resume_scratch: list[object] = [False]
 
 
 def _show_user_errors_as_set() -> None:
