@@ -204,6 +204,23 @@ CASES: dict[str, Case] = {
         needle="1 class",
         setup=folder(lambda g: (g / "labels.csv").write_text("label\n" + "0\n" * N)),
     ),
+    "class stream on two classes": train(
+        *FOLDER,
+        "protocol=cil",
+        "algorithm=cil_fedavg",
+        "protocol.stream.stages=[2]",
+        needle="needs >= 3",
+        setup=folder(
+            lambda g: (
+                (g / "labels.csv").write_text("label\n" + "0\n1\n" * (N // 2)),
+                (g / "class_names.json").write_text('["a", "b"]'),
+            )
+        ),
+    ),
+    "missing rate above one": train(*SYN, "dataset.missing_rate=1.5", needle="missing_rate"),
+    "sparse modality unknown": train(
+        *SYN, "dataset.sparse_modalities=[audio]", needle="dataset.sparse_modalities"
+    ),
     # --- output directories
     "run dir under a file": train(
         *SYN,
