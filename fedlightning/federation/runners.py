@@ -52,7 +52,9 @@ class SequentialRunner(Runner):
         kill_at: fault injection for resume tests, ``"ROUND:N"``: SIGKILL this process
             after the N-th client fit of that round (mid-round, as a crash);
             ``"ROUND:N:KIND"``: only in that round's work of ``KIND`` (``stage_end``: the
-            stage-end exchange that follows the stage's last round).
+            stage-end exchange that follows the stage's last round; ``task_fit``: a FedTIP
+            task's round); ``"ROUND:N:KIND:TIMES"``: the TIMES-th time it matches (FedTIP's
+            round numbers start again with every task and family).
     """
 
     name = "sequential"
@@ -60,9 +62,11 @@ class SequentialRunner(Runner):
     def __init__(self, executor: Any, progress: bool = True, kill_at: str | None = None) -> None:
         self.executor, self.world, self.progress = executor, World(), progress
         self.kill_at: tuple[int, int, str | None] | None = None
-        if kill_at:  # "ROUND:N" or "ROUND:N:KIND"
-            round_, n, *kind = str(kill_at).split(":")
-            self.kill_at = (int(round_), int(n), kind[0] if kind else None)
+        self.kill_times, self._kill_matches = 1, 0
+        if kill_at:  # "ROUND:N", "ROUND:N:KIND" or "ROUND:N:KIND:TIMES"
+            round_, n, *rest = str(kill_at).split(":")
+            self.kill_at = (int(round_), int(n), rest[0] if rest and rest[0] else None)
+            self.kill_times = int(rest[1]) if len(rest) > 1 else 1
 
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
@@ -82,7 +86,9 @@ class SequentialRunner(Runner):
         for i in bar:
             mine.append((fit(clients[i]), clients[i].state))
             if self.kill_at in ((round, i + 1, None), (round, i + 1, kind)):
-                os.kill(os.getpid(), signal.SIGKILL)
+                self._kill_matches += 1
+                if self._kill_matches == self.kill_times:
+                    os.kill(os.getpid(), signal.SIGKILL)
         if self.world.size == 1:
             return [update for update, _ in mine]
         last_rng = rng_state() if mine else None

@@ -1,6 +1,7 @@
 """kill -9 during FedOGL's stage-end exchange, sequentially and under ``runner=distributed``
-(two Gloo ranks under torchrun), then ``resume=DIR``: bitwise the uninterrupted run's summary
-metrics, accuracy matrix and ledger (``runner.kill_at=ROUND:N:stage_end``)."""
+(two Gloo ranks under torchrun), and in the middle of a FedTIP task, then ``resume=DIR``:
+bitwise the uninterrupted run's summary metrics (accuracy matrix) and ledger
+(``runner.kill_at=ROUND:N:KIND[:TIMES]``)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,34 @@ def test_distributed_kill_in_the_stage_end_exchange_resumes_bitwise(tmp_path, en
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     train(compose(DEMO), tmp_path / "full", verbose=False)
     assert_same_run(tmp_path / "killed", tmp_path / "full")
+
+
+# FedTIP on the synthetic stream: 3 tasks, each with families nc and lp of 2 rounds
+FEDTIP = [
+    "experiment=fedtip_synthetic",
+    "protocol.tasks.num_tasks=3",
+    "federation.rounds=2",
+    "federation.local_epochs=2",
+    "bank.epochs=1",
+    "bank.max_events=2000",
+    "logger=none",
+]
+
+
+def test_fedtip_kill_in_the_middle_of_a_task_resumes_bitwise(tmp_path, env, compose):
+    """Round 1 of a task's family comes for the third time in task 2 (after task 1's nc and
+    lp): killed after its first client, the run resumes from task 1's checkpoint."""
+    killed = fl([*FEDTIP, "hydra.run.dir=killed", "runner.kill_at=1:1:task_fit:3"], tmp_path, env)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    state = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)
+    assert len(state["results"]) == 1  # task 1 done, task 2 cut in its first round
+    assert not (tmp_path / "killed" / "summary.json").exists()
+    resumed = fl(["resume=killed", "logger=none"], tmp_path, env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    full = train(compose(FEDTIP), tmp_path / "full", verbose=False)
+    done = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert done["resumed"] is True and done["tasks_done"] == full["tasks_done"] == 3
+    assert done["metrics"] == full["metrics"] and done["comm"] == full["comm"]
+    ledger_a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["ledger"]
+    ledger_b = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["ledger"]
+    assert ledger_a == ledger_b

@@ -61,8 +61,7 @@ def test_kill_at_reads_round_client_and_kind():
     from fedlightning.federation.runners import SequentialRunner
 
     assert SequentialRunner(LeanExecutor(), kill_at="3:2").kill_at == (3, 2, None)
-    assert SequentialRunner(LeanExecutor(), kill_at="2:1:stage_end").kill_at == (
-        2,
-        1,
-        "stage_end",
-    )
+    runner = SequentialRunner(LeanExecutor(), kill_at="2:1:stage_end")
+    assert (runner.kill_at, runner.kill_times) == ((2, 1, "stage_end"), 1)
+    runner = SequentialRunner(LeanExecutor(), kill_at="1:2:task_fit:3")
+    assert (runner.kill_at, runner.kill_times) == ((1, 2, "task_fit"), 3)
