@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import logging
+import os
+import re
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -48,17 +53,20 @@ commands:
 # `hydra.run.dir=<this run's dir> hydra.job.name=train_ddp_process_<rank>
 # hydra.output_subdir=null`: the ranks share rank 0's (time-stamped) run directory.
 LIGHTNING_RANK_JOB = "train_ddp_process_"
+LIGHTNING_RANK_ARG = f"hydra.job.name={LIGHTNING_RANK_JOB}"
 _relaunch_argv: list[str] = []  # the command line that starts `fedlightning train` again
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def _train(cfg: DictConfig) -> float:
     from hydra.types import RunMode
+    from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
     from fedlightning.train import train
 
     hydra_cfg = HydraConfig.get()
     try:
+        _show_user_errors_as_set()  # the task's children see the user's HYDRA_FULL_ERROR
         ranks = lightning_ranks(cfg)
         check_lightning_ddp(cfg, "multirun (-m)" if hydra_cfg.mode == RunMode.MULTIRUN else None)
         if hydra_cfg.job.name.startswith(LIGHTNING_RANK_JOB):
@@ -66,14 +74,19 @@ def _train(cfg: DictConfig) -> float:
         else:
             if ranks > 1 and _relaunch_argv:
                 sys.argv = list(_relaunch_argv)
+            started = time.monotonic()
             try:
                 summary = train(cfg, hydra_cfg.runtime.output_dir)
             finally:
-                if ranks > 1:
-                    _wait_for_lightning_ranks()
-    except FedLightningError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+                if ranks > 1:  # they do this run's work: as long as it took, at least
+                    _wait_for_lightning_ranks(max(60.0, time.monotonic() - started))
+    except (FedLightningError, InterpolationResolutionError, MissingMandatoryValue) as e:
+        _drop_resume_scratch(cfg, hydra_cfg.runtime.output_dir)
+        line = str(e) if isinstance(e, FedLightningError) else hydra_error_line(e)
+        print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(2)
+    finally:
+        os.environ[_FULL_ERROR] = "1"  # Hydra's own errors after the task: raised to main
     metrics = summary["metrics"]
     objective = metrics.get("val_am", metrics.get("val_acc"))  # what a sweep optimizes
     return float("nan") if objective is None else float(objective)
@@ -149,7 +162,9 @@ def _train_lightning_rank(cfg: DictConfig) -> dict:
 
 def _wait_for_lightning_ranks(timeout_s: float = 60.0) -> None:
     """Wait for the ranks Lightning started (they end with the loop), so none outlives the
-    command; kill any still running after ``timeout_s``."""
+    command; kill any still running after ``timeout_s`` (the caller's: the time rank 0's
+    run took, which the other ranks' same work needs too, so a loaded machine is waited
+    for)."""
     import psutil  # a dependency of torch-geometric
 
     ranks = [
@@ -165,6 +180,7 @@ def _wait_for_lightning_ranks(timeout_s: float = 60.0) -> None:
 
 def _resume_run_dir(args: list[str]) -> list[str]:
     """On ``resume=DIR``, keep the resuming invocation's Hydra files inside ``DIR/.resume``."""
+    _resume_scratch[0] = False
     resume = next((a for a in args if a.startswith("resume=") and a != "resume=null"), None)
     if resume is None:
         return args
@@ -178,7 +194,244 @@ def _resume_run_dir(args: list[str]) -> list[str]:
     if any(a.startswith("hydra.run.dir=") for a in args):
         return args
     folder = resume.split("=", 1)[1]
+    _resume_scratch[0] = _checkpoint_stamp(Path(folder))
     return [*args, f"hydra.run.dir={folder}/.resume/${{now:%Y-%m-%d_%H-%M-%S-%f}}"]
+
+
+def _checkpoint_stamp(run_dir: Path) -> tuple[int, int] | None:
+    """``run_dir/checkpoint.pt``'s size and modification time (``None``: no such file)."""
+    try:
+        st = (run_dir / "checkpoint.pt").stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _drop_resume_scratch(cfg: DictConfig, output_dir: str) -> None:
+    """A refused resume leaves nothing in the run it refused: remove the folder this
+    invocation made for its Hydra files (``DIR/.resume/<time>``), and ``.resume`` if empty.
+    A resume that trained (its checkpoint moved on) before it failed keeps its log there."""
+    if _resume_scratch[0] is False or not cfg.get("resume"):
+        return
+    if _checkpoint_stamp(Path(cfg.resume)) != _resume_scratch[0]:
+        return
+    import shutil
+
+    out = Path(output_dir).resolve()
+    if out.parent.name != ".resume":
+        return
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        if Path(h.baseFilename).resolve().is_relative_to(out):
+            root.removeHandler(h)
+            h.close()
+    shutil.rmtree(out, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        out.parent.rmdir()  # only when empty: earlier resumes' files stay
+
+
+def _override(args: list[str], key: str) -> str | None:
+    """The value the command line's last ``key=VALUE`` override gives (``None``: none)."""
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"{key}=")]
+    return values[-1] if values else None
+
+
+def _resolved_run_dir(args: list[str]) -> str | None:
+    """``hydra.run.dir`` as Hydra will resolve it for ``args`` (``None``: it does not
+    resolve; Hydra reports that itself)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = hydra_compose("train", overrides=args, return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)
+            return str(OmegaConf.select(cfg, "hydra.run.dir"))
+    except Exception:
+        return None
+
+
+def _refuse_before_hydra(args: list[str]) -> None:
+    """Refuse, before Hydra creates or writes anything (its ``.hydra`` files, its log), what
+    the run wrapper would refuse anyway: ``resume=DIR`` of a folder that holds no run or a
+    finished one, and a fresh run whose ``hydra.run.dir`` already holds a run. Hydra's own
+    modes (``--cfg``, ``--info``, ...) and the ranks Lightning starts are left to the run; a
+    multirun (``-m``) into a ``hydra.sweep.dir`` whose job folders hold a run is refused."""
+    from fedlightning.runs import check_resume_dir, refuse_existing_run
+
+    flags = {a for a in args if a.startswith("-")}
+    if flags - {"-m", "--multirun"} or any(a.startswith(LIGHTNING_RANK_ARG) for a in args):
+        return
+    if flags:  # a multirun: its jobs' folders <hydra.sweep.dir>/<job number>
+        sweep_dir = _override(args, "hydra.sweep.dir")
+        if sweep_dir is not None and "${" not in sweep_dir and Path(sweep_dir).is_dir():
+            for job in sorted(p for p in Path(sweep_dir).iterdir() if p.is_dir()):
+                refuse_existing_run(job)
+        return
+    resume = _override(args, "resume")
+    if resume not in (None, "null", ""):
+        check_resume_dir(Path(resume))
+        return
+    run_dir = _override(args, "hydra.run.dir")
+    if run_dir is not None and "${" in run_dir:
+        run_dir = _resolved_run_dir(args)
+    if run_dir is not None:  # else outputs/<data>/<experiment>/<time>: a new folder
+        refuse_existing_run(Path(run_dir))
+
+
+def _missing_option_line(e: Exception) -> str:
+    """``group=option`` of no config file: the group, the option and Hydra's options (the
+    close ones first)."""
+    found = re.search(r"Could not (?:find|load) '([^']+)'", str(e))
+    group, _, option = (found.group(1) if found else "").rpartition("/")
+    options = [str(o) for o in (getattr(e, "options", None) or [])]
+    if not group or not options:
+        return _compact(e)
+    close = difflib.get_close_matches(option, options, n=3, cutoff=0.6)
+    if close:
+        hint = f"did you mean {' or '.join(close)}?"
+    elif len(options) <= 8:
+        hint = f"one of {', '.join(options)}"
+    else:
+        hint = f"one of the {len(options)} files of conf/{group}/"
+    return f"config `{group}`: no option {option!r} ({hint})"
+
+
+_NOISE = ("Available options", "Config search path", "full_key:", "object_type=", "reference_type=")
+
+
+def _compact(e: BaseException) -> str:
+    """Hydra's or OmegaConf's message, and its cause's, on one line; an override Hydra could
+    not apply names its key first, with Hydra's hint (``+key=...`` to add a key)."""
+    lines: list[str] = []
+    for err in (e, e.__cause__):
+        if err is None:
+            continue
+        for line in str(err).splitlines():
+            line = line.strip()
+            if line.startswith(_NOISE):
+                break
+            if line and not line.startswith(("^", "See https://")) and line not in lines:
+                lines.append(line)
+    if not lines:
+        return type(e).__name__
+    override = getattr(e, "override", None)  # an override Hydra cannot parse
+    if override:
+        return f"override {override!r}: " + "; ".join(lines)
+    key = re.match(r"Could not (?:override|append to config\.) '?([^'\s]+?)'?\.?$", lines[0])
+    if key:
+        hints = [ln for ln in lines[1:] if ln.startswith("To ")]
+        said = [ln for ln in lines[1:] if not ln.startswith("To ")] or ["could not be set"]
+        return f"config `{key.group(1)}`: " + "; ".join(said + _close_keys(key.group(1)) + hints)
+    full_key = getattr(e, "full_key", None)
+    if full_key:
+        return f"config `{full_key}`: " + "; ".join(lines)
+    return "; ".join(lines)
+
+
+def _close_keys(key: str) -> list[str]:
+    """``did you mean ...?`` for an unknown ``key``: the close keys of the config this
+    command composes without it (none when that does not compose either)."""
+    from fedlightning.config import compose
+
+    args = [a for a in sys.argv[1:] if not a.startswith("-") and a.split("=")[0] != key]
+    try:
+        cfg = OmegaConf.to_container(compose(args))
+    except Exception:
+        return []
+
+    def keys(node: object, prefix: str = "") -> list[str]:
+        if not isinstance(node, dict):
+            return [prefix]
+        return [k for name, v in node.items() for k in keys(v, f"{prefix}{name}.")]
+
+    known = [k.rstrip(".") for k in keys(cfg)]
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+    return [f"did you mean {' or '.join(close)}?"] if close else []
+
+
+def hydra_error_line(e: BaseException, dir_key: str = "hydra.run.dir") -> str | None:
+    """One line for what Hydra or OmegaConf raises before (or outside) the run: a group option
+    without a config file (with the close names), an override or key Hydra cannot apply, an
+    interpolation that fails (naming the key), and a run directory (``dir_key``) Hydra cannot
+    create or write. ``None``: not such an error."""
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(e, MissingConfigException):
+        return _missing_option_line(e)
+    if isinstance(e, (HydraException, OmegaConfBaseException)):
+        return _compact(e)
+    if isinstance(e, (OSError, ValueError)) and _in_hydra_job_setup(e):  # mkdir, its log
+        cause = f": {e.__cause__}" if e.__cause__ is not None else ""
+        return f"config `{dir_key}`: cannot create or write the run directory ({e}{cause})"
+    return None
+
+
+_FULL_ERROR = "HYDRA_FULL_ERROR"  # set: Hydra raises its errors instead of printing them
+_user_full_error: list[str | None] = [None]  # the user's own setting, while a task runs
+# False, or (when this invocation chose the resume's hydra.run.dir) the resumed checkpoint's
+# stamp at the start
+_resume_scratch: list[object] = [False]
+
+
+def _show_user_errors_as_set() -> None:
+    """While the task runs (and in the processes it starts): the user's HYDRA_FULL_ERROR."""
+    if _user_full_error[0] is None:
+        os.environ.pop(_FULL_ERROR, None)
+    else:
+        os.environ[_FULL_ERROR] = _user_full_error[0]
+
+
+def _in_hydra_job_setup(e: BaseException) -> bool:
+    """Whether ``e`` came out of Hydra setting a job up (``run_job``: its directory, log
+    file, ``.hydra`` files; a sweeper's ``sweep`` or launcher's ``launch``: the sweep
+    directory)."""
+    import hydra as hydra_pkg
+
+    root = Path(hydra_pkg.__file__).resolve().parent
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in ("run_job", "sweep", "launch") and Path(
+            code.co_filename
+        ).resolve().is_relative_to(root):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _raised_in_task(e: BaseException) -> bool:
+    """Whether ``e`` came out of the task function (``_train``), not Hydra's set-up."""
+    code = _train.__wrapped__.__code__
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _run_train(multirun: bool) -> None:
+    """``_train`` under Hydra, its own errors (composition, the run directory) as one line
+    and exit 2 instead of Hydra's report (exit 1); with HYDRA_FULL_ERROR set by the user,
+    Hydra's full traceback as Hydra documents it."""
+    user = _user_full_error[0] = os.environ.get(_FULL_ERROR)
+    os.environ[_FULL_ERROR] = "1"
+    try:
+        _train()
+    except Exception as e:
+        line = (
+            None
+            if user or _raised_in_task(e)
+            else hydra_error_line(e, "hydra.sweep.dir" if multirun else "hydra.run.dir")
+        )
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        _show_user_errors_as_set()
 
 
 def _sweep(rest: list[str]) -> int:
@@ -310,10 +563,14 @@ def _run_tool(command: str, rest: list[str]) -> int:
     except Exception as e:  # Hydra's composition errors (an unknown override, group, key)
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
+        from yaml import YAMLError
 
+        if isinstance(e, YAMLError):  # a file the command reads (a sweep file, say)
+            print(f"error: {yaml_error_line(e)}", file=sys.stderr, flush=True)
+            return 2
         if not isinstance(e, (HydraException, OmegaConfBaseException)):
             raise
-        print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
+        print(f"error: {hydra_error_line(e)}", file=sys.stderr, flush=True)
         return 2
 
 
@@ -323,6 +580,17 @@ def _wants_shell_completion(args: list[str]) -> bool:
     from fedlightning.completion import shell_completion_request
 
     return shell_completion_request(args) is not None
+
+
+def yaml_error_line(e: Exception) -> str:
+    """A YAML syntax error as one line: the file, line and column, and what was expected."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+    if mark is None:
+        return f"not valid YAML ({problem})"
+    return (
+        f"{mark.name}: not valid YAML (line {mark.line + 1}, column {mark.column + 1}: {problem})"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -338,11 +606,23 @@ def main(argv: list[str] | None = None) -> None:
     if command in TOOLS:
         sys.exit(_run_tool(command, rest))
     if command != "train":
-        print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        names = ["train", *TOOLS]
+        close = difflib.get_close_matches(command, names, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        print(
+            f"error: unknown command {command!r} ({hint}commands: {', '.join(names)}; "
+            "fedlightning --help)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    try:
+        _refuse_before_hydra(rest)
+    except FedLightningError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     args = _resume_run_dir(rest)
     # Hydra reads its overrides from sys.argv; Lightning's DDP launcher later re-executes
     # the real program with `train` and the same overrides (see _train).
     _relaunch_argv[:] = [sys.argv[0], "train", *args]
     sys.argv = [f"{Path(sys.argv[0]).name} train", *args]
-    _train()
+    _run_train(multirun=any(a in ("-m", "--multirun") for a in args))

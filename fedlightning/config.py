@@ -134,9 +134,22 @@ def validate_protocol(cfg: DictConfig) -> None:
         )
 
 
+def check_resolves(cfg: DictConfig) -> None:
+    """Every interpolation of ``cfg`` resolves (``${oc.env:VAR}`` of an unset variable,
+    a reference to a missing key): else a :class:`ConfigError` naming the key."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except InterpolationResolutionError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(str(e.full_key or "?"), f"does not resolve ({reason})") from None
+
+
 def validate(cfg: DictConfig) -> None:
     """Fail with a :class:`ConfigError` naming the key for any invalid value; every rule
     the config alone decides is checked here, before any data is read."""
+    check_resolves(cfg)
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
     if missing:
         raise ConfigError(

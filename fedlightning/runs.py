@@ -146,25 +146,22 @@ def check_protocol(path: Path, key: str, value: Any) -> None:
         )
 
 
-def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
-    """The config and directory to run in, and whether it resumes: on ``resume`` the earlier
-    run's own (its saved config, with this invocation's ``runner`` and ``logger``); a fresh
-    run refuses a directory that already holds a run."""
-    if cfg.get("resume"):
-        old = Path(cfg.resume)
-        if not (old / CONFIG_FILE).is_file():
-            raise ConfigError(
-                "resume", f"{old} holds no {CONFIG_FILE}; pass an earlier run's directory"
-            )
-        if (old / SUMMARY_FILE).exists():
-            raise ConfigError(
-                "resume", f"{old} already finished ({SUMMARY_FILE} exists); nothing to resume"
-            )
-        saved = load_saved_config(old / CONFIG_FILE)
-        saved.runner, saved.logger = cfg.runner, cfg.logger
-        saved.threads = cfg.get("threads", "auto")
-        saved.resume = str(old)
-        return saved, old, True
+def check_resume_dir(old: Path) -> None:
+    """Refuse (one line naming ``resume``) a ``resume`` directory that holds no run's
+    ``config.yaml`` or whose run already finished: checked before anything is written."""
+    if not (old / CONFIG_FILE).is_file():
+        raise ConfigError(
+            "resume", f"{old} holds no {CONFIG_FILE}; pass an earlier run's directory"
+        )
+    if (old / SUMMARY_FILE).exists():
+        raise ConfigError(
+            "resume", f"{old} already finished ({SUMMARY_FILE} exists); nothing to resume"
+        )
+
+
+def refuse_existing_run(run_dir: Path) -> None:
+    """Refuse (one line) a fresh run in a directory that already holds a run (its
+    ``summary.json`` or ``checkpoint.pt``): checked before anything is written there."""
     for name in (SUMMARY_FILE, CHECKPOINT_FILE):
         if (run_dir / name).exists():
             raise FedLightningError(
@@ -172,6 +169,21 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
                 "refusing to overwrite it: choose a new hydra.run.dir or "
                 f"resume={run_dir}"
             )
+
+
+def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
+    """The config and directory to run in, and whether it resumes: on ``resume`` the earlier
+    run's own (its saved config, with this invocation's ``runner`` and ``logger``); a fresh
+    run refuses a directory that already holds a run."""
+    if cfg.get("resume"):
+        old = Path(cfg.resume)
+        check_resume_dir(old)
+        saved = load_saved_config(old / CONFIG_FILE)
+        saved.runner, saved.logger = cfg.runner, cfg.logger
+        saved.threads = cfg.get("threads", "auto")
+        saved.resume = str(old)
+        return saved, old, True
+    refuse_existing_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / CONFIG_FILE, resolve=True)
     return OmegaConf.load(run_dir / CONFIG_FILE), run_dir, False
@@ -323,7 +335,17 @@ class Run:
         from fedlightning.config import run_label  # (Hydra only when a run starts)
 
         name = name or f"{run_label(self.cfg)}-{self.cfg.name}-{self.run_dir.name}"
-        run_id = self.tracker.start(name, mlflow_tags, params, run_id=run_id)
+        try:
+            run_id = self.tracker.start(name, mlflow_tags, params, run_id=run_id)
+        except FedLightningError:
+            raise
+        except Exception as e:  # the store's URI, path or database: before any training
+            uri = self.cfg.logger.get("tracking_uri")
+            raise ConfigError(
+                "logger.tracking_uri",
+                f"MLflow cannot open the store {uri!r} ({type(e).__name__}: "
+                f"{_reason(e)[:200]}); fix the URI or run with logger=none",
+            ) from None
         if run_id and self.is_main and record_id:
             write_json(saved, {"run_id": run_id, "tracking_uri": self.cfg.logger.tracking_uri})
         return self

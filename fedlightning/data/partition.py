@@ -67,6 +67,32 @@ class Partition(ContentHashed):
         return part
 
 
+def check_trainable(partition: Partition, y: Tensor, name: str) -> None:
+    """Refuse, before any training, a partition of graph ``name`` (labels ``y``) that a node
+    classifier cannot learn from: a client without training nodes (its loss would be
+    undefined), or fewer than two classes among all training nodes (every prediction would
+    be right: accuracy 1.0 that means nothing)."""
+    train = partition.split == TRAIN
+    per_client = torch.bincount(partition.assignment[train], minlength=partition.num_clients)
+    empty = (per_client == 0).nonzero().flatten().tolist()
+    if empty:
+        k = empty[0]
+        size = int((partition.assignment == k).sum())
+        raise ConfigError(
+            "partition.split",
+            f"client {k} of {partition.num_clients} gets no training node of {name!r} "
+            f"({size} nodes, split {partition.meta['split_fractions']}); raise the training "
+            "fraction or use fewer clients",
+        )
+    classes = sorted(y[train].unique().tolist())
+    if len(classes) < 2:
+        raise ConfigError(
+            "dataset",
+            f"{name!r} has {len(classes)} class among its training nodes ({classes}); node "
+            "classification needs at least 2 (one class scores accuracy 1.0 for nothing)",
+        )
+
+
 def merge_communities(communities: list[list[int]], num_clients: int) -> list[int]:
     """The client of each node: communities, largest first, each merged into the currently
     smallest of ``num_clients`` clients (ties: lowest index), as in FedSage+ and FED-PUB."""

@@ -14,7 +14,7 @@ from torch_geometric.data import Data
 
 from fedlightning.config import build, dataset_node, validate
 from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
-from fedlightning.data.partition import TEST, TRAIN, VAL, Partition
+from fedlightning.data.partition import TEST, TRAIN, VAL, Partition, check_trainable
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
@@ -140,6 +140,7 @@ def build_protocol(
     beside them ``class_names.json``, the name of class ``0``, ``1``, ... (the folder
     format's file), so that a run's label ids read back as the data's own classes."""
     partition = build(cfg.partition, "partition")(graph, cfg.federation.clients, cfg.protocol.seed)
+    check_trainable(partition, graph.y, graph.name)
     save_protocol(partition, run_dir / "partition.json", resuming)
     write_json(run_dir / CLASS_NAMES_FILE, list(graph.class_names), indent=None)
     hashes = {"partition": partition.hash}

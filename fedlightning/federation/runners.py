@@ -51,7 +51,11 @@ class SequentialRunner(Runner):
         executor: the local-fit executor (:mod:`~fedlightning.federation.executors`).
         progress: a progress bar over clients when the terminal is interactive.
         kill_at: fault injection for resume tests, ``"ROUND:N"``: SIGKILL this process
-            after the N-th client fit of that round (mid-round, as a crash).
+            after the N-th client fit of that round (mid-round, as a crash);
+            ``"ROUND:N:KIND"``: only in that round's work of ``KIND`` (``stage_end``: the
+            stage-end exchange that follows the stage's last round; ``task_fit``: a FedTIP
+            task's round); ``"ROUND:N:KIND:TIMES"``: the TIMES-th time it matches (FedTIP's
+            round numbers start again with every task and family).
         stack_clients: fit a round's clients as one stack and evaluate them in one pass
             where the method supports it (:mod:`~fedlightning.federation.stacking`).
     """
@@ -67,10 +71,12 @@ class SequentialRunner(Runner):
     ) -> None:
         self.executor, self.world, self.progress = executor, World(), progress
         self.stack_clients = bool(stack_clients)
-        self.kill_at = None
-        if kill_at:  # "ROUND:N"
-            round_, n = (int(x) for x in str(kill_at).split(":"))
-            self.kill_at = (round_, n)
+        self.kill_at: tuple[int, int, str | None] | None = None
+        self.kill_times, self._kill_matches = 1, 0
+        if kill_at:  # "ROUND:N", "ROUND:N:KIND" or "ROUND:N:KIND:TIMES"
+            round_, n, *rest = str(kill_at).split(":")
+            self.kill_at = (int(round_), int(n), rest[0] if rest and rest[0] else None)
+            self.kill_times = int(rest[1]) if len(rest) > 1 else 1
 
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
@@ -86,10 +92,13 @@ class SequentialRunner(Runner):
             disable=None if self.progress else True,
         )
         mine = []
+        kind = getattr(fit, "kind", "fit")
         for i in bar:
             mine.append((fit(clients[i]), clients[i].state))
-            if self.kill_at == (round, i + 1):
-                os.kill(os.getpid(), signal.SIGKILL)
+            if self.kill_at in ((round, i + 1, None), (round, i + 1, kind)):
+                self._kill_matches += 1
+                if self._kill_matches == self.kill_times:
+                    os.kill(os.getpid(), signal.SIGKILL)
         if self.world.size == 1:
             return [update for update, _ in mine]
         last_rng = rng_state() if mine else None

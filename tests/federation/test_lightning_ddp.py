@@ -23,6 +23,9 @@ from fedlightning.train import train
 TRAINER = "fedlightning.federation.executors.TrainerExecutor"
 RUN = ["experiment=fedavg_cora", "federation.rounds=1", "federation.local_epochs=2"]
 DDP = ["runner=sequential_trainer", "runner.executor.devices=2", "runner.executor.strategy=ddp"]
+# Only against a hang: far above the normal time (about 20 s idle), so that a loaded machine
+# never fails the test; the time taken is printed, not asserted (benchmarks/ hold timings).
+HANG_GUARD_S = 1800
 
 
 def executor(**kw):
@@ -84,7 +87,7 @@ def test_two_ranks_write_one_run_with_the_single_device_metrics(
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_GUARD_S,
     )
     seconds = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr[-3000:]

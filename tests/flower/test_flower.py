@@ -37,6 +37,11 @@ BIN = Path(sys.executable).parent
 K = 2  # clients: one SuperNode each
 CORA = ["experiment=fedavg_cora", "federation.rounds=2", f"federation.clients={K}", "logger=none"]
 UPDATE_SCALARS = {"num_examples", "train_loss"}
+# Waits on other processes: hang guards far above the normal time (a deployment's run takes
+# about a minute on an idle machine), so a loaded machine never fails a test by its clock;
+# the nodes' set-up (imports, data) gets as long.
+HANG_GUARD_S = 1800
+CONNECT_S = 600
 COUNT_FIELDS = {f"{s}_{c}" for s in ("train", "val", "test") for c in ("correct", "total")}
 
 
@@ -206,7 +211,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float = 60) -> None:
+def wait_for_port(port: int, timeout: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as s:
@@ -264,7 +269,9 @@ class Deployment:
         os.killpg(self.procs[name].pid, signal.SIGKILL)
         self.procs[name].wait()
 
-    def flwr_run(self, run_config: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    def flwr_run(
+        self, run_config: str, timeout: float = HANG_GUARD_S
+    ) -> subprocess.CompletedProcess:
         cmd = [str(BIN / "flwr"), "run", str(REPO / "tools" / "flower"), "local", "--stream"]
         return subprocess.run(
             [*cmd, "--run-config", run_config],
@@ -310,7 +317,8 @@ def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, r
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     run_dir = tmp_env / "run"
-    overrides = " ".join([*CORA, "runner.timeout_s=40", "runner.connect_timeout_s=120"])
+    # the wait for the killed node: about ten times a live node's reply on an idle machine
+    overrides = " ".join([*CORA, "runner.timeout_s=120", f"runner.connect_timeout_s={CONNECT_S}"])
     fed = Deployment(tmp_env, env)
     try:
         for k in range(K):
@@ -324,13 +332,13 @@ def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, r
             stderr=subprocess.STDOUT,
             text=True,
         )
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + HANG_GUARD_S
         while not (run_dir / "checkpoint.pt").exists() and time.monotonic() < deadline:
             assert first.poll() is None, first.communicate()[0][-3000:]
             time.sleep(0.5)
         assert (run_dir / "checkpoint.pt").exists(), "round 1 never finished"
         fed.kill(f"node{K - 1}")  # round 2 waits for it in vain
-        out, _ = first.communicate(timeout=300)
+        out, _ = first.communicate(timeout=HANG_GUARD_S)
         assert f"round 2 (train): client {K - 1}: " in out  # no reply, or "Node Unavailable"
         assert f"fedlightning flower-sim resume={run_dir}" in out
         assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["completed_rounds"] == 1
@@ -371,8 +379,8 @@ def test_loopback_deployment_runs_every_schedule(tmp_env, shared_data, reference
             fed.node(k)
         for name, over in SCHEDULES.items():
             run_dir = tmp_env / name
-            overrides = " ".join([*over, "logger=none", "runner.connect_timeout_s=120"])
-            r = fed.flwr_run(f'overrides="{overrides}" run-dir="{run_dir}"', timeout=900)
+            overrides = " ".join([*over, "logger=none", f"runner.connect_timeout_s={CONNECT_S}"])
+            r = fed.flwr_run(f'overrides="{overrides}" run-dir="{run_dir}"')
             assert (run_dir / "summary.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
             runs[name] = json.loads((run_dir / "summary.json").read_text())
     finally:
