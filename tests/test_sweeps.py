@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import optuna
@@ -208,3 +210,132 @@ def test_fedprox_mu_sweep_killed_and_resumed(tmp_path, shared_data):
     arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"trials.csv", "best_params.json", "optimization_history.png"} <= arts
     assert "param_importance.png" in arts and "sensitivity_algorithm.mu.png" in arts
+
+
+# A sweep process killed (SIGKILL) in trial 1, seed 1, right after its first round's
+# checkpoint: seed 0 of trial 1 has finished, seed 1 has a checkpoint.
+KILLED_SWEEP = """
+import os, signal, sys
+from pathlib import Path
+from fedlightning.config import compose
+from fedlightning.sweeps import Sweep, load_spec
+from fedlightning.train import train
+
+def run(cfg, run_dir, observe):
+    def spy(kind, step, metrics):
+        if observe is not None:
+            observe(kind, step, metrics)
+        if (run_dir.parent.name, run_dir.name, kind, step) == ("trial_1", "seed_1", "round", 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return train(cfg, run_dir, spy, verbose=False)
+
+Sweep(load_spec(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:], compose, run).run()
+"""
+SMALL = ["federation.rounds=2", "federation.local_epochs=1", "dataset.num_nodes=300"]
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_repeats_and_closes_the_dead_trial(tmp_path):
+    spec_file = write(
+        tmp_path / "lr.yaml",
+        "experiment: fedavg_synthetic\n"
+        "space:\n  model.optimizer.lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n"
+        "objective: {metric: val_acc}\ntrials: 3\nseeds: [0, 1]\n"
+        "sampler: {name: tpe, seed: 0, startup: 3}\n"
+        f"storage: sqlite:///{tmp_path / 'optuna.db'}\n",
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "FEDLIGHTNING_CACHE": str(tmp_path / "cache"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+    out = tmp_path / "out"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_SWEEP, str(spec_file), str(out), *SMALL],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    trial_1 = out / "lr" / "trial_1"
+    assert (trial_1 / "seed_0" / "summary.json").exists()
+    assert (trial_1 / "seed_1" / "checkpoint.pt").exists()
+
+    r = subprocess.run(
+        [FL, "sweep", str(spec_file), "--out", str(out), *SMALL],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trial 1 died with its process; trial 2 runs its parameters" in r.stdout
+    assert re.search(r"trial 3 started .*\[2/3 trials done, best val_acc", r.stdout)  # progress
+
+    study = optuna.load_study(study_name="lr", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    states = [t.state for t in study.trials]
+    assert states == [
+        TrialState.COMPLETE,
+        TrialState.FAIL,
+        TrialState.COMPLETE,
+        TrialState.COMPLETE,
+    ]
+    dead, retry = study.trials[1], study.trials[2]
+    assert retry.user_attrs["retry_of"] == 1 and retry.params == dead.params
+    # no finished trial repeats another's parameters (a fresh seed-0 sampler drew trial 0's)
+    finished = [t.params["model.optimizer.lr"] for t in study.trials if t.state.is_finished()]
+    done = [t.params["model.optimizer.lr"] for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(set(done)) == 3 and len(set(finished)) == 3
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("fedlightning/sweep")
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    by_id = {x.info.run_id: x for x in runs}
+    trial_runs = {x.data.tags["trial"]: x for x in runs if x.data.tags["task"] == "sweep_trial"}
+    dead_run, retry_run = trial_runs["1"], trial_runs["2"]
+    assert dead_run.info.status == "KILLED" and dead_run.data.tags["retried_by"] == "2"
+    assert dead_run.data.tags["retry_run_id"] == retry_run.info.run_id
+    assert retry_run.data.tags["retry_of_run_id"] == dead_run.info.run_id
+    # every trial's seed runs nest under one trial run; the dead trial's moved to its retry
+    children = defaultdict(list)
+    for x in runs:
+        parent = x.data.tags.get("mlflow.parentRunId")
+        if parent in by_id and by_id[parent].data.tags["task"] == "sweep_trial":
+            children[by_id[parent].data.tags["trial"]].append(x)
+    assert sorted(children) == ["0", "2", "3"]
+    for trial, seed_runs in children.items():
+        assert sorted(x.data.tags["seed"] for x in seed_runs) == ["0", "1"], trial
+        assert {x.info.status for x in seed_runs} == {"FINISHED"}
+        assert {x.info.run_name.rsplit("-", 1)[1] for x in seed_runs} == {"seed0", "seed1"}
+    (parent,) = [x for x in runs if x.data.tags["task"] == "sweep"]
+    assert json.loads(parent.data.params["cli_overrides"]) == SMALL
+    best = study.best_trial
+    assert parent.data.tags["best_trial_run_id"] == trial_runs[str(best.number)].info.run_id
+
+
+def test_duplicate_draws_are_drawn_again(tmp_path, monkeypatch):
+    """Three trials over three categorical points: each point once, a repeated draw is
+    failed as `duplicate_of` and drawn again (identical parameters give identical runs)."""
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(
+        write(
+            tmp_path / "c.yaml",
+            "experiment: fedavg_synthetic\n"
+            "space:\n  model.net.conv: {type: categorical, choices: [gcn, sage, gat]}\n"
+            "objective: {metric: val_acc}\ntrials: 3\nsampler: {name: random, seed: 0}\n",
+        )
+    )
+    spec.storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    ran = []
+
+    def fake_train(cfg, run_dir, observe):
+        ran.append(cfg.model.net.conv)
+        return {"metrics": {"val_acc": {"gcn": 0.1, "sage": 0.2, "gat": 0.3}[cfg.model.net.conv]}}
+
+    study = Sweep(spec, tmp_path / "out", ["logger=none"], compose, fake_train).run()
+    assert sorted(ran) == ["gat", "gcn", "sage"]
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert sorted(t.params["model.net.conv"] for t in done) == ["gat", "gcn", "sage"]
+    twins = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert twins  # the random draws did repeat (seeds fixed): the guard was exercised
+    for t in twins:
+        assert t.params == study.trials[t.user_attrs["duplicate_of"]].params
+    assert study.best_value == 0.3
