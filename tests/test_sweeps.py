@@ -339,3 +339,53 @@ def test_duplicate_draws_are_drawn_again(tmp_path, monkeypatch):
     for t in twins:
         assert t.params == study.trials[t.user_attrs["duplicate_of"]].params
     assert study.best_value == 0.3
+
+
+LR = "model.optimizer.lr: {type: float, low: 1.0e-3, high: 0.1, log: true}"
+MALFORMED = [  # (file text, the key the error line names)
+    ("experiment: fedavg_synthetic\nspace: {a: [unclosed\n", "line 2"),
+    ("experiment: fedavg_synthetic\n\tspace: 1\n", "line"),  # a tab: not YAML
+    ("experiment: [fedavg\n", "line 1"),
+    (GOOD.replace("type: categorical,", "type: normal,"), "space.algorithm._target_.type"),
+    (GOOD.replace("choices: [fedlightning.algorithms.FedAvg]", "choices: []"), ".choices"),
+    (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('low: 1.0e-3', 'low: 0.5')}}}\n"
+     "objective: {metric: val_acc}\n", "space.model.optimizer.lr"),  # low > high
+    (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('1.0e-3', 'small')}}}\n"
+     "objective: {metric: val_acc}\n", "space.model.optimizer.lr.low"),
+    (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('log: true', 'lgo: true')}}}\n"
+     "objective: {metric: val_acc}\n", "space.model.optimizer.lr.lgo"),
+    ("experiment: fedavg_synthetic\nspace: {a: {type: int, low: 1.5, high: 4}}\n"
+     "objective: {metric: val_acc}\n", "space.a.low"),
+    (GOOD.replace("experiment: fedavg_synthetic\n", ""), "experiment"),
+    (GOOD.replace("objective: {metric: val_acc}\n", ""), "objective"),
+    (GOOD.replace("objective: {metric: val_acc}", "objective: val_acc"), "objective"),
+    ("experiment: fedavg_synthetic\nobjective: {metric: val_acc}\n", "space"),
+    (GOOD + "sampler: tpe\n", "sampler"),
+    (GOOD + "sampler: {name: tpe, startup: -1}\n", "sampler.startup"),
+    (GOOD + "sampler: {name: random, startup: 3}\n", "sampler.startup"),
+    (GOOD + "pruner: {name: median, warmup: 3}\n", "pruner"),
+    (GOOD + "overrides: federation.rounds=2\n", "overrides"),
+    (GOOD.replace("trials: 1", "trials: 2"), "trials"),  # one categorical point
+    (GOOD.replace("fedavg_synthetic", "no_such_experiment"), "experiment"),
+    (GOOD.replace("algorithm._target_:", "algorithm.no_such_key:"), "space.algorithm.no_such_key"),
+    (GOOD + "storage: nosuchdb://x\n", "storage"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "key"), MALFORMED)
+def test_malformed_sweep_file_is_one_line_exit_2(tmp_path, monkeypatch, capsys, text, key):
+    """Through the CLI (in process): exit 2, one line naming the file and the key, no
+    traceback, no study and no run written."""
+    from fedlightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    bad = write(tmp_path / "bad.yaml", text)
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", str(bad), "logger=none"])
+    out = capsys.readouterr()
+    assert e.value.code == 2, out.err
+    (line,) = out.err.strip().splitlines()
+    assert line.startswith("error:") and "Traceback" not in line
+    assert "bad.yaml" in line and key in line, line
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "optuna.db").exists()
