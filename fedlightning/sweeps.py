@@ -135,9 +135,11 @@ def _read(path: Path) -> Any:
         return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     except Exception as e:  # YAML syntax, a failing ${...}, bad encoding
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        where = getattr(getattr(e, "problem_mark", None), "line", None)
-        at = f" at line {where + 1}" if where is not None else ""
-        raise ConfigError(str(path), f"not a readable sweep file{at}: {reason}") from None
+        mark = getattr(e, "context_mark", None) or getattr(e, "problem_mark", None)
+        if mark is not None:  # YAML: where the construct that failed starts, and why
+            what = (getattr(e, "context", None), getattr(e, "problem", None))
+            reason = f"line {mark.line + 1}: " + "; ".join(w for w in what if w)
+        raise ConfigError(str(path), f"not a readable sweep file ({reason})") from None
 
 
 def load_spec(path: str | Path) -> SweepSpec:
@@ -156,9 +158,8 @@ def load_spec(path: str | Path) -> SweepSpec:
         raise _fail(path, "experiment", "name an experiment of conf/experiment/")
     objective = raw.get("objective")
     if not isinstance(objective, dict):
-        raise _fail(
-            path, "objective", f"a mapping {{metric: val_..., direction: ...}}, got {objective!r}"
-        )
+        got = "nothing (missing)" if objective is None else repr(objective)
+        raise _fail(path, "objective", f"a mapping {{metric: val_..., direction: ...}}, got {got}")
     metric = objective.get("metric")
     if not isinstance(metric, str) or not metric.startswith("val_"):
         raise _fail(

@@ -198,10 +198,11 @@ def test_fedprox_mu_sweep_killed_and_resumed(tmp_path, shared_data):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    (parent,) = client.search_runs(["1"], "tags.task = 'sweep'")
+    sweep_exp = client.get_experiment_by_name("fedlightning/sweep").experiment_id
+    (parent,) = client.search_runs([sweep_exp], "tags.task = 'sweep'")
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["best_value"] == pytest.approx(study.best_value)
-    trials = client.search_runs(["1"], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    trials = client.search_runs([sweep_exp], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     finished = [t for t in trials if t.info.status == "FINISHED"]
     assert len(finished) == 6
     assert {float(t.data.params["algorithm.mu"]) for t in finished} == {
