@@ -312,7 +312,7 @@ def test_killed_sweep_resumes_without_repeats_and_closes_the_dead_trial(tmp_path
     assert parent.data.tags["best_trial_run_id"] == trial_runs[str(best.number)].info.run_id
 
 
-def test_duplicate_draws_are_drawn_again(tmp_path, monkeypatch):
+def test_duplicate_draws_are_drawn_again(tmp_path, monkeypatch, capsys):
     """Three trials over three categorical points: each point once, a repeated draw is
     failed as `duplicate_of` and drawn again (identical parameters give identical runs)."""
     monkeypatch.chdir(tmp_path)
@@ -340,6 +340,16 @@ def test_duplicate_draws_are_drawn_again(tmp_path, monkeypatch):
     for t in twins:
         assert t.params == study.trials[t.user_attrs["duplicate_of"]].params
     assert study.best_value == 0.3
+    # progress as trials start and end: trials done / total, best so far, elapsed
+    lines = capsys.readouterr().out.splitlines()
+    assert all(re.match(r"\[\d+:\d\d:\d\d\] ", line) for line in lines)
+    assert lines[0].endswith("study c: [0/3 trials done]")
+    started = [line for line in lines if " started " in line]
+    assert len(started) == 3 and started[0].endswith("[0/3 trials done]")
+    assert re.search(r"\[1/3 trials done, best val_acc 0\.\d{4} \(trial \d+\)\]$", started[1])
+    assert lines[-1].split("] ", 1)[1].startswith(f"trial {done[-1].number} val_acc")
+    best = study.best_trial.number
+    assert lines[-1].endswith(f"[3/3 trials done, best val_acc 0.3000 (trial {best})]")
 
 
 LR = "model.optimizer.lr: {type: float, low: 1.0e-3, high: 0.1, log: true}"
