@@ -78,6 +78,10 @@ def store_lock(tracking_uri: str) -> Iterator[None]:
             f"MLflow store {tracking_uri}: {lock.lock_file} held by another process for "
             f"{LOCK_TIMEOUT_S:.0f} s; if no run is starting, delete it"
         ) from None
+    except OSError as e:  # a read-only folder: an existing store is read without the lock
+        log.debug("mlflow: no lock next to %s (%s)", path, e)
+        yield
+        return
     try:
         yield
     finally:
