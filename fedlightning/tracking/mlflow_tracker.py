@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -65,8 +65,7 @@ def store_lock(tracking_uri: str) -> Iterator[None]:
     Remote stores are not locked (see :func:`open_experiment`'s retries)."""
     path = local_store(tracking_uri)
     if path is None or not path.absolute().parent.is_dir():
-        with nullcontext():
-            yield
+        yield
         return
     from filelock import FileLock, Timeout  # a dependency of torch
 
