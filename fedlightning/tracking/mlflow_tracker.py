@@ -111,9 +111,6 @@ def open_experiment(tracking_uri: str, name: str, create: bool = True) -> tuple[
     raise AssertionError("unreachable")
 
 
-mlflow_experiment = open_experiment  # the name older callers import
-
-
 def family_experiment(prefix: str, tags: Mapping[str, str]) -> str:
     """The MLflow experiment of a run with ``tags``: ``<prefix>/<task>`` (one per task
     family: fl, cil, cir, temporal, bank, protocol, sweep, report), ``prefix`` without a
