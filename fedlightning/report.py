@@ -1,9 +1,11 @@
 """Paper-style tables and plots from finished runs: ``fedlightning report``.
 
-Runs come from MLflow (selected by their tags) or from the ``summary.json`` files under
-``--dirs``; of runs with the same configuration and seed the newest counts. A cell is the
-mean and sample std (n - 1) over seeds of the runs' ``summary.json`` values (a single FedTIP
-run: over its tasks, ``<metric>_std``). Layouts, options and files: docs/experiments.md.
+Runs come from MLflow (selected by their tags, across the task's family experiment and the
+older single one) or from the ``summary.json`` files under ``--dirs``; of runs with the same
+configuration, dataset and seed the newest counts. A cell is the mean and sample std (n - 1)
+over seeds of the runs' ``summary.json`` values, with n (a single FedTIP run: the std over
+its tasks, ``<metric>_std``); one table per dataset unless ``--dataset`` names several.
+Layouts, options and files: docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from omegaconf import OmegaConf
 
 from fedlightning.errors import ConfigError
 from fedlightning.tracking import MlflowTracker, flatten
-from fedlightning.tracking.mlflow_tracker import mlflow_experiment
+from fedlightning.tracking.mlflow_tracker import PARENT_TAG, family_experiment, local_store
 from fedlightning.tracking.plots import plot_accuracy_matrix, plot_scatter, plot_sensitivity
 
 LOWER_IS_BETTER = {"fm", "fm_diag", "fpr95", "val_fm", "val_fpr95", "train_loss", "s_per_round"}
@@ -32,6 +34,7 @@ LABELS = {"am": "AM", "fm": "FM", "fpr95": "FPR95", "auroc_ood": "AUROC", "open_
 LABELS["s_per_round"] = "s/round"
 LABELS.update(auc_nc="NC", auc_tlp="T-LP", auc_ilp="I-LP", uplink_mib_per_task="MiB/task")
 SWEEP_TASKS = ("sweep", "sweep_trial", "report")
+TASKS = ("fl", "cil", "cir", "temporal", "bank")  # the `task` tags of training runs
 
 
 def runs_from_dirs(dirs: list[Path]) -> list[dict[str, Any]]:
@@ -50,20 +53,37 @@ def runs_from_dirs(dirs: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def runs_from_mlflow(tracking_uri: str, experiment_name: str, tags: dict[str, str]) -> list[dict]:
-    """The ``summary.json`` of every finished MLflow run whose tags match ``tags``."""
-    client, exp_id = mlflow_experiment(tracking_uri, experiment_name, create=False)
-    if exp_id is None:
+def runs_from_mlflow(tracking_uri: str, prefix: str, tags: dict[str, str]) -> list[dict]:
+    """The ``summary.json`` of every finished, top-level MLflow run whose tags match
+    ``tags``, from the experiment of its task family (``<prefix>/<task>``) and the single
+    experiment ``prefix`` that older versions logged every run to. Sweep trials' runs (nested
+    under a trial) are left out. A store that does not exist is an error, not created."""
+    store = local_store(tracking_uri)
+    if store is not None and not store.exists():
         raise ConfigError(
-            "--experiment-name", f"no MLflow experiment {experiment_name!r} at {tracking_uri}"
+            "--tracking-uri",
+            f"no MLflow store at {tracking_uri} (no run has logged there); "
+            "pass the store's --tracking-uri, or --dirs with run directories",
+        )
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    names = [prefix, family_experiment(prefix, tags)]
+    found = [e for e in (client.get_experiment_by_name(n) for n in names) if e is not None]
+    if not found:
+        raise ConfigError(
+            "--task",
+            f"no runs of task {tags.get('task')!r} at {tracking_uri} (no MLflow experiment "
+            f"{names[-1]!r}; --experiment-name sets the prefix, now {prefix!r})",
         )
     query = " and ".join(
         [f"tags.{k} = '{v}'" for k, v in tags.items()] + ["attributes.status = 'FINISHED'"]
     )
     out = []
+    ids = [e.experiment_id for e in found]
     with tempfile.TemporaryDirectory() as tmp:
-        for run in client.search_runs([exp_id], query, max_results=50000):
-            if run.data.tags.get("task") in SWEEP_TASKS:
+        for run in client.search_runs(ids, query, max_results=50000):
+            if run.data.tags.get("task") in SWEEP_TASKS or PARENT_TAG in run.data.tags:
                 continue
             try:
                 path = client.download_artifacts(run.info.run_id, "summary.json", tmp)
@@ -117,7 +137,8 @@ def select(runs: list[dict], layout: str, method: str | None) -> list[dict]:
     newest: dict[tuple, dict] = {}
     for s in sorted(keep, key=lambda s: s.get("start_time", 0)):
         t = s.get("tags", {})
-        newest[(s.get("experiment"), t.get("variant"), s["seed"], _config_key(s))] = s
+        key = (s.get("experiment"), t.get("dataset"), t.get("variant"), s["seed"])
+        newest[(*key, _config_key(s))] = s
     return list(newest.values())
 
 
@@ -129,7 +150,9 @@ def _config_key(summary: dict) -> str:
 
 
 def aggregate(runs: list[dict], metrics: list[str], layout: str) -> dict[str, dict[str, dict]]:
-    """``table[row][dataset][metric] = {"mean", "std", "n", "values"}``."""
+    """``table[row][dataset][metric] = {"mean", "std", "std_over", "n", "values"}``:
+    ``std`` over seeds (``std_over="seeds"``), over one FedTIP run's tasks (``"tasks"``) or
+    ``None`` for a single value."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for s in runs:
         groups[(row_label(s["tags"], layout), s["tags"].get("dataset", "?"))].append(s)
@@ -138,15 +161,18 @@ def aggregate(runs: list[dict], metrics: list[str], layout: str) -> dict[str, di
         cells = {}
         for m in metrics:
             values = [v for v in (value(s, m) for s in group) if _finite(v)]
-            within = group[0]["metrics"].get(f"{m}_std") if len(group) == 1 else None
+            one = len(group) == 1 and len(values) == 1
+            within = group[0]["metrics"].get(f"{m}_std") if one else None
+            over = "seeds" if len(values) > 1 else "tasks" if _finite(within) else None
             cells[m] = {
                 "mean": statistics.fmean(values) if values else math.nan,
-                "std": statistics.stdev(values)
-                if len(values) > 1
-                else (within if _finite(within) else 0.0),
+                "std": statistics.stdev(values) if over == "seeds" else within if over else None,
+                "std_over": over,  # seeds; one FedTIP run's tasks; None: one value
                 "n": len(values),
                 "values": values,
             }
+            if over == "tasks":
+                cells[m]["tasks"] = group[0].get("tasks_done")
         table[row][dataset] = cells
     return dict(table)
 
@@ -186,7 +212,13 @@ def render(table: dict, metrics: list[str], digits: int, fmt: str) -> str:
         if c is None or not c["n"]:
             return "-"
         pm = "±" if fmt == "md" else r"$\pm$"
-        text = f"{c['mean']:.{digits}f} {pm} {c['std']:.{digits}f}"
+        text = f"{c['mean']:.{digits}f}"
+        if c["std_over"] is not None:
+            text += f" {pm} {c['std']:.{digits}f}"
+        if c["std_over"] == "tasks":  # one run: the spread over its tasks, not over seeds
+            text += f" (n=1, {pm} over {c.get('tasks') or ''} tasks)".replace("  ", " ")
+        else:
+            text += f" (n={c['n']})"
         if best.get((d, m)) == row:
             text = f"**{text}**" if fmt == "md" else rf"\textbf{{{text}}}"
         return text
@@ -272,9 +304,18 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="fedlightning report", description=__doc__.splitlines()[0])
     ap.add_argument("--dirs", nargs="+", type=Path, help="read summary.json below these")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: as train)")
-    ap.add_argument("--experiment-name", default="fedlightning")
-    ap.add_argument("--task", default="cil", help="runs with this task tag (cil, cir, ...)")
-    ap.add_argument("--dataset", nargs="*", default=[], help="only these datasets")
+    ap.add_argument(
+        "--experiment-name",
+        default="fedlightning",
+        help="prefix of the MLflow experiments <prefix>/<task> (logger.experiment_name)",
+    )
+    ap.add_argument("--task", default="cil", help=f"runs with this task tag: {', '.join(TASKS)}")
+    ap.add_argument(
+        "--dataset",
+        nargs="*",
+        default=[],
+        help="one table with these datasets side by side (default: one table per dataset)",
+    )
     ap.add_argument("--tag", action="append", default=[], help="only runs with tag k=v")
     ap.add_argument(
         "--family", choices=sorted(FAMILY_METRICS), help="temporal: runs of this task family"
@@ -290,12 +331,17 @@ def main(argv: list[str]) -> int:
         "--sensitivity", metavar="KEY", help="also plot the first metric against config KEY"
     )
     args = ap.parse_args(argv)
+    if args.task not in TASKS:
+        raise ConfigError("--task", f"unknown task {args.task!r}; one of {', '.join(TASKS)}")
+    bad = [t for t in args.tag if "=" not in t]
+    if bad:
+        raise ConfigError("--tag", f"expected key=value, got {bad[0]!r}")
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
     if args.dirs:
         runs = runs_from_dirs(args.dirs)
     else:
         runs = runs_from_mlflow(uri, args.experiment_name, {"task": args.task})
-    wanted = dict(t.split("=", 1) for t in args.tag if "=" in t)
+    wanted = dict(t.split("=", 1) for t in args.tag)
     wanted["task"] = args.task
     runs = [s for s in runs if matches(s, wanted, args.family)]
     if args.dataset:
@@ -307,18 +353,29 @@ def main(argv: list[str]) -> int:
     chosen = args.metrics or FAMILY_METRICS.get(args.family)
     chosen = chosen or DEFAULT_METRICS.get(args.task, "am,fm,fpr95")
     metrics = [m.strip() for m in chosen.split(",") if m.strip()]
-    table = aggregate(runs, metrics, args.layout)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{args.task}_{args.layout}"
-    md = render(table, metrics, args.digits, "md")
-    files = [args.out / f"{stem}.md", args.out / f"{stem}.tex", args.out / f"{stem}.json"]
-    files[0].write_text(md)
-    files[1].write_text(render(table, metrics, args.digits, "tex"))
-    files[2].write_text(json.dumps(table, indent=2))
+    # one table per dataset, unless --dataset names the datasets to put side by side
+    if args.dataset:
+        parts = {stem: runs}
+    else:
+        datasets = sorted({s["tags"].get("dataset", "?") for s in runs})
+        parts = {
+            f"{stem}_{d}": [s for s in runs if s["tags"].get("dataset", "?") == d] for d in datasets
+        }
+    files = []
+    for name, part in parts.items():
+        table = aggregate(part, metrics, args.layout)
+        md = render(table, metrics, args.digits, "md")
+        written = [args.out / f"{name}.md", args.out / f"{name}.tex", args.out / f"{name}.json"]
+        written[0].write_text(md)
+        written[1].write_text(render(table, metrics, args.digits, "tex"))
+        written[2].write_text(json.dumps(table, indent=2))
+        files += written
+        print(f"{name}: {len(part)} runs\n{md}")
     files += plots(runs, args.layout, metrics[0], args.out)
     if args.sensitivity:
         files += sensitivity(runs, args.sensitivity, metrics[0], args.layout, args.out)
-    print(md)
     print(f"{len(runs)} runs; wrote {', '.join(str(f) for f in files)}")
     if args.log:
         tracker = MlflowTracker(uri, args.experiment_name)

@@ -320,21 +320,23 @@ class Run:
     ) -> Run:
         """Start (or, on resume, continue) the MLflow run with ``tags`` and ``params``
         (default: the resolved config); record its id in the run directory (``record_id``).
-        Its name (default): ``<data>-<experiment>-<run folder>``, the data's
-        ``dataset.display_name`` first."""
+        Its name (default): ``<data>-<experiment>-seed<seed>``, the data's
+        ``dataset.display_name`` first; its folder is the tag ``run_dir``."""
         self.tags = dict(tags)
         run_id = None
         saved = self.run_dir / MLFLOW_RUN_FILE
         if self.is_main and self.resuming and saved.exists():
             run_id = json.loads(saved.read_text())["run_id"]
         parent = self.cfg.logger.get("parent_run_id")  # a sweep trial's runs nest under it
-        mlflow_tags = {**self.tags, "mlflow.parentRunId": str(parent)} if parent else self.tags
+        mlflow_tags = {**self.tags, "run_dir": str(self.run_dir.resolve())}
+        if parent:
+            mlflow_tags["mlflow.parentRunId"] = str(parent)
         if params is None:
             params = flatten(OmegaConf.to_container(self.cfg, resolve=True))
         params = {**params, "threads_used": torch.get_num_threads()}
         from fedlightning.config import run_label  # (Hydra only when a run starts)
 
-        name = name or f"{run_label(self.cfg)}-{self.cfg.name}-{self.run_dir.name}"
+        name = name or f"{run_label(self.cfg)}-{self.cfg.name}-seed{self.cfg.seed}"
         try:
             run_id = self.tracker.start(name, mlflow_tags, params, run_id=run_id)
         except FedLightningError:
@@ -389,7 +391,8 @@ class Run:
             written.append(self.run_dir / name)
         write_json(self.run_dir / SUMMARY_FILE, summary)
         metrics = summary.get("metrics", {})
-        self.tracker.log_metrics({f"final_{k}": v for k, v in metrics.items()}, step=step)
+        # once, at the last step, in the MLflow UI's own chart section (docs/experiments.md)
+        self.tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=step)
         files = [self.run_dir / CONFIG_FILE, self.run_dir / SUMMARY_FILE, *written, *files]
         self.tracker.log_artifacts([f for f in dict.fromkeys(files) if Path(f).exists()])
         self.tracker.end("FINISHED")

@@ -20,16 +20,19 @@ METRICS = ("am", "fm", "fpr95")
 
 
 def test_render_bolds_the_best_of_each_column():
-    cell = lambda m, s: {"mean": m, "std": s, "n": 2, "values": []}  # noqa: E731
+    cell = lambda m, s: {"mean": m, "std": s, "std_over": "seeds", "n": 2, "values": []}  # noqa: E731
+    one = {"mean": 0.641, "std": None, "std_over": None, "n": 1, "values": [0.641]}
     table = {
         "a": {"d": {"am": cell(0.5, 0.1), "fm": cell(0.2, 0.0)}},
         "b": {"d": {"am": cell(0.7, 0.05), "fm": cell(0.3, 0.01)}},
+        "c": {"d": {"am": one, "fm": cell(0.4, 0.01)}},
     }
     md = render(table, ["am", "fm"], 2, "md")
-    assert "| a | 0.50 ± 0.10 | **0.20 ± 0.00** |" in md  # lower FM is better
-    assert "| b | **0.70 ± 0.05** | 0.30 ± 0.01 |" in md  # higher AM is better
+    assert "| a | 0.50 ± 0.10 (n=2) | **0.20 ± 0.00 (n=2)** |" in md  # lower FM is better
+    assert "| b | **0.70 ± 0.05 (n=2)** | 0.30 ± 0.01 (n=2) |" in md  # higher AM is better
+    assert "| c | 0.64 (n=1) | 0.40 ± 0.01 (n=2) |" in md  # one seed: no spread shown
     tex = render(table, ["am", "fm"], 2, "tex")
-    assert r"\textbf{0.70 $\pm$ 0.05}" in tex and r"\multicolumn{2}{c}{d}" in tex
+    assert r"\textbf{0.70 $\pm$ 0.05 (n=2)}" in tex and r"\multicolumn{2}{c}{d}" in tex
 
 
 def parse(md: str) -> dict[str, list[str]]:
@@ -57,7 +60,7 @@ def test_report_of_a_three_seed_multirun_equals_the_summaries(tmp_path):
     fl("train", "-m", "algorithm=fedogl,cil_fedavg_replay", "seed=0,1,2", "federation.rounds=1")
     fl("train", "algorithm.replay=false", "federation.rounds=1", "hydra.run.dir=ablation")
     fl("report", "--task", "cil", "--out", "rep")
-    md = (tmp_path / "rep" / "cil_main.md").read_text()
+    md = (tmp_path / "rep" / "cil_main_synthetic.md").read_text()  # one table per dataset
 
     groups = defaultdict(list)
     for p in (tmp_path / "multirun").rglob("summary.json"):
@@ -67,12 +70,12 @@ def test_report_of_a_three_seed_multirun_equals_the_summaries(tmp_path):
     assert {k: len(v) for k, v in groups.items()} == {"fedogl": 3, "fedavg+replay": 3}
     rows = parse(md)
     assert set(rows) == set(groups)  # the ablation run is not a row of the main table
-    exact = json.loads((tmp_path / "rep" / "cil_main.json").read_text())
+    exact = json.loads((tmp_path / "rep" / "cil_main_synthetic.json").read_text())
     for row, runs in groups.items():
         for i, m in enumerate(METRICS):
             values = [s["metrics"][m] for s in runs]
             mean, std = statistics.fmean(values), statistics.stdev(values)
-            assert rows[row][i] == f"{mean:.3f} ± {std:.3f}"
+            assert rows[row][i] == f"{mean:.3f} ± {std:.3f} (n=3)"
             assert exact[row]["synthetic"][m]["mean"] == mean
             assert exact[row]["synthetic"][m]["std"] == std
     for i in range(len(METRICS)):  # one bold cell per column
@@ -80,19 +83,19 @@ def test_report_of_a_three_seed_multirun_equals_the_summaries(tmp_path):
             sum(line.split("|")[2 + i].strip().startswith("**") for line in md.splitlines()[2:])
             == 1
         )
-    assert (tmp_path / "rep" / "cil_main.tex").exists()
+    assert (tmp_path / "rep" / "cil_main_synthetic.tex").exists()
     assert (tmp_path / "rep" / "uplink_vs_am.png").exists()
     assert (tmp_path / "rep" / "acc_matrix_fedogl_synthetic.png").exists()
 
     # the same table from the run directories
     fl("report", "--dirs", "multirun", "--task", "cil", "--out", "rep_dirs")
-    assert (tmp_path / "rep_dirs" / "cil_main.md").read_text() == md
+    assert (tmp_path / "rep_dirs" / "cil_main_synthetic.md").read_text() == md
 
     # the ablation layout: variants of fedogl, the ablation run included
     fl("report", "--task", "cil", "--layout", "ablation", "--out", "rep", "--log")
-    ablation = parse((tmp_path / "rep" / "cil_ablation.md").read_text())
+    ablation = parse((tmp_path / "rep" / "cil_ablation_synthetic.md").read_text())
     assert set(ablation) == {"full", "no_replay"}
-    assert re.fullmatch(r"\d\.\d{3} ± 0\.000", ablation["no_replay"][0])  # one seed
+    assert re.fullmatch(r"\d\.\d{3} \(n=1\)", ablation["no_replay"][0])  # one seed, no ± 0
 
 
 def test_no_matching_runs_is_a_one_line_error(tmp_path):
@@ -175,7 +178,78 @@ def test_temporal_tables_select_a_task_family_by_tag_old_runs_included(tmp_path)
         text=True,
     )
     assert r.returncode == 0, r.stderr
-    table = json.loads((tmp_path / "rep" / "temporal_main.json").read_text())
+    table = json.loads((tmp_path / "rep" / "temporal_main_d.json").read_text())
     cell = next(iter(next(iter(table.values())).values()))
     assert set(cell) == {"auc_nc"}  # the family's metric only
     assert cell["auc_nc"]["n"] == 2 and cell["auc_nc"]["mean"] == pytest.approx(0.7)
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, list[str]]:
+    """`fedlightning ARGV` in process: exit status and the stderr lines."""
+    from fedlightning.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_unknown_task_or_missing_store_is_one_line_and_creates_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    code, err = _cli(["report", "--task", "clil"], capsys)
+    assert code == 2 and len(err) == 1 and "`--task`" in err[0] and "'clil'" in err[0]
+    assert "cil" in err[0] and "experiment-name" not in err[0]
+    code, err = _cli(["report", "--task", "cil"], capsys)  # no store here yet
+    assert code == 2 and len(err) == 1 and "no MLflow store at sqlite:///mlflow.db" in err[0]
+    code, err = _cli(["report", "--tag", "seed"], capsys)
+    assert code == 2 and len(err) == 1 and "`--tag`" in err[0]
+    assert list(tmp_path.iterdir()) == []  # neither ./mlflow.db nor reports/
+
+
+def _run(dataset: str, seed: int, am: float, tasks: int | None = None) -> dict:
+    s = _summary(seed, 4, am)
+    s["tags"] = {**s["tags"], "dataset": dataset}
+    if tasks is not None:  # a FedTIP-like run: its value is already a mean over tasks
+        s["metrics"]["am_std"], s["tasks_done"] = 0.05, tasks
+    return s
+
+
+def test_one_table_per_dataset_and_n_in_every_cell(tmp_path):
+    runs = {
+        "cora0": _run("cora", 0, 0.6),
+        "cora1": _run("cora", 1, 0.7),
+        "demo0": _run("synthetic", 0, 0.9),
+    }
+    for name, s in runs.items():
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(s))
+
+    def report(*extra: str) -> None:
+        cmd = [FL, "report", "--dirs", "runs", "--task", "cil", "--metrics", "am", *extra]
+        r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+    report("--out", "per")
+    cora = parse((tmp_path / "per" / "cil_main_cora.md").read_text())
+    mean, std = statistics.fmean([0.6, 0.7]), statistics.stdev([0.6, 0.7])
+    assert cora == {"fedogl": [f"{mean:.3f} ± {std:.3f} (n=2)"]}
+    demo = parse((tmp_path / "per" / "cil_main_synthetic.md").read_text())
+    assert demo == {"fedogl": ["0.900 (n=1)"]}  # the demo stays out of the Cora table
+    assert not (tmp_path / "per" / "cil_main.md").exists()
+    report("--out", "both", "--dataset", "cora", "synthetic")  # asked: side by side
+    md = (tmp_path / "both" / "cil_main.md").read_text()
+    assert md.splitlines()[0] == "| method | cora AM | synthetic AM |"
+    exact = json.loads((tmp_path / "both" / "cil_main.json").read_text())
+    assert exact["fedogl"]["synthetic"]["am"]["n"] == 1
+    assert exact["fedogl"]["synthetic"]["am"]["std"] is None
+
+
+def test_one_run_shows_its_spread_over_tasks_as_such():
+    from fedlightning.report import aggregate
+
+    table = aggregate([_run("d", 0, 0.641, tasks=40)], ["am"], "main")
+    assert table["fedogl"]["d"]["am"]["std_over"] == "tasks"
+    md = render(table, ["am"], 3, "md")
+    assert "0.641 ± 0.050 (n=1, ± over 40 tasks)" in md

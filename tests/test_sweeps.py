@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import optuna
@@ -196,10 +198,11 @@ def test_fedprox_mu_sweep_killed_and_resumed(tmp_path, shared_data):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    (parent,) = client.search_runs(["1"], "tags.task = 'sweep'")
+    sweep_exp = client.get_experiment_by_name("fedlightning/sweep").experiment_id
+    (parent,) = client.search_runs([sweep_exp], "tags.task = 'sweep'")
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["best_value"] == pytest.approx(study.best_value)
-    trials = client.search_runs(["1"], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    trials = client.search_runs([sweep_exp], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     finished = [t for t in trials if t.info.status == "FINISHED"]
     assert len(finished) == 6
     assert {float(t.data.params["algorithm.mu"]) for t in finished} == {
@@ -208,3 +211,192 @@ def test_fedprox_mu_sweep_killed_and_resumed(tmp_path, shared_data):
     arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"trials.csv", "best_params.json", "optimization_history.png"} <= arts
     assert "param_importance.png" in arts and "sensitivity_algorithm.mu.png" in arts
+
+
+# A sweep process killed (SIGKILL) in trial 1, seed 1, right after its first round's
+# checkpoint: seed 0 of trial 1 has finished, seed 1 has a checkpoint.
+KILLED_SWEEP = """
+import os, signal, sys
+from pathlib import Path
+from fedlightning.config import compose
+from fedlightning.sweeps import Sweep, load_spec
+from fedlightning.train import train
+
+def run(cfg, run_dir, observe):
+    def spy(kind, step, metrics):
+        if observe is not None:
+            observe(kind, step, metrics)
+        if (run_dir.parent.name, run_dir.name, kind, step) == ("trial_1", "seed_1", "round", 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return train(cfg, run_dir, spy, verbose=False)
+
+Sweep(load_spec(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:], compose, run).run()
+"""
+SMALL = ["federation.rounds=2", "federation.local_epochs=1", "dataset.num_nodes=300"]
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_repeats_and_closes_the_dead_trial(tmp_path):
+    spec_file = write(
+        tmp_path / "lr.yaml",
+        "experiment: fedavg_synthetic\n"
+        "space:\n  model.optimizer.lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n"
+        "objective: {metric: val_acc}\ntrials: 3\nseeds: [0, 1]\n"
+        "sampler: {name: tpe, seed: 0, startup: 3}\n"
+        f"storage: sqlite:///{tmp_path / 'optuna.db'}\n",
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "FEDLIGHTNING_CACHE": str(tmp_path / "cache"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
+    out = tmp_path / "out"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_SWEEP, str(spec_file), str(out), *SMALL],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    trial_1 = out / "lr" / "trial_1"
+    assert (trial_1 / "seed_0" / "summary.json").exists()
+    assert (trial_1 / "seed_1" / "checkpoint.pt").exists()
+
+    r = subprocess.run(
+        [FL, "sweep", str(spec_file), "--out", str(out), *SMALL],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trial 1 died with its process; trial 2 runs its parameters" in r.stdout
+    assert re.search(r"trial 3 started .*\[2/3 trials done, best val_acc", r.stdout)  # progress
+
+    study = optuna.load_study(study_name="lr", storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    states = [t.state for t in study.trials]
+    assert states == [
+        TrialState.COMPLETE,
+        TrialState.FAIL,
+        TrialState.COMPLETE,
+        TrialState.COMPLETE,
+    ]
+    dead, retry = study.trials[1], study.trials[2]
+    assert retry.user_attrs["retry_of"] == 1 and retry.params == dead.params
+    # no finished trial repeats another's parameters (a fresh seed-0 sampler drew trial 0's)
+    finished = [t.params["model.optimizer.lr"] for t in study.trials if t.state.is_finished()]
+    done = [t.params["model.optimizer.lr"] for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(set(done)) == 3 and len(set(finished)) == 3
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("fedlightning/sweep")
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    by_id = {x.info.run_id: x for x in runs}
+    trial_runs = {x.data.tags["trial"]: x for x in runs if x.data.tags["task"] == "sweep_trial"}
+    dead_run, retry_run = trial_runs["1"], trial_runs["2"]
+    assert dead_run.info.status == "KILLED" and dead_run.data.tags["retried_by"] == "2"
+    assert dead_run.data.tags["retry_run_id"] == retry_run.info.run_id
+    assert retry_run.data.tags["retry_of_run_id"] == dead_run.info.run_id
+    # every trial's seed runs nest under one trial run; the dead trial's moved to its retry
+    children = defaultdict(list)
+    for x in runs:
+        parent = x.data.tags.get("mlflow.parentRunId")
+        if parent in by_id and by_id[parent].data.tags["task"] == "sweep_trial":
+            children[by_id[parent].data.tags["trial"]].append(x)
+    assert sorted(children) == ["0", "2", "3"]
+    for trial, seed_runs in children.items():
+        assert sorted(x.data.tags["seed"] for x in seed_runs) == ["0", "1"], trial
+        assert {x.info.status for x in seed_runs} == {"FINISHED"}
+        assert {x.info.run_name.rsplit("-", 1)[1] for x in seed_runs} == {"seed0", "seed1"}
+    (parent,) = [x for x in runs if x.data.tags["task"] == "sweep"]
+    assert json.loads(parent.data.params["cli_overrides"]) == SMALL
+    best = study.best_trial
+    assert parent.data.tags["best_trial_run_id"] == trial_runs[str(best.number)].info.run_id
+
+
+def test_duplicate_draws_are_drawn_again(tmp_path, monkeypatch, capsys):
+    """Three trials over three categorical points: each point once, a repeated draw is
+    failed as `duplicate_of` and drawn again (identical parameters give identical runs)."""
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(
+        write(
+            tmp_path / "c.yaml",
+            "experiment: fedavg_synthetic\n"
+            "space:\n  model.net.conv: {type: categorical, choices: [gcn, sage, gat]}\n"
+            "objective: {metric: val_acc}\ntrials: 3\nsampler: {name: random, seed: 0}\n",
+        )
+    )
+    spec.storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    ran = []
+
+    def fake_train(cfg, run_dir, observe):
+        ran.append(cfg.model.net.conv)
+        return {"metrics": {"val_acc": {"gcn": 0.1, "sage": 0.2, "gat": 0.3}[cfg.model.net.conv]}}
+
+    study = Sweep(spec, tmp_path / "out", ["logger=none"], compose, fake_train).run()
+    assert sorted(ran) == ["gat", "gcn", "sage"]
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert sorted(t.params["model.net.conv"] for t in done) == ["gat", "gcn", "sage"]
+    twins = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert twins  # the random draws did repeat (seeds fixed): the guard was exercised
+    for t in twins:
+        assert t.params == study.trials[t.user_attrs["duplicate_of"]].params
+    assert study.best_value == 0.3
+    # progress as trials start and end: trials done / total, best so far, elapsed
+    lines = capsys.readouterr().out.splitlines()
+    assert all(re.match(r"\[\d+:\d\d:\d\d\] ", line) for line in lines)
+    assert lines[0].endswith("study c: [0/3 trials done]")
+    started = [line for line in lines if " started " in line]
+    assert len(started) == 3 and started[0].endswith("[0/3 trials done]")
+    assert re.search(r"\[1/3 trials done, best val_acc 0\.\d{4} \(trial \d+\)\]$", started[1])
+    assert lines[-1].split("] ", 1)[1].startswith(f"trial {done[-1].number} val_acc")
+    best = study.best_trial.number
+    assert lines[-1].endswith(f"[3/3 trials done, best val_acc 0.3000 (trial {best})]")
+
+
+LR = "model.optimizer.lr: {type: float, low: 1.0e-3, high: 0.1, log: true}"
+MALFORMED = [  # (file text, the key the error line names)
+    ("experiment: fedavg_synthetic\nspace: {a: [unclosed\n", "line 2"),
+    ("experiment: fedavg_synthetic\n\tspace: 1\n", "line"),  # a tab: not YAML
+    ("experiment: [fedavg\n", "line 1"),
+    (GOOD.replace("type: categorical,", "type: normal,"), "space.algorithm._target_.type"),
+    (GOOD.replace("choices: [fedlightning.algorithms.FedAvg]", "choices: []"), ".choices"),
+    (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('low: 1.0e-3', 'low: 0.5')}}}\n"
+     "objective: {metric: val_acc}\n", "space.model.optimizer.lr"),  # low > high
+    (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('1.0e-3', 'small')}}}\n"
+     "objective: {metric: val_acc}\n", "space.model.optimizer.lr.low"),
+    (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('log: true', 'lgo: true')}}}\n"
+     "objective: {metric: val_acc}\n", "space.model.optimizer.lr.lgo"),
+    ("experiment: fedavg_synthetic\nspace: {a: {type: int, low: 1.5, high: 4}}\n"
+     "objective: {metric: val_acc}\n", "space.a.low"),
+    (GOOD.replace("experiment: fedavg_synthetic\n", ""), "experiment"),
+    (GOOD.replace("objective: {metric: val_acc}\n", ""), "objective"),
+    (GOOD.replace("objective: {metric: val_acc}", "objective: val_acc"), "objective"),
+    ("experiment: fedavg_synthetic\nobjective: {metric: val_acc}\n", "space"),
+    (GOOD + "sampler: tpe\n", "sampler"),
+    (GOOD + "sampler: {name: tpe, startup: -1}\n", "sampler.startup"),
+    (GOOD + "sampler: {name: random, startup: 3}\n", "sampler.startup"),
+    (GOOD + "pruner: {name: median, warmup: 3}\n", "pruner"),
+    (GOOD + "overrides: federation.rounds=2\n", "overrides"),
+    (GOOD.replace("trials: 1", "trials: 2"), "trials"),  # one categorical point
+    (GOOD.replace("fedavg_synthetic", "no_such_experiment"), "experiment"),
+    (GOOD.replace("algorithm._target_:", "algorithm.no_such_key:"), "space.algorithm.no_such_key"),
+    (GOOD + "storage: nosuchdb://x\n", "storage"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "key"), MALFORMED)
+def test_malformed_sweep_file_is_one_line_exit_2(tmp_path, monkeypatch, capsys, text, key):
+    """Through the CLI (in process): exit 2, one line naming the file and the key, no
+    traceback, no study and no run written."""
+    from fedlightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    bad = write(tmp_path / "bad.yaml", text)
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", str(bad), "logger=none"])
+    out = capsys.readouterr()
+    assert e.value.code == 2, out.err
+    (line,) = out.err.strip().splitlines()
+    assert line.startswith("error:") and "Traceback" not in line
+    assert "bad.yaml" in line and key in line, line
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "optuna.db").exists()

@@ -176,11 +176,13 @@ def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
         raise ConfigError("federation.secure_sum", str(e)) from None
 
 
-def _report(tracker: Any, observe: Observer | None, kind: str, step: int, m: dict) -> None:
-    """Log a round's metrics (or a stage's, as ``stage_<name>``), then show them to
-    ``observe``."""
-    logged = {f"stage_{k}": v for k, v in m.items() if k != "stage"} if kind == "stage" else m
-    tracker.log_metrics(logged, step=step)
+def _report(
+    tracker: Any, observe: Observer | None, kind: str, step: int, m: dict, at: int | None = None
+) -> None:
+    """Log a round's metrics (or a stage's, as ``stage/<name>`` at round ``at``, where the
+    stage ends), then show them to ``observe``."""
+    logged = {f"stage/{k}": v for k, v in m.items() if k != "stage"} if kind == "stage" else m
+    tracker.log_metrics(logged, step=step if at is None else at)
     if observe is not None:
         observe(kind, step, m)
 
@@ -235,7 +237,9 @@ def train_graph(
             stream=stream,
             rounds_per_stage=cfg.federation.rounds,
             num_classes=graph.num_classes,
-            on_stage_end=lambda t, m: _report(run.tracker, observe, "stage", t, m),
+            on_stage_end=lambda t, m: _report(
+                run.tracker, observe, "stage", t, m, at=t * cfg.federation.rounds
+            ),
         )
     loop = schedule(algorithm, module, server, clients, runner, **kwargs, **common)
     if resume_loop(loop, world, cfg, run_dir, hashes, resuming):

@@ -77,7 +77,7 @@ def test_default_demo_logs_everything_to_mlflow(tmp_path, cli_env):
     hist = client.get_metric_history(run_id, "test_acc")
     assert [m.step for m in hist] == [1, 2, 3, 4, 5, 6]
     for key in ("am", "fm", "fpr95", "val_am", "d_sem"):
-        assert mrun.data.metrics[f"final_{key}"] == pytest.approx(summary["metrics"][key])
+        assert mrun.data.metrics[f"final/{key}"] == pytest.approx(summary["metrics"][key])
     assert hist[-1].value == pytest.approx(summary["metrics"]["test_acc"])
     arts = {a.path for a in client.list_artifacts(run_id)}
     assert {"summary.json", "config.yaml", "curves.png", "partition.json", "stream.json"} <= arts
@@ -242,6 +242,6 @@ def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env):
     run_id = json.loads((tmp_path / "killed" / "mlflow_run.json").read_text())["run_id"]
     run = client.get_run(run_id)
     assert run.data.tags["task"] == "cil" and run.data.tags["hash_stream"] == a["hashes"]["stream"]
-    assert [m.step for m in client.get_metric_history(run_id, "stage_fpr95")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(run_id, "stage/fpr95")] == [2, 4, 6]
     arts = {x.path for x in client.list_artifacts(run_id)}
     assert {"acc_matrix.png", "acc_matrix.csv", "seen_acc.png", "stream.json"} <= arts

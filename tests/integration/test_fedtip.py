@@ -137,7 +137,7 @@ def test_fedtip_logs_every_task_to_mlflow(env, compose):
     history = client.get_metric_history(run_id, "auc_tlp")
     assert [h.step for h in history] == [1, 2, 3]
     run = client.get_run(run_id)
-    assert run.data.metrics["final_auc_tlp"] == pytest.approx(s["metrics"]["auc_tlp"])
+    assert run.data.metrics["final/auc_tlp"] == pytest.approx(s["metrics"]["auc_tlp"])
     assert run.data.tags["hash_tasks"] == s["hashes"]["tasks"]
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"summary.json", "task_metrics.json", "task_auc.png", "tasks.json"} <= artifacts

@@ -1,0 +1,69 @@
+"""The MLflow layout a user navigates (docs/experiments.md, "MLflow layout"): one experiment
+per task family, run names with the seed, per-round curves, stage metrics at the round where
+the stage ends, final metrics once at the last round; `report` finds runs by their tags
+across the family experiments and the single experiment of older versions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedlightning.train import train
+
+SMALL = ["federation.rounds=2", "federation.local_epochs=1", "dataset.num_nodes=300"]
+
+
+@pytest.mark.slow
+def test_layout_through_the_mlflow_client(tmp_env, compose, capsys):
+    uri = f"sqlite:///{tmp_env / 'mlflow.db'}"
+    cil = train(compose(["experiment=demo", "seed=3", *SMALL]), tmp_env / "job_0", verbose=False)
+    fl = train(compose(["experiment=fedavg_synthetic", "seed=1", *SMALL]), tmp_env / "job_1", verbose=False)  # fmt: skip
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    names = {e.name for e in client.search_experiments()}
+    assert {"fedlightning/cil", "fedlightning/fl"} <= names and "fedlightning" not in names
+
+    def run_of(job: str):
+        return client.get_run(json.loads((tmp_env / job / "mlflow_run.json").read_text())["run_id"])
+
+    r_cil, r_fl = run_of("job_0"), run_of("job_1")
+    exp = {e.experiment_id: e.name for e in client.search_experiments()}
+    assert exp[r_cil.info.experiment_id] == "fedlightning/cil"
+    assert exp[r_fl.info.experiment_id] == "fedlightning/fl"
+    # the seed, not the run folder (a multirun's job number), ends the name
+    assert r_cil.info.run_name == "synthetic-demo-seed3"
+    assert r_fl.info.run_name == "synthetic-fedavg_synthetic-seed1"
+    assert r_cil.data.tags["run_dir"] == str((tmp_env / "job_0").resolve())
+
+    def steps(run, key: str) -> list[int]:
+        return [m.step for m in client.get_metric_history(run.info.run_id, key)]
+
+    # class-incremental: stages [2, 1, 1] x 2 rounds = 6 rounds; a stage ends every 2 rounds
+    assert cil["rounds"] == 6
+    assert steps(r_cil, "test_acc") == [1, 2, 3, 4, 5, 6]  # one point per round
+    assert steps(r_cil, "stage/fpr95") == [2, 4, 6]  # at the round where the stage ends
+    assert steps(r_cil, "final/am") == [6]  # once, at the last round
+    assert r_cil.data.metrics["final/am"] == pytest.approx(cil["metrics"]["am"])
+    assert not [k for k in r_cil.data.metrics if k.startswith(("final_", "stage_"))]
+    assert steps(r_fl, "test_acc") == [1, 2] and steps(r_fl, "final/test_acc") == [2]
+    assert r_fl.data.metrics["final/test_acc"] == pytest.approx(fl["metrics"]["test_acc"])
+
+    # `report` finds the run in fedlightning/cil and an older run in the single experiment
+    # "fedlightning"; a sweep trial's nested run is not a row
+    old = client.create_experiment("fedlightning")
+    tags = {k: v for k, v in r_cil.data.tags.items() if not k.startswith("mlflow.")}
+    for name, extra in (("old", {}), ("nested", {"mlflow.parentRunId": r_fl.info.run_id})):
+        run = client.create_run(old, run_name=name, tags={**tags, **extra})
+        path = tmp_env / name / "summary.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**cil, "seed": 7 if name == "old" else 8}))
+        client.log_artifact(run.info.run_id, str(path))
+        client.set_terminated(run.info.run_id)
+    from fedlightning.report import main
+
+    assert main(["--task", "cil", "--tracking-uri", uri, "--out", str(tmp_env / "rep")]) == 0
+    table = json.loads((tmp_env / "rep" / "cil_main_synthetic.json").read_text())
+    assert table["fedogl"]["synthetic"]["am"]["n"] == 2  # seeds 3 and 7, not the nested 8
