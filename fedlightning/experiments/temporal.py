@@ -32,7 +32,6 @@ from fedlightning.runs import (
     run_tags,
     summary_table,
 )
-from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
 from fedlightning.temporal.setup import bank_config, ensure_bank, temporal_setup
@@ -246,7 +245,7 @@ def train_temporal(
             rounds=int(cfg.federation.rounds),
             epochs=int(cfg.federation.local_epochs),
             seed=int(cfg.seed),
-            bank_values=bank_values(bank["path"]),
+            bank_values=bank["values"],
             checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
             on_task_end=on_task_end,
             progress=world.is_main,  # the bar over tasks (runner.progress: the per-round bars)
