@@ -5,15 +5,16 @@ Checks the reference commit out in a git worktree (``.cache/fedtip_warm/<sha>``,
 there, removed at the end unless ``--keep``) and runs the same command in both trees, each a
 fresh ``python -m fedlightning train experiment=X max_tasks=N threads=1 logger=none``
 process with ``PYTHONPATH`` and the working directory set to its tree and one shared
-``FEDLIGHTNING_CACHE`` (bank and contexts are keyed by content: the first, untimed run of
-each side fills or reuses them). This checkout runs once per ``--workers`` value
+``FEDLIGHTNING_CACHE`` (bank and contexts are keyed by content: ``--warmup`` untimed passes
+first fill or reuse them). This checkout runs once per ``--workers`` value
 (``+task_workers=W``). Runs are interleaved (ref, head, head with 2 workers, ref, ...), so
 machine noise hits every side alike. Prints each side's median wall time (process start to
 exit), the ratio ref/side, and whether every side's ``summary.json`` ``metrics`` and
 ``comm`` equal the reference's bitwise (the wall times aside).
 
     python benchmarks/fedtip_warm.py [--ref e220bef] [--experiment fedtip_bitcoin_alpha] \\
-        [--tasks 100] [--repeats 2] [--workers 1 2] [--cache DIR] [--data DIR] [--keep]
+        [--tasks 100] [--repeats 2] [--warmup 1] [--workers 1 2] [--cache DIR] [--data DIR] \\
+        [--keep]
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--cache", default=os.environ.get("FEDLIGHTNING_CACHE"))
     ap.add_argument("--data", default=os.environ.get("FEDLIGHTNING_DATA", str(REPO / "data")))
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed passes first (0: cache warm)")
     args = ap.parse_args()
     sha = git("rev-parse", "--short", args.ref)
     ref_tree = REPO / ".cache" / "fedtip_warm" / sha
@@ -92,13 +94,13 @@ def main() -> None:
     times: dict[str, list[float]] = {s: [] for s in sides}
     summaries: dict[str, str] = {}
     try:
-        for rep in range(args.repeats + 1):  # the first pass warms the cache: not timed
+        for rep in range(args.repeats + args.warmup):  # warm-up passes fill the cache
             for side, (tree, over) in sides.items():
                 out = tmp / f"{side.replace(' ', '_').replace('=', '')}-{rep}"
                 wall = run(tree, env, over, out)
                 summary = results(json.loads((out / "summary.json").read_text()))
                 summaries[side] = json.dumps(summary, sort_keys=True)  # NaN == NaN as text
-                if rep:
+                if rep >= args.warmup:
                     times[side].append(wall)
                 print(f"pass {rep} {side:10s} {wall:7.1f} s", flush=True)
     finally:
