@@ -36,7 +36,7 @@ from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.privacy import PrototypeRelease, private_prototype
 from fedlightning.server.reliability import FedTIPServer, label_coverage, read_broadcast
 from fedlightning.server.secure_sum import SecureSum, ShareSpec
-from fedlightning.temporal.adapter import PromptAdapter
+from fedlightning.temporal.adapter import TIES, PromptAdapter
 from fedlightning.utils.seeding import derive_seed, torch_generator
 
 MODES = ("federated", "central")
@@ -61,7 +61,9 @@ class FedTIP(Algorithm):
             stage-valid mode, Eq. 25) or ``unfiltered`` (only the positive excluded; FTN).
         tau, lambda_p, lambda_a, beta, eta_s: Eqs. (19)-(31).
         bottleneck, rank, dropout: the adapter (``d_p = d_h``). residual: the template
-            adds the gated source state (the pre-training similarity, Sec. 4.3).
+            adds the gated source state (the pre-training similarity, Sec. 4.3). tie: the
+            reading of Eq. (17)'s bottlenecks, ``none`` or ``phi`` (one shared; the
+            paper-budget setting ``algorithm=fedtip_budget``, docs/fedtip.md).
         lr, weight_decay: Adam's. encoder_lr: the encoder's (``fulltune`` only).
         dp: the prototype release of Eq. (7): ``{clip, sigma, delta}``
             (:class:`~fedlightning.server.privacy.PrototypeRelease`; ``clip=None``: off).
@@ -82,6 +84,7 @@ class FedTIP(Algorithm):
     bottleneck: int = 2
     rank: int = 2
     residual: bool = True
+    tie: str = "none"
     dropout: float = 0.1
     lr: float = 1e-3
     encoder_lr: float = 1e-4
@@ -100,6 +103,7 @@ class FedTIP(Algorithm):
             ("aggregation", self.aggregation, AGGREGATIONS),
             ("prompt", self.prompt, PROMPTS),
             ("negatives", self.negatives, NEGATIVES),
+            ("tie", self.tie, TIES),
         ):
             if value not in allowed:
                 raise ValueError(f"algorithm.{key} must be one of {allowed}, got {value!r}")
@@ -123,8 +127,8 @@ class FedTIP(Algorithm):
         on = {
             "tkb": pretrained_bank,
             "icp": self.prompt == "interaction",
-            "pa": self.anchors or self.name != "fedtip",
-            "rwa": self.aggregation == "reliability" or self.name != "fedtip",
+            "pa": self.anchors or not self.name.startswith("fedtip"),
+            "rwa": self.aggregation == "reliability" or not self.name.startswith("fedtip"),
             "ftn": filtered_bank and self.negatives == "protocol",
         }
         off = [k for k, v in on.items() if not v]
@@ -140,6 +144,7 @@ class FedTIP(Algorithm):
             self.prompt == "static",
             self.dropout,
             residual=self.residual,
+            tie=self.tie,
         )
 
     # ------------------------------------------------------------------ task verbs

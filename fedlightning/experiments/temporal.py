@@ -21,6 +21,7 @@ from fedlightning.config import build, build_stream
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.protocol import TemporalProtocol, materialize
 from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.federation.task_pool import resolve_workers
 from fedlightning.federation.tasks import TaskBatches, as_single
 from fedlightning.federation.world import World
 from fedlightning.runs import (
@@ -33,7 +34,6 @@ from fedlightning.runs import (
     summary_table,
 )
 from fedlightning.server.secure_sum import enabled
-from fedlightning.temporal.bank import bank_values
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
 from fedlightning.temporal.setup import bank_config, ensure_bank, temporal_setup
@@ -207,6 +207,7 @@ def train_temporal(
         check_families(cfg.get("families"), None)
     if runner is None:  # a distributed runner joins its ranks here
         runner = build(cfg.runner, "runner")
+    resolve_workers(cfg.get("task_workers"), 1, runner)  # checked before any training
     world = runner.world  # only rank 0 writes files; the others get its results
     setup = world.on_main(temporal_setup, cfg, run_dir)
     cfg, run_dir, resuming, stream, bank_cfg, proto, files = setup
@@ -256,10 +257,11 @@ def train_temporal(
             rounds=int(cfg.federation.rounds),
             epochs=int(cfg.federation.local_epochs),
             seed=int(cfg.seed),
-            bank_values=bank_values(bank["path"]),
+            bank_values=bank["values"],
             checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
             on_task_end=on_task_end,
             progress=world.is_main,  # the bar over tasks (runner.progress: the per-round bars)
+            workers=resolve_workers(cfg.get("task_workers"), len(tasks), runner),
         )
         if resume_loop(loop, world, cfg, run_dir, hashes, resuming, saved_state):
             log.info("resuming %s after task %d", run_dir, len(loop.results))

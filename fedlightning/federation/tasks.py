@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from fedlightning.clients.temporal_prompt import family_prototypes, family_views
 from fedlightning.federation.ledger import DOWN, UP
 from fedlightning.federation.loop import Schedule
 from fedlightning.federation.round import ClientWork, federated_round
+from fedlightning.federation.task_pool import task_results
 from fedlightning.messages import ServerBroadcast
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.temporal.adapter import PromptAdapter
@@ -109,6 +111,8 @@ class TaskLoop(Schedule):
         checkpoint_path, on_task_end: as :class:`~fedlightning.federation.loop.FederatedLoop`'s,
             per task (``on_task_end(task_index, metrics)``).
         progress: the bar over tasks.
+        workers: processes that run tasks at once (:mod:`~fedlightning.federation.task_pool`;
+            the same results as one).
     """
 
     pooled = False  # the clients' supports are pooled: no messages, no bank sent
@@ -129,8 +133,12 @@ class TaskLoop(Schedule):
         checkpoint_path: str | Path | None = None,
         on_task_end: Callable[[int, dict[str, float]], None] | None = None,
         progress: bool = True,
+        workers: int = 1,
     ) -> None:
         super().__init__(checkpoint_path)
+        self.workers = workers
+        self._packed: list[bytes] = []  # the ledger's entries pickled task by task (state_dict)
+        self._packed_upto = 0
         self.algorithm, self.tasks, self.eval_batches = algorithm, list(tasks), eval_batches
         self.families, self.dims, self.runner = list(families), dims, runner
         self.rounds, self.epochs, self.seed = rounds, epochs, seed
@@ -198,8 +206,8 @@ class TaskLoop(Schedule):
         todo = self.tasks[len(self.results) :]
         bar = tqdm(todo, desc="tasks", unit="task", disable=None if self.progress else True)
         t0 = time.perf_counter()
-        for i, task in enumerate(bar, start=1):
-            metrics = self.run_task(task)
+        done = task_results(self, todo, self.workers)
+        for i, (task, metrics) in enumerate(zip(bar, done, strict=True), start=1):
             self.results.append(metrics)
             n = len(self.results)
             self.checkpoint()
@@ -258,14 +266,26 @@ class TaskLoop(Schedule):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "results": self.results,
-            "provisioned": sorted(self.provisioned),
-        }
+        """The ledger's entries go in as pickled chunks, one per checkpoint (``packed``):
+        torch.save of ~10^5 tuples took seconds per task and grew with the run."""
+        entries = self.ledger.entries
+        if len(entries) < self._packed_upto:  # the ledger was replaced: pack it anew
+            self._packed, self._packed_upto = [], 0
+        if len(entries) > self._packed_upto:
+            self._packed.append(pickle.dumps(entries[self._packed_upto :], protocol=5))
+            self._packed_upto = len(entries)
+        state = super().state_dict()
+        state["ledger"] = {**state["ledger"], "packed": list(self._packed)}
+        del state["ledger"]["entries"]
+        return {**state, "results": self.results, "provisioned": sorted(self.provisioned)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        ledger = dict(state["ledger"])
+        if "packed" in ledger:
+            ledger["entries"] = [e for chunk in ledger.pop("packed") for e in pickle.loads(chunk)]
+            state = {**state, "ledger": ledger}
         super().load_state_dict(state)
+        self._packed, self._packed_upto = [], 0
         self.results = list(state["results"])
         self.provisioned = set(state["provisioned"])
 

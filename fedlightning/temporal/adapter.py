@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+TIES = ("none", "phi")  # PromptAdapter's readings of Eq. (17): two bottlenecks, or one shared
+
 
 def event_context(
     h_u: Tensor, h_i: Tensor, te: Tensor, x: Tensor, delta_u: Tensor, delta_i: Tensor
@@ -91,6 +93,13 @@ class PromptAdapter(nn.Module):
     ``d_t``, ``d_e``: bank state, time-encoding and edge-feature widths; ``dropout``: a
     :class:`StackDropout` on the bottleneck activations; ``copies``: parameter sets
     (clients) stacked on a leading axis.
+
+    ``tie`` reads Eq. (17)'s :math:`\varphi_f, \varphi_t` (:data:`TIES`): ``"none"`` (the
+    default) two bottleneck networks; ``"phi"`` one shared bottleneck
+    :math:`\varphi_f = \varphi_t = \varphi` (and one dropout draw) feeding both gates, which
+    keep their own :math:`W_f, \mathbf{b}_f, W_t, \mathbf{b}_t`: Eqs. (14)-(15) still run in
+    parallel on the same context, and the message loses one bottleneck's
+    :math:`(d_z + 1) \cdot` ``bottleneck`` values (the paper-budget setting, docs/fedtip.md).
     """
 
     def __init__(
@@ -104,11 +113,15 @@ class PromptAdapter(nn.Module):
         dropout: float = 0.0,
         copies: int = 1,
         residual: bool = True,
+        tie: str = "none",
     ) -> None:
         super().__init__()
+        if tie not in TIES:
+            raise ValueError(f"tie must be one of {TIES}, got {tie!r}")
         self.d_h, self.static, self.residual, self.copies = d_h, static, residual, copies
+        self.tie = tie
         self.config = dict(d_h=d_h, d_t=d_t, d_e=d_e, bottleneck=bottleneck, rank=rank)
-        self.config.update(static=static, dropout=dropout, residual=residual)
+        self.config.update(static=static, dropout=dropout, residual=residual, tie=tie)
         d_z, k = 2 * d_h + d_t + d_e + 2, copies
 
         def phi() -> nn.Sequential:
@@ -116,7 +129,8 @@ class PromptAdapter(nn.Module):
                 StackedLinear(k, d_z, bottleneck), nn.ReLU(), StackDropout(dropout)
             )
 
-        self.phi_f, self.phi_t = phi(), phi()
+        self.phi_f = phi()
+        self.phi_t = phi() if tie == "none" else None  # "phi": phi_t is phi_f
         self.gate_f = StackedLinear(k, bottleneck, 2 * d_h)  # W_f, b_f
         self.gate_t = StackedLinear(k, bottleneck, d_t)  # W_t, b_t
         self.psi = nn.Sequential(
@@ -130,6 +144,9 @@ class PromptAdapter(nn.Module):
         """Eqs. (14)-(15), computed in parallel from the same context ``[K, N, d_z]``."""
         if self.static:
             z = torch.zeros_like(z)
+        if self.phi_t is None:  # tie="phi": one bottleneck feeds both gates
+            hidden = self.phi_f(z)
+            return torch.sigmoid(self.gate_f(hidden)), torch.sigmoid(self.gate_t(hidden))
         return torch.sigmoid(self.gate_f(self.phi_f(z))), torch.sigmoid(self.gate_t(self.phi_t(z)))
 
     def forward(

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
@@ -59,9 +60,39 @@ def set_stream_state(enc, neighbors: Tensor, e_id: Tensor, cur_e_id: int, ids: T
             setattr(enc.memory, store, dict(stores[store]))
 
 
+_BANK_FILES: dict[tuple[str, int, int], dict[str, Any]] = {}  # the last bank file read
+
+
+def read_bank(path: str | Path) -> dict[str, Any]:
+    """The bank file's contents, unpickled once per process and file version (path,
+    modification time, size): a run reads the bank for its hash, its size
+    (:func:`bank_size`) and its encoder, and each unpickling of its ~10^5 tensors took
+    2-8 s. Readers copy what they keep (:func:`load_bank`); nothing may modify it."""
+    p = Path(path).resolve()
+    st = p.stat()
+    key = (str(p), st.st_mtime_ns, st.st_size)
+    if key not in _BANK_FILES:
+        _BANK_FILES.clear()  # one bank at a time: the previous file is released
+        _BANK_FILES[key] = torch.load(p, weights_only=False)
+    return _BANK_FILES[key]
+
+
+def bank_size(path: str | Path) -> int:
+    r"""Values of the bank :math:`|\mathcal{B}_0|` (Eq. 11) a client is provisioned with
+    (:func:`fedlightning.temporal.bank.bank_values`, from :func:`read_bank`)."""
+    return tensor_values(
+        {k: v for k, v in read_bank(path).items() if k not in ("meta", "hash", "version")}
+    )
+
+
+def tensor_values(tree: Any) -> int:
+    """Values of every tensor in a nest of dicts, lists and tuples."""
+    return sum(x.numel() for x in tree_leaves(tree) if isinstance(x, Tensor))
+
+
 def load_bank(path: str | Path, stream: EventStream):
     """The frozen encoder with the bank's streaming state, in evaluation mode."""
-    saved = torch.load(path, weights_only=False)
+    saved = read_bank(path)
     if saved["meta"]["stream"] != stream.fingerprint:
         raise ValueError(f"bank {path} was built on another stream")
     enc = make_encoder(stream, BankConfig(**saved["meta"]["config"]))

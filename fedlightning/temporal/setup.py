@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.config import build_stream
@@ -26,6 +25,7 @@ from fedlightning.temporal.bank import (
     pretrain,
     save_bank,
 )
+from fedlightning.temporal.contexts import bank_size, read_bank, tensor_values
 from fedlightning.utils.io import content_hash
 
 log = logging.getLogger(__name__)
@@ -77,20 +77,21 @@ def ensure_bank(
     cache_dir: str | Path,
     tracker: Any,
 ) -> dict[str, Any]:
-    """The bank of (stream, manifest, bank config, seed), reused from the cache or pre-trained
+    r"""The bank of (stream, manifest, bank config, seed), reused from the cache or pre-trained
     (per-epoch metrics to ``tracker``), snapshotted and saved: its ``path``, ``hash``,
-    ``metrics`` (pre-validation AUC/AP), ``history`` and whether it was ``reused``."""
+    ``metrics`` (pre-validation AUC/AP), ``history``, whether it was ``reused`` and its
+    ``values`` :math:`|\mathcal{B}_0|` (the file is read once: :func:`read_bank`)."""
     ident = {"stream": stream.fingerprint, "manifest": proto.manifest.hash}
     key = content_hash({"version": BANK_VERSION, **ident, "bank": bank_cfg.key(), "seed": seed})
     variant = bank_variant(bank_cfg)
     path = Path(cache_dir) / "banks" / f"{stream.name}-{bank_cfg.encoder}-{variant}-{key}.pt"
     if path.exists():
-        saved = torch.load(path, weights_only=False)
+        saved = read_bank(path)  # read once: the run's encoder comes from the same read
         log.info("bank %s reused", path)
         meta = saved["meta"]
         return dict(
             path=path, hash=saved["hash"], metrics=meta["metrics"], history=meta["history"],
-            reused=True,
+            reused=True, values=bank_size(path),
         )  # fmt: skip
     pre_idx, val_idx = proto.manifest.indices(PRETRAIN), proto.manifest.indices(PREVAL)
     t0 = time.perf_counter()
@@ -117,11 +118,15 @@ def ensure_bank(
         "metrics": metrics,
         "history": history,
     }
-    digest = save_bank(path, bank_state(enc, negatives), meta)
+    state = bank_state(enc, negatives)
+    digest = save_bank(path, state, meta)
     log.info(
         "bank built in %.1fs: pre-validation auc %.4f  ap %.4f",
         time.perf_counter() - t0,
         metrics["auc"],
         metrics["ap"],
     )
-    return dict(path=path, hash=digest, metrics=metrics, history=history, reused=False)
+    return dict(
+        path=path, hash=digest, metrics=metrics, history=history, reused=False,
+        values=tensor_values(state),
+    )  # fmt: skip

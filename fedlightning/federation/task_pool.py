@@ -1,0 +1,99 @@
+"""A FedTIP run's tasks on several processes at once (``task_workers``; docs/fedtip.md,
+"Fast path").
+
+Every draw of a task is keyed by (seed, task, family, round, client) and nothing carries
+from one task to the next but the ledger and the set of clients already sent the bank, so
+tasks can run in any order on any process. :func:`task_results` runs them on ``workers``
+forked processes (each with a fresh ledger and the provisioned set the task would have seen
+in a one-process run) and hands back each task's metrics in manifest order while merging
+its ledger entries into the loop's, in that order. Each worker runs on one thread (an
+OpenMP thread pool does not survive a fork; the processes take the threads' place), so the
+metrics, the ledger, the checkpoints and the summary are bitwise those of one process with
+``threads=1`` (``test_task_workers_give_the_one_process_run``). The schedule around it
+(checkpoint, progress, tracking) stays in the calling process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from fedlightning.errors import ConfigError
+from fedlightning.federation.ledger import CommLedger
+
+_JOB: dict[str, Any] = {}  # what a forked worker reads: the loop and its tasks
+
+
+def resolve_workers(workers: Any, tasks: int, runner: Any = None) -> int:
+    """``task_workers``: a positive int, or ``auto`` (the usable cores, at most ``tasks``, or
+    1 where only one process can run them); ``None`` is 1. More than one needs a
+    one-process CPU runner (``runner=sequential``) on a system that forks: otherwise one
+    line naming the key."""
+    device = getattr(getattr(runner, "executor", None), "device", None)
+    forkable = runner is None or (
+        type(runner).__name__ == "SequentialRunner"
+        and getattr(getattr(runner, "world", None), "size", 1) == 1
+        and (device is None or device.type == "cpu")
+        and hasattr(os, "fork")
+    )
+    if workers is None:
+        return 1
+    if workers == "auto":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        return max(1, min(cores, tasks)) if forkable else 1
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError("task_workers", f"a positive integer or auto, got {workers!r}")
+    if workers > 1 and not forkable:
+        raise ConfigError(
+            "task_workers", f"{workers} processes need runner=sequential on the CPU; use 1"
+        )
+    return workers
+
+
+def _run_one(i: int) -> tuple[dict[str, float], dict[str, list]]:
+    loop, todo, before = _JOB["loop"], _JOB["todo"], _JOB["before"]
+    loop.ledger = CommLedger()  # this task's records only
+    loop.provisioned = set(before[i])
+    metrics = loop.run_task(todo[i])
+    return metrics, loop.ledger.state_dict()
+
+
+def merge_ledger(ledger: CommLedger, part: dict[str, list]) -> None:
+    """Append a task's ledger records (its :meth:`~CommLedger.state_dict`, every value a
+    list of records) after ``ledger``'s, as recording them in this process would have."""
+    state = ledger.state_dict()
+    for key, records in part.items():
+        state[key] = list(state.get(key, [])) + list(records)
+    ledger.load_state_dict(state)
+
+
+def task_results(loop: Any, todo: Sequence[Any], workers: int = 1) -> Iterator[dict[str, float]]:
+    """``loop.run_task(task)`` of every task of ``todo`` in order, on ``workers`` processes
+    (module docstring; ``1``: in this process). After each yielded task the loop's ledger
+    and ``provisioned`` set are those a one-process run has at that point."""
+    if workers <= 1 or len(todo) <= 1 or not hasattr(os, "fork"):
+        for task in todo:
+            yield loop.run_task(task)
+        return
+    before, seen = [], set(loop.provisioned)
+    for task in todo:
+        before.append(frozenset(seen))
+        if not loop.pooled:
+            seen |= set(task.clients)
+    _JOB.update(loop=loop, todo=list(todo), before=before)
+    context = multiprocessing.get_context("fork")
+    try:  # one thread each: OpenMP's pool does not survive a fork (the processes replace it)
+        with context.Pool(min(workers, len(todo)), torch.set_num_threads, (1,)) as pool:
+            for task, (metrics, part) in zip(
+                todo, pool.imap(_run_one, range(len(todo)), chunksize=1), strict=True
+            ):
+                merge_ledger(loop.ledger, part)
+                if not loop.pooled:
+                    loop.provisioned |= set(task.clients)
+                yield metrics
+    finally:
+        _JOB.clear()
