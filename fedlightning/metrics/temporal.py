@@ -14,8 +14,8 @@ from fedlightning.metrics.open_set import binary_auroc_of_scores
 def auroc(scores: Tensor, target: Tensor) -> float:
     """AUC-ROC of raw ``scores`` (any magnitude, no sigmoid: ranks mapped into [0, 1] by
     :func:`~fedlightning.metrics.open_set.unit_scores`) against 0/1 ``target``; NaN when a
-    class is absent."""
-    if len(target) == 0 or bool((target == target[0]).all()):
+    class is absent or a score is NaN (a diverged model scores nothing)."""
+    if len(target) == 0 or bool((target == target[0]).all()) or bool(scores.isnan().any()):
         return math.nan
     return binary_auroc_of_scores(scores, target)
 

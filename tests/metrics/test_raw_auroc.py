@@ -80,3 +80,11 @@ def test_cosine_scores_give_the_former_auc_unless_the_sigmoid_merged_them():
     assert close.sigmoid()[0] == close.sigmoid()[1]
     assert float(binary_auroc(close, labels)) == 0.875  # (3 + 0.5) / 4 pairs: the tie
     assert auroc(close, labels) == 1.0  # every positive above every negative
+
+
+def test_nan_scores_give_nan_not_a_perfect_auc():
+    """NaN compares unequal to itself: ranked as distinct values, NaN scores in the
+    positives' order would read as a perfect separation."""
+    scores = torch.tensor([math.nan, math.nan, math.nan, math.nan])
+    assert math.isnan(auroc(scores, torch.tensor([1, 1, 0, 0])))
+    assert math.isnan(auroc(torch.tensor([0.3, math.nan, 0.1, 0.2]), torch.tensor([1, 1, 0, 0])))
