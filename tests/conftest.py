@@ -1,4 +1,9 @@
-"""Shared fixtures: the real data directory and a composed, shrunk config."""
+"""Shared fixtures: the real data directory and a composed, shrunk config.
+
+Every test that reads real data does so through the ``shared_data`` fixture (directly or
+through another fixture); :func:`pytest_collection_modifyitems` marks each such test
+``realdata``, so ``pytest -m "not realdata"`` is a run that needs no data file.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +24,21 @@ SHARED_DATA = Path(os.environ.get("FEDLIGHTNING_TEST_DATA", REPO.parent / "share
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """The real data of ``../shared/data``; under CI a missing directory fails the test."""
+    """The real data of ``../shared/data`` (or ``FEDLIGHTNING_TEST_DATA``); under CI a
+    missing directory fails the test. A test using it is marked ``realdata``."""
     if not (SHARED_DATA / "README.md").exists():
         msg = f"real data not found at {SHARED_DATA} (set FEDLIGHTNING_TEST_DATA)"
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
     return SHARED_DATA
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``realdata`` every test whose fixtures include ``shared_data``."""
+    for item in items:
+        if "shared_data" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.realdata)
 
 
 def compose_cfg(overrides: list[str] | None = None):

@@ -9,6 +9,7 @@ import importlib
 import json
 import logging
 import os
+import sys
 import time
 import zipfile
 from collections.abc import Callable
@@ -155,7 +156,8 @@ def encode_texts(
     """Sentence embeddings ``[n, d]`` (float32, not normalised) and the encoder record."""
     st = _need("sentence_transformers", "--text-model")
     model = st.SentenceTransformer(str(model_dir), device="cpu")
-    x = model.encode(texts, batch_size=batch_size, show_progress_bar=progress)
+    bar = progress and sys.stderr.isatty()  # a bar on an interactive terminal, as elsewhere
+    x = model.encode(texts, batch_size=batch_size, show_progress_bar=bar)
     record = {
         "encoder": "sentence-transformers",
         "model": str(model_dir),
@@ -246,7 +248,7 @@ class ImageEncoder:
         rows: dict[int, Tensor] = {}
         bad: list[str] = []
         todo = [i for i, p in enumerate(paths) if p is not None]
-        bar = tqdm(total=len(todo), desc="images", unit="img", disable=not progress)
+        bar = tqdm(total=len(todo), desc="images", unit="img", disable=None if progress else True)
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             loaded = [(i, self.load(paths[i])) for i in chunk]
@@ -277,6 +279,13 @@ class ImageEncoder:
 
 
 # ------------------------------------------------------------------------------ pipeline
+def _log_done(what: str, n: int, rec: dict[str, Any]) -> None:
+    """The summary line of one encoding step."""
+    seconds = rec["seconds"]
+    line = "%s: %d nodes encoded in %.1fs (%.1f nodes/s), %d-d, %d missing"
+    log.info(line, what, n, seconds, n / max(seconds, 1e-9), rec["dim"], rec["missing"])
+
+
 def extract(
     raw: str | os.PathLike,
     out: str | os.PathLike,
@@ -323,6 +332,7 @@ def extract(
         full[has_text] = x
         rec.update(seconds=time.perf_counter() - t0, dim=x.shape[1], missing=int((~has_text).sum()))
         features["text"], record["modalities"]["text"] = full, rec
+        _log_done("text", len(x), rec)
         masks.append(has_text)
     if image_dir.is_dir():
         encoder = ImageEncoder(image_model, image_weights)
@@ -335,6 +345,7 @@ def extract(
             missing=int((~available).sum()),
             unreadable=bad,
         )
+        _log_done("images", int(available.sum()), rec)
         if x.shape[1]:
             features["image"], record["modalities"]["image"] = x, rec
             masks.append(available)

@@ -10,13 +10,16 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor
 from torch.utils.data import DataLoader
 
 for _name in (
@@ -52,8 +55,50 @@ def _single_optimizer(conf: Any) -> torch.optim.Optimizer:
     )
 
 
+def _with_module_callbacks(
+    callbacks: Sequence[pl.Callback], module: pl.LightningModule
+) -> list[pl.Callback]:
+    """Lightning's rule for ``configure_callbacks`` (``_attach_model_callbacks``): for each
+    class of the module's callbacks, the first given class it derives from is dropped from
+    the given callbacks, and the module's callbacks come after the rest."""
+    extra = module.configure_callbacks()
+    if not extra:
+        return list(callbacks)
+    extra = list(extra) if isinstance(extra, Sequence) else [extra]
+    given = {type(c) for c in callbacks}
+    given.discard(pl.Callback)
+    override = set()
+    for model_type in {type(c) for c in extra}:
+        for given_type in given:
+            if issubclass(model_type, given_type):
+                override.add(given_type)
+                break
+    return [c for c in callbacks if type(c) not in override] + extra
+
+
 class LeanExecutor:
-    """Run ``epochs`` full-batch steps with Lightning's hook order, without a Trainer.
+    """Run ``epochs`` full-batch steps with Lightning's hooks, in Lightning's order, without a
+    Trainer.
+
+    Per fit: ``configure_callbacks``, ``prepare_data``, ``setup("fit")``,
+    ``configure_model``, ``configure_optimizers``, ``on_fit_start``, ``on_train_start``; per
+    epoch (one batch): ``on_train_epoch_start``, the batch hooks (``on_before_batch_transfer``,
+    ``transfer_batch_to_device``, ``on_after_batch_transfer``), ``on_train_batch_start`` (the
+    module's ``-1`` skips the step), then ``optimizer_step`` with the closure of
+    ``training_step``, ``on_before_zero_grad``, ``optimizer_zero_grad``,
+    ``on_before_backward``, ``backward``, ``on_after_backward``, followed inside the step by
+    ``on_before_optimizer_step`` and ``configure_gradient_clipping``; then
+    ``on_train_batch_end`` and ``on_train_epoch_end``; at the end ``on_train_end``,
+    ``on_fit_end``, ``teardown("fit")``; on an error the callbacks' ``on_exception``. At every
+    hook the callbacks run first, then the module, as Lightning's do.
+
+    What has no counterpart without a Trainer: the batch is moved to ``device`` once per fit,
+    so ``transfer_batch_to_device`` is called (every epoch) only where the module overrides
+    it, the default's move being a no-op on a batch already there; there is no
+    Trainer-level ``gradient_clip_val``, so ``configure_gradient_clipping`` is called only
+    where the module overrides it, and ``self.clip_gradients`` (which reads the Trainer) is
+    unavailable in it (clip with ``torch.nn.utils`` there); ``training_step`` must return the
+    loss (or ``{"loss": ...}``); no logger, checkpoint or validation hooks.
 
     Args:
         device: where the fit runs (default ``None``: where the module is).
@@ -71,51 +116,110 @@ class LeanExecutor:
         epochs: int,
         callbacks: Sequence[pl.Callback] = (),
     ) -> None:
+        callbacks = _with_module_callbacks(callbacks, module)
+        state = LoopState(max_epochs=epochs, lightning_module=module, callbacks=callbacks)
         if self.device is not None:
             module.to(self.device)
         try:
             if self.device is not None:  # a PyG Data moves in place: move a shallow copy
                 batch = move_data_to_device(copy.copy(batch), self.device)
-            state = LoopState(max_epochs=epochs, lightning_module=module, callbacks=callbacks)
-            opt = _single_optimizer(module.configure_optimizers())
-            state.optimizers = [opt]
-            module.train()
-            self._hook("on_fit_start", module, callbacks, state)
-            self._hook("on_train_start", module, callbacks, state)
-            for epoch in range(epochs):
-                state.current_epoch = epoch
-                self._hook("on_train_epoch_start", module, callbacks, state)
-                out = module.training_step(batch, 0)
-                loss = out["loss"] if isinstance(out, dict) else out
-                module.optimizer_zero_grad(epoch, 0, opt)
-                self._hook("on_before_backward", module, callbacks, state, loss)
-                module.backward(loss)
-                self._hook("on_after_backward", module, callbacks, state)
-                self._hook("on_before_optimizer_step", module, callbacks, state, opt)
-                opt.step()
-                state.global_step += 1
-                self._hook("on_train_batch_end", module, callbacks, state, out, batch, 0)
-                self._hook("on_train_epoch_end", module, callbacks, state)
-            state.current_epoch = epochs
-            self._hook("on_train_end", module, callbacks, state)
-            self._hook("on_fit_end", module, callbacks, state)
+            self._run(module, batch, epochs, callbacks, state)
+        except BaseException as e:
+            for cb in callbacks:
+                cb.on_exception(state, module, e)
+            raise
         finally:
             if self.device is not None:
                 module.cpu()
 
+    def _run(
+        self,
+        module: pl.LightningModule,
+        batch: Any,
+        epochs: int,
+        callbacks: Sequence[pl.Callback],
+        state: LoopState,
+    ) -> None:
+        hook = partial(self._hook, module=module, callbacks=callbacks, state=state)
+        module.prepare_data()
+        hook("setup", stage="fit")
+        module.configure_model()
+        opt = _single_optimizer(module.configure_optimizers())
+        state.optimizers = [opt]
+        clip = is_overridden("configure_gradient_clipping", module)
+        transfer = is_overridden("transfer_batch_to_device", module)
+        device = self.device if self.device is not None else module.device
+        module.train()
+        hook("on_fit_start")
+        hook("on_train_start")
+        for epoch in range(epochs):
+            state.current_epoch = epoch
+            hook("on_train_epoch_start")
+            b = module.on_before_batch_transfer(copy.copy(batch), 0)
+            if transfer:  # the default's move would find the batch on the device already
+                b = module.transfer_batch_to_device(b, device, 0)
+            b = module.on_after_batch_transfer(b, 0)
+            if hook("on_train_batch_start", b, 0) != -1:  # -1: Lightning skips the step
+                outputs = self._step(module, b, epoch, opt, hook, clip)
+                state.global_step += 1
+                hook("on_train_batch_end", outputs, b, 0)
+            hook("on_train_epoch_end")
+        state.current_epoch = epochs
+        hook("on_train_end")
+        hook("on_fit_end")
+        hook("teardown", stage="fit")
+
+    @staticmethod
+    def _step(
+        module: pl.LightningModule,
+        batch: Any,
+        epoch: int,
+        opt: torch.optim.Optimizer,
+        hook: Callable[..., Any],
+        clip: bool,
+    ) -> dict[str, Any]:
+        """``optimizer_step`` with Lightning's closure; the outputs ``on_train_batch_end``
+        gets (the detached loss and the step's other keys)."""
+        outputs: dict[str, Any] = {}
+
+        def closure() -> Tensor:
+            out = module.training_step(batch, 0)
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            if not isinstance(loss, Tensor):
+                raise TypeError(
+                    "the lean executor needs training_step to return the loss (or "
+                    "{'loss': ...}); use runner.executor=trainer to skip steps"
+                )
+            hook("on_before_zero_grad", opt)
+            module.optimizer_zero_grad(epoch, 0, opt)
+            hook("on_before_backward", loss)
+            module.backward(loss)
+            hook("on_after_backward")
+            hook("on_before_optimizer_step", opt)
+            if clip:
+                module.configure_gradient_clipping(opt, None, None)
+            outputs["loss"] = loss.detach().clone()  # what Lightning passes on
+            if isinstance(out, Mapping):
+                outputs.update((k, v) for k, v in out.items() if k != "loss")
+            return loss
+
+        module.optimizer_step(epoch, 0, opt, closure)
+        return outputs
+
     @staticmethod
     def _hook(
         name: str,
+        *args: Any,
         module: pl.LightningModule,
         callbacks: Sequence[pl.Callback],
         state: LoopState,
-        *args: Any,
-    ) -> None:
-        # Lightning calls callbacks first in on_*_start and the module first in the step
-        # hooks; our callbacks do not depend on it: the module goes first throughout.
-        getattr(module, name)(*args)
+        **kw: Any,
+    ) -> Any:
+        """The callbacks' hook ``name`` (with ``state`` as the trainer), then the module's,
+        as Lightning calls them; the module's answer."""
         for cb in callbacks:
-            getattr(cb, name)(state, module, *args)
+            getattr(cb, name)(state, module, *args, **kw)
+        return getattr(module, name)(*args, **kw)
 
 
 def _copy_first(items: list[Any]) -> Any:

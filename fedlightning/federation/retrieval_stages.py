@@ -1,6 +1,6 @@
 r"""The class-incremental open-world loop for cross-modal retrieval.
 
-Recall@1 takes the place of accuracy in the accuracy matrix (DESIGN.md): after stage
+Recall@1 takes the place of accuracy in the accuracy matrix (docs/metrics.md): after stage
 :math:`t`, client :math:`k`'s queries are its test nodes of known classes that have both
 modalities, and the candidates are the same nodes' item modality; query :math:`i` hits when
 its own item ranks first (pessimistic ties, :func:`~fedlightning.metrics.recall_at_k`).

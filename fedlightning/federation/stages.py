@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,8 @@ class ContinualLoop(FederatedLoop):
                 params={"stage": t},
             )
 
-        federated_round(
+        t0 = time.perf_counter()
+        sent = federated_round(
             round,
             self.server,
             self.runner,
@@ -179,6 +181,14 @@ class ContinualLoop(FederatedLoop):
             self.ledger,
             aggregate=lambda _, updates: self.server.end_stage(t, updates),
             desc=f"stage {t + 1} end",
+        )
+        log.info(
+            "stage %d end exchange: %d clients, %d answers, %.3f MiB up  (%.1fs)",
+            t + 1,
+            len(took_part),
+            len(sent),
+            4 * sum(u.num_values() for u in sent) / 1024**2,
+            time.perf_counter() - t0,
         )
 
     def evaluate_stage(self, t: int) -> dict[str, float]:

@@ -15,12 +15,14 @@ from torchmetrics.functional.classification import binary_auroc
 
 __all__ = [
     "auroc_known_vs_unknown",
+    "binary_auroc_of_scores",
     "energy_score",
     "fpr_at_threshold",
     "fpr_at_tpr",
     "msp_score",
     "open_accuracy",
     "threshold_at_tpr",
+    "unit_scores",
 ]
 
 
@@ -119,25 +121,50 @@ def fpr_at_tpr(known_scores: Tensor, unknown_scores: Tensor, tpr: float = 0.95) 
     return fpr_at_threshold(u, threshold_at_tpr(s, tpr))
 
 
+def unit_scores(scores: Tensor) -> Tensor:
+    """Raw scores mapped monotonically into [0, 1]: dense ranks (float64) over the largest
+    rank, keeping order and ties (one distinct value maps to 0).
+
+    ``torchmetrics``' binary metrics apply a sigmoid to predictions outside [0, 1]; on
+    large-magnitude scores (logits, energies) the sigmoid saturates in float32 and merges
+    distinct scores into ties. Ranks are already in [0, 1], so no sigmoid is applied, and
+    any rank-based metric (AUROC, average precision) is unchanged by the mapping.
+    """
+    x = torch.as_tensor(scores).detach().flatten().double()
+    _, ranks = torch.unique(x, sorted=True, return_inverse=True)
+    return ranks.double() / max(1, int(ranks.max()) if ranks.numel() else 0)
+
+
+def binary_auroc_of_scores(scores: Tensor, target: Tensor) -> float:
+    r"""AUROC of raw ``scores`` against 0/1 ``target`` (1 positive), via ``torchmetrics``
+    on :func:`unit_scores`:
+
+    .. math::
+        \mathrm{AUROC} = P(s^+ > s^-) + \tfrac{1}{2} P(s^+ = s^-)
+
+    Both classes must be present (the callers return NaN otherwise).
+    """
+    preds = unit_scores(scores)
+    return float(binary_auroc(preds, torch.as_tensor(target).long().flatten().to(preds.device)))
+
+
 def auroc_known_vs_unknown(known_scores: Tensor, unknown_scores: Tensor) -> float:
-    r"""AUROC of separating known (positive) from unknown nodes by score, via torchmetrics.
+    r"""AUROC of separating known (positive) from unknown nodes by score
+    (:func:`binary_auroc_of_scores`).
 
     .. math::
         \mathrm{AUROC} = P(s > u) + \tfrac{1}{2} P(s = u)
 
-    NaN if either side is empty. Scores become dense ranks scaled to [0, 1] first, keeping
-    order and ties: ``binary_auroc``'s sigmoid on scores outside [0, 1] saturates in float32.
+    NaN if either side is empty.
     """
     s, u = _scores(known_scores), _scores(unknown_scores)
     if s.numel() == 0 or u.numel() == 0:
         return math.nan
     scores = torch.cat([s.double(), u.double().to(s.device)])
-    _, ranks = torch.unique(scores, sorted=True, return_inverse=True)
-    preds = ranks.double() / max(1, int(ranks.max()))
     target = torch.cat(
         [torch.ones(s.numel(), dtype=torch.long), torch.zeros(u.numel(), dtype=torch.long)]
-    ).to(preds.device)
-    return float(binary_auroc(preds, target))
+    )
+    return binary_auroc_of_scores(scores, target)
 
 
 def open_accuracy(pred: Tensor, y: Tensor, is_known: Tensor) -> float:

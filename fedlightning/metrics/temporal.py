@@ -1,4 +1,4 @@
-r"""FedTIP's server-side scores and AUC-ROC (paper 001, Sec. 5.1; methods.md, evaluation)."""
+r"""FedTIP's server-side scores and AUC-ROC (paper 001, Sec. 5.1; docs/metrics.md)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,17 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchmetrics.functional.classification import binary_auroc
+
+from fedlightning.metrics.open_set import binary_auroc_of_scores
 
 
 def auroc(scores: Tensor, target: Tensor) -> float:
-    """AUC-ROC of ``scores`` against 0/1 ``target``; NaN when a class is absent."""
-    if len(target) == 0 or bool((target == target[0]).all()):
+    """AUC-ROC of raw ``scores`` (any magnitude, no sigmoid: ranks mapped into [0, 1] by
+    :func:`~fedlightning.metrics.open_set.unit_scores`) against 0/1 ``target``; NaN when a
+    class is absent or a score is NaN (a diverged model scores nothing)."""
+    if len(target) == 0 or bool((target == target[0]).all()) or bool(scores.isnan().any()):
         return math.nan
-    return float(binary_auroc(scores.float(), target.long()))
+    return binary_auroc_of_scores(scores, target)
 
 
 def class_score(h: Tensor, prototypes: dict[int, Tensor]) -> Tensor:

@@ -245,7 +245,7 @@ def prototype_graph(P: Tensor, labels: Tensor, kappa: int) -> Tensor:
 
 
 def propagate(P: Tensor, A: Tensor) -> Tensor:
-    r"""One step of symmetric-normalised propagation with self loops (methods.md, step 6).
+    r"""One step of symmetric-normalised propagation with self loops (FedOGL Eq. (13); docs/readings.md).
 
     .. math::
         \tilde{\mathbf{P}} = \mathbf{D}^{-1/2} (\mathbf{A}_P + \mathbf{I})

@@ -112,7 +112,7 @@ def anchor_update(
     :math:`\bar{\mathbf{q}}_c \leftarrow \mathrm{norm}((1-\beta)\bar{\mathbf{q}}_c + \beta\hat{\mathbf{q}}_c)`.
 
     A class without an anchor yet takes :math:`\mathrm{norm}(\hat{\mathbf{q}}_c)` (the first
-    aggregate initialises it, methods.md); classes nobody uploaded keep their anchor.
+    aggregate initialises it, docs/readings.md); classes nobody uploaded keep their anchor.
     """
     out = {c: a.clone() for c, a in anchors.items()}
     for c, s in stats.s_class.items():

@@ -85,7 +85,7 @@ class PromptAdapter(nn.Module):
 
     :math:`\varphi_f, \varphi_t` are one-layer ReLU bottlenecks of width ``bottleneck``;
     :math:`\psi` is a low-rank linear template (``rank``) to :math:`d_p = d_h`, so that the
-    cosine of Eq. (20) with a bank state is defined (methods.md). With ``residual=True``
+    cosine of Eq. (20) with a bank state is defined (docs/readings.md). With ``residual=True``
     :math:`\psi` adds the gated source state :math:`\alpha^f_u \odot \mathbf{h}_u` to its
     low-rank map, whose output layer starts at zero: training starts from the pre-training
     similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)` of Eq. (10) (Sec. 4.3; docs/fedtip.md).
@@ -233,7 +233,7 @@ def anchor_loss(q: Tensor, counts: Tensor, anchors: Tensor, has_anchor: Tensor) 
     \bar{\mathbf{q}}_c))` with :math:`\rho_{k,c} = n_{k,c} / n_k`, summed over clients.
 
     ``q``, ``counts``: :func:`class_prototypes`; ``anchors`` ``[C, d]`` with ``has_anchor``
-    ``[C]``: a class the server has no anchor for yet is skipped (methods.md), while
+    ``[C]``: a class the server has no anchor for yet is skipped (docs/readings.md), while
     :math:`n_k` still counts all of the client's support.
     """
     rho = counts / counts.sum(1, keepdim=True).clamp(min=1)

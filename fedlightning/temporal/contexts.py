@@ -1,5 +1,5 @@
-r"""Event contexts from the frozen bank (FedTIP Sec. 4.2, Eq. (12); methods.md, state
-construction; docs/temporal.md, "Event contexts"): the server's validation and test segments
+r"""Event contexts from the frozen bank (FedTIP Sec. 4.2, Eq. (12); docs/readings.md, "States";
+docs/temporal.md, "Event contexts"): the server's validation and test segments
 and each task client's support, streamed from the bank snapshot, computed once per (bank,
 protocol) on one thread.
 """

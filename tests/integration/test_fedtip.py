@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,12 +52,16 @@ def hand_uplink(run_dir, rounds, d_h, p, families, labels):
 def test_fedtip_synthetic_end_to_end_with_the_hand_counted_uplink(env, compose):
     s = train(compose(["experiment=fedtip_synthetic", *SMALL]), env / "a", verbose=False)
     m = s["metrics"]
-    for k in ("auc_nc", "auc_tlp", "auc_ilp", "val_auc_nc", "val_auc_tlp"):
-        assert 0.0 <= m[k] <= 1.0 and m[f"{k}_std"] >= 0.0
     assert s["tasks_done"] == 3 and s["tags"]["task"] == "temporal"
     assert s["tags"]["method"] == "fedtip" and s["tags"]["variant"] == "full"
     per_task = json.loads((env / "a" / "task_metrics.json").read_text())
     assert [r["task"] for r in per_task] == [0, 1, 2]
+    # the run's AUCs are the mean and std of the per-task ones (whether FedTIP learns:
+    # tests/integration/test_learning.py)
+    for k in ("auc_nc", "auc_tlp", "auc_ilp", "val_auc_nc", "val_auc_tlp"):
+        values = np.array([r[k] for r in per_task], dtype=np.float64)
+        assert not np.isnan(values).any(), k
+        assert m[k] == pytest.approx(values.mean()) and m[f"{k}_std"] == pytest.approx(values.std())
     assert m["auc_tlp"] == pytest.approx(sum(r["auc_tlp"] for r in per_task) / 3)
     # the adapter of the stream's widths: d_h = 64, TE 64, 8 edge features
     p = PromptAdapter(64, 64, 8, bottleneck=2, rank=2).num_values()
@@ -150,7 +155,7 @@ def test_fedtip_on_bitcoin_alpha(env, compose, shared_data, monkeypatch):
     s = train(compose(over), env / "btc", verbose=False)
     assert s["table"]["events"] == 24_186 and s["families"] == ["nc", "lp"]
     m = s["metrics"]
-    assert all(0.0 <= m[k] <= 1.0 for k in ("auc_nc", "auc_tlp", "auc_ilp"))
+    assert not any(np.isnan(m[k]) for k in ("auc_nc", "auc_tlp", "auc_ilp"))
     # no edge features reach the adapter: the rating would give the label away
     p = PromptAdapter(64, 64, 0).num_values()
     assert s["comm"]["adapter_values"] == p
