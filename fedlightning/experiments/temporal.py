@@ -250,6 +250,7 @@ def train_temporal(
             checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
             on_task_end=on_task_end,
             progress=world.is_main,  # the bar over tasks (runner.progress: the per-round bars)
+            min_clients=cfg.federation.get("min_clients", 1),
         )
         if resume_loop(loop, world, cfg, run_dir, hashes, resuming, saved_state):
             log.info("resuming %s after task %d", run_dir, len(loop.results))

@@ -163,6 +163,7 @@ class ContinualLoop(FederatedLoop):
                 one=lambda c: self.algorithm.stage_end_update(self.module, c, broadcast, t),
                 kind="stage_end",
                 params={"stage": t},
+                uplink=self.algorithm.stage_end_uplink(broadcast),
             )
 
         federated_round(
@@ -174,6 +175,7 @@ class ContinualLoop(FederatedLoop):
             self.ledger,
             aggregate=lambda _, updates: self.server.end_stage(t, updates),
             desc=f"stage {t + 1} end",
+            min_clients=self.min_clients,
         )
 
     def evaluate_stage(self, t: int) -> dict[str, float]:

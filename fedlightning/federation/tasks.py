@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
 from fedlightning.federation.ledger import DOWN, UP
-from fedlightning.federation.loop import Schedule
+from fedlightning.federation.loop import Schedule, check_min_clients
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.messages import ServerBroadcast
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
@@ -109,6 +109,7 @@ class TaskLoop(Schedule):
         checkpoint_path, on_task_end: as :class:`~fedlightning.federation.loop.FederatedLoop`'s,
             per task (``on_task_end(task_index, metrics)``).
         progress: the bar over tasks.
+        min_clients: ``federation.min_clients`` (docs/security.md).
     """
 
     pooled = False  # the clients' supports are pooled: no messages, no bank sent
@@ -129,8 +130,10 @@ class TaskLoop(Schedule):
         checkpoint_path: str | Path | None = None,
         on_task_end: Callable[[int, dict[str, float]], None] | None = None,
         progress: bool = True,
+        min_clients: int = 1,
     ) -> None:
         super().__init__(checkpoint_path)
+        self.min_clients = check_min_clients(min_clients)
         self.algorithm, self.tasks, self.eval_batches = algorithm, list(tasks), eval_batches
         self.families, self.dims, self.runner = list(families), dims, runner
         self.rounds, self.epochs, self.seed = rounds, epochs, seed
@@ -168,6 +171,7 @@ class TaskLoop(Schedule):
                 self.ledger,
                 prefix=family,
                 scope=task_scope(task.task),
+                min_clients=self.min_clients,
             )
         return alg.task_result(module, adapter, server)
 
@@ -188,6 +192,7 @@ class TaskLoop(Schedule):
                 for k, v in evaluate(adapter, protos, batch, family).items():
                     if not (split == "val" and k == "auc_ilp"):  # inductive flags: test only
                         metrics[prefix + k] = v
+        metrics["rejected"] = float(self.ledger.rejected(scope=scope))
         metrics["uplink_mib"] = self.ledger.mib(UP, scope=scope)
         metrics["downlink_mib"] = self.ledger.mib(DOWN, scope=scope)
         metrics["task_time_s"] = time.perf_counter() - t0
@@ -225,7 +230,7 @@ class TaskLoop(Schedule):
         """Mean and std over the tasks of every AUC, and the uplink/downlink per task (not
         for pooled training, whose support moves raw to the server)."""
         out: dict[str, float] = {}
-        keys = [k for k in self.results[0] if k not in ("task", "task_time_s")]
+        keys = [k for k in self.results[0] if k not in ("task", "task_time_s", "rejected")]
         if self.pooled:  # raw support pooled: no federated uplink
             keys = [k for k in keys if not k.endswith("_mib")]
         for k in keys:
@@ -235,6 +240,7 @@ class TaskLoop(Schedule):
             out[name] = float(ok.mean()) if len(ok) else math.nan
             if not k.endswith("_mib"):
                 out[f"{k}_std"] = float(ok.std()) if len(ok) else math.nan
+        out["rejected"] = float(self.ledger.rejected())
         return out
 
     def comm(self) -> dict[str, Any]:

@@ -310,7 +310,7 @@ def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, r
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     run_dir = tmp_env / "run"
-    overrides = " ".join([*CORA, "runner.timeout_s=40", "runner.connect_timeout_s=120"])
+    overrides = " ".join([*CORA, "runner.client_timeout_s=40", "runner.connect_timeout_s=120"])
     fed = Deployment(tmp_env, env)
     try:
         for k in range(K):
@@ -331,7 +331,10 @@ def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, r
         assert (run_dir / "checkpoint.pt").exists(), "round 1 never finished"
         fed.kill(f"node{K - 1}")  # round 2 waits for it in vain
         out, _ = first.communicate(timeout=300)
-        assert f"round 2 (train): client {K - 1}: " in out  # no reply, or "Node Unavailable"
+        # its fit is dropped from round 2 (no reply, or "Node Unavailable"); the global model
+        # cannot be measured on its data: the evaluation stops the run, resumable
+        assert f"round 2: client {K - 1} rejected: fit failed" in out
+        assert f"round 2 (evaluate): client {K - 1}: " in out
         assert f"fedlightning flower-sim resume={run_dir}" in out
         assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["completed_rounds"] == 1
         assert not (run_dir / "summary.json").exists()
