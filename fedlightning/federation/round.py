@@ -137,7 +137,11 @@ def federated_round(
         raise TooFewClients(
             f"round {round}{f' ({scope})' if scope else ''}: {len(sent)} of {len(ids)} "
             f"clients' messages kept, fewer than federation.min_clients={min_clients} "
-            f"(dropped: {'; '.join(f'client {r.client}: {r.rule}' for r in refused)[:400]})"
+            f"(dropped: {'; '.join(_why(r) for r in refused)[:400]})"
         )
     (aggregate or server.aggregate)(round, sent)
     return sent
+
+
+def _why(r: Rejection) -> str:
+    return f"client {r.client}{f' `{r.field}`' if r.field else ''}: {r.rule}"

@@ -23,6 +23,7 @@ from fedlightning.utils.seeding import rng_state, set_rng_state
 FitFn = Callable[[Any], ClientUpdate]
 log = logging.getLogger(__name__)
 TIMEOUT_KEY = "runner.client_timeout_s"
+SHARE_WAIT = 10  # a rank waits for the others up to this many client time limits
 
 
 @dataclass
@@ -189,9 +190,10 @@ class DistributedRunner(SequentialRunner):
         device: ``auto`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``cpu``
             or ``cuda``.
         client_timeout_s: as :class:`SequentialRunner`'s (each rank times its own fits);
-            also the seconds a rank waits in a collective before it fails with
-            :class:`~fedlightning.federation.world.RankLost` (default ``600``; ``None``:
-            no fit limit, and the collectives wait 600 s).
+            a rank waits for the others in a collective up to :data:`SHARE_WAIT` times it
+            (a share of that many clients that each use their whole limit) before it fails
+            with :class:`~fedlightning.federation.world.RankLost` (default ``600``;
+            ``None``: no fit limit, and the collectives wait 600 s).
         timeout_s: the old name of ``client_timeout_s`` (read, with a warning).
         progress, kill_at: as :class:`SequentialRunner`'s (the bar on rank 0; the rank
             that fits the N-th client of ROUND kills itself).
@@ -210,7 +212,8 @@ class DistributedRunner(SequentialRunner):
         timeout_s: float | None = None,
     ) -> None:
         super().__init__(executor, progress, kill_at, client_timeout_s, timeout_s)
-        self.world = join_world(backend, device, self.client_timeout_s or 600.0)
+        wait = SHARE_WAIT * self.client_timeout_s if self.client_timeout_s else 600.0
+        self.world = join_world(backend, device, wait)
         self.executor.device = self.world.device
         self.progress = progress and self.world.is_main
         if self.world.size > 1:

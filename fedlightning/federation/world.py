@@ -102,7 +102,7 @@ class World:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise self.lost(
                 f"{what}: another rank died or did not answer within "
-                f"runner.client_timeout_s={self.timeout_s:g} s ({first})"
+                f"{self.timeout_s:g} s (10 x runner.client_timeout_s) ({first})"
             ) from e
 
     def stop_on_sigterm(self) -> None:

@@ -226,12 +226,20 @@ def screen(
         if why is None:
             why = validate(u, spec)
         if why is not None:
-            values = u.num_values() if isinstance(u, Message) else 0
+            values = _values(u)
             rejected.append(Rejection(round, asked, why[0], why[1], values))
             continue
         seen.add(u.client_id)
         kept.append(u)
     return kept, rejected
+
+
+def _values(u: Any) -> int:
+    """The values a refused message carried (whatever its fields hold)."""
+    tensors, scalars = getattr(u, "tensors", {}), getattr(u, "scalars", {})
+    if not isinstance(tensors, dict) or not isinstance(scalars, dict):
+        return 0
+    return sum(t.numel() if isinstance(t, Tensor) else 1 for t in tensors.values()) + len(scalars)
 
 
 def _identity(u: Any, round: int, asked: int, seen: set[int]) -> tuple[str, str] | None:

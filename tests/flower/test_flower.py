@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 K = 2  # clients: one SuperNode each
 CORA = ["experiment=fedavg_cora", "federation.rounds=2", f"federation.clients={K}", "logger=none"]
-UPDATE_SCALARS = {"num_examples", "train_loss"}
+UPDATE_SCALARS = {"num_examples"}  # the loss stays on the client (federation.report_train_loss)
 COUNT_FIELDS = {f"{s}_{c}" for s in ("train", "val", "test") for c in ("correct", "total")}
 
 
