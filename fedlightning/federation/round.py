@@ -118,7 +118,6 @@ def federated_round(
     ids = [c.client_id for c in clients]
     arrived, dropped = [], []
     for i, (k, update) in enumerate(zip(ids, updates, strict=True)):
-        ledger.record(DOWN, k, down, scope)
         if isinstance(update, ClientFailed):
             dropped.append(Rejection(round, k, "", f"fit failed: {update.reason}"))
         elif update is None and spec is not None and not spec.optional:
@@ -126,8 +125,11 @@ def federated_round(
         elif update is not None:
             arrived.append((i, update))
     sent, rejected = screen(round, ids, arrived, spec)
-    for update in sent:
-        ledger.record(UP, update.client_id, prefixed(update, prefix), scope)
+    kept = {id(u) for u in sent}
+    for k, update in zip(ids, updates, strict=True):  # in client order, as before checks
+        ledger.record(DOWN, k, down, scope)
+        if id(update) in kept:
+            ledger.record(UP, k, prefixed(update, prefix), scope)
     refused = sorted([*dropped, *rejected], key=lambda r: ids.index(r.client))
     ledger.reject(refused, scope)
     where = f"[{' '.join(x for x in (scope, prefix) if x)}] " if scope or prefix else ""
