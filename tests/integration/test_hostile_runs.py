@@ -62,9 +62,10 @@ def test_fedavg_cora_with_one_nan_client(cora, monkeypatch):
 
 @pytest.mark.realdata
 def test_fedavg_cora_with_one_1000x_client_and_a_norm_bound(cora, monkeypatch):
-    """Honest updates have norm ~7-9 on Cora (measured); ``max_update_norm=10`` leaves them
-    alone and clips the 1000x client's to 10: it is bounded, not rejected."""
-    bound = ["algorithm.max_update_norm=10"]
+    """Honest updates have norm 6.6-9.0 on Cora (measured over 20 rounds); with
+    ``max_update_norm=6`` every update is clipped to 6 in both runs, and the 1000x client's
+    (its own direction, scaled) counts as much as an honest one: bounded, not rejected."""
+    bound = ["algorithm.max_update_norm=6"]
     clean = cora(bound, "clean")
     hostile_fit(monkeypatch, scaled_1000)
     hostile = cora(bound, "scaled")
@@ -105,7 +106,7 @@ def test_fedtip_synthetic_with_one_nan_client(tmp_env, monkeypatch, compose):
     hostile = train(compose(SMALL), tmp_env / "nan", verbose=False)
     # client 2 is one of the 5 active clients (of 10 owners) in some of the 3 tasks
     for key in ("auc_tlp", "auc_nc"):
-        if key in clean["metrics"]:
+        if clean["metrics"].get(key) is not None:  # (None: no task of that family scored)
             assert abs(hostile["metrics"][key] - clean["metrics"][key]) <= 0.02, key
     rejected = hostile["comm"]["rejected"]
     assert rejected["count"] == 3 * 2 * len(hostile["families"])  # tasks x rounds x families
