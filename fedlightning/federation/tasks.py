@@ -186,6 +186,13 @@ class TaskLoop(Schedule):
         metrics: dict[str, float] = {"task": task.task}
         for family in self.families:
             adapter, protos = self.federate(task, family)
+            if family == "nc" and (missing := sorted({0, 1} - set(protos))):
+                log.warning(
+                    "task %s nc: no prototype for class %s (no kept message observed it): "
+                    "auc_nc not scored (null)",
+                    task.task,
+                    ", ".join(map(str, missing)),
+                )
             segments = self.algorithm.task_segments(self, self.eval_batches)
             for split, batch in segments.items():
                 prefix = "val_" if split == "val" else ""

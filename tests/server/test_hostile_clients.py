@@ -386,12 +386,12 @@ def test_fedogl_prototype_lies_are_refused(case):
 P, D_H, SUPPORT = 6, 3, 10
 
 
-def tip_update(k: int, round: int, scale: float = 1.0) -> ClientUpdate:
+def tip_update(k: int, round: int, scale: float = 1.0, counts=None) -> ClientUpdate:
     """Client ``k``'s honest message of Eq. (2): a delta, counts (3 + k % 2, 4) of 10
-    support events, prototypes, and the coverage and norm it computes."""
+    support events (or ``counts``), prototypes, and the coverage and norm it computes."""
     g = torch.Generator().manual_seed(k)
     delta = scale * 0.01 * torch.randn(P, generator=g)
-    counts = {0: 3 + k % 2, 1: 4}
+    counts = counts or {0: 3 + k % 2, 1: 4}
     return ClientUpdate(
         round,
         {"delta": delta, **{f"proto.{c}": torch.ones(D_H) / (c + 1) for c in counts}},
@@ -404,7 +404,9 @@ def tip_update(k: int, round: int, scale: float = 1.0) -> ClientUpdate:
     )
 
 
-def tip_round(bad, scale: float = 1.0):
+def tip_round(bad, scale: float = 1.0, counts=None):
+    """One real FedTIP round of ``K`` clients, ``BAD``'s message passed through ``bad``;
+    ``counts(k)``: client ``k``'s class counts (default: :func:`tip_update`'s)."""
     alg = FedTIP()
     server = FedTIPServer({"a": torch.zeros(P)}, anchors=True)
     task = TaskBatches(0, {k: {"h_u": torch.zeros(SUPPORT, 1)} for k in range(K)})
@@ -412,7 +414,10 @@ def tip_round(bad, scale: float = 1.0):
 
     def work(broadcast):
         def fit(c):
-            u = tip_update(c.client_id, broadcast.round, scale if c.client_id == BAD else 1.0)
+            k = c.client_id
+            u = tip_update(
+                k, broadcast.round, scale if k == BAD else 1.0, counts(k) if counts else None
+            )
             return bad(u) if c.client_id == BAD and bad is not None else u
 
         return ClientWork(one=fit, uplink=alg.task_uplink(task, "nc", broadcast, D_H))
@@ -504,6 +509,22 @@ def test_fedtip_1000x_delta_with_an_honest_looking_norm_is_bounded():
     norms = sorted(float(tip_update(k, 1).tensors["delta"].norm()) for k in [0, 1, 3, 4])
     assert float(server.omega.norm()) < 10 * max(norms)  # 1000x delta: norm ~1000x
     assert float((server.omega - honest_only).norm()) < 2 * max(norms)
+
+
+def test_fedtip_a_dropped_sole_holder_of_a_class_leaves_that_class_without_an_anchor():
+    """``BAD`` alone observed class 1 and sends a NaN delta: its whole message goes, its
+    (finite) class-1 prototype with it, so the task has no class-1 anchor and node
+    classification is not scored (docs/security.md); class 0's anchor is the normalised
+    count-weighted mean of the kept prototypes (Eqs. 23-24), all ``1`` here."""
+    server, ledger, kept = tip_round(
+        tip_set("delta", torch.full((P,), NAN)),
+        counts=lambda k: {0: 5, 1: 2} if k == BAD else {0: 6},
+    )
+    assert [u.client_id for u in kept] == [0, 1, 3, 4]
+    assert ledger.rejections[0][1:3] == (BAD, "delta")
+    assert set(server.class_prototypes()) == {0}
+    assert torch.allclose(server.class_prototypes()[0], torch.ones(D_H) / D_H**0.5)
+    assert torch.isfinite(server.omega).all()
 
 
 # ------------------------------------------------------------------ distributed
