@@ -84,31 +84,79 @@ SMALL = [
 ]
 
 
-def test_fedtip_synthetic_with_one_nan_client(tmp_env, monkeypatch, compose):
-    """5 active clients per task (of 10 owners); the client with the highest id of each
-    task's round sends NaN deltas. (Not the lowest: in this shrunk stream the lowest id of
-    every node-classification task is the only client that observed class 1, and with its
+@pytest.fixture(scope="module")
+def fedtip(tmp_path_factory, compose):
+    """The clean shrunk run, and ``run(name)``: another one sharing its cache (one bank)."""
+    root = tmp_path_factory.mktemp("fedtip")
+
+    def run(name):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(root)
+            mp.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
+            mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+            return train(compose(SMALL), root / name, verbose=False)
+
+    return run("clean"), run
+
+
+def spoil_highest(monkeypatch, spoil) -> set[int]:
+    """The highest client id of each task's round sends ``spoil(update)``; returns the set
+    of those ids. (Not the lowest: in this shrunk stream the lowest id of every
+    node-classification task is the only client that observed class 1, and with its
     message dropped no kept message carries class-1 evidence, so node classification is
     not scored at all; tests/server/test_hostile_clients.py checks that case.)"""
-    clean = train(compose(SMALL), tmp_env / "clean", verbose=False)
     real = FedTIP.make_updates
     highest: set[int] = set()
 
     def spoiled(self, module, batch, start, round, client_ids, generators=None):
         out = real(self, module, batch, start, round, client_ids, generators)
         highest.add(max(client_ids))  # the whole round's stack under the sequential runner
-        for u in out:
-            if u.client_id == max(client_ids):
-                u.tensors["delta"] = torch.full_like(u.tensors["delta"], float("nan"))
-        return out
+        return [spoil(u) if u.client_id == max(client_ids) else u for u in out]
 
     monkeypatch.setattr(FedTIP, "make_updates", spoiled)
-    hostile = train(compose(SMALL), tmp_env / "nan", verbose=False)
+    return highest
+
+
+def assert_close_aucs(hostile, clean):
     assert clean["metrics"]["auc_nc"] is not None and clean["metrics"]["auc_tlp"] is not None
     for key in ("auc_nc", "auc_tlp", "auc_ilp"):
         assert abs(hostile["metrics"][key] - clean["metrics"][key]) <= 0.02, key
+
+
+def test_fedtip_synthetic_with_one_nan_client(fedtip, monkeypatch):
+    """5 active clients per task (of 10 owners); one of each round sends NaN deltas."""
+    clean, run = fedtip
+
+    def nan_delta(u):
+        u.tensors["delta"] = torch.full_like(u.tensors["delta"], float("nan"))
+        return u
+
+    highest = spoil_highest(monkeypatch, nan_delta)
+    hostile = run("nan")
+    assert_close_aucs(hostile, clean)
     rejected = hostile["comm"]["rejected"]
     assert rejected["count"] == 3 * 2 * len(hostile["families"])  # tasks x rounds x families
     assert set(rejected["per_client"]) == {str(k) for k in highest}
     assert all(m["field"] == "delta" for m in rejected["messages"])
     assert clean["metrics"]["rejected"] == 0
+
+
+def test_fedtip_synthetic_with_one_1000x_client(fedtip, monkeypatch):
+    """One client of each round sends 1000 times its delta and reports that delta's true norm
+    (a consistent, well-formed message): kept, and bounded by Eq. (29), whose weight
+    ``b_k gamma / ||Delta_k||`` scales its term down to the median honest norm."""
+    clean, run = fedtip
+
+    def scaled(u):
+        u.tensors["delta"] = 1000 * u.tensors["delta"]
+        u.scalars["norm"] = float(u.tensors["delta"].norm())
+        return u
+
+    spoil_highest(monkeypatch, scaled)
+    hostile = run("scaled")
+    assert hostile["comm"]["rejected"]["count"] == 0
+    assert_close_aucs(hostile, clean)
+    # measured: link prediction moves by 0.0002-0.0003 AUC with Eq. (29); with r_k = 1
+    # (algorithm.aggregation=fedavg, the same 1000x client) by 0.012-0.015
+    for key in ("auc_tlp", "auc_ilp"):
+        assert abs(hostile["metrics"][key] - clean["metrics"][key]) <= 0.005, key
