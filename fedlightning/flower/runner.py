@@ -206,12 +206,14 @@ class FlowerRunner(Runner):
             Message(content, dst_node_id=self.nodes[k], message_type=kind, group_id=str(round))
             for k, content in contents.items()
         ]
-        by_node = {n: k for k, n in self.nodes.items()}
         want = len(messages)
         replies = self._collect(
             messages, lambda got: len(got) == want, time.monotonic() + self.timeout_s
         )
-        out = {by_node[r.metadata.src_node_id]: r for r in replies}
+        # by the message replied to (its id is set by the push): the SuperLink answers for
+        # a node it knows is gone ("Node Unavailable") from its own node id, not the node's
+        by_message = {m.metadata.message_id: k for m, k in zip(messages, contents, strict=True)}
+        out = {by_message[r.metadata.reply_to_message_id]: r for r in replies}
         problems = {k: f"node error: {r.error.reason}" for k, r in out.items() if r.has_error()}
         for k in sorted(set(contents) - set(out)):
             problems[k] = f"no reply within runner.client_timeout_s={self.timeout_s:g} s"

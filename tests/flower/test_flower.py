@@ -400,3 +400,46 @@ def test_client_state_on_the_node_follows_the_rounds(tmp_path):
     states.save(5, {"teacher": torch.zeros(2)})  # round 4 left nothing behind
     assert sorted(states.rounds()) == [3, 5]
     assert torch.equal(states.load(5)["replay"], torch.tensor([3]))
+
+
+def test_a_node_the_superlink_reports_unavailable_drops_its_client(monkeypatch):
+    """The SuperLink answers a message to a node it knows is gone with an error of its own
+    (from its node id, not the node's): the runner matches replies to the messages they
+    answer, and drops that client from the round."""
+    from types import SimpleNamespace
+
+    from flwr.app import Message
+    from flwr.server.superlink.linkstate.utils import (
+        create_message_error_unavailable_res_message,
+    )
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_task_id", "_run_id", "_node_id"):  # what a ServerApp process has set
+        monkeypatch.setattr(TaskIdentity, name, 7)
+
+    gone = 202
+    update = ClientUpdate(1, {"model.w": torch.ones(2)}, {"num_examples": 3.0}, 0)
+
+    class Grid:
+        pushed: dict[str, Message] = {}
+
+        def push_messages(self, messages):
+            for i, m in enumerate(messages):
+                m.metadata.__dict__["_message_id"] = f"m{i}"  # as Flower's grids do
+                self.pushed[f"m{i}"] = m
+            return list(self.pushed)
+
+        def pull_messages(self, ids):
+            for i in ids:
+                m = self.pushed[i]
+                if m.metadata.dst_node_id == gone:
+                    yield create_message_error_unavailable_res_message(m.metadata, "node")
+                else:
+                    yield Message(message_records(update), reply_to=m)
+
+    runner = FlowerRunner(LeanExecutor(), grid=Grid(), client_timeout_s=5, progress=False)
+    runner.nodes = {0: 101, 1: gone}
+    fit = SimpleNamespace(kind="fit", params={}, broadcast=update)
+    got = runner.run_round(1, [SimpleNamespace(client_id=0), SimpleNamespace(client_id=1)], fit)
+    assert torch.equal(got[0].tensors["model.w"], torch.ones(2)) and got[0].client_id == 0
+    assert got[1].client_id == 1 and got[1].reason.startswith("node error: ")
