@@ -443,3 +443,84 @@ def test_a_node_the_superlink_reports_unavailable_drops_its_client(monkeypatch):
     got = runner.run_round(1, [SimpleNamespace(client_id=0), SimpleNamespace(client_id=1)], fit)
     assert torch.equal(got[0].tensors["model.w"], torch.ones(2)) and got[0].client_id == 0
     assert got[1].client_id == 1 and got[1].reason.startswith("node error: ")
+
+
+# ---------------------------------------------------------------------------- a failing client
+# Written as the ``sitecustomize`` of every process the simulation starts (its Ray workers
+# inherit PYTHONPATH): once ``fedlightning.federation.loop`` is imported, client BAD's fit
+# raises in round ROUND. Test-only; the package has no such hook.
+FAILING_FIT = """
+import importlib.util, sys
+
+
+class FailingFit:
+    def find_spec(self, name, path=None, target=None):
+        if name != "fedlightning.federation.loop":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            real = module.local_fit
+
+            def local_fit(algorithm, m, broadcast, executor, epochs, seed, client):
+                if client.client_id == {bad} and broadcast.round == {round}:
+                    raise RuntimeError("injected failure")
+                return real(algorithm, m, broadcast, executor, epochs, seed, client)
+
+            module.local_fit = local_fit
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, FailingFit())
+"""
+
+
+@pytest.mark.slow
+def test_simulation_drops_a_failing_client_mid_run_as_the_sequential_run(
+    tmp_env, shared_data, monkeypatch
+):
+    """Client 1's node raises in its round-2 fit: Flower drops it from round 2 (one record,
+    ``fit failed``), the run goes on (client 1 fits again in round 3) and ends bitwise
+    where the sequential run with the same failing fit ends."""
+    import fedlightning.federation.loop as loop_module
+    from fedlightning.config import compose
+    from fedlightning.flower.apps import simulate
+
+    bad, round = 1, 2
+    over = ["experiment=fedavg_cora", "federation.rounds=3", f"federation.clients={K}"]
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    real = loop_module.local_fit
+
+    def failing(algorithm, m, broadcast, executor, epochs, seed, client):
+        if client.client_id == bad and broadcast.round == round:
+            raise RuntimeError("injected failure")
+        return real(algorithm, m, broadcast, executor, epochs, seed, client)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(loop_module, "local_fit", failing)
+        reference = train(compose([*over, "logger=none"]), tmp_env / "seq", verbose=False)
+
+    hook = tmp_env / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAILING_FIT.format(bad=bad, round=round))
+    paths = [str(hook), str(REPO), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    summary = simulate([*over, "logger=none"], tmp_env / "sim")
+
+    for s in (reference, summary):
+        rejected = s["comm"]["rejected"]
+        assert rejected["per_client"] == {str(bad): 1} and rejected["per_round"] == {"2": 1}
+        ((m,),) = [rejected["messages"]]
+        assert (m["client"], m["field"]) == (bad, "") and "fit failed" in m["rule"]
+        assert "injected failure" in m["rule"]
+    assert summary["metrics"] == reference["metrics"]  # bitwise: the same floats
+    assert {k: v for k, v in summary["comm"].items() if k != "rejected"} == {
+        k: v for k, v in reference["comm"].items() if k != "rejected"
+    }
+    # client 1 sent in rounds 1 and 3 only, client 0 in all three
+    assert summary["comm"]["fields"]["num_examples"]["up"] == 2 + 1 + 2
