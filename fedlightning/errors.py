@@ -21,5 +21,10 @@ class DataError(FedLightningError):
         self.path = path
 
 
+class TooFewClients(FedLightningError):
+    """Fewer than ``federation.min_clients`` clients' messages remain in a round after the
+    server dropped the failing or rejected ones; the run stops after its last checkpoint."""
+
+
 class RunStopped(Exception):
     """A caller stopped a run on purpose (a pruned sweep trial); its checkpoint stays."""

@@ -17,7 +17,7 @@ from fedlightning.clients.continual import DISTILL_ON, ContinualNodeClassifier
 from fedlightning.clients.replay import class_balanced_sample, stage_batch
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
-from fedlightning.federation.algorithm import Algorithm, FederatedClient
+from fedlightning.federation.algorithm import Algorithm, FederatedClient, check_bounds
 from fedlightning.federation.stacking import fit_stacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server.aggregate import model_state
@@ -41,6 +41,8 @@ class ContinualFedAvg(Algorithm):
             ``replay`` while replay is on, else ``current``.
         prox_mu: FedProx coefficient (default ``0.0``).
         score: rejection score, ``msp`` (Eq. (6)) or ``energy`` (default ``msp``).
+        max_update_norm, max_client_weight: the server's bounds on each client's influence
+            (as :class:`~fedlightning.algorithms.fedavg.FedAvg`'s; ``None``: off).
     """
 
     continual = True
@@ -57,7 +59,12 @@ class ContinualFedAvg(Algorithm):
         distill_on: str | None = None,
         prox_mu: float = 0.0,
         score: str = "msp",
+        max_update_norm: float | None = None,
+        max_client_weight: float | None = None,
     ) -> None:
+        self.max_update_norm, self.max_client_weight = check_bounds(
+            max_update_norm, max_client_weight
+        )
         if replay_stages is not None and replay_stages < 1:
             raise ConfigError("algorithm.replay_stages", f"must be >= 1, got {replay_stages}")
         for key, value in (

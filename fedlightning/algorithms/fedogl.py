@@ -6,6 +6,7 @@ switch (paper Table 2).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from fedlightning.server.fedogl import (
 )
 from fedlightning.server.privacy import PrototypeRelease, private_prototype
 from fedlightning.server.prototypes import local_prototypes
+from fedlightning.server.validation import Field, MessageSpec, Rule
 from fedlightning.utils.seeding import torch_generator
 
 
@@ -118,7 +120,7 @@ class FedOGL(ContinualFedAvg):
             mem = self.prototype_memory()
             mem.schedule = self.schedule
             modules["prototypes"] = mem
-        return Server(global_state, modules=modules)
+        return Server(global_state, modules=modules, **self.bounds())
 
     def prototype_memory(self) -> PrototypeMemory:
         """The server's prototype module, Eqs. (12)-(14)."""
@@ -131,6 +133,62 @@ class FedOGL(ContinualFedAvg):
         """Known classes at ``round`` and whether an old class exists (``gamma_t > 0``)."""
         t = self.stage_of(round)
         return self.stream.known(t), t > 0
+
+    # ---------------------------------------------------------------- declared messages
+    proto_sides: tuple[str, ...] = ("",)  # the prototype banks' names ("": node classification)
+
+    def proto_width(self, side: str) -> str:
+        """The broadcast field whose second axis is a prototype's width (the head's input)."""
+        return "model.head.weight"
+
+    def uplink(self, broadcast: ServerBroadcast) -> MessageSpec:
+        """FedAvg's fields and, with prototypes, ``proto.[<bank>.]<c>.<q>`` (a known class of
+        the round's stage, ``q`` below ``modes``, as wide as the head's input) each with its
+        ``proto_count.`` (a whole number >= 1); a client's counts sum to at most its
+        ``num_examples`` (Eq. (11): prototypes of the stage's training nodes)."""
+        spec = super().uplink(broadcast)
+        if not self.use_prototypes:
+            return spec
+        known = frozenset(self.stream.known(self.stage_of(broadcast.round)))
+        modes = "|".join(str(q) for q in range(int(self.proto["modes"])))
+        fields = []
+        for side in self.proto_sides:
+            pre = re.escape(f"{side}.") if side else ""
+            width = self.proto_width(side)
+
+            def shape(m: re.Match, ref: Any, width: str = width) -> tuple[int, ...] | None:
+                return (ref.tensors[width].shape[1],) if width in ref.tensors else None
+
+            name = rf"{pre}(?P<c>\d+)\.(?:{modes})"
+            fields.append(Field(re.escape(PROTO_PREFIX) + name, shape=shape, classes=known,
+                                required=False))  # fmt: skip
+            fields.append(Field(re.escape(COUNT_PREFIX) + name, tensor=False, low=1.0,
+                                integral=True, classes=known, required=False))  # fmt: skip
+        return MessageSpec(
+            (*spec.fields, *fields),
+            rules=(
+                *spec.rules,
+                Rule(_paired_prototypes, reads=(r"proto_count\..+", "num_examples")),
+            ),
+            reference=broadcast,
+        )
+
+    def stage_end_uplink(self, broadcast: ServerBroadcast) -> MessageSpec | None:
+        """Eq. (7)'s message: ``basis.<weight>`` (a matrix; as many rows as the broadcast's
+        basis of that weight, if any) and ``basis_nodes`` (a whole number >= 0); a client
+        may send nothing."""
+        if not self.projection:
+            return None
+
+        def rows(m: re.Match, ref: Any) -> tuple[int, ...]:
+            prev = ref.tensors.get(m[0]) if ref is not None else None
+            return (prev.shape[0] if prev is not None else -1, -1)
+
+        fields = (
+            Field(re.escape(BASIS_PREFIX) + r".+", shape=rows),
+            Field("basis_nodes", tensor=False, low=0.0, integral=True),
+        )
+        return MessageSpec(fields, optional=True, reference=broadcast)
 
     # ---------------------------------------------------------------- client side
     def callbacks(self) -> list:
@@ -266,6 +324,25 @@ class FedOGL(ContinualFedAvg):
         )
 
 
+def _paired_prototypes(update: ClientUpdate) -> str | None:
+    """Each prototype comes with its count and each count with its prototype; the counts
+    sum to at most ``num_examples``."""
+    protos = {k[len(PROTO_PREFIX) :] for k in update.tensors if k.startswith(PROTO_PREFIX)}
+    counts = {k[len(COUNT_PREFIX) :] for k in update.scalars if k.startswith(COUNT_PREFIX)}
+    for name in sorted(protos ^ counts):
+        field = PROTO_PREFIX + name if name in protos else COUNT_PREFIX + name
+        return f"{field}: a prototype and its count travel together"
+    sides: dict[str, float] = {}
+    for name in counts:
+        side = name.rsplit(".", 2)[0] if name.count(".") > 1 else ""
+        sides[side] = sides.get(side, 0.0) + update.scalars[COUNT_PREFIX + name]
+    for side, total in sorted(sides.items()):
+        if total > update.scalars.get("num_examples", 0.0):
+            field = f"{COUNT_PREFIX}{side}{'.' if side else ''}*"
+            return f"{field}: counts sum to {total:g}, more than num_examples"
+    return None
+
+
 class RetrievalFedOGL(ContinualRetrieval, FedOGL):
     """FedOGL for class-incremental cross-modal retrieval (docs/fedogl.md, "Retrieval"): Eq.
     (5) with InfoNCE, the last GNN layer of each tower shielded (Eqs. (7)-(9)), prototypes
@@ -288,7 +365,12 @@ class RetrievalFedOGL(ContinualRetrieval, FedOGL):
     def client_module(self, net: Any, optimizer: Any) -> Any:
         module = super().client_module(net, optimizer)
         self.sides = tuple(net.sides)
+        self.proto_sides = self.sides
         return module
+
+    def proto_width(self, side: str) -> str:
+        """A modality's prototypes are as wide as its projection head's input."""
+        return f"model.heads.{side}.weight"
 
     def prototype_memory(self) -> AlignmentMemory:
         if self.sides is None:

@@ -16,11 +16,18 @@ class FedProx(FedAvg):
 
     Args:
         mu: proximal coefficient (default ``0.01``); ``mu=0`` is FedAvg.
+        max_update_norm, max_client_weight: as :class:`FedAvg`'s.
     """
 
     name = "fedprox"
 
-    def __init__(self, mu: float = 0.01) -> None:
+    def __init__(
+        self,
+        mu: float = 0.01,
+        max_update_norm: float | None = None,
+        max_client_weight: float | None = None,
+    ) -> None:
+        super().__init__(max_update_norm, max_client_weight)
         if mu < 0:
             raise ConfigError("algorithm.mu", f"must be >= 0, got {mu}")
         self.mu = float(mu)

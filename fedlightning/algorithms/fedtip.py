@@ -7,6 +7,7 @@ The uplink message (Eq. 2) carries only the fields a configuration uses
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,8 +35,15 @@ from fedlightning.federation.tasks import (
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.privacy import PrototypeRelease, private_prototype
-from fedlightning.server.reliability import FedTIPServer, label_coverage, read_broadcast
+from fedlightning.server.reliability import (
+    FedTIPServer,
+    coverage_of,
+    label_coverage,
+    read_broadcast,
+    update_norm,
+)
 from fedlightning.server.secure_sum import SecureSum, ShareSpec
+from fedlightning.server.validation import Field, MessageSpec, Rule, close
 from fedlightning.temporal.adapter import TIES, PromptAdapter
 from fedlightning.utils.seeding import derive_seed, torch_generator
 
@@ -43,6 +51,7 @@ MODES = ("federated", "central")
 AGGREGATIONS = ("reliability", "fedavg")
 PROMPTS = ("interaction", "static")
 NEGATIVES = ("protocol", "unfiltered")
+CLASSES = (0, 1)  # the label set of Eq. (27): node states, or negative/positive links
 
 
 @dataclass
@@ -208,7 +217,83 @@ class FedTIP(Algorithm):
         shapes = {n: (1, *v.shape[1:]) for n, v in module.adapter.state_dict().items()}
         omega, anchors = read_broadcast(broadcast, shapes)
         fit = partial(self.fit_clients, context, task, family, module, broadcast.round)
-        return ClientWork(share=partial(fit, omega, anchors))
+        uplink = self.task_uplink(task, family, broadcast, module.adapter.d_h)
+        return ClientWork(share=partial(fit, omega, anchors), uplink=uplink)
+
+    def task_uplink(
+        self,
+        task: TaskBatches,
+        family: str,
+        broadcast: ServerBroadcast,
+        width: int,
+        field: str = "adapter",
+    ) -> MessageSpec:
+        r"""The declared message of Eq. (2) (:meth:`message_fields`): ``delta`` as the
+        broadcast's ``field``; ``count.<c>`` for a class of :attr:`CLASSES`, a whole number
+        from 1 to the client's support size (the server knows each client's support from
+        the task manifest; ``lp`` counts both the positives and the negatives, so the counts
+        sum to at most twice the support); ``proto.<c>`` (``width`` wide) with its count;
+        ``coverage`` in [0, 1] and ``norm`` >= 0, each equal to what the server recomputes
+        from the counts (Eq. 27) and the delta."""
+        fields = self.message_fields(family)
+        classes = frozenset(CLASSES)
+
+        def support(k: int) -> float:
+            batch = task.clients.get(k)
+            return float(len(batch["h_u"])) if batch is not None else math.inf
+
+        declared = [
+            Field("delta", dtype="like", like=lambda m: field),
+            Field(r"count\.(?P<c>\d+)", tensor=False, low=1.0, high=support, integral=True,
+                  classes=classes, required=False),
+        ]  # fmt: skip
+        if "prototypes" in fields:
+            declared.append(Field(r"proto\.(?P<c>\d+)", shape=(width,), classes=classes,
+                                  required=False))  # fmt: skip
+        if "coverage" in fields:
+            declared += [
+                Field("coverage", tensor=False, low=0.0, high=1.0),
+                Field("norm", tensor=False, low=0.0),
+            ]
+        per_event = 1 if family == "nc" else 2
+
+        def counts_fit(u: ClientUpdate) -> str | None:
+            total = sum(v for k, v in u.scalars.items() if k.startswith("count."))
+            cap = per_event * support(u.client_id)
+            return (
+                f"count.*: counts sum to {total:g}, the support holds {cap:g}"
+                if total > cap
+                else None
+            )
+
+        def paired(u: ClientUpdate) -> str | None:
+            if "prototypes" not in fields:
+                return None
+            protos = {k.split(".")[1] for k in u.tensors if k.startswith("proto.")}
+            counts = {k.split(".")[1] for k in u.scalars if k.startswith("count.")}
+            for c in sorted(protos ^ counts):
+                name = f"proto.{c}" if c in protos else f"count.{c}"
+                return f"{name}: a prototype and its count travel together"
+            return None
+
+        def reported(u: ClientUpdate) -> str | None:
+            if "coverage" not in fields:
+                return None
+            counts = {int(k[6:]): int(v) for k, v in u.scalars.items() if k.startswith("count.")}
+            for name, mine in (
+                ("coverage", coverage_of(counts, CLASSES)),
+                ("norm", update_norm(u.tensors["delta"])),
+            ):
+                if not close(float(u.scalars[name]), mine):
+                    return f"{name}: reports {u.scalars[name]:g}, the server recomputes {mine:g}"
+            return None
+
+        rules = (
+            Rule(counts_fit, reads=(r"count\..+",)),
+            Rule(paired),
+            Rule(reported, reads=("coverage", "norm", "delta", r"count\..+")),
+        )
+        return MessageSpec(tuple(declared), rules=rules, reference=broadcast)
 
     def fit_clients(
         self,
@@ -300,7 +385,7 @@ class FedTIP(Algorithm):
                         )
                     )
             if "coverage" in fields:
-                scalars["coverage"] = label_coverage(observed, [0, 1]) if observed else 0.0
+                scalars["coverage"] = label_coverage(observed, CLASSES) if observed else 0.0
                 scalars["norm"] = float(deltas[k].norm())
             out.append(
                 ClientUpdate(round=round, client_id=client, tensors=tensors, scalars=scalars)

@@ -100,7 +100,8 @@ class FullTuneFedAvg(FedTIP):
                 scalars={f"count.{c}": float(n) for c, n in observed.items()},
             )  # fmt: skip
 
-        return ClientWork(one=fit)
+        uplink = self.task_uplink(task, family, broadcast, module.adapter.d_h, field="model")
+        return ClientWork(one=fit, uplink=uplink)
 
     def task_result(
         self, module: FullTuneClient, adapter: PromptAdapter, server: FedTIPServer

@@ -60,6 +60,7 @@ def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> t
     net = build(cfg.model.net, "model.net")(in_dims=in_dims, num_classes=num_classes)
     optimizer = build(cfg.model.optimizer, "model.optimizer")
     algorithm = build(cfg.algorithm, "algorithm")
+    algorithm.report_train_loss = bool(cfg.federation.get("report_train_loss", False))
     return net, algorithm, algorithm.client_module(net, optimizer)
 
 
@@ -227,6 +228,7 @@ def train_graph(
         seed=cfg.seed,
         checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
         on_round_end=lambda r, m: _report(run.tracker, observe, "round", r, m),
+        min_clients=cfg.federation.get("min_clients", 1),
     )
     if stream is None:
         schedule, kwargs = algorithm.loop_class or FederatedLoop, {"rounds": cfg.federation.rounds}

@@ -262,6 +262,7 @@ def train_temporal(
             on_task_end=on_task_end,
             progress=world.is_main,  # the bar over tasks (runner.progress: the per-round bars)
             workers=resolve_workers(cfg.get("task_workers"), len(tasks), runner),
+            min_clients=cfg.federation.get("min_clients", 1),
         )
         if resume_loop(loop, world, cfg, run_dir, hashes, resuming, saved_state):
             log.info("resuming %s after task %d", run_dir, len(loop.results))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -9,9 +10,37 @@ import lightning.pytorch as pl
 from torch import nn
 from torch_geometric.data import Data
 
+from fedlightning.errors import ConfigError
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server import Server
 from fedlightning.server.aggregate import as_model_fields, model_state
+from fedlightning.server.validation import (
+    NUM_EXAMPLES,
+    TRAIN_LOSS,
+    MessageSpec,
+    complete,
+    model_fields,
+)
+
+
+def check_bounds(
+    max_update_norm: float | None, max_client_weight: float | None
+) -> tuple[float | None, float | None]:
+    """``algorithm.max_update_norm`` and ``algorithm.max_client_weight``: ``None`` or > 0."""
+    out = []
+    for key, value in (
+        ("max_update_norm", max_update_norm),
+        ("max_client_weight", max_client_weight),
+    ):
+        if value is None:
+            out.append(None)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"algorithm.{key}", f"must be a number > 0 or null, got {value!r}")
+        if not math.isfinite(float(value)):
+            raise ConfigError(f"algorithm.{key}", f"must be finite, got {value!r}")
+        out.append(float(value))
+    return out[0], out[1]
 
 
 @dataclass
@@ -43,6 +72,11 @@ class Algorithm:
         loop_class: the schedule that runs the method (``None``: the protocol's own,
             :class:`~fedlightning.federation.loop.FederatedLoop` or
             :class:`~fedlightning.federation.stages.ContinualLoop`).
+        report_train_loss: clients also send their local loss, ``train_loss``
+            (``federation.report_train_loss``; set by the program that builds the method).
+        max_update_norm, max_client_weight: the bounds of the FedAvg-family server
+            (``algorithm.max_update_norm``, ``algorithm.max_client_weight``; ``None``: off;
+            docs/security.md), checked by :func:`check_bounds`.
     """
 
     name = "base"
@@ -50,6 +84,9 @@ class Algorithm:
     continual: ClassVar[bool] = False
     stage_end_exchange: ClassVar[bool] = False
     loop_class: ClassVar[type | None] = None
+    report_train_loss: bool = False
+    max_update_norm: float | None = None
+    max_client_weight: float | None = None
 
     def client_module(self, net: nn.Module, optimizer: Any) -> pl.LightningModule:
         raise NotImplementedError
@@ -58,21 +95,49 @@ class Algorithm:
         return []
 
     def server(self, global_state: dict) -> Server:
-        """The method's server; by default FedAvg aggregation and no modules."""
-        return Server(global_state)
+        """The method's server; by default FedAvg aggregation (with the method's bounds) and
+        no modules."""
+        return Server(global_state, **self.bounds())
+
+    def bounds(self) -> dict[str, float | None]:
+        """The server's bounds on each client's influence (:class:`Server`'s arguments)."""
+        return {
+            "max_update_norm": self.max_update_norm,
+            "max_client_weight": self.max_client_weight,
+        }
 
     def setup(self, stream: Any, rounds_per_stage: int, seed: int, num_classes: int) -> None:
         """Learn the stream's schedule before the first round (class-incremental methods)."""
 
+    def uplink(self, broadcast: ServerBroadcast) -> MessageSpec:
+        """The declared uplink of a round (docs/security.md): every ``model.<key>`` as the
+        broadcast's field of that name (shape and dtype), ``num_examples`` (a whole number
+        >= 0) and, with :attr:`report_train_loss`, ``train_loss``."""
+        fields = (model_fields(), NUM_EXAMPLES, *((TRAIN_LOSS,) if self.report_train_loss else ()))
+        return MessageSpec(fields, rules=(complete(broadcast),), reference=broadcast)
+
+    def downlink(self, global_state: dict) -> MessageSpec:
+        """The declared broadcast: the global model's fields, as the server holds them."""
+        reference = ServerBroadcast(0, as_model_fields(global_state))
+        return MessageSpec((model_fields(),), rules=(complete(reference),), reference=reference)
+
+    def stage_end_uplink(self, broadcast: ServerBroadcast) -> MessageSpec | None:
+        """The declared stage-end message (``None``: the method sends none)."""
+        return None
+
     def make_update(
         self, module: pl.LightningModule, client: FederatedClient, round: int
     ) -> ClientUpdate:
-        """The uplink message: the model (parameters and buffers) and two scalars."""
+        """The uplink message: the model (parameters and buffers) and its FedAvg weight,
+        ``num_examples`` (and the local loss with :attr:`report_train_loss`)."""
+        scalars = {"num_examples": float(client.num_train)}
+        if self.report_train_loss:
+            scalars["train_loss"] = module.last_loss
         return ClientUpdate(
             round=round,
             client_id=client.client_id,
             tensors=as_model_fields(detach_state(module.net.state_dict())),
-            scalars={"num_examples": float(client.num_train), "train_loss": module.last_loss},
+            scalars=scalars,
         )
 
     def local_fit(

@@ -6,6 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 from fedlightning.messages import Message
+from fedlightning.server.validation import Rejection
 
 UP, DOWN = "up", "down"
 # Checkpoint formats: 1 (no ``format`` key, graph runs; ledger entries without scope), 2
@@ -28,6 +29,38 @@ class CommLedger:
     def __init__(self) -> None:
         self.entries: list[tuple[str, int, int, str, int, int, str]] = []
         self._totals = {UP: 0, DOWN: 0}  # running totals: per-round logging stays O(1)
+        # messages the server dropped: (round, client, field, rule, values, scope)
+        self.rejections: list[tuple[int, int, str, str, int, str]] = []
+
+    def reject(self, rejections: list[Rejection], scope: str = "") -> None:
+        """Record messages the server dropped (not counted as communication: they carried
+        nothing the protocol used), and clients dropped from a round as a whole."""
+        for r in rejections:
+            self.rejections.append((r.round, r.client, r.field, r.rule, r.values, scope))
+
+    def rejected(self, *, round: int | None = None, scope: str | None = None) -> int:
+        """How many messages (or clients) were dropped, optionally in one round / scope."""
+        return sum(
+            1
+            for r, _, _, _, _, sc in self.rejections
+            if (round is None or r == round) and (scope is None or sc == scope)
+        )
+
+    def rejected_summary(self) -> dict[str, Any]:
+        """The ``comm.rejected`` block: the count, per client and per round, and every
+        rejection (round, client, field, rule, values, scope)."""
+        per_client: dict[int, int] = defaultdict(int)
+        per_round: dict[int, int] = defaultdict(int)
+        for r, c, *_ in self.rejections:
+            per_client[c] += 1
+            per_round[r] += 1
+        names = ("round", "client", "field", "rule", "values", "scope")
+        return {
+            "count": len(self.rejections),
+            "per_client": {str(k): v for k, v in sorted(per_client.items())},
+            "per_round": {str(k): v for k, v in sorted(per_round.items())},
+            "messages": [dict(zip(names, e, strict=True)) for e in self.rejections],
+        }
 
     def record(self, direction: str, client_id: int, message: Message, scope: str = "") -> None:
         """Count ``message`` sent in ``direction`` (``"up"`` or ``"down"``) to/from a client."""
@@ -94,6 +127,7 @@ class CommLedger:
             "fields": self.by("field"),
             "per_client": self.by("client"),
             "per_round": self.by("round"),
+            "rejected": self.rejected_summary(),
         }
 
     def message_values(self, prefix: str = "") -> dict[int, int]:
@@ -107,10 +141,11 @@ class CommLedger:
         return {c: sizes[(c, *key)] for c, key in sorted(last.items())}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"entries": list(self.entries)}
+        return {"entries": list(self.entries), "rejections": list(self.rejections)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.entries = [(*e, "")[:7] for e in state["entries"]]  # older entries had no scope
+        self.rejections = [tuple(e) for e in state.get("rejections", [])]
         self._totals = {UP: 0, DOWN: 0}
         for d, _, _, _, v, *_ in self.entries:
             self._totals[d] += v

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm, FederatedClient
 from fedlightning.federation.ledger import CHECKPOINT_FORMAT, DOWN, UP, CommLedger
 from fedlightning.federation.round import ClientWork, federated_round
@@ -32,6 +34,13 @@ def sample_clients(seed: int, round: int, num_clients: int, fraction: float) -> 
         return list(range(num_clients))
     rng = np.random.default_rng(derive_seed(seed, "sample", round))
     return sorted(rng.choice(num_clients, size=m, replace=False).tolist())
+
+
+def check_min_clients(value: Any) -> int:
+    """``federation.min_clients``: a whole number >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("federation.min_clients", f"must be an integer >= 1, got {value!r}")
+    return value
 
 
 def pooled_metrics(results: dict[int, dict[str, int]]) -> dict[str, float]:
@@ -129,6 +138,8 @@ class FederatedLoop(Schedule):
             seeded by ``(seed, "fit", round, client)``.
         checkpoint_path: where to write the state after every round (``None``: nowhere).
         on_round_end: ``(round, metrics) -> None`` after the checkpoint, e.g. MLflow logging.
+        min_clients: ``federation.min_clients``: a round whose kept messages fall below it
+            after the server dropped some stops the run (docs/security.md).
     """
 
     def __init__(
@@ -145,8 +156,10 @@ class FederatedLoop(Schedule):
         seed: int = 0,
         checkpoint_path: str | Path | None = None,
         on_round_end: Callable[[int, dict[str, float]], None] | None = None,
+        min_clients: int = 1,
     ) -> None:
         super().__init__(checkpoint_path)
+        self.min_clients = check_min_clients(min_clients)
         self.algorithm, self.module, self.server = algorithm, module, server
         self.clients, self.runner = list(clients), runner
         self.rounds, self.participation = rounds, participation
@@ -169,15 +182,18 @@ class FederatedLoop(Schedule):
             partial(self.work, clients=round_clients),
             self.ledger,
             desc=f"round {round}/{self.rounds}",
+            min_clients=self.min_clients,
         )
         metrics = self.evaluate(round)
-        weights = [u.num_examples for u in updates]
-        metrics["train_loss"] = float(
-            np.average(
-                [u.scalars["train_loss"] for u in updates],
-                weights=weights if sum(weights) > 0 else None,
+        if self.algorithm.report_train_loss:  # the clients' own loss, only when they send it
+            weights = [u.num_examples for u in updates]
+            metrics["train_loss"] = float(
+                np.average(
+                    [u.scalars["train_loss"] for u in updates],
+                    weights=weights if sum(weights) > 0 else None,
+                )
             )
-        )
+        metrics["rejected"] = float(self.ledger.rejected(round=round))
         metrics["uplink_mib"] = self.ledger.mib(UP)
         metrics["downlink_mib"] = self.ledger.mib(DOWN)
         metrics["round_time_s"] = time.perf_counter() - t0
@@ -192,7 +208,13 @@ class FederatedLoop(Schedule):
         args += (self.local_epochs, self.seed)
         share = partial(local_fit_share, *args, list(clients)) if self.stacking() else None
         params = {"epochs": int(self.local_epochs)}
-        return ClientWork(one=partial(local_fit, *args), share=share, kind="fit", params=params)
+        return ClientWork(
+            one=partial(local_fit, *args),
+            share=share,
+            kind="fit",
+            params=params,
+            uplink=self.algorithm.uplink(broadcast),
+        )
 
     def stacking(self) -> bool:
         """Whether the round's clients fit as one stack and evaluate in one pass
@@ -222,13 +244,17 @@ class FederatedLoop(Schedule):
             self.end_of_round(r)
             self.history.append({"round": r, **metrics})
             self.completed_rounds = r
+            loss = f"  train_loss {metrics['train_loss']:.4f}" if "train_loss" in metrics else ""
+            dropped = f"  rejected {metrics['rejected']:.0f}" if metrics.get("rejected") else ""
             log.info(
-                "round %d/%d  train_loss %.4f  val_acc %.4f  test_acc %.4f  up %.3f MiB  (%.1fs)",
+                "round %d/%d  train_acc %.4f  val_acc %.4f  test_acc %.4f%s%s  up %.3f MiB  (%.1fs)",
                 r,
                 self.rounds,
-                metrics["train_loss"],
+                metrics["train_acc"],
                 metrics["val_acc"],
                 metrics["test_acc"],
+                loss,
+                dropped,
                 metrics["uplink_mib"],
                 metrics["round_time_s"],
             )
@@ -253,6 +279,7 @@ class FederatedLoop(Schedule):
         out["best_val_acc"] = best["val_acc"]
         out["best_val_round"] = best["round"]
         out["test_acc_at_best_val"] = best["test_acc"]
+        out["rejected"] = float(self.ledger.rejected())
         return out
 
     def summary_extras(self) -> dict[str, Any]:
@@ -263,7 +290,9 @@ class FederatedLoop(Schedule):
         """Plots and tables of the run, written into ``run_dir``; returns their paths."""
         from fedlightning.tracking.plots import plot_curves
 
-        return [plot_curves(self.history, run_dir / "curves.png", title=title)]
+        # the loss panel stays empty unless the clients sent their loss
+        history = [{"train_loss": math.nan, **h} for h in self.history]
+        return [plot_curves(history, run_dir / "curves.png", title=title)]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -8,13 +8,18 @@ runner, every message is counted here, in client order, once the runner returns 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fedlightning.errors import TooFewClients
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
-from fedlightning.federation.runners import contiguous_shares
+from fedlightning.federation.runners import ClientFailed, contiguous_shares
 from fedlightning.messages import ClientUpdate, ServerBroadcast, prefixed
+from fedlightning.server.validation import MessageSpec, Rejection, screen
+
+log = logging.getLogger(__name__)
 
 FitOne = Callable[[Any], ClientUpdate | None]
 FitShare = Callable[[range], list[ClientUpdate]]
@@ -34,6 +39,8 @@ class ClientWork:
             ``broadcast``, and the node does the same work on its own copy of the client.
         params: the plain values that work needs besides the broadcast (epochs, stage, ...).
         broadcast: the round's broadcast (set by :func:`federated_round`).
+        uplink: the declaration every update of the round is checked against before
+            aggregation (``None``: any fields, finite values; docs/security.md).
     """
 
     one: FitOne | None = None
@@ -41,6 +48,7 @@ class ClientWork:
     kind: str = "fit"
     params: dict[str, Any] = field(default_factory=dict)
     broadcast: ServerBroadcast | None = None
+    uplink: MessageSpec | None = None
 
     def __call__(self, client: Any) -> ClientUpdate | None:
         return self.one(client)
@@ -52,10 +60,17 @@ def stacked(runner: Any, clients: Sequence[Any], share: FitShare) -> FitOne:
     progress bar, fault injection, gathering and RNG hand-over."""
     mine = contiguous_shares(len(clients), runner.world.size)[runner.world.rank]
     fitted: dict[int, ClientUpdate] = {}
+    failed: list[BaseException] = []
 
     def fit_client(client: Any) -> ClientUpdate:
+        if failed:  # the share's fit failed once: each of its clients is dropped, no refit
+            raise failed[0]
         if not fitted:
-            fitted.update((u.client_id, u) for u in share(mine))
+            try:
+                fitted.update((u.client_id, u) for u in share(mine))
+            except Exception as e:
+                failed.append(e)
+                raise
         if client.client_id not in fitted:
             raise RuntimeError(f"client {client.client_id} is not in this rank's share")
         return fitted[client.client_id]
@@ -75,20 +90,32 @@ def federated_round(
     prefix: str = "",
     scope: str = "",
     desc: str = "",
+    min_clients: int = 1,
 ) -> list[ClientUpdate]:
-    """One round: ``server.broadcast(round)`` to ``clients``, their fits on ``runner``, every
+    """One round: ``server.broadcast(round)`` to ``clients``, their fits on ``runner``, each
+    update checked against the work's declared ``uplink`` (:func:`screen`), every kept
     message into ``ledger`` (fields named ``<prefix>/<field>`` when ``prefix`` is set, in
-    ``scope``), then ``aggregate(round, updates)`` (default ``server.aggregate``).
+    ``scope``) and every dropped one into its rejections, then ``aggregate(round, updates)``
+    (default ``server.aggregate``) on the kept ones.
 
     With ``server.secure`` (a :class:`~fedlightning.server.secure_sum.SecureSum`, set by
     ``federation.secure_sum``) and the server's own aggregation, each client's fit returns its
-    masked share, and the server aggregates their sum alone (docs/security.md).
+    masked share, checked by shape and dtype only, and the server aggregates their sum alone
+    (docs/security.md).
 
-    Returns the updates sent, in client order (a client that sends nothing is left out).
+    A client whose fit failed (:class:`ClientFailed`), whose message breaks a rule, or that
+    sent nothing where a message is required, is dropped with one log line; when fewer than
+    ``min_clients`` messages remain after a drop, :class:`TooFewClients` ends the run
+    before aggregation (the last checkpoint is the previous round's).
+
+    Returns the updates kept, in client order (a client that sends nothing is left out).
     """
     broadcast = server.broadcast(round)
     fit = work(broadcast)
     fit.broadcast = broadcast
+    spec = fit.uplink
+    if spec is not None and spec.reference is None:
+        spec = replace(spec, reference=broadcast)
     if fit.share is not None:
         fit.one = stacked(runner, clients, fit.share)
     secure = getattr(server, "secure", None) if aggregate is None else None
@@ -97,14 +124,38 @@ def federated_round(
         fit = secure.client_side(fit, peers)
     updates = runner.run_round(round, clients, fit, desc=desc or f"round {round}")
     down = prefixed(broadcast, prefix)
-    sent = []
-    for client, update in zip(clients, updates, strict=True):
-        ledger.record(DOWN, client.client_id, down, scope)
-        if update is not None:
-            ledger.record(UP, client.client_id, prefixed(update, prefix), scope)
-            sent.append(update)
+    ids = [c.client_id for c in clients]
+    arrived, dropped = [], []
+    for i, (k, update) in enumerate(zip(ids, updates, strict=True)):
+        if isinstance(update, ClientFailed):
+            dropped.append(Rejection(round, k, "", f"fit failed: {update.reason}"))
+        elif update is None and spec is not None and not spec.optional:
+            dropped.append(Rejection(round, k, "", "sent no message"))
+        elif update is not None:
+            arrived.append((i, update))
+    sent, rejected = screen(round, ids, arrived, spec)
+    kept = {id(u) for u in sent}
+    for k, update in zip(ids, updates, strict=True):  # in client order, as before checks
+        ledger.record(DOWN, k, down, scope)
+        if id(update) in kept:
+            ledger.record(UP, k, prefixed(update, prefix), scope)
+    refused = sorted([*dropped, *rejected], key=lambda r: ids.index(r.client))
+    ledger.reject(refused, scope)
+    where = f"[{' '.join(x for x in (scope, prefix) if x)}] " if scope or prefix else ""
+    for r in refused if runner.world.is_main else ():
+        log.warning("%s%s", where, r.line())
+    if refused and len(sent) < min_clients:
+        raise TooFewClients(
+            f"round {round}{f' ({scope})' if scope else ''}: {len(sent)} of {len(ids)} "
+            f"clients' messages kept, fewer than federation.min_clients={min_clients} "
+            f"(dropped: {'; '.join(_why(r) for r in refused)[:400]})"
+        )
     if secure is not None:
         secure.aggregate(round, sent, broadcast, peers, server.aggregate)
     else:
         (aggregate or server.aggregate)(round, sent)
     return sent
+
+
+def _why(r: Rejection) -> str:
+    return f"client {r.client}{f' `{r.field}`' if r.field else ''}: {r.rule}"

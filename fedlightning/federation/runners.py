@@ -4,18 +4,87 @@ whichever runner (Flower's, :mod:`fedlightning.flower`, is one too).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from fedlightning.errors import ConfigError
 from fedlightning.federation.world import World, join_world, quiet_other_ranks
 from fedlightning.messages import ClientUpdate
 from fedlightning.utils.seeding import rng_state, set_rng_state
 
 FitFn = Callable[[Any], ClientUpdate]
+log = logging.getLogger(__name__)
+TIMEOUT_KEY = "runner.client_timeout_s"
+SHARE_WAIT = 10  # a rank waits for the others up to this many client time limits
+
+
+@dataclass
+class ClientFailed:
+    """What a runner returns in place of the update of a client whose fit raised or ran
+    past the runner's time limit: the round drops it (docs/security.md)."""
+
+    client_id: int
+    reason: str
+
+
+class FitTimeout(Exception):
+    """A client's fit ran past ``runner.client_timeout_s``."""
+
+
+def client_timeout(client_timeout_s: float | None, timeout_s: float | None = None) -> float | None:
+    """The runner's time limit for one client's fit, ``runner.client_timeout_s``
+    (``None``: none); ``timeout_s`` is its old name, still read (with a warning)."""
+    if timeout_s is not None:
+        log.warning("runner.timeout_s is the old name of %s; please use the new one", TIMEOUT_KEY)
+        client_timeout_s = timeout_s
+    if client_timeout_s is None:
+        return None
+    if isinstance(client_timeout_s, bool) or not float(client_timeout_s) > 0:
+        raise ConfigError(TIMEOUT_KEY, f"must be > 0 seconds (or null), got {client_timeout_s!r}")
+    return float(client_timeout_s)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`FitTimeout` in this thread once ``seconds`` have passed (a SIGALRM
+    timer, Unix main thread only; elsewhere, or with ``None``, no limit). The timer and
+    handler in place before are put back afterwards."""
+    usable = seconds is not None and hasattr(signal, "setitimer")
+    if not usable or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise FitTimeout(f"fit exceeded {TIMEOUT_KEY}={seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    old_delay, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if old_delay:
+            signal.setitimer(signal.ITIMER_REAL, old_delay)
+
+
+def guarded_fit(fit: FitFn, client: Any, seconds: float | None) -> ClientUpdate | ClientFailed:
+    """``fit(client)`` within ``seconds``; a fit that raises or runs past them gives a
+    :class:`ClientFailed` naming why (an interrupt or a stopped run still propagates)."""
+    try:
+        with time_limit(seconds):
+            return fit(client)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return ClientFailed(client.client_id, f"{type(e).__name__}: {first}".rstrip(": "))
 
 
 class Runner:
@@ -58,6 +127,10 @@ class SequentialRunner(Runner):
             round numbers start again with every task and family).
         stack_clients: fit a round's clients as one stack and evaluate them in one pass
             where the method supports it (:mod:`~fedlightning.federation.stacking`).
+        client_timeout_s: seconds one client's fit may take (``None``: no limit); a fit
+            that raises or runs longer is dropped from its round (:class:`ClientFailed`).
+            A stacked share (several clients fitted at once) counts as one fit.
+        timeout_s: the old name of ``client_timeout_s`` (read, with a warning).
     """
 
     name = "sequential"
@@ -68,9 +141,12 @@ class SequentialRunner(Runner):
         progress: bool = True,
         kill_at: str | None = None,
         stack_clients: bool = False,
+        client_timeout_s: float | None = 600.0,
+        timeout_s: float | None = None,
     ) -> None:
         self.executor, self.world, self.progress = executor, World(), progress
         self.stack_clients = bool(stack_clients)
+        self.client_timeout_s = client_timeout(client_timeout_s, timeout_s)
         self.kill_at: tuple[int, int, str | None] | None = None
         self.kill_times, self._kill_matches = 1, 0
         if kill_at:  # "ROUND:N", "ROUND:N:KIND" or "ROUND:N:KIND:TIMES"
@@ -94,7 +170,7 @@ class SequentialRunner(Runner):
         mine = []
         kind = getattr(fit, "kind", "fit")
         for i in bar:
-            mine.append((fit(clients[i]), clients[i].state))
+            mine.append((guarded_fit(fit, clients[i], self.client_timeout_s), clients[i].state))
             if self.kill_at in ((round, i + 1, None), (round, i + 1, kind)):
                 self._kill_matches += 1
                 if self._kill_matches == self.kill_times:
@@ -127,8 +203,12 @@ class DistributedRunner(SequentialRunner):
         backend: ``auto`` (NCCL on GPUs, Gloo on CPU), ``gloo`` or ``nccl``.
         device: ``auto`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``cpu``
             or ``cuda``.
-        timeout_s: seconds a rank waits in a collective before it fails with
-            :class:`~fedlightning.federation.world.RankLost` (default ``600``).
+        client_timeout_s: as :class:`SequentialRunner`'s (each rank times its own fits);
+            a rank waits for the others in a collective up to :data:`SHARE_WAIT` times it
+            (a share of that many clients that each use their whole limit) before it fails
+            with :class:`~fedlightning.federation.world.RankLost` (default ``600``;
+            ``None``: no fit limit, and the collectives wait 600 s).
+        timeout_s: the old name of ``client_timeout_s`` (read, with a warning).
         progress, kill_at: as :class:`SequentialRunner`'s (the bar on rank 0; the rank
             that fits the N-th client of ROUND kills itself).
         stack_clients: as :class:`SequentialRunner`'s (each rank stacks its share).
@@ -141,13 +221,15 @@ class DistributedRunner(SequentialRunner):
         executor: Any,
         backend: str = "auto",
         device: str = "auto",
-        timeout_s: float = 600.0,
+        client_timeout_s: float | None = 600.0,
         progress: bool = True,
         kill_at: str | None = None,
         stack_clients: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
-        super().__init__(executor, progress, kill_at, stack_clients)
-        self.world = join_world(backend, device, float(timeout_s))
+        super().__init__(executor, progress, kill_at, stack_clients, client_timeout_s, timeout_s)
+        wait = SHARE_WAIT * self.client_timeout_s if self.client_timeout_s else 600.0
+        self.world = join_world(backend, device, wait)
         self.executor.device = self.world.device
         self.progress = progress and self.world.is_main
         if self.world.size > 1:

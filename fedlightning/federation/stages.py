@@ -169,6 +169,7 @@ class ContinualLoop(FederatedLoop):
                 one=lambda c: self.algorithm.stage_end_update(self.module, c, broadcast, t),
                 kind="stage_end",
                 params={"stage": t},
+                uplink=self.algorithm.stage_end_uplink(broadcast),
             )
 
         t0 = time.perf_counter()
@@ -181,6 +182,7 @@ class ContinualLoop(FederatedLoop):
             self.ledger,
             aggregate=lambda _, updates: self.server.end_stage(t, updates),
             desc=f"stage {t + 1} end",
+            min_clients=self.min_clients,
         )
         log.info(
             "stage %d end exchange: %d clients, %d answers, %.3f MiB up  (%.1fs)",

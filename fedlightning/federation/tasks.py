@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
 from fedlightning.federation.ledger import DOWN, UP
-from fedlightning.federation.loop import Schedule
+from fedlightning.federation.loop import Schedule, check_min_clients
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.federation.task_pool import task_results
 from fedlightning.messages import ServerBroadcast
@@ -113,6 +113,7 @@ class TaskLoop(Schedule):
         progress: the bar over tasks.
         workers: processes that run tasks at once (:mod:`~fedlightning.federation.task_pool`;
             the same results as one).
+        min_clients: ``federation.min_clients`` (docs/security.md).
     """
 
     pooled = False  # the clients' supports are pooled: no messages, no bank sent
@@ -134,9 +135,11 @@ class TaskLoop(Schedule):
         on_task_end: Callable[[int, dict[str, float]], None] | None = None,
         progress: bool = True,
         workers: int = 1,
+        min_clients: int = 1,
     ) -> None:
         super().__init__(checkpoint_path)
         self.workers = workers
+        self.min_clients = check_min_clients(min_clients)
         self._packed: list[bytes] = []  # the ledger's entries pickled task by task (state_dict)
         self._packed_upto = 0
         self.algorithm, self.tasks, self.eval_batches = algorithm, list(tasks), eval_batches
@@ -176,6 +179,7 @@ class TaskLoop(Schedule):
                 self.ledger,
                 prefix=family,
                 scope=task_scope(task.task),
+                min_clients=self.min_clients,
             )
         return alg.task_result(module, adapter, server)
 
@@ -190,12 +194,20 @@ class TaskLoop(Schedule):
         metrics: dict[str, float] = {"task": task.task}
         for family in self.families:
             adapter, protos = self.federate(task, family)
+            if family == "nc" and (missing := sorted({0, 1} - set(protos))):
+                log.warning(
+                    "task %s nc: no prototype for class %s (no kept message observed it): "
+                    "auc_nc not scored (null)",
+                    task.task,
+                    ", ".join(map(str, missing)),
+                )
             segments = self.algorithm.task_segments(self, self.eval_batches)
             for split, batch in segments.items():
                 prefix = "val_" if split == "val" else ""
                 for k, v in evaluate(adapter, protos, batch, family).items():
                     if not (split == "val" and k == "auc_ilp"):  # inductive flags: test only
                         metrics[prefix + k] = v
+        metrics["rejected"] = float(self.ledger.rejected(scope=scope))
         metrics["uplink_mib"] = self.ledger.mib(UP, scope=scope)
         metrics["downlink_mib"] = self.ledger.mib(DOWN, scope=scope)
         metrics["task_time_s"] = time.perf_counter() - t0
@@ -233,7 +245,7 @@ class TaskLoop(Schedule):
         """Mean and std over the tasks of every AUC, and the uplink/downlink per task (not
         for pooled training, whose support moves raw to the server)."""
         out: dict[str, float] = {}
-        keys = [k for k in self.results[0] if k not in ("task", "task_time_s")]
+        keys = [k for k in self.results[0] if k not in ("task", "task_time_s", "rejected")]
         if self.pooled:  # raw support pooled: no federated uplink
             keys = [k for k in keys if not k.endswith("_mib")]
         for k in keys:
@@ -243,6 +255,7 @@ class TaskLoop(Schedule):
             out[name] = float(ok.mean()) if len(ok) else math.nan
             if not k.endswith("_mib"):
                 out[f"{k}_std"] = float(ok.std()) if len(ok) else math.nan
+        out["rejected"] = float(self.ledger.rejected())
         return out
 
     def comm(self) -> dict[str, Any]:

@@ -102,7 +102,7 @@ class World:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise self.lost(
                 f"{what}: another rank died or did not answer within "
-                f"runner.timeout_s={self.timeout_s:g} s ({first})"
+                f"{self.timeout_s:g} s (10 x runner.client_timeout_s) ({first})"
             ) from e
 
     def stop_on_sigterm(self) -> None:
@@ -141,7 +141,7 @@ def join_world(backend: str = "auto", device: str = "auto", timeout_s: float = 6
     if backend not in BACKENDS:
         raise ConfigError("runner.backend", f"must be one of {BACKENDS}, got {backend!r}")
     if timeout_s <= 0:
-        raise ConfigError("runner.timeout_s", f"must be > 0, got {timeout_s}")
+        raise ConfigError("runner.client_timeout_s", f"must be > 0, got {timeout_s}")
     dev = pick_device(device, int(os.environ.get("LOCAL_RANK", 0)))
     if "WORLD_SIZE" not in os.environ:  # not under torchrun: one process, no group
         return World(device=dev, timeout_s=timeout_s)

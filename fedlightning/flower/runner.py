@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError
-from fedlightning.federation.runners import FitFn, Runner
+from fedlightning.federation.runners import ClientFailed, FitFn, Runner, client_timeout
 from fedlightning.federation.world import World
 from fedlightning.flower.records import (
     COUNTS,
@@ -35,7 +35,9 @@ POLL_S = 0.25  # between two pulls of replies from the SuperLink
 
 
 class NodeLost(FedLightningError):
-    """A Flower node did not answer within ``runner.timeout_s``, or answered with an error."""
+    """Flower nodes could not be set up, or a node did not answer an evaluation within
+    ``runner.client_timeout_s`` (a node that fails a fit only drops its client from the
+    round: :class:`~fedlightning.federation.runners.ClientFailed`)."""
 
 
 def run_clients(cfg: DictConfig) -> int:
@@ -52,7 +54,10 @@ class FlowerRunner(Runner):
 
     Args:
         executor: the local-fit executor; the nodes build their own from ``runner.executor``.
-        timeout_s: seconds to wait for every reply of one exchange, else :class:`NodeLost`.
+        client_timeout_s: seconds to wait for the replies of one exchange: a client whose
+            node has not answered a fit by then, or answered with an error, is dropped from
+            the round (:class:`ClientFailed`); a missing evaluation is :class:`NodeLost`.
+        timeout_s: the old name of ``client_timeout_s`` (read, with a warning).
         connect_timeout_s: seconds to wait for one node per client to answer the set-up.
         client_cpus: Flower simulation only: CPUs per virtual node.
         progress: as every runner's; a Flower round shows in the log, with no bar.
@@ -64,10 +69,11 @@ class FlowerRunner(Runner):
         self,
         executor: Any,
         grid: Any = None,
-        timeout_s: float = 600.0,
+        client_timeout_s: float = 600.0,
         connect_timeout_s: float = 300.0,
         client_cpus: float = 1,
         progress: bool = True,
+        timeout_s: float | None = None,
     ) -> None:
         if grid is None:
             raise ConfigError(
@@ -75,10 +81,11 @@ class FlowerRunner(Runner):
                 "runner=flower runs inside a Flower ServerApp: start it with "
                 "`fedlightning flower-sim ...` or `flwr run tools/flower ...` (docs/scaling.md)",
             )
-        if float(timeout_s) <= 0 or float(connect_timeout_s) <= 0:
-            raise ConfigError("runner.timeout_s", "timeouts must be > 0 seconds")
+        self.timeout_s = client_timeout(client_timeout_s, timeout_s) or 600.0
+        if float(connect_timeout_s) <= 0:
+            raise ConfigError("runner.connect_timeout_s", "must be > 0 seconds")
         self.executor, self.grid, self.world = executor, grid, World()
-        self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
         self.nodes: dict[int, int] = {}  # client id -> Flower node id
         self.run_dir: Path | None = None
         self.key = ""
@@ -139,9 +146,10 @@ class FlowerRunner(Runner):
     # ------------------------------------------------------------------ a round
     def run_round(
         self, round: int, clients: Sequence[Any], fit: FitFn, desc: str = ""
-    ) -> list[ClientUpdate | None]:
+    ) -> list[ClientUpdate | ClientFailed | None]:
         """Send ``fit``'s broadcast, kind and parameters to each client's node; return
-        their updates (``None``: no message) in order."""
+        their updates (``None``: no message; :class:`ClientFailed`: the node answered with
+        an error, a malformed reply, or not within ``client_timeout_s``) in order."""
         task = {**self._task(round), "kind": fit.kind, **fit.params}
         contents = {
             c.client_id: message_records(
@@ -149,13 +157,18 @@ class FlowerRunner(Runner):
             )
             for i, c in enumerate(clients)
         }
-        replies = self._exchange(MessageType.TRAIN, round, contents)
-        try:
-            return [
-                records_update(replies[c.client_id].content, round, c.client_id) for c in clients
-            ]
-        except ValueError as e:
-            raise NodeLost(f"round {round}: {e}") from None
+        replies, problems = self._exchange(MessageType.TRAIN, round, contents)
+        out: list[ClientUpdate | ClientFailed | None] = []
+        for c in clients:
+            k = c.client_id
+            if k in problems:
+                out.append(ClientFailed(k, problems[k]))
+                continue
+            try:
+                out.append(records_update(replies[k].content, round, k))
+            except ValueError as e:
+                out.append(ClientFailed(k, f"malformed reply: {e}"))
+        return out
 
     def evaluate(
         self, round: int, clients: Sequence[Any], evaluate: Callable[[Any], dict[str, int]]
@@ -166,7 +179,16 @@ class FlowerRunner(Runner):
         for c in clients:
             ask = ConfigRecord({**task, "client": c.client_id})
             contents[c.client_id] = RecordDict({TENSORS: tensor_record(fields), TASK: ask})
-        replies = self._exchange(MessageType.EVALUATE, round, contents)
+        replies, problems = self._exchange(MessageType.EVALUATE, round, contents)
+        if problems:
+            raise NodeLost(
+                f"round {round} (evaluate): "
+                + "; ".join(f"client {k}: {why}" for k, why in sorted(problems.items()))
+                + ". The run is checkpointed after its last finished round; once the "
+                "SuperNode(s) run again, resume it: flwr run tools/flower <connection> "
+                f"--run-config 'resume=\"{self.run_dir}\"' (or: fedlightning flower-sim "
+                f"resume={self.run_dir})"
+            )
         return {k: {n: int(v) for n, v in replies[k].content[COUNTS].items()} for k in contents}
 
     # ------------------------------------------------------------------ exchanges
@@ -177,31 +199,25 @@ class FlowerRunner(Runner):
 
     def _exchange(
         self, kind: str, round: int, contents: Mapping[int, RecordDict]
-    ) -> dict[int, Message]:
-        """Send ``contents[client]`` to each client's node; every reply, by client."""
+    ) -> tuple[dict[int, Message], dict[int, str]]:
+        """Send ``contents[client]`` to each client's node; the good replies and what went
+        wrong with the others (an error reply, or none in time), by client."""
         messages = [
             Message(content, dst_node_id=self.nodes[k], message_type=kind, group_id=str(round))
             for k, content in contents.items()
         ]
-        by_node = {n: k for k, n in self.nodes.items()}
         want = len(messages)
         replies = self._collect(
             messages, lambda got: len(got) == want, time.monotonic() + self.timeout_s
         )
-        out = {by_node[r.metadata.src_node_id]: r for r in replies}
-        problems = [f"client {k}: {r.error.reason}" for k, r in out.items() if r.has_error()]
-        problems += [
-            f"client {k}: no reply within runner.timeout_s={self.timeout_s:g} s"
-            for k in sorted(set(contents) - set(out))
-        ]
-        if problems:
-            raise NodeLost(
-                f"round {round} ({kind}): {'; '.join(sorted(problems))}. The run is "
-                "checkpointed after its last finished round; once the SuperNode(s) run again, "
-                f"resume it: flwr run tools/flower <connection> --run-config "
-                f"'resume=\"{self.run_dir}\"' (or: fedlightning flower-sim resume={self.run_dir})"
-            )
-        return out
+        # by the message replied to (its id is set by the push): the SuperLink answers for
+        # a node it knows is gone ("Node Unavailable") from its own node id, not the node's
+        by_message = {m.metadata.message_id: k for m, k in zip(messages, contents, strict=True)}
+        out = {by_message[r.metadata.reply_to_message_id]: r for r in replies}
+        problems = {k: f"node error: {r.error.reason}" for k, r in out.items() if r.has_error()}
+        for k in sorted(set(contents) - set(out)):
+            problems[k] = f"no reply within runner.client_timeout_s={self.timeout_s:g} s"
+        return {k: r for k, r in out.items() if k not in problems}, problems
 
     def _collect(
         self, messages: list[Message], done: Callable[[list[Message]], bool], deadline: float

@@ -73,3 +73,47 @@ def fedavg(updates: Sequence[ClientUpdate]) -> dict[str, Tensor]:
     if sum(weights) <= 0:
         weights = [1.0] * len(updates)
     return weighted_average([model_state(u.tensors) for u in updates], weights)
+
+
+def clip_update(
+    state: dict[str, Tensor], reference: dict[str, Tensor], max_norm: float
+) -> dict[str, Tensor]:
+    r"""``state`` moved back towards ``reference`` so that its update has L2 norm at most
+    ``max_norm``, over every floating field (integer buffers are kept):
+
+    .. math::
+        w_k \leftarrow \bar{w} + \Delta_k \min(1, C / \lVert\Delta_k\rVert_2),
+        \quad \Delta_k = w_k - \bar{w}
+
+    (the clipping of DP-FedAvg, McMahan et al., ICLR 2018, without the noise)."""
+    floats = [k for k, v in state.items() if v.is_floating_point()]
+    deltas = {k: state[k].double() - reference[k].double() for k in floats}
+    norm = float(torch.sqrt(sum((d * d).sum() for d in deltas.values()))) if floats else 0.0
+    if norm <= max_norm:
+        return state
+    scale = max_norm / norm
+    out = dict(state)
+    for k in floats:
+        out[k] = (reference[k].double() + scale * deltas[k]).to(state[k].dtype)
+    return out
+
+
+def bound_update(
+    update: ClientUpdate,
+    reference: dict[str, Tensor],
+    max_update_norm: float | None = None,
+    max_client_weight: float | None = None,
+) -> ClientUpdate:
+    """``update`` with its model clipped to ``max_update_norm`` around ``reference`` (the
+    broadcast global model; :func:`clip_update`) and its ``num_examples`` capped at
+    ``max_client_weight`` (``None``: no bound); other fields unchanged."""
+    tensors, scalars = update.tensors, update.scalars
+    if max_update_norm is not None:
+        clipped = clip_update(model_state(tensors), reference, max_update_norm)
+        tensors = {**tensors, **as_model_fields(clipped)}
+    if max_client_weight is not None and "num_examples" in scalars:
+        scalars = {
+            **scalars,
+            "num_examples": min(float(scalars["num_examples"]), max_client_weight),
+        }
+    return ClientUpdate(update.round, tensors, scalars, client_id=update.client_id)

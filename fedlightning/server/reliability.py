@@ -160,6 +160,10 @@ class FedTIPServer:
     (``anchor.<c>``), with ``eta_s`` (Eq. 31), ``beta`` (Eq. 24), ``reliability_weights``
     (Eqs. 27-30). ``anchors=False`` keeps and broadcasts none; :meth:`class_prototypes` is
     then the count-weighted mean of the last round's uploaded prototypes (docs/fedtip.md).
+    ``classes``: the label set :math:`\mathcal{Y}` of Eq. (27).
+
+    The server reads a client's update norm and coverage off the delta and the counts it
+    received (:func:`read_update`), never off the scalars the client reports.
     """
 
     def __init__(
@@ -170,11 +174,13 @@ class FedTIPServer:
         reliability_weights: bool = True,
         anchors: bool = True,
         field: str = "adapter",
+        classes: Sequence[int] = (0, 1),
     ) -> None:
         self.shapes = {k: v.shape for k, v in omega.items()}
         self.omega = torch.cat([v.detach().reshape(-1) for v in omega.values()]).clone()
         self.eta_s, self.beta, self.field = eta_s, beta, field
         self.reliability_weights, self.use_anchors = reliability_weights, anchors
+        self.classes = tuple(classes)
         self.anchors: dict[int, Tensor] = {}
         self.uploaded: dict[int, Tensor] = {}
 
@@ -190,7 +196,7 @@ class FedTIPServer:
 
     def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
         """One round's messages into the adapter and the anchors."""
-        messages = [read_update(u) for u in updates]
+        messages = [read_update(u, self.classes) for u in updates]
         omega, anchors, _ = aggregate(
             self.omega, self.anchors, messages, self.eta_s, self.beta, self.reliability_weights
         )
@@ -224,18 +230,26 @@ def read_broadcast(
     return unflatten(broadcast.tensors[field], shapes), anchors
 
 
-def read_update(update: ClientUpdate) -> ClientSummary:
-    """The server's view of a message (absent coverage/norm: unused by the server)."""
+def read_update(update: ClientUpdate, classes: Sequence[int] = (0, 1)) -> ClientSummary:
+    r"""The server's view of a message: the coverage :math:`b_k` (Eq. 27) from the counts
+    received (over the label set ``classes``; ``0`` for a client that observed none) and
+    :math:`\lVert\Delta\Omega_k\rVert_2` from the delta received; the ``coverage`` and
+    ``norm`` a client reports (Eq. 2) are checked against these
+    (:func:`reported_scalars`), not used."""
     counts = {int(k): int(v) for k, v in strip_prefix(update.scalars, "count.").items()}
     protos = {int(k): v for k, v in strip_prefix(update.tensors, "proto.").items()}
     delta = update.tensors["delta"]
-    return ClientSummary(
-        delta,
-        protos,
-        counts,
-        update.scalars.get("coverage", 1.0),
-        update.scalars.get("norm", float(delta.norm())),
-    )
+    return ClientSummary(delta, protos, counts, coverage_of(counts, classes), update_norm(delta))
+
+
+def coverage_of(counts: Mapping[int, int], classes: Sequence[int]) -> float:
+    """Eq. (27) from the counts, ``0`` when they hold no example (what a client reports)."""
+    return label_coverage(counts, classes) if sum(counts.values()) > 0 else 0.0
+
+
+def update_norm(delta: Tensor) -> float:
+    r""":math:`\lVert\Delta\Omega_k\rVert_2` as a client computes it (float32)."""
+    return float(delta.norm())
 
 
 def _sum_statistics(messages: Sequence[ClientSummary], r: Sequence[float]) -> SufficientStatistics:

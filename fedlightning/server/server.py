@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
-from fedlightning.server.aggregate import as_model_fields, fedavg
+from fedlightning.server.aggregate import as_model_fields, bound_update, fedavg
 
 Aggregator = Callable[[Sequence[ClientUpdate]], dict[str, Tensor]]
 
@@ -45,6 +45,9 @@ class Server:
     ``aggregator`` maps ``updates -> new global state``; named ``modules`` (method-specific
     memory) run after it in order. Every server, FedTIP's included, answers the same verbs:
     :meth:`broadcast`, :meth:`aggregate`, :meth:`end_stage`, :meth:`state_dict`.
+
+    ``max_update_norm`` and ``max_client_weight`` bound each client's influence before the
+    aggregator and the modules see its update (:func:`bound_update`; ``None``: off).
     """
 
     def __init__(
@@ -52,10 +55,13 @@ class Server:
         global_state: dict[str, Tensor],
         aggregator: Aggregator = fedavg,
         modules: dict[str, ServerModule] | None = None,
+        max_update_norm: float | None = None,
+        max_client_weight: float | None = None,
     ) -> None:
         self.global_state = detach_state(global_state)
         self.aggregator = aggregator
         self.modules = dict(modules or {})
+        self.max_update_norm, self.max_client_weight = max_update_norm, max_client_weight
 
     def broadcast(self, round: int) -> ServerBroadcast:
         """The message every sampled client receives at the start of ``round``."""
@@ -68,6 +74,9 @@ class Server:
         """Aggregate one round's client updates into the global state."""
         if not updates:
             raise ValueError(f"round {round}: no client updates to aggregate")
+        if self.max_update_norm is not None or self.max_client_weight is not None:
+            bounds = (self.max_update_norm, self.max_client_weight)
+            updates = [bound_update(u, self.global_state, *bounds) for u in updates]
         self.global_state = self.aggregator(updates)
         for mod in self.modules.values():
             mod.aggregate(round, updates)

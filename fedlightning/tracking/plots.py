@@ -33,16 +33,24 @@ def _save(fig: Any, path: str | Path) -> Path:
 
 
 def plot_curves(history: Sequence[dict[str, float]], path: str | Path, title: str = "") -> Path:
-    """Accuracy (train/val/test) and training loss per round, side by side, as a PNG."""
+    """Accuracy (train/val/test) per round and, beside it, the clients' training loss when
+    they sent one (``federation.report_train_loss``; rows without it, or NaN, have none):
+    with no loss in any round the figure is the accuracy panel alone."""
+    import math
+
     rounds = [h["round"] for h in history]
-    fig, (ax_acc, ax_loss) = _subplots(1, 2, figsize=(10, 3.6))
+    losses = [h.get("train_loss", math.nan) for h in history]
+    with_loss = any(math.isfinite(v) for v in losses)
+    fig, axes = _subplots(1, 2 if with_loss else 1, figsize=(10 if with_loss else 5, 3.6))
+    ax_acc = axes[0] if with_loss else axes
     for key in ("train_acc", "val_acc", "test_acc"):
         if history and key in history[0]:
             ax_acc.plot(rounds, [h[key] for h in history], marker=".", label=key)
     ax_acc.set(xlabel="round", ylabel="accuracy", ylim=(0, 1))
     ax_acc.legend()
-    ax_loss.plot(rounds, [h["train_loss"] for h in history], marker=".", color="C3")
-    ax_loss.set(xlabel="round", ylabel="train loss (weighted over clients)")
+    if with_loss:
+        axes[1].plot(rounds, losses, marker=".", color="C3")
+        axes[1].set(xlabel="round", ylabel="train loss (weighted over clients)")
     fig.suptitle(title)
     return _save(fig, path)
 

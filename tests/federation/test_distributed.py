@@ -98,7 +98,8 @@ def test_without_torchrun_a_world_of_one(no_torchrun):
     [
         ({"backend": "mpi"}, "runner.backend"),
         ({"device": "tpu"}, "runner.device"),
-        ({"timeout_s": 0}, "runner.timeout_s"),
+        ({"timeout_s": 0}, "runner.client_timeout_s"),
+        ({"client_timeout_s": -1}, "runner.client_timeout_s"),
     ],
 )
 def test_bad_runner_settings_name_the_key(no_torchrun, kwargs, key):
@@ -361,5 +362,8 @@ def test_a_stalled_rank_times_out_with_a_clear_error(tmp_path, dist_env):
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("waited")]
     waited = float(line.split()[1])
     assert 2.5 <= waited < 60  # the 3 s timeout, not a hang (a loaded machine adds little)
-    assert "rank 0 of 2: gathering round 1" in line and "runner.timeout_s=3 s" in line
+    assert (
+        "rank 0 of 2: gathering round 1" in line
+        and "within 3 s (10 x runner.client_timeout_s)" in line
+    )
     assert "resume=RUN_DIR runner=distributed" in line

@@ -26,10 +26,11 @@ def test_fedavg_cora_accuracy_uplink_and_repeatability(tmp_env, shared_data, mon
     s1 = train(cfg, tmp_env / "run1")
     # federated 2-layer GCN on Cora, 5 Louvain clients, 60/20/20: about 0.75 or more
     assert s1["metrics"]["test_acc"] >= 0.75
-    values = cora_model_values() + 2  # + num_examples, train_loss scalars
+    values = cora_model_values() + 1  # + the num_examples scalar (the loss stays on the client)
     assert s1["comm"]["uplink_values"] == values * 5 * 20
     assert s1["comm"]["uplink_mib"] == pytest.approx(values * 5 * 20 * 4 / 2**20)
     assert s1["comm"]["fields"]["num_examples"] == {"up": 100, "down": 0}
+    assert "train_loss" not in s1["comm"]["fields"] and "train_loss" not in s1["metrics"]
     s2 = train(
         compose(["experiment=fedavg_cora", "federation.rounds=20", "logger=none"]), tmp_env / "run2"
     )
@@ -59,7 +60,7 @@ def test_seed_changes_training_but_not_protocol_hash(tmp_env, compose):
     a = train(compose([SYN, "federation.rounds=2", "logger=none", "seed=1"]), tmp_env / "a")
     b = train(compose([SYN, "federation.rounds=2", "logger=none", "seed=2"]), tmp_env / "b")
     assert a["hashes"] == b["hashes"]
-    assert a["metrics"]["train_loss"] != b["metrics"]["train_loss"]
+    assert a["metrics"]["train_acc"] != b["metrics"]["train_acc"]
     c = train(
         compose([SYN, "federation.rounds=2", "logger=none", "protocol.seed=5"]), tmp_env / "c"
     )
@@ -77,11 +78,13 @@ def test_partial_participation_counts_only_sampled_clients(tmp_env, compose):
 
 
 def test_trainer_executor_matches_lean(tmp_env, compose):
-    lean = train(compose([SYN, "federation.rounds=2", "logger=none"]), tmp_env / "l")
+    loss = "federation.report_train_loss=true"  # the clients send their loss: one more scalar
+    lean = train(compose([SYN, "federation.rounds=2", "logger=none", loss]), tmp_env / "l")
     full = train(
-        compose([SYN, "federation.rounds=2", "logger=none", "runner=sequential_trainer"]),
+        compose([SYN, "federation.rounds=2", "logger=none", "runner=sequential_trainer", loss]),
         tmp_env / "t",
     )
+    assert lean["comm"]["fields"]["train_loss"]["up"] == 2 * 5
     assert full["metrics"]["test_acc"] == pytest.approx(lean["metrics"]["test_acc"], abs=1e-9)
     assert full["metrics"]["train_loss"] == pytest.approx(lean["metrics"]["train_loss"], rel=1e-5)
 
