@@ -122,6 +122,7 @@ def federated_round(
     peers = [c.client_id for c in clients]
     if secure is not None:
         fit = secure.client_side(fit, peers)
+        spec = secure.share_spec(spec)
     updates = runner.run_round(round, clients, fit, desc=desc or f"round {round}")
     down = prefixed(broadcast, prefix)
     ids = [c.client_id for c in clients]

@@ -16,6 +16,7 @@ divides, and hands the server's own aggregation one update: the aggregate.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -26,6 +27,7 @@ from torch import Tensor
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.aggregate import MODEL_PREFIX
 from fedlightning.server.fedogl import COUNT_PREFIX, PROTO_PREFIX, read_prototypes
+from fedlightning.server.validation import Field, MessageSpec
 from fedlightning.utils.seeding import torch_generator
 
 FRACTION_BITS = 32  # fixed point: a share's value is round(x * 2^32) in Z_{2^64}
@@ -267,6 +269,27 @@ class SecureSum:
 
         params = {**fit.params, "secure_sum": {"seed": self.seed, **asdict(self.spec)}}
         return replace(fit, one=one, params=params)
+
+    def share_spec(self, plain: MessageSpec | None) -> MessageSpec:
+        """What the server can still check of a masked share (docs/security.md): the summed
+        fields' names, shapes and ring dtype (their values are masked), and the clear
+        scalars of the plain declaration ``plain`` with their ranges; the rules that read
+        plain values cannot run."""
+        ring = {"dtype": torch.int64}
+        summed = "delta" if self.spec.rule == "fedtip" else re.escape(MODEL_PREFIX) + r".+"
+        fields = [replace(f, **ring) for f in getattr(plain, "fields", ()) if f.name == summed]
+        fields = fields or [Field(summed, like=lambda m: m[0], **ring)]
+        if self.spec.classes:
+            fields.append(Field(PROTO_SUM, shape=(self.spec.classes, self.spec.dim), **ring))
+        scalars = [f for f in plain.fields if not f.tensor] if plain is not None else []
+        if plain is None:
+            scalars = [Field(r".+", tensor=False, required=False)]
+        return MessageSpec(
+            fields=(*fields, *scalars),
+            optional=plain.optional if plain is not None else True,
+            masked=(re.escape(MODEL_PREFIX) + r".+", "delta", PROTO_SUM),
+            reference=plain.reference if plain is not None else None,
+        )
 
     def aggregate(
         self,

@@ -224,3 +224,70 @@ def test_the_setting_is_a_boolean():
     assert enabled(True) and not enabled(False)
     with pytest.raises(ConfigError, match="federation.secure_sum"):
         enabled("yes")
+
+
+@pytest.mark.parametrize("hostile", ["nan", "float_share", "undeclared"])
+def test_a_hostile_client_under_secure_sums_is_dropped_and_its_masks_recovered(hostile):
+    """Under secure sums the server checks what it still can (docs/security.md): a client
+    whose update is not finite cannot encode it (its fit fails), a share that is not ring
+    elements or carries an undeclared field breaks the share's declaration; each is dropped
+    and recorded, the survivors' masks with it are recovered, and the global model equals
+    plain FedAvg over the honest clients."""
+    from fedlightning.algorithms.fedavg import FedAvg
+
+    ups = {u.client_id: u for u in _updates()}
+    bad = PEERS[1]
+    like = {k[len("model.") :]: torch.zeros_like(v) for k, v in ups[0].tensors.items()}
+    server, honest = Server(like), Server(like)
+    server.secure = graph_secure_sum(server, seed=0)
+    spoiled = ups[bad].tensors["model.w"].clone()
+    if hostile == "nan":
+        spoiled[0, 0] = float("nan")
+    plain_bad = ClientUpdate(
+        2, {**ups[bad].tensors, "model.w": spoiled}, {"num_examples": 30.0}, client_id=bad
+    )
+
+    def work(broadcast):
+        def one(c):
+            return plain_bad if c.client_id == bad else ups[c.client_id]
+
+        return ClientWork(one=one, uplink=FedAvg().uplink(broadcast))
+
+    runner = SequentialRunner(executor=None, progress=False)
+    clients = [Client(k) for k in PEERS]
+    if hostile != "nan":  # spoil the share itself, after masking (the client's process)
+        inner = server.secure.client_side
+
+        def client_side(fit, peers):
+            masked = inner(fit, peers)
+            one = masked.one
+
+            def spoil(c):
+                share = one(c)
+                if c.client_id != bad:
+                    return share
+                t = dict(share.tensors)
+                if hostile == "float_share":
+                    t["model.w"] = t["model.w"].float()
+                else:
+                    t["secret"] = torch.zeros(1000, dtype=torch.int64)
+                return ClientUpdate(2, t, dict(share.scalars), client_id=bad)
+
+            return type(masked)(**{**masked.__dict__, "one": spoil})
+
+        object.__setattr__(server.secure, "client_side", client_side)
+    ledger = CommLedger()
+    sent = federated_round(2, server, runner, clients, work, ledger)
+    assert [u.client_id for u in sent] == [k for k in PEERS if k != bad]
+    assert ledger.rejected() == 1
+    federated_round(
+        2,
+        honest,
+        runner,
+        [c for c in clients if c.client_id != bad],
+        lambda b: ClientWork(one=lambda c: ups[c.client_id]),
+        CommLedger(),
+    )
+    for k, v in honest.global_state.items():
+        assert torch.isfinite(server.global_state[k].double()).all()
+        assert torch.allclose(server.global_state[k].double(), v.double(), atol=TOL), k
