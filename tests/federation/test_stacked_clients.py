@@ -86,6 +86,7 @@ def test_a_share_equals_its_clients_one_at_a_time(algorithm, conv, sparse):
     """Clients of different sizes, dropout on: the stacked updates (weights and loss) are
     each client's own fit, and torch's generator ends where the last client's fit leaves it."""
     clients = clients_of([40, 17, 63], sparse)
+    algorithm.report_train_loss = True  # the loss too (federation.report_train_loss)
     _, module, broadcast = setup(algorithm, conv)
     ex = LeanExecutor()
     one = [local_fit(algorithm, module, broadcast, ex, 3, 7, c) for c in clients]
@@ -234,7 +235,15 @@ def stacked_steps(monkeypatch) -> list[int]:
 
 
 def run(compose, tmp_path, name: str, overrides: list[str]) -> tuple[dict, dict]:
-    cfg = compose(["logger=none", "threads=1", "runner.progress=false", *overrides])
+    cfg = compose(
+        [
+            "logger=none",
+            "threads=1",
+            "runner.progress=false",
+            "federation.report_train_loss=true",
+            *overrides,
+        ]
+    )
     summary = train(cfg, tmp_path / name)
     checkpoint = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)
     history = json.loads((tmp_path / name / "history.json").read_text())
