@@ -42,7 +42,13 @@ def median_norm(deltas: Sequence[Tensor]) -> float:
 
 
 def reliability(coverage: float, norm: float, gamma: float, eps: float = EPS) -> float:
-    r"""Eq. (29): :math:`r_k = b_k \min(1, \gamma / (\lVert\Delta\Omega_k\rVert_2 + \epsilon))`."""
+    r"""Eq. (29): :math:`r_k = b_k \min(1, \gamma / (\lVert\Delta\Omega_k\rVert_2 + \epsilon))`.
+
+    A zero update is not outsized, so its factor is 1 (:math:`r_k = b_k`): with
+    :math:`\gamma = 0` (half the clients or more sent zero updates, e.g. ``lr=0``) Eq. (29)
+    would give every client 0 and Eq. (30) would divide 0 by 0."""
+    if norm == 0.0:
+        return coverage
     return coverage * min(1.0, gamma / (norm + eps))
 
 

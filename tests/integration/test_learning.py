@@ -134,51 +134,60 @@ def test_cross_modal_retrieval_beats_its_initial_model(tmp_env, compose):
     assert r1 > r0 + margin(r0, n), (r0, r1, n)
 
 
-FEDTIP = [
+FEDTIP = [  # 3 tasks of 120 support events over 10 active clients (12 each), R=20, E=5
     "experiment=fedtip_synthetic",
     "protocol.tasks.num_tasks=3",
+    "protocol.tasks.support=120",
+    "protocol.tasks.active=10",
     "bank.epochs=1",
     "bank.max_events=2000",
 ]
+
+UNTRAINED_FEDTIP = ["federation.rounds=1", "federation.local_epochs=1", "algorithm.lr=1e-12"]
+
+
+def fedtip_pair(compose, root: Path, over: list[str]) -> tuple[dict, dict]:
+    """FedTIP trained (R=20, E=5) and its untrained self: the same config, one round, one
+    step at lr 1e-12 (zero updates keep their reliability weight b_k: finite AUCs)."""
+    trained = train(
+        compose([*FEDTIP, *over, *RUN, "federation.rounds=20", "federation.local_epochs=5"]),
+        root / "trained",
+        verbose=False,
+    )
+    untrained = train(
+        compose([*FEDTIP, *over, *RUN, *UNTRAINED_FEDTIP]),
+        root / "untrained",
+        verbose=False,
+    )
+    return trained, untrained
+
+
+def test_fedtip_link_prediction_beats_its_untrained_self(tmp_env, compose, monkeypatch):
+    """auc_tlp over every test event (n = its negatives too) and auc_ilp over the inductive
+    ones; measured: 0.5921 vs 0.5535 (margin 0.026), 0.6264 vs 0.5706 (margin 0.049)."""
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(tmp_env / "cache"))
+    trained, untrained = fedtip_pair(compose, tmp_env, ["families=[lp]"])
+    table = trained["table"]
+    for key, n in (("auc_tlp", table["test"]), ("auc_ilp", table["ind_test"])):
+        a0, a1 = untrained["metrics"][key], trained["metrics"][key]
+        assert a1 > a0 + margin(a0, n), (key, a0, a1, n)
 
 
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="measured: FedTIP's adapter does not move its AUCs on the synthetic stream "
-    "beyond its untrained self (3 tasks, R=2, E=2: auc_tlp 0.5543 vs 0.5535, auc_ilp "
-    "0.5718 vs 0.5706, auc_nc 0.5751 vs 0.5719; margins 0.026, 0.050, 0.117); "
-    "strict, so the day it learns this test says so",
+    reason="measured: FedTIP's node classification stays within the margin of its untrained "
+    "self even with 25% positive labels (auc_nc 0.6745 vs 0.6257, margin 0.051; at 5%: "
+    "0.5696 vs 0.5561, margin 0.117): the bank's states already carry the planted label "
+    "(0.80 with prototypes taken from the test events themselves), so the few-shot "
+    "anchors rather than the adapter seem to limit it; strict, so the day it learns this "
+    "test says so",
 )
-def test_fedtip_beats_its_untrained_self(tmp_env, compose, monkeypatch):
+def test_fedtip_node_classification_beats_its_untrained_self(tmp_env, compose, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_CACHE", str(tmp_env / "cache"))
-    trained = train(
-        compose([*FEDTIP, *RUN, "federation.rounds=2", "federation.local_epochs=2"]),
-        tmp_env / "trained",
-        verbose=False,
-    )
-    # the untrained self: one round, one step at lr 1e-12; FedAvg aggregation because the
-    # reliability weights of zero-size updates are 0/0 (NaN AUCs)
-    untrained = train(
-        compose(
-            [
-                *FEDTIP,
-                *RUN,
-                "federation.rounds=1",
-                "federation.local_epochs=1",
-                "algorithm.lr=1e-12",
-                "algorithm.aggregation=fedavg",
-            ]
-        ),
-        tmp_env / "untrained",
-        verbose=False,
-    )
+    over = ["families=[nc]", "dataset.positive_rate=0.25"]
+    trained, untrained = fedtip_pair(compose, tmp_env, over)
     table = trained["table"]
-    sizes = {  # the smaller class of each AUC's evaluation set
-        "auc_tlp": table["test"],  # every test event against its own negative
-        "auc_ilp": table["ind_test"],
-        "auc_nc": round(table["pos_rate"] * table["test"]),  # expected positives in test
-    }
-    for key, n in sizes.items():
-        a0, a1 = untrained["metrics"][key], trained["metrics"][key]
-        assert a1 > a0 + margin(a0, n), (key, a0, a1, n)
+    n = round(table["pos_rate"] * table["test"])  # expected positives in test
+    a0, a1 = untrained["metrics"]["auc_nc"], trained["metrics"]["auc_nc"]
+    assert a1 > a0 + margin(a0, n), (a0, a1, n)

@@ -35,6 +35,23 @@ def test_median_norm_and_reliability_eqs28_29():
     assert reliability(0.5, norm=1.0, gamma=2.0) == pytest.approx(0.5)  # below the median
 
 
+def test_zero_updates_keep_their_coverage_weight_eq29():
+    """lr=0: every update is zero, gamma = 0; Eq. (29) read literally gives r_k = 0 for all
+    and Eq. (30) 0/0 (NaN adapter and anchors). A zero update is not outsized: r_k = b_k."""
+    assert reliability(0.75, norm=0.0, gamma=0.0) == 0.75
+    zero = [msg([0.0, 0.0], {0: [1.0, 0.0], 1: [0.0, 2.0]}, {0: 3, 1: 1}, 0.75) for _ in range(3)]
+    omega = torch.tensor([1.0, -2.0])
+    new, anchors, r = aggregate(omega, {}, zero, eta_s=1.0, beta=0.1)
+    assert r == [0.75, 0.75, 0.75]
+    assert torch.equal(new, omega)  # no update: the adapter stays
+    assert torch.allclose(anchors[0], torch.tensor([1.0, 0.0]))  # norm of the mean prototype
+    assert torch.allclose(anchors[1], torch.tensor([0.0, 1.0]))
+    # gamma = 0 with one non-zero client: the zero clients carry the round, no NaN
+    mixed = [*zero[:2], msg([3.0, 4.0], {0: [1.0, 0.0]}, {0: 4}, 0.5)]
+    new, _, r = aggregate(omega, {}, mixed)
+    assert r == [0.75, 0.75, 0.0] and torch.equal(new, omega)
+
+
 def msg(delta, protos, counts, coverage):
     d = torch.tensor(delta)
     return ClientSummary(
