@@ -64,12 +64,18 @@ def fresh_env(wheel: Path, where: Path) -> Path:
     python = bindir / ("python.exe" if os.name == "nt" else "python")
     pip = [sys.executable, "-m", "pip", "--python", python] if remote else [python, "-m", "pip"]
     pip.append("--disable-pip-version-check")
-    _run([*pip, "install", "--no-deps", "--no-index", "-q", wheel], cwd=where)
+    # --ignore-installed: whatever fedlightning the environment may see already (an editable
+    # install, a PYTHONPATH), this one goes into the new environment
+    _run([*pip, "install", "--no-deps", "--no-index", "--ignore-installed", "-q", wheel], cwd=where)
     purelib = _run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], where
     )
+    installed = Path(purelib.stdout.strip())
+    assert (installed / "fedlightning" / "conf").is_dir(), sorted(
+        p.name for p in installed.iterdir()
+    )
     ours = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
-    (Path(purelib.stdout.strip()) / "_fedlightning_test_deps.pth").write_text("\n".join(ours))
+    (installed / "_fedlightning_test_deps.pth").write_text("\n".join(ours))
     return bindir
 
 
