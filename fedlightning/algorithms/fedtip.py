@@ -186,15 +186,9 @@ class FedTIP(Algorithm):
         return server
 
     def use_secure_sum(self, seed: int, max_update_norm: float | None = None) -> None:
-        """``federation.secure_sum=true``: every task's server sums masked shares of Eq. (6).
-        Eq. (28)'s median norm needs every client's norm before any client could weight its
-        share, so reliability weighting is refused (``aggregation=fedavg``: :math:`r_k=1`)."""
-        if self.aggregation == "reliability" and self.mode == "federated":
-            raise ConfigError(
-                "federation.secure_sum",
-                "FedTIP's reliability weights (Eqs. 28-30) need every "
-                "client's norm before masking: use algorithm.aggregation=fedavg",
-            )
+        """``federation.secure_sum=true``: every task's server sums masked shares of Eq. (6);
+        with reliability weights a round has two phases (the clear scalars of Eq. 2, then
+        the shares weighted by the :math:`r_k` the server computed from them)."""
         self.secure_seed, self.max_update_norm = int(seed), max_update_norm
 
     def privacy_budget(self, tasks: int, rounds: int, families: Sequence[str]) -> dict[str, Any]:

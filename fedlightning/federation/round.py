@@ -119,12 +119,47 @@ def federated_round(
     if fit.share is not None:
         fit.one = stacked(runner, clients, fit.share)
     secure = getattr(server, "secure", None) if aggregate is None else None
-    peers = [c.client_id for c in clients]
-    if secure is not None:
-        fit = secure.client_side(fit, peers)
-        spec = secure.share_spec(spec)
-    updates = runner.run_round(round, clients, fit, desc=desc or f"round {round}")
     down = prefixed(broadcast, prefix)
+
+    def exchange(work: ClientWork, spec: MessageSpec | None, down: Any) -> list[ClientUpdate]:
+        """The clients' part on the runner, each message checked, counted or dropped."""
+        updates = runner.run_round(round, clients, work, desc=desc or f"round {round}")
+        return _keep(
+            round, clients, updates, spec, ledger, down, prefix, scope, runner, min_clients
+        )
+
+    if secure is None:
+        sent = exchange(fit, spec, down)
+        (aggregate or server.aggregate)(round, sent)
+        return sent
+    peers, weights = [c.client_id for c in clients], None
+    if secure.weighs(server):  # Eq. (28) needs every norm before a client weights its share
+        first = exchange(secure.first_phase(fit), secure.clear_spec(spec), down)
+        weights = secure.weights(first, server)
+        peers = [k for k in peers if k in weights]
+        down = {k: ServerBroadcast(round, scalars={"reliability": r}) for k, r in weights.items()}
+    share_spec = secure.share_spec(spec, optional=weights is not None)
+    sent = exchange(secure.client_side(fit, peers, weights), share_spec, down)
+    secure.aggregate(round, sent, broadcast, peers, server.aggregate, weights)
+    return sent
+
+
+def _keep(
+    round: int,
+    clients: Sequence[Any],
+    updates: Sequence[Any],
+    spec: MessageSpec | None,
+    ledger: CommLedger,
+    down: Any,
+    prefix: str,
+    scope: str,
+    runner: Any,
+    min_clients: int,
+) -> list[ClientUpdate]:
+    """The updates the server keeps (:func:`screen`), in client order; every broadcast
+    (``down``: one message, or client id -> message) and kept message into ``ledger``, every
+    dropped one into its rejections with one log line; :class:`TooFewClients` when fewer
+    than ``min_clients`` remain after a drop."""
     ids = [c.client_id for c in clients]
     arrived, dropped = [], []
     for i, (k, update) in enumerate(zip(ids, updates, strict=True)):
@@ -137,7 +172,11 @@ def federated_round(
     sent, rejected = screen(round, ids, arrived, spec)
     kept = {id(u) for u in sent}
     for k, update in zip(ids, updates, strict=True):  # in client order, as before checks
-        ledger.record(DOWN, k, down, scope)
+        message = down.get(k) if isinstance(down, dict) else down
+        if message is not None:
+            ledger.record(
+                DOWN, k, prefixed(message, prefix) if isinstance(down, dict) else message, scope
+            )
         if id(update) in kept:
             ledger.record(UP, k, prefixed(update, prefix), scope)
     refused = sorted([*dropped, *rejected], key=lambda r: ids.index(r.client))
@@ -151,10 +190,6 @@ def federated_round(
             f"clients' messages kept, fewer than federation.min_clients={min_clients} "
             f"(dropped: {'; '.join(_why(r) for r in refused)[:400]})"
         )
-    if secure is not None:
-        secure.aggregate(round, sent, broadcast, peers, server.aggregate)
-    else:
-        (aggregate or server.aggregate)(round, sent)
     return sent
 
 

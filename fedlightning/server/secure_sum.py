@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch import Tensor
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.aggregate import MODEL_PREFIX
 from fedlightning.server.fedogl import COUNT_PREFIX, PROTO_PREFIX, read_prototypes
+from fedlightning.server.reliability import coverage_of, reliability
 from fedlightning.server.validation import Field, MessageSpec
 from fedlightning.utils.seeding import torch_generator
 
@@ -110,9 +111,12 @@ class ShareSpec:
             return update.num_examples
         return sum(v for k, v in update.scalars.items() if k.startswith("count."))
 
-    def plain(self, update: ClientUpdate, broadcast: ServerBroadcast) -> dict[str, Tensor]:
-        """The client's plain additive share (float64), before encoding and masking."""
-        n = self.weight(update)
+    def plain(
+        self, update: ClientUpdate, broadcast: ServerBroadcast, r: float = 1.0
+    ) -> dict[str, Tensor]:
+        """The client's plain additive share (float64), before encoding and masking;
+        ``r``: its reliability :math:`r_k` (Eq. 6; 1 without reliability weights)."""
+        n = self.weight(update) * r
         out: dict[str, Tensor] = {}
         if self.rule == "fedavg":
             model = {k: v for k, v in update.tensors.items() if k.startswith(MODEL_PREFIX)}
@@ -127,7 +131,7 @@ class ShareSpec:
         if self.classes:
             rows = torch.zeros(self.classes, self.dim, dtype=torch.float64)
             for c, p, count in self.prototypes(update):
-                rows[c] += count * p.double()
+                rows[c] += count * r * p.double()
             out[PROTO_SUM] = rows
         return out
 
@@ -143,12 +147,18 @@ class ShareSpec:
         return out
 
     def aggregate(
-        self, total: dict[str, Tensor], shares: Sequence[ClientUpdate], like: dict[str, Tensor]
+        self,
+        total: dict[str, Tensor],
+        shares: Sequence[ClientUpdate],
+        like: dict[str, Tensor],
+        weights: dict[int, float] | None = None,
     ) -> ClientUpdate:
-        """The decoded sums over the clear counts of ``shares``: one update that the
-        server's own aggregation reads as the round's only, weighted by the total
+        r"""The decoded sums over the clear counts of ``shares`` (times each client's
+        reliability in ``weights``: Eq. 6's :math:`Z_\Omega, Z_c`): one update that the
+        server's own aggregation reads as the round's only, with the clear counts' totals
         (``like``: the broadcast, for the model's dtypes)."""
-        n = sum(self.weight(u) for u in shares)
+        r = {u.client_id: 1.0 if weights is None else weights[u.client_id] for u in shares}
+        n = sum(self.weight(u) * r[u.client_id] for u in shares)
         if n <= 0:
             raise ValueError("secure sum: the clients' total weight is 0, nothing to divide by")
         tensors, scalars = {}, {}
@@ -162,11 +172,13 @@ class ShareSpec:
             scalars["num_examples"] = float(n)
         if self.classes:
             z = torch.zeros(self.classes, dtype=torch.float64)
+            counted = torch.zeros(self.classes, dtype=torch.float64)
             for u in shares:
                 for key, v in u.scalars.items():
                     c = _count_class(key, self.rule)
                     if c is not None:
-                        z[c] += v
+                        z[c] += v * r[u.client_id]
+                        counted[c] += v
             for c in range(self.classes):
                 if z[c] > 0:
                     q = (total[PROTO_SUM][c] / z[c]).float()
@@ -176,7 +188,9 @@ class ShareSpec:
                     else:
                         tensors[f"{PROTO_PREFIX}{c}"] = q
             if self.rule == "fedtip":
-                scalars.update({f"count.{c}": float(z[c]) for c in range(self.classes) if z[c]})
+                scalars.update(
+                    {f"count.{c}": float(counted[c]) for c in range(self.classes) if z[c]}
+                )
         elif self.rule == "fedtip":
             counts = {k: sum(u.scalars.get(k, 0.0) for u in shares) for k in _counts(shares)}
             scalars.update(counts)
@@ -213,16 +227,22 @@ class SecureSum:
 
     seed: int
     spec: ShareSpec
+    held: dict[int, ClientUpdate] = field(default_factory=dict, compare=False, repr=False)
 
     def mask(
-        self, update: ClientUpdate, broadcast: ServerBroadcast, peers: Sequence[int]
+        self,
+        update: ClientUpdate,
+        broadcast: ServerBroadcast,
+        peers: Sequence[int],
+        weight: float = 1.0,
     ) -> ClientUpdate:
         """Client side: the masked share of ``update`` (ring elements, int64) with its
-        scalars in the clear. ``peers``: the round's client ids, agreed at the broadcast."""
+        scalars in the clear. ``peers``: the round's client ids, agreed at the broadcast;
+        ``weight``: the client's reliability :math:`r_k` (a weighted sum's phase two)."""
         k, r = update.client_id, broadcast.round  # the round the peers were fixed in
         bound = RING_HALF / max(len(peers), 1)
         tensors = {}
-        for f, x in self.spec.plain(update, broadcast).items():
+        for f, x in self.spec.plain(update, broadcast, weight).items():
             try:
                 enc = encode(x, bound)
             except ValueError as e:
@@ -231,7 +251,11 @@ class SecureSum:
         return ClientUpdate(r, tensors, dict(update.scalars), client_id=k)
 
     def unmask(
-        self, shares: Sequence[ClientUpdate], broadcast: ServerBroadcast, peers: Sequence[int]
+        self,
+        shares: Sequence[ClientUpdate],
+        broadcast: ServerBroadcast,
+        peers: Sequence[int],
+        weights: dict[int, float] | None = None,
     ) -> ClientUpdate:
         """Server side: the ring sum of ``shares``; for a client of ``peers`` whose share
         did not arrive, every survivor reveals its pair mask with it (recovery), which the
@@ -256,21 +280,69 @@ class SecureSum:
                     else:
                         s += pair_mask(self.seed, broadcast.round, j, i, f, s.shape)
             total[f] = decode(s)
-        return self.spec.aggregate(total, shares, broadcast.tensors)
+        return self.spec.aggregate(total, shares, broadcast.tensors, weights)
 
-    def client_side(self, fit: Any, peers: Sequence[int]) -> Any:
+    def client_side(
+        self, fit: Any, peers: Sequence[int], weights: dict[int, float] | None = None
+    ) -> Any:
         """A round's :class:`~fedlightning.federation.round.ClientWork` whose per-client fit
-        returns the masked share (on the client's process: the plain update stays there)."""
+        returns the masked share (on the client's process: the plain update stays there).
+        With ``weights`` (the second phase of a weighted sum), each client masks the update
+        it kept in :meth:`first_phase`, times its reliability; a client the first phase
+        dropped sends nothing."""
         inner = fit.one
 
         def one(client: Any) -> ClientUpdate | None:
+            if weights is not None:
+                update = self.held.pop(client.client_id, None)
+                if client.client_id not in weights or update is None:
+                    return None
+                return self.mask(update, fit.broadcast, peers, weights[client.client_id])
             update = inner(client)
             return None if update is None else self.mask(update, fit.broadcast, peers)
 
         params = {**fit.params, "secure_sum": {"seed": self.seed, **asdict(self.spec)}}
-        return replace(fit, one=one, params=params)
+        return replace(fit, one=one, params=params, kind=fit.kind if weights is None else "share")
 
-    def share_spec(self, plain: MessageSpec | None) -> MessageSpec:
+    def weighs(self, server: Any) -> bool:
+        """Whether the clients weight their shares by the server's reliabilities (FedTIP's
+        Eqs. 28-30): then a round has two phases (:meth:`first_phase`, :meth:`weights`)."""
+        return self.spec.rule == "fedtip" and bool(getattr(server, "reliability_weights", False))
+
+    def first_phase(self, fit: Any) -> Any:
+        """Phase one of a weighted sum: each client fits, keeps its plain update on its own
+        process, and sends the clear scalars of its message (Eq. 2: counts, coverage,
+        norm), from which the server computes every :math:`r_k` (:meth:`weights`)."""
+        inner = fit.one
+
+        def one(client: Any) -> ClientUpdate | None:
+            update = inner(client)
+            if update is None:
+                return None
+            self.held[update.client_id] = update
+            return ClientUpdate(update.round, {}, dict(update.scalars), client_id=update.client_id)
+
+        return replace(fit, one=one)
+
+    def clear_spec(self, plain: MessageSpec | None) -> MessageSpec:
+        """Phase one's declaration: the plain message's scalars, with their ranges."""
+        scalars = [f for f in plain.fields if not f.tensor] if plain is not None else []
+        return MessageSpec(tuple(scalars) or (Field(r".+", tensor=False, required=False),))
+
+    def weights(self, first: Sequence[ClientUpdate], server: Any) -> dict[int, float]:
+        r"""Eqs. (27)-(29) from phase one's clear scalars: :math:`b_k` from the counts,
+        :math:`\gamma` (Eq. 28) the median of the *reported* norms (the server cannot
+        recompute a norm from a masked delta), client id -> :math:`r_k`."""
+        classes = tuple(getattr(server, "classes", (0, 1)))
+        norms = {u.client_id: float(u.scalars["norm"]) for u in first}
+        gamma = float(torch.tensor(list(norms.values()), dtype=torch.float64).quantile(0.5))
+        out = {}
+        for u in first:
+            counts = {int(k[6:]): int(v) for k, v in u.scalars.items() if k.startswith("count.")}
+            out[u.client_id] = reliability(coverage_of(counts, classes), norms[u.client_id], gamma)
+        return out
+
+    def share_spec(self, plain: MessageSpec | None, optional: bool = False) -> MessageSpec:
         """What the server can still check of a masked share (docs/security.md): the summed
         fields' names, shapes and ring dtype (their values are masked), and the clear
         scalars of the plain declaration ``plain`` with their ranges; the rules that read
@@ -286,7 +358,7 @@ class SecureSum:
             scalars = [Field(r".+", tensor=False, required=False)]
         return MessageSpec(
             fields=(*fields, *scalars),
-            optional=plain.optional if plain is not None else True,
+            optional=optional or (plain.optional if plain is not None else True),
             masked=(re.escape(MODEL_PREFIX) + r".+", "delta", PROTO_SUM),
             reference=plain.reference if plain is not None else None,
         )
@@ -298,9 +370,10 @@ class SecureSum:
         broadcast: ServerBroadcast,
         peers: Sequence[int],
         aggregate: Callable[[int, list[ClientUpdate]], None],
+        weights: dict[int, float] | None = None,
     ) -> None:
         """Server side of a round: :meth:`unmask`, then ``aggregate(round, [the sum])``."""
-        aggregate(round, [self.unmask(shares, broadcast, peers)])
+        aggregate(round, [self.unmask(shares, broadcast, peers, weights)])
 
 
 def graph_secure_sum(server: Any, seed: int, max_update_norm: float | None = None) -> SecureSum:

@@ -258,8 +258,8 @@ def test_a_hostile_client_under_secure_sums_is_dropped_and_its_masks_recovered(h
     if hostile != "nan":  # spoil the share itself, after masking (the client's process)
         inner = server.secure.client_side
 
-        def client_side(fit, peers):
-            masked = inner(fit, peers)
+        def client_side(fit, peers, weights=None):
+            masked = inner(fit, peers, weights)
             one = masked.one
 
             def spoil(c):
@@ -291,3 +291,49 @@ def test_a_hostile_client_under_secure_sums_is_dropped_and_its_masks_recovered(h
     for k, v in honest.global_state.items():
         assert torch.isfinite(server.global_state[k].double()).all()
         assert torch.allclose(server.global_state[k].double(), v.double(), atol=TOL), k
+
+
+def test_fedtip_reliability_weights_by_a_two_phase_secure_round():
+    """FedTIP's reliability weights (Eqs. 27-30) under secure sums: phase one carries the
+    clear scalars (counts, coverage, norm), the server computes each r_k, phase two the
+    shares n_k r_k dOmega_k and n_kc r_k q_kc; the round's result equals the plain
+    reliability-weighted server within the tolerance, the aggregation sees only the sum,
+    and the ledger counts both phases and each client's r_k sent down."""
+    from fedlightning.server.reliability import coverage_of, update_norm
+
+    g = torch.Generator().manual_seed(5)
+    omega = {"w": torch.zeros(2, 3)}
+    ups = {}
+    for k in PEERS:
+        counts = {0: float(k + 1), 1: float(3 - k % 3)}
+        delta = torch.randn(6, generator=g) * (1 + 3 * k)  # norms far apart: r_k differ
+        tensors = {"delta": delta, **{f"proto.{c}": torch.randn(4, generator=g) for c in counts}}
+        scalars = {f"count.{c}": n for c, n in counts.items()}
+        scalars |= {"coverage": coverage_of(counts, (0, 1)), "norm": update_norm(delta)}
+        ups[k] = ClientUpdate(1, tensors, scalars, k)
+    plain = FedTIPServer(omega)
+    plain.aggregate(1, list(ups.values()))
+    server = FedTIPServer(omega)
+    server.secure = SecureSum(9, ShareSpec("fedtip", classes=2, dim=4))
+    seen = []
+    inner = server.aggregate
+    server.aggregate = lambda r, us: (seen.append(list(us)), inner(r, us))
+    runner = SequentialRunner(executor=None, progress=False)
+    clients = [Client(k) for k in PEERS]
+    ledger = CommLedger()
+    sent = federated_round(
+        1, server, runner, clients, lambda b: ClientWork(one=lambda c: ups[c.client_id]), ledger
+    )
+    assert all(u.tensors["delta"].dtype == torch.int64 for u in sent)
+    assert len(seen) == 1 and len(seen[0]) == 1  # the sum alone
+    assert torch.allclose(server.omega, plain.omega, atol=TOL)
+    for c in (0, 1):
+        assert torch.allclose(server.anchors[c], plain.anchors[c], atol=1e-5)
+    # the weights matter: support-weighted FedAvg gives another adapter
+    avg = FedTIPServer(omega, reliability_weights=False)
+    avg.aggregate(1, list(ups.values()))
+    assert not torch.allclose(avg.omega, plain.omega, atol=1e-3)
+    down = [e for e in ledger.entries if e[0] == "down" and e[3] == "reliability"]
+    assert len(down) == len(PEERS)  # each client's r_k, one value each
+    up_fields = {e[3] for e in ledger.entries if e[0] == "up"}
+    assert {"norm", "coverage", "delta", "proto_sum"} <= up_fields
