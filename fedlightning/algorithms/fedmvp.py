@@ -1,0 +1,53 @@
+"""FedMVP (Singha et al., ICCV 2025) at embedding level in FedOGL's class-incremental
+setting, as a composition (docs/fedogl.md, "FedMVP"): the prompted cosine classifier of
+:class:`~fedlightning.models.fedmvp.FedMVPNet`, the consistency term of
+:class:`~fedlightning.clients.fedmvp.FedMVPClassifier`, the server-averaged class text
+prototypes (:class:`~fedlightning.server.class_bank.ClassBank`), FedAvg of the whole net
+(prompt module included), the shared replay budget and MSP rejection (Eq. (6)).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedlightning.algorithms.class_bank import ClassBankFedAvg
+from fedlightning.clients.fedmvp import FedMVPClassifier
+from fedlightning.errors import ConfigError
+from fedlightning.models.fedmvp import SEEN_BUFFER, TEXT_BUFFER, FedMVPNet
+from fedlightning.server.class_bank import class_means
+
+TEXT_PREFIX, TEXT_COUNT_PREFIX = "text_proto.", "text_count."
+
+
+class FedMVP(ClassBankFedAvg):
+    """FedMVP + the adaptation rule.
+
+    Args:
+        alpha: weight of the consistency term (FedMVP's 10).
+        replay_budget, score, ...: as :class:`~fedlightning.algorithms.continual.ContinualFedAvg`
+            (the shared replay budget, MSP).
+    """
+
+    bank_buffer, seen_buffer = TEXT_BUFFER, SEEN_BUFFER
+    bank_prefix, count_prefix = TEXT_PREFIX, TEXT_COUNT_PREFIX
+    net_class, model_name = FedMVPNet, "fedmvp_gnn"
+
+    def __init__(self, alpha: float = 10.0, replay_budget: int = 20, **kw: Any) -> None:
+        if alpha < 0:
+            raise ConfigError("algorithm.alpha", f"must be >= 0, got {alpha}")
+        kw.setdefault("name", "fedmvp")
+        kw.setdefault("variant", "replay" if replay_budget else "full")
+        super().__init__(replay_budget=replay_budget, **kw)
+        self.alpha = float(alpha)
+
+    def make_module(self, net: FedMVPNet, optimizer: Any) -> FedMVPClassifier:
+        return FedMVPClassifier(net, optimizer, alpha=self.alpha, **self.retention_kwargs())
+
+    def class_rows(self, net: FedMVPNet, batch: Any) -> dict[int, tuple[torch.Tensor, int]]:
+        """The mean text embedding of each class over the training nodes (current and
+        replayed) that have text, with its support."""
+        text = net.representations(batch)["text"]
+        mask = (batch.sup_mask | batch.replay_mask) & net.text_available(batch)
+        return class_means(text, batch.y, mask)
