@@ -38,7 +38,7 @@ class FedMVP(ClassBankFedAvg):
         if alpha < 0:
             raise ConfigError("algorithm.alpha", f"must be >= 0, got {alpha}")
         kw.setdefault("name", "fedmvp")
-        kw.setdefault("variant", "replay" if replay_budget else "full")
+        kw.setdefault("variant", "full" if replay_budget else "no_replay")
         super().__init__(replay_budget=replay_budget, **kw)
         self.alpha = float(alpha)
 

@@ -80,7 +80,7 @@ class Prism(ClassBankFedAvg):
         if num_clients < 1:
             raise ConfigError("algorithm.num_clients", f"must be >= 1, got {num_clients}")
         kw.setdefault("name", "prism")
-        kw.setdefault("variant", "replay" if replay_budget else "full")
+        kw.setdefault("variant", "full" if replay_budget else "no_replay")
         super().__init__(replay_budget=replay_budget, **kw)
         self.deficient_fraction, self.num_clients = float(deficient_fraction), int(num_clients)
         self.deficiency_seed = int(deficiency_seed)
