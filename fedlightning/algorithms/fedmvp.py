@@ -48,6 +48,6 @@ class FedMVP(ClassBankFedAvg):
     def class_rows(self, net: FedMVPNet, batch: Any) -> dict[int, tuple[torch.Tensor, int]]:
         """The mean text embedding of each class over the training nodes (current and
         replayed) that have text, with its support."""
-        text = net.representations(batch)["text"]
+        text = net.unprompted(batch)["text"]
         mask = (batch.sup_mask | batch.replay_mask) & net.text_available(batch)
         return class_means(text, batch.y, mask)

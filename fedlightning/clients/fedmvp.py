@@ -58,6 +58,6 @@ class FedMVPClassifier(ContinualNodeClassifier):
         if self.alpha > 0 and self._frozen:
             m = batch.sup_mask | batch.replay_mask
             with torch.no_grad():
-                frozen = self._frozen[0].representations(batch)["f"]
+                frozen = self._frozen[0].unprompted(batch)["f"]
             loss = loss + self.alpha * consistency_loss(reps["z"][m], frozen[m])
         return self.with_proximal(loss)

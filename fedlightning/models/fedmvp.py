@@ -127,8 +127,8 @@ class FedMVPNet(MultimodalGNN):
         self.register_buffer(TEXT_BUFFER, torch.zeros(num_classes, hidden))
         self.register_buffer(SEEN_BUFFER, torch.zeros(num_classes))
 
-    def representations(self, data: Data) -> dict[str, Tensor]:
-        """``s``, ``g``, the unprompted ``f``, the prompted ``z`` and each node's text
+    def unprompted(self, data: Data) -> dict[str, Tensor]:
+        """``s``, ``g``, the unprompted ``f`` (Eq. (10)'s ``z``) and each node's text
         embedding ``text`` (zeros where the node has no text), ``[N, hidden]``."""
         feats = {m: data[f"x_{m}"] for m in self.modalities}
         hs = self.encoders(feats)
@@ -136,10 +136,14 @@ class FedMVPNet(MultimodalGNN):
         s = masked_fusion(hs, mask)
         g = self.gnn(s, data.edge_index)
         f = torch.relu(self.project(torch.cat([s, g, mask.to(s.dtype)], dim=-1)))
-        z = f + self.prompt(f, self.class_text, self.class_seen > 0)
         j = self.modalities.index(self.text_modality)
-        text = hs[j] * mask[:, j : j + 1].to(s.dtype)
-        return {"s": s, "g": g, "f": f, "z": z, "text": text}
+        return {"s": s, "g": g, "f": f, "text": hs[j] * mask[:, j : j + 1].to(s.dtype)}
+
+    def representations(self, data: Data) -> dict[str, Tensor]:
+        """:meth:`unprompted`'s and the prompted ``z``, ``[N, hidden]``."""
+        reps = self.unprompted(data)
+        reps["z"] = reps["f"] + self.prompt(reps["f"], self.class_text, self.class_seen > 0)
+        return reps
 
     def text_available(self, data: Data) -> Tensor:
         """Which nodes have the text modality, ``[N]`` bool."""
