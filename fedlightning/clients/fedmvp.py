@@ -35,10 +35,12 @@ class FedMVPClassifier(ContinualNodeClassifier):
         super().__init__(net, optimizer, **kw)
         self.alpha = float(alpha)
         self._frozen: list[nn.Module] = []  # a list keeps it out of parameters()/state_dict()
+        self._view: tuple[Data, Tensor] | None = None  # (batch, frozen f) of the current fit
 
     def receive(self, state: dict[str, Tensor]) -> None:
         """Load the global weights; freeze a copy of them as the frozen view."""
         super().receive(state)
+        self._view = None
         if self.alpha <= 0:
             return
         if not self._frozen:
@@ -57,7 +59,13 @@ class FedMVPClassifier(ContinualNodeClassifier):
         loss = self.objective(logits, batch, self.teacher_logits(batch))
         if self.alpha > 0 and self._frozen:
             m = batch.sup_mask | batch.replay_mask
-            with torch.no_grad():
-                frozen = self._frozen[0].unprompted(batch)["f"]
-            loss = loss + self.alpha * consistency_loss(reps["z"][m], frozen[m])
+            loss = loss + self.alpha * consistency_loss(reps["z"][m], self.frozen_view(batch)[m])
         return self.with_proximal(loss)
+
+    @torch.no_grad()
+    def frozen_view(self, batch: Data) -> Tensor:
+        """The frozen view's unprompted ``f`` on ``batch``, computed once per fit (the
+        frozen net and the batch do not change between its steps)."""
+        if self._view is None or self._view[0] is not batch:
+            self._view = (batch, self._frozen[0].unprompted(batch)["f"])
+        return self._view[1]
