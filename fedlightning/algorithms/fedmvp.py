@@ -15,6 +15,8 @@ import torch
 from fedlightning.algorithms.class_bank import ClassBankFedAvg
 from fedlightning.clients.fedmvp import FedMVPClassifier
 from fedlightning.errors import ConfigError
+from fedlightning.federation.algorithm import FederatedClient
+from fedlightning.messages import detach_state
 from fedlightning.models.fedmvp import SEEN_BUFFER, TEXT_BUFFER, FedMVPNet
 from fedlightning.server.class_bank import class_means
 
@@ -44,6 +46,21 @@ class FedMVP(ClassBankFedAvg):
 
     def make_module(self, net: FedMVPNet, optimizer: Any) -> FedMVPClassifier:
         return FedMVPClassifier(net, optimizer, alpha=self.alpha, **self.retention_kwargs())
+
+    def begin_stage(self, client: FederatedClient, t: int, global_state: dict) -> None:
+        """The parent's stage start, and the frozen view: the global model at the client's
+        first round of stage ``t > 0`` (a trained backbone, as FedMVP's frozen CLIP is; at
+        stage 0 there is none, and no consistency term)."""
+        super().begin_stage(client, t, global_state)
+        if t > 0 and self.alpha > 0:
+            client.state["frozen_view"] = detach_state(global_state)
+        else:
+            client.state.pop("frozen_view", None)
+
+    def prepare(self, module: FedMVPClassifier, client: FederatedClient, broadcast: Any) -> Any:
+        batch = super().prepare(module, client, broadcast)
+        module.set_frozen(client.state.get("frozen_view"))
+        return batch
 
     def class_rows(self, net: FedMVPNet, batch: Any) -> dict[int, tuple[torch.Tensor, int]]:
         """The mean text embedding of each class over the training nodes (current and

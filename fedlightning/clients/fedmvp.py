@@ -25,9 +25,10 @@ def consistency_loss(prompted: Tensor, frozen: Tensor) -> Tensor:
 class FedMVPClassifier(ContinualNodeClassifier):
     r""":class:`ContinualNodeClassifier`'s objective on the prompted logits plus
     :math:`\alpha\,(1 - \cos(z_i, f^{0}_i))` on the training nodes (current and replayed),
-    ``f^0`` the unprompted feature of the frozen view: the received global model in eval
-    mode on the clean input, while the trained net sees the input-dropout view (FedMVP's
-    frozen CLIP on the flipped image). ``alpha``: FedMVP's 10; the rest as the parent's."""
+    ``f^0`` the unprompted feature of the frozen view (:meth:`set_frozen`: the task-start
+    global model, in eval mode on the clean input, while the trained net sees the
+    input-dropout view; FedMVP's frozen CLIP on the flipped image). ``alpha``: FedMVP's 10;
+    the rest as the parent's."""
 
     stackable = False  # the loss reads the frozen view's features
 
@@ -37,11 +38,11 @@ class FedMVPClassifier(ContinualNodeClassifier):
         self._frozen: list[nn.Module] = []  # a list keeps it out of parameters()/state_dict()
         self._view: tuple[Data, Tensor] | None = None  # (batch, frozen f) of the current fit
 
-    def receive(self, state: dict[str, Tensor]) -> None:
-        """Load the global weights; freeze a copy of them as the frozen view."""
-        super().receive(state)
+    def set_frozen(self, state: dict[str, Tensor] | None) -> None:
+        """The frozen view's weights for this fit (``None``: no consistency term)."""
         self._view = None
-        if self.alpha <= 0:
+        if state is None or self.alpha <= 0:
+            self._frozen = []
             return
         if not self._frozen:
             self._frozen = [copy.deepcopy(self.net).requires_grad_(False)]

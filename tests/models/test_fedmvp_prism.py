@@ -166,8 +166,8 @@ def test_fedmvp_consistency_term_is_alpha_times_the_cosine_gap_to_the_frozen_vie
         module = FedMVPClassifier(net, torch.optim.Adam, alpha=alpha)
         frozen = {k: v.clone() for k, v in state.items()}
         moved = {k: v.clone() for k, v in net.state_dict().items()}
-        module.receive(frozen)  # the frozen view: the received global model
-        net.load_state_dict(moved)
+        module.receive(moved)
+        module.set_frozen(frozen)  # the frozen view: the task-start global model
         module.set_stage(torch.tensor([0, 1, 2]), None, None)
         losses[alpha] = float(module.training_step(data).detach())
     ref = FedMVPNet({"text": 5, "bow": 7}, 3, hidden=8, tokens=4, heads=2, dropout=0.0)
