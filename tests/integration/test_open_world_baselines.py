@@ -145,7 +145,41 @@ def test_uplink_matches_a_hand_count_and_the_sign_is_calibrated(method, tmp_env,
         assert stage["score_sign"] in (-1.0, 1.0)
         assert stage["val_auroc_ood"] >= 0.5  # oriented on validation
     assert s["tags"]["method"] == method[4:] and s["tags"]["variant"] == "full"
-    assert s["timing"]["rounds_timed"] == s["rounds"] and s["timing"]["s_per_round"] > 0
+    history = json.loads((tmp_env / "run" / "history.json").read_text())
+    times = [h["round_time_s"] for h in history]
+    assert s["timing"] == {
+        "s_per_round": pytest.approx(sum(times) / len(times)),
+        "rounds_timed": len(times),
+    }
+
+
+def test_the_loop_negates_a_score_that_ranks_validation_unknowns_higher():
+    """``ContinualLoop.orient``: with ``calibrate_direction`` a score whose validation
+    known nodes score below the unknown ones is negated on every split; without it (MSP,
+    energy) the scores stay as they are."""
+    from types import SimpleNamespace
+
+    from fedlightning.federation.stages import ContinualLoop
+
+    def parts():
+        val = {"known_score": torch.tensor([0.1, 0.2]), "unknown_score": torch.tensor([0.9])}
+        test = {
+            "known_score": torch.tensor([0.3]),
+            "unknown_score": torch.tensor([0.8]),
+            "score": torch.tensor([0.3, 0.8]),
+        }
+        return {"val": [val], "test": [test]}
+
+    calibrated = SimpleNamespace(algorithm=SimpleNamespace(calibrate_direction=True))
+    p = parts()
+    assert ContinualLoop.orient(calibrated, p) == -1.0
+    assert p["test"][0]["score"].tolist() == pytest.approx([-0.3, -0.8])
+    assert p["val"][0]["unknown_score"].tolist() == pytest.approx([-0.9])
+    plain = SimpleNamespace(algorithm=SimpleNamespace())
+    p = parts()
+    assert ContinualLoop.orient(plain, p) == 1.0 and p["test"][0][
+        "score"
+    ].tolist() == pytest.approx([0.3, 0.8])
 
 
 # ---------------------------------------------------------------------------- slow
