@@ -6,6 +6,9 @@ score (MSP or energy over the known classes) over its own subgraph
 (:mod:`fedlightning.metrics.grasp`): its candidates are its validation and test nodes, its
 training nodes those of the known classes. The sign is calibrated on validation. No extra
 communication (docs/fedogl.md, "GRASP").
+
+:class:`RetrievalGRASP` is its retrieval reading (``cir_grasp``): the base score is each
+query's top-1 cross-modal similarity against its split's known-class items.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import torch
 from torch import Tensor
 
 from fedlightning.algorithms.continual import ContinualFedAvg
+from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.errors import ConfigError
+from fedlightning.federation.retrieval_stages import split_scores
+from fedlightning.metrics import max_similarity
 from fedlightning.metrics.grasp import grasp_propagate, grasp_selection
 from fedlightning.metrics.open_set import energy_score, msp_score
 
@@ -79,3 +85,45 @@ class GRASP(ContinualFedAvg):
         known_ids = known.bool().nonzero().squeeze(1)
         train = data.train_mask & torch.isin(data.y, known_ids)
         return self.propagate(base, data, train)
+
+
+class RetrievalGRASP(ContinualRetrieval):
+    """Cross-modal retrieval whose rejection score is GRASP's propagated top-1 similarity.
+
+    Per client, every node's base score is its highest cosine similarity to the known-class
+    items of its own split (the loop's similarity score); the candidates are the validation
+    and test nodes that have the query modality, the training nodes those of the known
+    classes; :math:`G` is selected and the score propagated as in :class:`GRASP`. The sign
+    is calibrated on validation; no extra communication.
+
+    Args:
+        tau1, tau2, steps, delta: as :class:`GRASP`.
+        **kw: as :class:`~fedlightning.algorithms.retrieval.ContinualRetrieval`.
+    """
+
+    calibrate_direction = True
+
+    def __init__(
+        self,
+        tau1: float = 0.05,
+        tau2: float = 0.5,
+        steps: int = 8,
+        delta: float = 1.02,
+        **kw: Any,
+    ) -> None:
+        check_grasp(tau1, tau2, steps, delta)
+        kw.setdefault("name", "grasp")
+        super().__init__(**kw)
+        self.tau1, self.tau2 = float(tau1), float(tau2)
+        self.steps, self.delta = steps, float(delta)
+
+    @torch.no_grad()
+    def query_scores(
+        self, net: Any, q: Tensor, k: Tensor, data: Any, is_known: Tensor, global_state: dict
+    ) -> Tensor:
+        """Every node's propagated top-1 similarity (before the sign)."""
+        base = split_scores(max_similarity, q, k, is_known & net.pair_mask(data), data)
+        candidates = (data.val_mask | data.test_mask) & net.availability(data, net.query)
+        train = data.train_mask & is_known
+        g = grasp_selection(base, data.edge_index, candidates, train, self.tau1, self.tau2)
+        return grasp_propagate(base, data.edge_index, g, self.steps, self.delta)

@@ -18,9 +18,10 @@ from torch import Tensor, nn
 from torch_geometric.data import Data
 
 from fedlightning.clients.continual import ContinualNodeClassifier
+from fedlightning.clients.continual_retrieval import ContinualRetrievalClient
 from fedlightning.metrics.clipn import itbo_losses, tso_loss
 
-__all__ = ["CLIPNClassifier", "NoBranch"]
+__all__ = ["CLIPNClassifier", "CLIPNRetrievalClient", "NoBranch"]
 
 
 class NoBranch(nn.Module):
@@ -75,3 +76,42 @@ class CLIPNClassifier(ContinualNodeClassifier):
         full = self.net.head(self.net.dropout(z))
         loss = self.objective(full, batch, self.teacher_logits(batch))
         return self.with_proximal(loss + self.lambda_no * self.no_loss(z, batch))
+
+
+class CLIPNRetrievalClient(ContinualRetrievalClient):
+    """:class:`ContinualRetrievalClient` plus CLIPN's "no"-branch losses over the items.
+
+    ``net`` returns ``(q, k)`` and has ``pair_mask`` and ``no_branch`` (:class:`NoBranch`
+    with one offset). On the paired supervised and replayed nodes, query :math:`i`'s
+    matched "text" is its own item :math:`k_i`, the other items are its unmatched ones;
+    the branch trains with ITBO (yes and no) and TSO on the detached embeddings, weighted by
+    ``lambda_no``, at cosine scale ``scale``. Other arguments: as
+    :class:`ContinualRetrievalClient`.
+    """
+
+    stackable = False  # the branch's loss is not in the objective
+
+    def __init__(
+        self, net: nn.Module, optimizer: Any, lambda_no: float = 0.5, scale: float = 10.0, **kw: Any
+    ) -> None:
+        super().__init__(net, optimizer, **kw)
+        self.lambda_no, self.scale = lambda_no, scale
+
+    def no_loss(self, q: Tensor, k: Tensor, batch: Data) -> Tensor:
+        """ITBO (yes and no) and TSO of the paired supervised and replayed nodes, without
+        their weight; ``0`` without such a node."""
+        mask = (batch.sup_mask | batch.replay_mask) & self.net.pair_mask(batch)
+        n = int(mask.sum())
+        if n == 0:
+            return q.sum() * 0.0 + sum(p.sum() for p in self.net.no_branch.parameters()) * 0.0
+        items = k[mask].detach()
+        items_no = self.net.no_branch(items, torch.zeros(n, dtype=torch.long, device=k.device))
+        l_yes, l_no = itbo_losses(
+            q[mask].detach(), items, items_no, torch.arange(n, device=k.device), self.scale
+        )
+        return l_yes + l_no + tso_loss(items, items_no)
+
+    def training_step(self, batch: Data, batch_idx: int = 0) -> Tensor:
+        q, k = self.net(batch)
+        loss = self.retrieval_loss(batch, q, k)
+        return self.with_proximal(loss + self.lambda_no * self.no_loss(q, k, batch))

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["atd_known_score", "itbo_losses", "no_probability", "tso_loss", "yes_probability"]
+__all__ = [
+    "atd_known_score",
+    "itbo_losses",
+    "no_probability",
+    "retrieval_atd",
+    "tso_loss",
+    "yes_probability",
+]
 
 
 def yes_probability(f: Tensor, t: Tensor, t_no: Tensor, scale: float) -> Tensor:
@@ -90,3 +97,18 @@ def atd_known_score(p_yes: Tensor, logits: Tensor) -> Tensor:
         - **output:** :math:`(N,)`
     """
     return (p_yes * logits.softmax(dim=1)).sum(dim=1)
+
+
+def retrieval_atd(
+    q: Tensor, items: Tensor, items_no: Tensor, scale: float, temperature: float
+) -> Tensor:
+    r"""ATD of queries over items: :math:`s_i = \sum_l p^{yes}_{i,l}\,
+    \mathrm{softmax}_l(\cos(q_i, k_l) / T)`, the items playing CLIPN's classes and the
+    InfoNCE similarity logits its class posterior (:func:`atd_known_score`).
+
+    Shapes:
+        - **input:** ``q`` :math:`(n, d)`, ``items``, ``items_no`` :math:`(m, d)`
+        - **output:** :math:`(n,)`
+    """
+    sim = F.normalize(q, dim=1) @ F.normalize(items, dim=1).T
+    return atd_known_score(yes_probability(q, items, items_no, scale), sim / temperature)
