@@ -12,6 +12,7 @@ from fedlightning.metrics.clipn import (
     atd_known_score,
     itbo_losses,
     no_probability,
+    retrieval_atd,
     tso_loss,
     yes_probability,
 )
@@ -132,3 +133,35 @@ def test_score_sign_flips_a_score_that_ranks_unknowns_higher():
     assert score_sign(known, unknown) == -1.0
     assert score_sign(-known, -unknown) == 1.0
     assert score_sign(known, unknown[:0]) == 1.0  # no unknowns: left as it is
+
+
+def test_retrieval_atd_by_hand():
+    """q = e1, items e1 and e2, their "no" embeddings e2 and e1 (s = T = 1): cos to the
+    items [1, 0], to the "no" ones [0, 1], so p_yes = [sig(1), sig(-1)]; the softmax of
+    [1, 0] is also [sig(1), sig(-1)], and ATD = sig(1)^2 + sig(-1)^2."""
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    q = torch.tensor([[2.0, 0.0]], dtype=torch.float64)  # not unit: cosines normalise
+    items = torch.eye(2, dtype=torch.float64)
+    s = retrieval_atd(q, items, items.flip(0), scale=1.0, temperature=1.0)
+    assert s.item() == pytest.approx(sig(1) ** 2 + sig(-1) ** 2)
+    # temperature 0.5: the softmax of [2, 0]
+    s = retrieval_atd(q, items, items.flip(0), scale=1.0, temperature=0.5)
+    assert s.item() == pytest.approx(sig(1) * sig(2) + sig(-1) * sig(-2))
+
+
+def test_split_scores_compares_each_node_with_its_own_splits_items():
+    """Nodes 0, 1 train, 2 val, 3, 4 test, 5 in no split; the items (known, paired) are 0,
+    2 and 3: nodes 0, 1 meet item 0 only, node 2 item 2, nodes 3, 4 item 3; node 5 scores 0."""
+    from fedlightning.federation.retrieval_stages import split_scores
+
+    def mask(*ids):
+        m = torch.zeros(6, dtype=torch.bool)
+        m[list(ids)] = True
+        return m
+
+    data = {"train_mask": mask(0, 1), "val_mask": mask(2), "test_mask": mask(3, 4)}
+    q = torch.tensor([[1.0], [2.0], [3.0], [4.0], [5.0], [6.0]])
+    k = torch.tensor([[10.0], [20.0], [30.0], [40.0], [50.0], [60.0]])
+    dot = lambda a, b: (a @ b.T).amax(dim=1)  # noqa: E731
+    s = split_scores(dot, q, k, mask(0, 2, 3), data)
+    assert s.tolist() == [10.0, 20.0, 90.0, 160.0, 200.0, 0.0]
