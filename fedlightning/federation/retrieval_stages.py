@@ -6,7 +6,8 @@ modalities, and the candidates are the same nodes' item modality; query :math:`i
 its own item ranks first (pessimistic ties, :func:`~fedlightning.metrics.recall_at_k`).
 Counts are pooled over clients. A query's rejection score is its highest similarity to the
 client's known-class items (the retrieval reading of FedOGL Eq. (6)); unknown-class queries
-are the client's test nodes of unknown classes, scored against the same items.
+are the client's test nodes of unknown classes, scored against the same items. A method
+with its own score (GRASP, CLIPN) replaces the similarity through ``query_scores``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ class RetrievalLoop(ContinualLoop):
     ) -> dict[str, Parts | None]:
         """Per split of ``splits``, client ``c``'s queries after stage ``t`` (module docstring): of the known
         ones ``[n]`` ``node_stage``, ``hit``, class ``y`` and ``known_score``, the unknown
-        ones' ``unknown_score`` ``[u]``; ``None`` without a known-class pair."""
+        ones' ``unknown_score`` ``[u]``; ``None`` without a known-class pair. An algorithm
+        with ``query_scores(net, q, k, data, is_known, global_state)`` (``cir_grasp``,
+        ``cir_clipn``) supplies every node's score ``[N]`` in place of the similarity."""
         q, k, pairs = outputs
         data, net = c.data, self.module.net
         node_stage = self.class_stage[data.y]
