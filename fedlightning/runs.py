@@ -393,6 +393,10 @@ class Run:
         metrics = summary.get("metrics", {})
         # once, at the last step, in the MLflow UI's own chart section (docs/experiments.md)
         self.tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=step)
+        if summary.get("timing"):  # seconds per round and the like, next to the metrics
+            self.tracker.log_metrics(
+                {f"final/{k}": v for k, v in summary["timing"].items()}, step=step
+            )
         files = [self.run_dir / CONFIG_FILE, self.run_dir / SUMMARY_FILE, *written, *files]
         self.tracker.log_artifacts([f for f in dict.fromkeys(files) if Path(f).exists()])
         self.tracker.end("FINISHED")

@@ -47,6 +47,9 @@ def test_layout_through_the_mlflow_client(tmp_env, compose, capsys):
     assert steps(r_cil, "stage/fpr95") == [2, 4, 6]  # at the round where the stage ends
     assert steps(r_cil, "final/am") == [6]  # once, at the last round
     assert r_cil.data.metrics["final/am"] == pytest.approx(cil["metrics"]["am"])
+    # seconds per round, measured by the run, logged beside the final metrics
+    assert steps(r_cil, "final/s_per_round") == [6]
+    assert r_cil.data.metrics["final/s_per_round"] == pytest.approx(cil["timing"]["s_per_round"])
     assert not [k for k in r_cil.data.metrics if k.startswith(("final_", "stage_"))]
     assert steps(r_fl, "test_acc") == [1, 2] and steps(r_fl, "final/test_acc") == [2]
     assert r_fl.data.metrics["final/test_acc"] == pytest.approx(fl["metrics"]["test_acc"])

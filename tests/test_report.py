@@ -253,3 +253,42 @@ def test_one_run_shows_its_spread_over_tasks_as_such():
     assert table["fedogl"]["d"]["am"]["std_over"] == "tasks"
     md = render(table, ["am"], 3, "md")
     assert "0.641 ± 0.050 (n=1, ± over 40 tasks)" in md
+
+
+def test_uplink_mib_and_seconds_per_round_columns_from_the_summaries(tmp_path):
+    """`--metrics ...,uplink_mib,s_per_round`: the runs' ledger totals (summary "comm") and
+    measured mean round times (summary "timing"), mean ± std over seeds with n; a run made
+    before runs measured their rounds falls back to wall time / rounds."""
+
+    def run(seed: int, mib: float, spr: float | None, wall: float = 0.0) -> dict:
+        s = {
+            "experiment": "cil_topoood_cora",
+            "seed": seed,
+            "metrics": {"am": 0.5 + 0.1 * seed},
+            "tags": {"method": "topoood", "variant": "full", "dataset": "cora", "task": "cil"},
+            "comm": {"uplink_mib": mib, "downlink_mib": 2 * mib},
+            "wall_time_s": wall,
+            "rounds": 4,
+        }
+        if spr is not None:
+            s["timing"] = {"s_per_round": spr, "rounds_timed": 4.0}
+        return s
+
+    runs = {"a": run(0, 10.0, 0.5, wall=99.0), "b": run(1, 12.0, 0.7), "c": run(2, 11.0, None, 2.4)}
+    for name, s in runs.items():
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(s))
+    cmd = [FL, "report", "--dirs", "runs", "--task", "cil", "--out", "out"]
+    cmd += ["--metrics", "am,uplink_mib,s_per_round"]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "out" / "cil_main_cora.md").read_text()
+    assert md.splitlines()[0] == "| method | cora AM | cora uplink MiB | cora s/round |"
+    spr = [0.5, 0.7, 2.4 / 4]  # the third: wall time / rounds
+    row = parse(md)["topoood"]
+    mib = [10.0, 12.0, 11.0]
+    assert row[1] == f"{statistics.fmean(mib):.3f} ± {statistics.stdev(mib):.3f} (n=3)"
+    assert row[2] == f"{statistics.fmean(spr):.3f} ± {statistics.stdev(spr):.3f} (n=3)"
+    exact = json.loads((tmp_path / "out" / "cil_main_cora.json").read_text())
+    assert exact["topoood"]["cora"]["s_per_round"]["values"] == pytest.approx(spr)
+    assert exact["topoood"]["cora"]["uplink_mib"]["values"] == mib

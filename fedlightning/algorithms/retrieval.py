@@ -14,6 +14,16 @@ from fedlightning.federation.retrieval_stages import RetrievalLoop
 RETRIEVAL_SCORES = ("similarity",)
 
 
+def check_retrieval_net(net: nn.Module) -> None:
+    """A cir algorithm's model must return query and item embeddings."""
+    if not hasattr(net, "pair_mask"):
+        raise ConfigError(
+            "model",
+            f"{type(net).__name__} is not a retrieval model; cir algorithms need "
+            "model=retrieval_gnn (a net returning query and item embeddings)",
+        )
+
+
 class ContinualRetrieval(ContinualFedAvg):
     """FedAvg for cross-modal retrieval in the class-incremental stream: the switches of
     :class:`~fedlightning.algorithms.continual.ContinualFedAvg` (distillation on similarity
@@ -44,12 +54,7 @@ class ContinualRetrieval(ContinualFedAvg):
         self.score, self.temperature = score, float(temperature)
 
     def client_module(self, net: nn.Module, optimizer: Any) -> ContinualRetrievalClient:
-        if not hasattr(net, "pair_mask"):
-            raise ConfigError(
-                "model",
-                f"{type(net).__name__} is not a retrieval model; cir algorithms need "
-                "model=retrieval_gnn (a net returning query and item embeddings)",
-            )
+        check_retrieval_net(net)
         return ContinualRetrievalClient(
             net, optimizer, temperature=self.temperature, **self.retention_kwargs()
         )

@@ -79,6 +79,11 @@ class ContinualRetrievalClient(ContinualNodeClassifier):
 
     def training_step(self, batch: Data, batch_idx: int = 0) -> Tensor:
         q, k = self.net(batch)
+        return self.with_proximal(self.retrieval_loss(batch, q, k))
+
+    def retrieval_loss(self, batch: Data, q: Tensor, k: Tensor) -> Tensor:
+        """Eq. (5) with InfoNCE on the embeddings ``q``, ``k`` of ``batch``, without the
+        proximal term."""
         pairs = self.net.pair_mask(batch)
         cur = batch.sup_mask & pairs
         nce_cur = symmetric_info_nce(q[cur], k[cur], self.temperature)
@@ -90,6 +95,4 @@ class ContinualRetrievalClient(ContinualNodeClassifier):
             mask = self.distill_mask(batch) & pairs
             if bool(mask.any()):
                 kl = self._distill(batch, q, k, mask)
-        return self.with_proximal(
-            retention_objective(nce_cur, nce_rep, kl, self.lambda_rep, self.lambda_dis)
-        )
+        return retention_objective(nce_cur, nce_rep, kl, self.lambda_rep, self.lambda_dis)

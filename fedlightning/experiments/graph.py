@@ -269,6 +269,7 @@ def train_graph(
         rounds=loop.completed_rounds,
         metrics=metrics,
         comm=loop.ledger.summary(),
+        timing=loop.timing(),
         hashes=hashes,
         resumed=resuming,
         **extras,

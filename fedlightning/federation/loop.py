@@ -286,6 +286,17 @@ class FederatedLoop(Schedule):
         """Extra blocks for ``summary.json`` (the accuracy matrix, per-stage results, ...)."""
         return {}
 
+    def timing(self) -> dict[str, float]:
+        """``summary.json["timing"]``: the mean wall time of a round (``round_time_s``:
+        the clients' fits, aggregation and the round's evaluation, not a stage's end) over
+        every round of the run, a resumed run's earlier rounds included; kept out of
+        ``metrics``, which two runs of one seed share bitwise."""
+        times = [h["round_time_s"] for h in self.history if "round_time_s" in h]
+        return {
+            "s_per_round": sum(times) / len(times) if times else math.nan,
+            "rounds_timed": float(len(times)),
+        }
+
     def write_artifacts(self, run_dir: Path, title: str) -> list[Path]:
         """Plots and tables of the run, written into ``run_dir``; returns their paths."""
         from fedlightning.tracking.plots import plot_curves

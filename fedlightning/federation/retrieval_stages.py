@@ -6,13 +6,14 @@ modalities, and the candidates are the same nodes' item modality; query :math:`i
 its own item ranks first (pessimistic ties, :func:`~fedlightning.metrics.recall_at_k`).
 Counts are pooled over clients. A query's rejection score is its highest similarity to the
 client's known-class items (the retrieval reading of FedOGL Eq. (6)); unknown-class queries
-are the client's test nodes of unknown classes, scored against the same items.
+are the client's test nodes of unknown classes, scored against the same items. A method
+with its own score (GRASP, CLIPN) replaces the similarity through ``query_scores``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -60,11 +61,15 @@ class RetrievalLoop(ContinualLoop):
     ) -> dict[str, Parts | None]:
         """Per split of ``splits``, client ``c``'s queries after stage ``t`` (module docstring): of the known
         ones ``[n]`` ``node_stage``, ``hit``, class ``y`` and ``known_score``, the unknown
-        ones' ``unknown_score`` ``[u]``; ``None`` without a known-class pair."""
+        ones' ``unknown_score`` ``[u]``; ``None`` without a known-class pair. An algorithm
+        with ``query_scores(net, q, k, data, is_known, global_state)`` (``cir_grasp``,
+        ``cir_clipn``) supplies every node's score ``[N]`` in place of the similarity."""
         q, k, pairs = outputs
         data, net = c.data, self.module.net
         node_stage = self.class_stage[data.y]
         is_known = (node_stage >= 0) & (node_stage <= t)
+        own = getattr(self.algorithm, "query_scores", None)  # GRASP, CLIPN: their own score
+        score = None if own is None else own(net, q, k, data, is_known, self.server.global_state)
         out: dict[str, Parts | None] = {}
         for s in splits:
             m = data[f"{s}_mask"]
@@ -78,8 +83,14 @@ class RetrievalLoop(ContinualLoop):
                 "node_stage": node_stage[known],
                 "hit": recall_at_k(q[known], items, 1),
                 "y": data.y[known],
-                "known_score": max_similarity(q[known], items),
-                "unknown_score": max_similarity(q[unknown], items) if unknown.any() else q[:0, 0],
+                "known_score": max_similarity(q[known], items) if own is None else score[known],
+                "unknown_score": (
+                    score[unknown]
+                    if own is not None
+                    else max_similarity(q[unknown], items)
+                    if unknown.any()
+                    else q[:0, 0]
+                ),
             }
         return out
 
@@ -99,6 +110,21 @@ class RetrievalLoop(ContinualLoop):
             "val_recall_at_1": _mean(cat("val", "hit")),
             "open_acc": open_accuracy(pred, torch.cat([y, wrong]), is_known),
         }
+
+
+def split_scores(
+    fn: Callable[[Tensor, Tensor], Tensor], q: Tensor, k: Tensor, items: Tensor, data: Any
+) -> Tensor:
+    """Every node's score ``[N]`` against the items of its own split, as the loop scores
+    queries: ``fn(q[rows], k[items & split])`` for the rows of each of the ``train``, ``val``
+    and ``test`` masks (``items``: bool ``[N]``, the known-class paired nodes); ``0`` for a
+    node in no split or in a split without items."""
+    out = torch.zeros(q.size(0), dtype=q.dtype, device=q.device)
+    for s in ("train", *SPLITS):
+        rows, pool = data[f"{s}_mask"], items & data[f"{s}_mask"]
+        if rows.any() and pool.any():
+            out[rows] = fn(q[rows], k[pool])
+    return out
 
 
 def _mean(x: Tensor) -> float:

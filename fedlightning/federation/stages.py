@@ -36,6 +36,7 @@ from fedlightning.metrics import (
     semantic_drift,
     threshold_at_tpr,
 )
+from fedlightning.metrics.open_set import score_sign
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,7 @@ class ContinualLoop(FederatedLoop):
             self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
         for s in SPLITS:
             self.rows[s].append(mats[s].compute()[t].tolist())
+        sign = self.orient(parts)
 
         def cat(split: str, field: str) -> Tensor:
             got = [r[field] for r in parts[split]]
@@ -230,6 +232,11 @@ class ContinualLoop(FederatedLoop):
             "val_fpr95": fpr_at_tpr(*val),
             "val_auroc_ood": auroc_known_vs_unknown(*val),
             **self.open_metrics(t, cat, delta, forward),
+            **(
+                {"score_sign": sign}
+                if getattr(self.algorithm, "calibrate_direction", False)
+                else {}
+            ),
         }
 
     def stage_parts(
@@ -245,7 +252,7 @@ class ContinualLoop(FederatedLoop):
         node_stage = self.class_stage[y]
         is_known = (node_stage >= 0) & (node_stage <= t)
         pred = known[logits[:, known].argmax(-1)]
-        score = SCORE_FNS[self.algorithm.score](logits, self.stream.known_mask(t, self.num_classes))
+        score = self.node_score(c, outputs, t)
         out = {}
         for s in splits:
             m = c.data[f"{s}_mask"]
@@ -264,6 +271,33 @@ class ContinualLoop(FederatedLoop):
                 "known": is_known[m],
             }
         return out
+
+    def node_score(self, c: Any, outputs: list[Any], t: int) -> Tensor:
+        """Every node's rejection score on client ``c`` after stage ``t``: the algorithm's
+        own ``node_score(logits, known_mask, data, reps, global_state)`` where it has one
+        (TopoOOD, GRASP, CLIPN), else its ``score`` of the logits (MSP, energy)."""
+        logits, reps = outputs
+        known = self.stream.known_mask(t, self.num_classes)
+        own = getattr(self.algorithm, "node_score", None)
+        if own is not None:
+            return own(logits, known, c.data, reps, self.server.global_state)
+        return SCORE_FNS[self.algorithm.score](logits, known)
+
+    def orient(self, parts: dict[str, list[Parts]]) -> float:
+        """With ``algorithm.calibrate_direction``: the sign that makes the score a
+        known-class score on validation (:func:`score_sign`), applied to every score field
+        of ``parts`` in place; ``1.0`` otherwise (the scores untouched)."""
+        if not getattr(self.algorithm, "calibrate_direction", False):
+            return 1.0
+        val = [torch.cat([r[f] for r in parts["val"]]) for f in ("known_score", "unknown_score")]
+        sign = score_sign(*val) if parts["val"] else 1.0
+        if sign < 0:
+            for split in parts.values():
+                for r in split:
+                    for f in ("known_score", "unknown_score", "score"):
+                        if f in r:
+                            r[f] = -r[f]
+        return sign
 
     def open_metrics(
         self, t: int, cat: Pooled, delta: float, forward: list[tuple]

@@ -21,6 +21,7 @@ __all__ = [
     "fpr_at_tpr",
     "msp_score",
     "open_accuracy",
+    "score_sign",
     "threshold_at_tpr",
     "unit_scores",
 ]
@@ -182,3 +183,14 @@ def open_accuracy(pred: Tensor, y: Tensor, is_known: Tensor) -> float:
         return math.nan
     ok = torch.where(is_known, pred == y, pred == -1)
     return float(ok.double().mean())
+
+
+def score_sign(known_scores: Tensor, unknown_scores: Tensor) -> float:
+    r"""The direction of a score whose orientation a method does not fix (TopoOOD's
+    energy, GRASP's and CLIPN's scores are calibrated on validation): ``+1.0`` when known
+    nodes score higher, :math:`\mathrm{AUROC}(s, u) \ge 0.5`, else ``-1.0`` (then
+    ``-score`` is the known-class score). ``+1.0`` when either side is empty or the AUROC
+    is NaN.
+    """
+    auroc = auroc_known_vs_unknown(known_scores, unknown_scores)
+    return -1.0 if auroc < 0.5 else 1.0

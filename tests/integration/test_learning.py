@@ -40,6 +40,9 @@ CIL_BASELINES = [
     "cil_fedprox_replay",
     "cil_fedlwf",
     "cil_energy_replay",
+    "cil_topoood",
+    "cil_grasp",
+    "cil_clipn",
 ]
 
 
