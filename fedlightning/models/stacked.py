@@ -42,6 +42,7 @@ class Segments:
         self._dense: dict[int, tuple[Tensor, list[Tensor]]] = {}  # union attribute -> graphs'
         self._plans: dict[tuple[int, float], tuple] = {}  # graph tensor -> its non-zeros
         self._dropped: dict[tuple[int, float], tuple[Tensor, list]] = {}  # buffer, per copy
+        self._bound: tuple[list, Data] | None = None  # the graphs' identity, their union
 
     def ranges(self) -> Iterator[tuple[int, int, int]]:
         if len(self.ptr) != self.copies + 1:
@@ -74,8 +75,14 @@ class Segments:
 
     def bind(self, graphs: Sequence[Data]) -> Data:
         """The disjoint union of ``graphs`` as this stack's input: ``ptr`` set, and each
-        sparse or dense floating node attribute's rows known to be the graphs' own tensors."""
+        sparse or dense floating node attribute's rows known to be the graphs' own tensors.
+        The same graphs again, none of their tensors replaced or changed in place (a round's
+        clients, round after round), give the union already built."""
+        key = _identity(graphs)
+        if self._bound is not None and _same(self._bound[0], key):  # the same graphs, unchanged
+            return self._bound[1]
         union, self.ptr = disjoint_union(graphs)
+        self._bound = (key, union)
         self._cut, self._dense, self._dropped = [], {}, {}
         for key, value in union.items():
             if isinstance(value, Tensor) and value.layout == torch.sparse_coo:
@@ -131,6 +138,26 @@ class Segments:
             state["cpu"] = torch.get_rng_state()
             if cuda:
                 state["cuda"] = torch.cuda.get_rng_state(device)
+
+
+def _identity(graphs: Sequence[Data]) -> list:
+    """What :meth:`Segments.bind`'s union depends on: each graph and each of its tensors
+    (the objects themselves, kept alive here, and their in-place version counters) and every
+    other attribute's value; compare two with :func:`_same`."""
+    return [
+        (g, [(k, v, v._version if isinstance(v, Tensor) else repr(v)) for k, v in g.items()])
+        for g in graphs
+    ]
+
+
+def _same(a: list, b: list) -> bool:
+    """Whether two :func:`_identity` lists name the same objects in the same states."""
+    return len(a) == len(b) and all(
+        ga is gb
+        and len(ia) == len(ib)
+        and all(x[0] == y[0] and x[1] is y[1] and x[2] == y[2] for x, y in zip(ia, ib, strict=True))
+        for (ga, ia), (gb, ib) in zip(a, b, strict=True)
+    )
 
 
 def seeded_streams(seeds: Sequence[int], device: torch.device | None = None) -> list[dict]:
