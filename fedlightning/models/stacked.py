@@ -89,6 +89,8 @@ class Segments:
                 self.remember(value, [g[key] for g in graphs])
             elif isinstance(value, Tensor) and value.is_floating_point() and value.dim() == 2:
                 self._dense[id(value)] = (value, [g[key] for g in graphs])
+        live = {id(t) for _, owners in self._dense.values() for t in owners}
+        self._plans = {k: v for k, v in self._plans.items() if k[0] in live}  # no stale tensors
         return union
 
     def input_plan(self, x: Tensor, max_density: float) -> tuple[Tensor, list] | None:
