@@ -21,7 +21,7 @@ _COMPRESSED = {  # layout -> its compressed and its plain index getters
 }
 
 
-def _keep_scale(shape: torch.Size, p: float, like: Tensor) -> Tensor:
+def keep_scale(shape: torch.Size, p: float, like: Tensor) -> Tensor:
     """``m / (1-p)`` with ``m ~ Bernoulli(1-p)`` i.i.d., drawn from torch's global generator
     of ``like``'s device; ``1/(1-p)`` is rounded as standard dropout rounds it."""
     keep = torch.rand(shape, device=like.device) >= p  # P(u >= p) = 1 - p
@@ -30,7 +30,7 @@ def _keep_scale(shape: torch.Size, p: float, like: Tensor) -> Tensor:
 
 def _dropped(values: Tensor, p: float) -> Tensor:
     """A sparse tensor's stored ``values`` after dropout."""
-    return values * 0.0 if p == 1.0 else values * _keep_scale(values.shape, p, values)
+    return values * 0.0 if p == 1.0 else values * keep_scale(values.shape, p, values)
 
 
 def nonzero_dropout(
@@ -90,13 +90,24 @@ def nonzero_dropout(
     ):
         return _into(F.dropout(x, p, True), out)
     flat = x.reshape(-1)
+    idx = nonzero_positions(flat, max_density)
+    if idx is None:
+        return _into(F.dropout(x, p, True), out)
+    res = flat.clone() if out is None else out.view(-1).copy_(flat)
+    res[idx] = flat[idx] * keep_scale(idx.shape, p, flat)
+    return res.view(x.shape)
+
+
+def nonzero_positions(flat: Tensor, max_density: float = MAX_DENSITY) -> Tensor | None:
+    """The positions of a flat dense input's non-zero entries (NaN included), the entries
+    :func:`nonzero_dropout` draws masks for; ``None`` when the input is denser than
+    ``max_density`` (in a sample of :data:`DENSITY_SAMPLE`) and takes standard dropout.
+    They depend on the input alone, so a caller whose input is constant data may keep them
+    (:class:`~fedlightning.models.stacked.SegmentDropout`)."""
     sample = flat[:: max(1, flat.numel() // DENSITY_SAMPLE)]
     if int(torch.count_nonzero(sample)) > max_density * sample.numel():
-        return _into(F.dropout(x, p, True), out)
-    idx = flat.to(torch.bool).nonzero().squeeze(1)  # x != 0 (NaN too); the cast is faster
-    res = flat.clone() if out is None else out.view(-1).copy_(flat)
-    res[idx] = flat[idx] * _keep_scale(idx.shape, p, flat)
-    return res.view(x.shape)
+        return None
+    return flat.to(torch.bool).nonzero().squeeze(1)  # x != 0 (NaN too); the cast is faster
 
 
 def _into(result: Tensor, out: Tensor | None) -> Tensor:

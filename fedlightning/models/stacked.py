@@ -26,7 +26,7 @@ from torch_geometric.nn import GCNConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.nn.dense.linear import Linear as PygLinear
 
-from fedlightning.models.dropout import InputDropout, nonzero_dropout
+from fedlightning.models.dropout import InputDropout, keep_scale, nonzero_dropout, nonzero_positions
 from fedlightning.models.sparse import _SparseAffine
 
 
@@ -39,6 +39,10 @@ class Segments:
         self.ptr: list[int] = []
         self.streams: list[dict[str, Tensor]] | None = None
         self._cut: list[tuple[Tensor, list[Tensor]]] = []  # sparse tensors and their rows
+        self._dense: dict[int, tuple[Tensor, list[Tensor]]] = {}  # union attribute -> graphs'
+        self._plans: dict[tuple[int, float], tuple] = {}  # graph tensor -> its non-zeros
+        self._dropped: dict[tuple[int, float], tuple[Tensor, list]] = {}  # buffer, per copy
+        self._bound: tuple[list, Data] | None = None  # the graphs' identity, their union
 
     def ranges(self) -> Iterator[tuple[int, int, int]]:
         if len(self.ptr) != self.copies + 1:
@@ -71,13 +75,56 @@ class Segments:
 
     def bind(self, graphs: Sequence[Data]) -> Data:
         """The disjoint union of ``graphs`` as this stack's input: ``ptr`` set, and each
-        sparse node attribute's rows known to be the graphs' own tensors."""
+        sparse or dense floating node attribute's rows known to be the graphs' own tensors.
+        The same graphs again, none of their tensors replaced or changed in place (a round's
+        clients, round after round), give the union already built."""
+        key = _identity(graphs)
+        if self._bound is not None and _same(self._bound[0], key):  # the same graphs, unchanged
+            return self._bound[1]
         union, self.ptr = disjoint_union(graphs)
-        self._cut = []
+        self._bound = (key, union)
+        self._cut, self._dense, self._dropped = [], {}, {}
         for key, value in union.items():
             if isinstance(value, Tensor) and value.layout == torch.sparse_coo:
                 self.remember(value, [g[key] for g in graphs])
+            elif isinstance(value, Tensor) and value.is_floating_point() and value.dim() == 2:
+                self._dense[id(value)] = (value, [g[key] for g in graphs])
+        live = {id(t) for _, owners in self._dense.values() for t in owners}
+        self._plans = {k: v for k, v in self._plans.items() if k[0] in live}  # no stale tensors
         return union
+
+    def input_plan(self, x: Tensor, max_density: float) -> tuple[Tensor, list] | None:
+        """For ``x``, a dense node attribute of the bound union (constant data, on the CPU):
+        a buffer holding ``x`` and, per copy, the flat positions of its rows' non-zeros in
+        the buffer with their values (:func:`~fedlightning.models.dropout.nonzero_positions`;
+        ``None``: standard dropout). A copy's positions are found once per graph tensor and
+        reused by every step and round while the tensor is unchanged; the buffer once per
+        bind. ``None`` when ``x`` is not such an attribute."""
+        entry = self._dense.get(id(x))
+        if entry is None or entry[0] is not x or x.device.type != "cpu" or x.requires_grad:
+            return None
+        key = (id(x), max_density)
+        if key not in self._dropped:
+            width, parts = x[0].numel() if len(x) else 0, []
+            for (_, a, b), own in zip(self.ranges(), entry[1], strict=True):
+                if own.shape != (b - a, *x.shape[1:]):
+                    return None
+                pos, values = self._positions(own, max_density)
+                parts.append(None if pos is None else (pos + a * width, values))
+            self._dropped[key] = (x.clone(memory_format=torch.contiguous_format), parts)
+        return self._dropped[key]
+
+    def _positions(self, own: Tensor, max_density: float) -> tuple[Tensor | None, Tensor]:
+        """One graph tensor's non-zero positions and values, cached while it is unchanged
+        (its version counter)."""
+        key = (id(own), max_density)
+        hit = self._plans.get(key)
+        if hit is None or hit[0] is not own or hit[1] != own._version:
+            flat = own.reshape(-1)
+            pos = nonzero_positions(flat, max_density) if flat.numel() else None
+            hit = (own, own._version, pos, None if pos is None else flat[pos])
+            self._plans[key] = hit
+        return hit[2], hit[3]
 
     @contextlib.contextmanager
     def stream(self, k: int, device: torch.device) -> Iterator[None]:
@@ -93,6 +140,26 @@ class Segments:
             state["cpu"] = torch.get_rng_state()
             if cuda:
                 state["cuda"] = torch.cuda.get_rng_state(device)
+
+
+def _identity(graphs: Sequence[Data]) -> list:
+    """What :meth:`Segments.bind`'s union depends on: each graph and each of its tensors
+    (the objects themselves, kept alive here, and their in-place version counters) and every
+    other attribute's value; compare two with :func:`_same`."""
+    return [
+        (g, [(k, v, v._version if isinstance(v, Tensor) else repr(v)) for k, v in g.items()])
+        for g in graphs
+    ]
+
+
+def _same(a: list, b: list) -> bool:
+    """Whether two :func:`_identity` lists name the same objects in the same states."""
+    return len(a) == len(b) and all(
+        ga is gb
+        and len(ia) == len(ib)
+        and all(x[0] == y[0] and x[1] is y[1] and x[2] == y[2] for x, y in zip(ia, ib, strict=True))
+        for (ga, ia), (gb, ib) in zip(a, b, strict=True)
+    )
 
 
 def seeded_streams(seeds: Sequence[int], device: torch.device | None = None) -> list[dict]:
@@ -207,10 +274,32 @@ class SegmentDropout(nn.Module):
                 with seg.stream(k, x.device):
                     parts.append(self._drop(xk))
             return seg.join(parts)
+        plan = None
+        if self.max_density is not None and self.p < 1:
+            plan = seg.input_plan(x, self.max_density)
+        if plan is not None:
+            return self._drop_planned(x, *plan)
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         for k, (xk, ok) in enumerate(zip(seg.split(x), seg.split(out), strict=True)):
             with seg.stream(k, x.device):
                 self._drop(xk, ok)  # into client k's rows: no concatenation
+        return out
+
+    def _drop_planned(self, x: Tensor, out: Tensor, parts: list) -> Tensor:
+        """:func:`~fedlightning.models.dropout.nonzero_dropout` of every copy's rows of the
+        constant input ``x`` into ``out`` (:meth:`Segments.input_plan`): the same values and
+        draws, without finding the non-zeros again or copying the zeros (they are ``x``'s,
+        already in ``out``: only the non-zero positions are written). ``out`` is reused by
+        the next step; autograd refuses a backward through a graph it was written after."""
+        seg, flat = self.segments[0], out.view(-1)
+        blocks = seg.split(out)
+        for k, xk in enumerate(seg.split(x)):
+            with seg.stream(k, x.device):
+                if parts[k] is None:  # too dense for the non-zero path: standard dropout
+                    blocks[k].copy_(F.dropout(xk, self.p, True))
+                else:
+                    pos, values = parts[k]
+                    flat[pos] = values * keep_scale(pos.shape, self.p, x)
         return out
 
 

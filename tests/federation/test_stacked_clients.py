@@ -185,6 +185,46 @@ def test_input_dropout_into_a_buffer_draws_the_same(density):
     assert bool((buffer[:10] == 7).all() and (buffer[40:] == 7).all())
 
 
+def test_planned_input_dropout_draws_what_each_client_draws_alone():
+    """The stack's input dropout keeps each client's non-zero positions and a buffer between
+    steps and rounds (:meth:`Segments.input_plan`): every step still gives each client's
+    rows the values and draws of ``nonzero_dropout`` in that client's own fit, for sparse
+    and dense clients; a client tensor changed in place is planned anew, and an unchanged
+    round of graphs reuses its union."""
+    from fedlightning.models import InputDropout
+    from fedlightning.models.stacked import SegmentDropout, Segments, seeded_streams
+
+    def words(n: int, density: float, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.rand(n, 50, generator=g) < density).float() * torch.rand(n, 50, generator=g)
+
+    graphs = [
+        Data(x_w=words(n, d, i), num_nodes=n)
+        for i, (n, d) in enumerate([(30, 0.05), (20, 0.9), (25, 0.1)])
+    ]
+    seeds = [11, 12, 13]
+    segments = Segments(3)
+    drop = SegmentDropout(InputDropout(0.5), segments)
+    expected_streams = [None] * 3
+    for round_ in range(2):
+        if round_ == 1:
+            graphs[2].x_w.mul_(3.0)  # in place: the plan and the union must follow
+        union = segments.bind(graphs)
+        assert segments.bind(graphs) is union  # unchanged: the same union
+        segments.streams = seeded_streams(seeds)
+        for k, s in enumerate(seeds):
+            torch.manual_seed(s)
+            expected_streams[k] = [nonzero_dropout(graphs[k].x_w, 0.5) for _ in range(3)]
+        got = [drop(union.x_w).clone() for _ in range(3)]
+        for step in range(3):
+            for k, (_, a, b) in enumerate(segments.ranges()):
+                assert torch.equal(got[step][a:b], expected_streams[k][step]), (round_, step, k)
+    assert segments.input_plan(union.x_w, drop.max_density) is not None
+    assert segments.input_plan(union.x_w.clone(), drop.max_density) is None  # not the union's
+    graphs[0].x_w = graphs[0].x_w.clone()  # a replaced tensor: a new union
+    assert segments.bind(graphs) is not union
+
+
 def test_union_evaluation_equals_per_client_evaluation():
     clients = clients_of([40, 17, 63])
     net, module, _ = setup(FedAvg())

@@ -176,19 +176,28 @@ def test_fedtip_link_prediction_beats_its_untrained_self(tmp_env, compose, monke
         assert a1 > a0 + margin(a0, n), (key, a0, a1, n)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="measured: FedTIP's node classification stays within the margin of its untrained "
-    "self even with 25% positive labels (auc_nc 0.6745 vs 0.6257, margin 0.051; at 5%: "
-    "0.5696 vs 0.5561, margin 0.117): the bank's states already carry the planted label "
-    "(0.80 with prototypes taken from the test events themselves), so the few-shot "
-    "anchors rather than the adapter seem to limit it; strict, so the day it learns this "
-    "test says so",
-)
+NC_STREAM = [  # 25% positives, label features 2.0 apart, a 6,400-event test segment, 6 tasks
+    "dataset.positive_rate=0.25",
+    "+dataset.label_shift=2.0",
+    "dataset.num_events=40000",
+    "protocol.tasks.num_tasks=6",
+]
+
+
 def test_fedtip_node_classification_beats_its_untrained_self(tmp_env, compose, monkeypatch):
+    """auc_nc over the test segment, n its positives. On the default stream (label features
+    0.75 apart, 3,200 test events, 3 tasks) the gain was within the margin and its sign
+    varied with the seed (+0.049 vs margin 0.051; at other sizes and seeds +0.037..+0.083
+    and -0.027): the bank's state before an event has seen the user's earlier events, whose
+    features and trigger item already tell the label (the untrained self scores 0.63-0.67),
+    while the event's own features, the signal left for the adapter, moved the label by
+    only 0.75 noise units. Here they move it by 2.0 (``label_shift``, docs/datasets.md):
+    the untrained adapter's template starts at zero and ignores them, a trained one can
+    read them; the larger segment and the 6 tasks shrink the margin and the task-sampling noise.
+    Measured: 0.9691 vs 0.9402 (margin 0.018, n = 1,600); protocol seeds 1 and 7 gave
+    0.9639 vs 0.9419 (margin 0.018) and 0.9661 vs 0.9292 (margin 0.019)."""
     monkeypatch.setenv("FEDLIGHTNING_CACHE", str(tmp_env / "cache"))
-    over = ["families=[nc]", "dataset.positive_rate=0.25"]
+    over = ["families=[nc]", *NC_STREAM]
     trained, untrained = fedtip_pair(compose, tmp_env, over)
     table = trained["table"]
     n = round(table["pos_rate"] * table["test"])  # expected positives in test

@@ -385,6 +385,28 @@ def test_synthetic_shape_labels_times(rate):
     assert np.mean(top) > 0.2
 
 
+@pytest.mark.parametrize("shift", [0.0, 0.75, 2.0])
+def test_synthetic_label_shift_moves_only_the_features(shift):
+    """``label_shift`` is the distance between the two classes' feature means (the shift
+    along one random unit direction); the events, times, labels and noise stay the same,
+    and the default 0.75 is the stream without the argument, bitwise."""
+    base = make_synthetic_stream(num_events=8000, positive_rate=0.25, seed=4)
+    s = make_synthetic_stream(num_events=8000, positive_rate=0.25, seed=4, label_shift=shift)
+    for x, y in zip(_arrays(base)[:4], _arrays(s)[:4], strict=True):
+        np.testing.assert_array_equal(x, y)
+    gap = s.msg[s.label == 1].mean(0) - s.msg[s.label == 0].mean(0)
+    assert abs(np.linalg.norm(gap) - shift) < 0.15  # 8 dims of noise, ~2000 vs ~6000 events
+    noise = s.msg - base.msg  # the noise cancels: what is left is the label's shift
+    np.testing.assert_allclose(noise[s.label == 0], 0, atol=1e-6)
+    np.testing.assert_allclose(
+        np.linalg.norm(noise[s.label == 1], axis=1), abs(shift - 0.75), atol=1e-5
+    )
+    if shift == 0.75:
+        np.testing.assert_array_equal(s.msg, base.msg)
+    with pytest.raises(ValueError, match="label_shift"):
+        make_synthetic_stream(num_events=100, label_shift=float("nan"))
+
+
 def test_synthetic_to_temporal_data():
     s = make_synthetic_stream(num_events=300, feature_dim=4, seed=3)
     d = s.to_temporal_data()

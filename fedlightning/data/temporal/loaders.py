@@ -433,13 +433,17 @@ def make_synthetic_stream(
     feature_dim: int = 8,
     seed: int = 0,
     name: str = "synthetic",
+    label_shift: float = 0.75,
 ) -> EventStream:
     """A small bipartite stream with learnable links and planted dynamic state labels.
 
     All draws come from ``numpy.random.default_rng(seed)``, in the order of the numbered
     steps of ``docs/datasets.md`` (popularity, favourites, events, triggers, labels,
     features), so equal seeds give equal streams. ``positive_rate`` in ``[0, 1]`` is the
-    target fraction of label-1 events, ``feature_dim >= 0`` the size of ``msg``.
+    target fraction of label-1 events, ``feature_dim >= 0`` the size of ``msg``, and
+    ``label_shift`` the distance a label-1 event's features move along one random unit
+    direction (the default 0.75 is a weak signal; a larger one makes the event's own
+    features, which the bank's state before the event has not seen, tell the label).
 
     Returns:
         EventStream: users ``0..num_users-1`` (``"u<k>"``), then items (``"i<k>"``); ``t``
@@ -456,6 +460,8 @@ def make_synthetic_stream(
         )
     if feature_dim < 0:
         raise ValueError(f"make_synthetic_stream: feature_dim must be >= 0, got {feature_dim}")
+    if not np.isfinite(label_shift):
+        raise ValueError(f"make_synthetic_stream: label_shift must be finite, got {label_shift}")
     rng = np.random.default_rng(seed)
 
     # 1-2. popularity, activity, favourites
@@ -510,7 +516,7 @@ def make_synthetic_stream(
         v = rng.normal(size=feature_dim)
         v /= np.linalg.norm(v)
         noise = rng.normal(size=(num_events, feature_dim))
-        msg = (noise + 0.75 * label[:, None] * v).astype(np.float32)
+        msg = (noise + label_shift * label[:, None] * v).astype(np.float32)
 
     return EventStream(
         name=name,
