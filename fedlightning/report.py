@@ -28,13 +28,16 @@ from fedlightning.tracking.mlflow_tracker import PARENT_TAG, family_experiment, 
 from fedlightning.tracking.plots import plot_accuracy_matrix, plot_scatter, plot_sensitivity
 
 LOWER_IS_BETTER = {"fm", "fm_diag", "fpr95", "val_fm", "val_fpr95", "train_loss", "s_per_round"}
+LOWER_IS_BETTER |= {"s_per_task"}
 LOWER_IS_BETTER |= {"uplink_mib_per_task", "downlink_mib_per_task"}
-DEFAULT_METRICS = {"temporal": "auc_nc,auc_tlp,auc_ilp,uplink_mib_per_task"}
+DEFAULT_METRICS = {"temporal": "auc_nc,auc_tlp,auc_ilp,uplink_mib_per_task,s_per_task"}
 LABELS = {"am": "AM", "fm": "FM", "fpr95": "FPR95", "auroc_ood": "AUROC", "open_acc": "OpenAcc"}
 LABELS.update(s_per_round="s/round", uplink_mib="uplink MiB", downlink_mib="downlink MiB")
 LOWER_IS_BETTER |= {"uplink_mib", "downlink_mib"}
 COMM_METRICS = ("uplink_mib", "downlink_mib")  # a run's totals, from summary.json["comm"]
-LABELS.update(auc_nc="NC", auc_tlp="T-LP", auc_ilp="I-LP", uplink_mib_per_task="MiB/task")
+LABELS.update(
+    auc_nc="NC", auc_tlp="T-LP", auc_ilp="I-LP", uplink_mib_per_task="MiB/task", s_per_task="s/task"
+)
 SWEEP_TASKS = ("sweep", "sweep_trial", "report")
 TASKS = ("fl", "cil", "cir", "temporal", "bank")  # the `task` tags of training runs
 
@@ -180,15 +183,16 @@ def aggregate(runs: list[dict], metrics: list[str], layout: str) -> dict[str, di
 
 
 def value(summary: dict, metric: str) -> float | None:
-    """A run's metric. ``s_per_round``: the mean round time the run measured
-    (``summary.json["timing"]``), or, for runs made before it did, its wall time divided
-    by its rounds; ``uplink_mib``, ``downlink_mib``: the run's totals of its ledger
+    """A run's metric. ``s_per_round`` (``s_per_task``): the mean round (task) time the
+    run measured (``summary.json["timing"]``), or, for runs made before it did, its wall
+    time divided by its rounds (tasks); ``uplink_mib``, ``downlink_mib``: the run's totals of its ledger
     (``summary.json["comm"]``)."""
-    if metric == "s_per_round":
-        measured = summary.get("timing", {}).get("s_per_round")
+    if metric in ("s_per_round", "s_per_task"):
+        measured = summary.get("timing", {}).get(metric)
         if _finite(measured):
             return measured
-        return summary["wall_time_s"] / max(summary["rounds"], 1)
+        done = summary.get("tasks_done") if metric == "s_per_task" else summary["rounds"]
+        return summary["wall_time_s"] / max(done or 1, 1)
     if metric in COMM_METRICS and metric not in summary["metrics"]:
         return summary.get("comm", {}).get(metric)
     return summary["metrics"].get(metric)

@@ -292,3 +292,20 @@ def test_uplink_mib_and_seconds_per_round_columns_from_the_summaries(tmp_path):
     exact = json.loads((tmp_path / "out" / "cil_main_cora.json").read_text())
     assert exact["topoood"]["cora"]["s_per_round"]["values"] == pytest.approx(spr)
     assert exact["topoood"]["cora"]["uplink_mib"]["values"] == mib
+
+
+def test_seconds_per_task_from_the_summaries_timing_or_wall_time():
+    """`s_per_task` (a default column of `--task temporal`): the mean task time the run
+    measured (summary "timing", from TaskLoop.timing), else wall time / tasks done."""
+    from fedlightning.federation.tasks import TaskLoop
+    from fedlightning.report import DEFAULT_METRICS, value
+
+    assert "s_per_task" in DEFAULT_METRICS["temporal"].split(",")
+    loop = TaskLoop.__new__(TaskLoop)
+    loop.results = [{"task_time_s": 2.0}, {"task_time_s": 4.0}, {"task_time_s": 9.0}]
+    timing = loop.timing()
+    assert timing == {"s_per_task": 5.0, "tasks_timed": 3}
+    s = {"metrics": {}, "timing": timing, "wall_time_s": 100.0, "tasks_done": 3}
+    assert value(s, "s_per_task") == 5.0
+    del s["timing"]
+    assert value(s, "s_per_task") == pytest.approx(100.0 / 3)

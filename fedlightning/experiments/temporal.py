@@ -278,6 +278,7 @@ def train_temporal(
         tasks_done=len(results),
         families=families,
         metrics=metrics,
+        timing=loop.timing(),
         comm={
             **loop.comm(),
             "adapter_values": adapter.num_values(),

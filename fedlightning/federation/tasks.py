@@ -241,6 +241,15 @@ class TaskLoop(Schedule):
                 self.on_task_end(n, metrics)
         return self.results
 
+    def timing(self) -> dict[str, float]:
+        """``summary.json["timing"]``: the mean wall time of a task (``task_time_s``, bank
+        and contexts excluded) over the tasks this process ran or a resumed run reloaded."""
+        times = [r["task_time_s"] for r in self.results if "task_time_s" in r]
+        return {
+            "s_per_task": sum(times) / len(times) if times else float("nan"),
+            "tasks_timed": len(times),
+        }
+
     def final_metrics(self) -> dict[str, float]:
         """Mean and std over the tasks of every AUC, and the uplink/downlink per task (not
         for pooled training, whose support moves raw to the server)."""
