@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedlightning.data.temporal.manifest import PREVAL, PRETRAIN
+from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
 
 
 @dataclass
