@@ -70,6 +70,7 @@ class FedGNN(FedTIP):
     pseudo_items: int = 1000
     init: str = "bank"
     modes = ("fedgnn",)
+    flower_nodes = False  # a Flower node would need the history graph: refused (ConfigError)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -43,7 +43,7 @@ class FedLink(FedGNN):
         super().__post_init__()
         if self.buffer_size < 1:
             raise ValueError(f"algorithm.buffer_size must be >= 1, got {self.buffer_size}")
-        self._full: tuple[Tensor, Tensor] | None = None
+        self._buffers: tuple[Any, dict[int, Any]] = (None, {})  # task -> client -> buffers
 
     def adapter(self, d_h: int, d_t: int, d_e: int) -> FedLinkModel:
         return FedLinkModel(self.graph, self.init, self.layers)
@@ -114,7 +114,12 @@ class FedLink(FedGNN):
         def fit(client: Member) -> ClientUpdate:
             k = client.client_id
             module.receive(start)
-            rows, buffers = self.client_buffers(k, task.clients[k])
+            if self._buffers[0] != task.task:  # the same every round and family of a task
+                self._buffers = (task.task, {})
+            kept = self._buffers[1]
+            if k not in kept:
+                kept[k] = self.client_buffers(k, task.clients[k])
+            rows, buffers = kept[k]
             torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, r, k))
             context.executor.fit(module, {"buffers": buffers}, context.epochs)
             with torch.no_grad():
