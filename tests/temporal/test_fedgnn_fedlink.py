@@ -304,25 +304,44 @@ def margin(p: float, n: int) -> float:
     return 3 * np.sqrt(max(p * (1 - p), 1e-4) / n)
 
 
-def trained_untrained(name, env, compose):
-    """The method at R=20 x E=5 and its untrained self: one round, one step at lr 1e-12
-    (SGD's and Adam's steps are then below float32's resolution of every weight)."""
-    over = [f"experiment={name}", *LEARN]
-    trained = train(compose([*over, "federation.rounds=20", "federation.local_epochs=5"]),
-                    env / "trained", verbose=False)  # fmt: skip
-    untrained = train(compose([*over, *UNTRAINED]), env / "untrained", verbose=False)
-    return trained, untrained
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, shared_cache):
+    """``pairs(name)``: the method at R=20 x E=5 and its untrained self (one round, one step
+    at lr 1e-12: SGD's and Adam's steps are then below float32's resolution of every
+    weight), each run once per module."""
+    from tests.conftest import compose_cfg
+
+    done: dict[str, tuple[dict, dict]] = {}
+
+    def get(name: str) -> tuple[dict, dict]:
+        if name not in done:
+            root = tmp_path_factory.mktemp(name)
+            over = [f"experiment={name}", *LEARN]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
+                trained = train(
+                    compose_cfg([*over, "federation.rounds=20", "federation.local_epochs=5"]),
+                    root / "trained",
+                    verbose=False,
+                )
+                untrained = train(
+                    compose_cfg([*over, *UNTRAINED]), root / "untrained", verbose=False
+                )
+            done[name] = (trained, untrained)
+        return done[name]
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fedgnn_synthetic", "fedlink_synthetic"])
-def test_baseline_link_prediction_beats_its_untrained_self(name, env, compose):
+def test_baseline_link_prediction_beats_its_untrained_self(name, pairs):
     """auc_tlp over every test event (n: the test events). Measured (seed 2026): FedGNN
     0.5384 vs 0.4819 (margin 0.0265), at the paper's SGD lr 0.01 and clip 0.1; FedLink
     0.6554 vs 0.5332 (margin 0.0265). I-LP (n: the inductive test events, margin ~0.049):
     FedGNN 0.4700 vs 0.4201 (over the margin by 0.001, so not asserted), FedLink 0.4390 vs
     0.5431 (it gets worse: :func:`test_fedlink_inductive_link_prediction_does_not_learn`)."""
-    trained, untrained = trained_untrained(name, env, compose)
+    trained, untrained = pairs(name)
     a0, a1, n = (
         untrained["metrics"]["auc_tlp"],
         trained["metrics"]["auc_tlp"],
@@ -340,8 +359,8 @@ def test_baseline_link_prediction_beats_its_untrained_self(name, env, compose):
     "training the seen nodes' rows and items ranks the seen negatives above the new "
     "positives (docs/fedtip.md, FedLink); strict, so the day it learns this test says so",
 )
-def test_fedlink_inductive_link_prediction_does_not_learn(env, compose):
-    trained, untrained = trained_untrained("fedlink_synthetic", env, compose)
+def test_fedlink_inductive_link_prediction_does_not_learn(pairs):
+    trained, untrained = pairs("fedlink_synthetic")
     a0, a1 = untrained["metrics"]["auc_ilp"], trained["metrics"]["auc_ilp"]
     n = trained["table"]["ind_test"]
     assert a1 > a0 + margin(a0, n), (a0, a1, n)
