@@ -88,6 +88,14 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
             f"task=temporal needs a FedTIP algorithm (fedtip, prompt_fedavg, prompt_central, "
             f"fulltune_fedavg), got {type(algorithm).__name__}",
         )
+    if "flower" in str(cfg.runner.get("_target_", "")) and not getattr(
+        algorithm, "flower_nodes", True
+    ):  # its clients read a view the nodes do not build (docs/fedtip.md)
+        raise ConfigError(
+            "runner",
+            f"runner=flower does not build {algorithm.name}'s history graph on its nodes: "
+            "use runner=sequential or runner=distributed",
+        )
     if enabled(cfg.federation.get("secure_sum", False)):  # docs/security.md
         if "flower" in str(cfg.runner.get("_target_", "")):
             raise ConfigError(
@@ -235,6 +243,7 @@ def train_temporal(
         inputs = contexts_of(cfg, stream, proto, bank, world)
         tasks, evals, enc, dims = (inputs[k] for k in ("tasks", "evals", "encoder", "dims"))
         hashes = inputs["hashes"]
+        hashes.update(algorithm.attach(enc, proto) or {})  # a baseline's history graph
         runner.begin(cfg, run_dir, hashes)
         pending: list[tuple[int, dict[str, float]]] = []
 
@@ -246,7 +255,6 @@ def train_temporal(
             if observe is not None:
                 observe("task", n, loop.final_metrics())
 
-        algorithm.attach(enc, proto)
         loop = algorithm.loop_class(
             algorithm,
             tasks,

@@ -1,0 +1,73 @@
+r"""FedGNN's client (docs/fedtip.md, "FedGNN"): the local fit of the GNN and the item
+embeddings on one client's support, SGD with each gradient clipped to norm :math:`\delta`
+(Keras' ``clipnorm``, FedGNN's LDP clip), the loss of the family: the rating MSE read as
+link prediction (target 1 for the event, 0 for its negative) or the added node head's BCE.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from fedlightning.models.fedgnn import (
+    FedGNNModel,
+    bce_node_loss,
+    clip_norm,
+    dot_scores,
+    mse_link_loss,
+)
+
+FAMILY_KEYS = {  # the dense parameters each family trains (and sends)
+    "lp": ("gnn_u.weight", "gnn_u.bias", "gnn_i.weight", "gnn_i.bias"),
+    "nc": ("gnn_u.weight", "gnn_u.bias", "head.weight", "head.bias"),
+}
+
+
+def fedgnn_forward(model: FedGNNModel, batch: dict[str, Tensor], family: str) -> tuple[Tensor, ...]:
+    """Scores of a batch (``u``, ``i``, ``j`` rows, ``h_u`` states): ``lp`` the positives' and
+    negatives' dot products, ``nc`` the node logits."""
+    z_u = model.users(batch["h_u"], model.aggregate(batch["u"]))
+    if family == "nc":
+        return (model.head(z_u).squeeze(-1),)
+    return dot_scores(z_u, model.item_side(batch["i"])), dot_scores(
+        z_u, model.item_side(batch["j"])
+    )
+
+
+class FedGNNClient(pl.LightningModule):
+    """One client's fit of :class:`FedGNNModel` (module docstring); ``clip`` the gradient
+    norm bound :math:`\\delta` (per parameter tensor), ``lr`` SGD's step."""
+
+    def __init__(
+        self, model: FedGNNModel, family: str, lr: float = 0.01, clip: float = 0.1
+    ) -> None:
+        super().__init__()
+        self.model, self.family, self.lr, self.clip = model, family, lr, clip
+        self.last_loss = float("nan")
+
+    def receive(self, state: dict[str, Tensor]) -> None:
+        """Start from the server's parameters (any subset of the model's)."""
+        with torch.no_grad():
+            own = dict(self.model.named_parameters())
+            for k, v in state.items():
+                own[k].copy_(v)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        out = fedgnn_forward(self.model, batch, self.family)
+        if self.family == "nc":
+            loss = bce_node_loss(out[0], batch["y"])
+        else:
+            loss = mse_link_loss(*out, batch["ok"])
+        self.last_loss = float(loss.detach())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.copy_(clip_norm(p.grad, self.clip))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        keys = set(FAMILY_KEYS[self.family]) | {"items"}
+        params = [p for n, p in self.model.named_parameters() if n in keys]
+        return torch.optim.SGD(params, lr=self.lr)

@@ -1,0 +1,91 @@
+r"""The server of FedGNN and FedLink (docs/fedtip.md): dense parameters and embedding tables
+updated from clients' uploads, a table row only from the clients that sent it.
+
+.. math::
+    \theta \leftarrow \theta + \frac{\sum_k w_k \Delta\theta_k}{\sum_k w_k}, \qquad
+    E_r \leftarrow E_r + \frac{\sum_{k \ni r} w_k \Delta E_{k,r}}{\sum_{k \ni r} w_k}
+
+(FedGNN: :math:`w_k = 1`, the mean of the uploaded gradients; FedLink: :math:`w_k = n_k`,
+FedAvg.) An update carries ``dense`` (the flat delta of the family's ``keys``), and per table
+``<table>.delta`` with ``<table>.idx`` (its rows; without it, the whole table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from fedlightning.messages import ClientUpdate, ServerBroadcast
+
+
+def row_mean_update(
+    table: Tensor, rows: Sequence[Tensor], deltas: Sequence[Tensor], weights: Sequence[float]
+) -> Tensor:
+    r"""``table`` plus each row's weighted mean of the deltas sent for it (rows nobody sent:
+    unchanged): :math:`E_r + \sum_{k \ni r} w_k \Delta_{k,r} / \sum_{k \ni r} w_k`."""
+    num = torch.zeros_like(table, dtype=torch.float64)
+    den = torch.zeros(len(table), dtype=torch.float64)
+    for r, d, w in zip(rows, deltas, weights, strict=True):
+        num.index_add_(0, r, d.to(torch.float64) * w)
+        den.index_add_(0, r, torch.full((len(r),), float(w), dtype=torch.float64))
+    sent = den > 0
+    out = table.clone()
+    out[sent] = (table[sent].to(torch.float64) + num[sent] / den[sent].unsqueeze(1)).to(table.dtype)
+    return out
+
+
+class RowSparseServer:
+    """One task's server (module docstring). ``state``: the model's initial state dict;
+    ``keys``: the dense parameters a family trains (in ``dense``'s order); ``tables``: the
+    embedding tables; ``weighted``: :math:`w_k` = the update's ``count`` scalar, else 1."""
+
+    def __init__(
+        self,
+        state: Mapping[str, Tensor],
+        keys: Sequence[str],
+        tables: Sequence[str],
+        weighted: bool,
+    ) -> None:
+        self.params = {k: v.detach().clone() for k, v in state.items()}
+        self.keys, self.tables, self.weighted = list(keys), list(tables), weighted
+
+    def state(self) -> dict[str, Tensor]:
+        return dict(self.params)
+
+    def dense(self) -> Tensor:
+        return torch.cat([self.params[k].reshape(-1) for k in self.keys])
+
+    def broadcast(self, round: int) -> ServerBroadcast:
+        """The family's dense parameters (``dense``) and every table."""
+        tensors = {"dense": self.dense(), **{t: self.params[t] for t in self.tables}}
+        return ServerBroadcast(round=round, tensors=tensors)
+
+    def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
+        if not updates:
+            return
+        w = [float(u.scalars["count"]) if self.weighted else 1.0 for u in updates]
+        total = sum(w)
+        step = sum(
+            wk * u.tensors["dense"].to(torch.float64) for wk, u in zip(w, updates, strict=True)
+        )
+        flat = (self.dense().to(torch.float64) + step / total).float()
+        for k, part in zip(
+            self.keys, flat.split([self.params[k].numel() for k in self.keys]), strict=True
+        ):
+            self.params[k] = part.view_as(self.params[k])
+        for t in self.tables:
+            table = self.params[t]
+            full = torch.arange(len(table))
+            rows = [u.tensors.get(f"{t}.idx", full).long() for u in updates]
+            deltas = [u.tensors[f"{t}.delta"] for u in updates]
+            self.params[t] = row_mean_update(table, rows, deltas, w)
+
+
+def unflatten_keys(
+    flat: Tensor, like: Mapping[str, Tensor], keys: Sequence[str]
+) -> dict[str, Tensor]:
+    """A flat ``dense`` vector as ``key -> tensor`` shaped like ``like[key]``."""
+    parts = flat.split([like[k].numel() for k in keys])
+    return {k: p.view_as(like[k]) for k, p in zip(keys, parts, strict=True)}
