@@ -30,8 +30,8 @@ SPECTRAL_PREFIX = "spectral."  # the state keys of the shared spectral encoder
 def laplacian_eigenpairs(edge_index: Tensor, num_nodes: int, k: int) -> tuple[Tensor, Tensor]:
     r"""The ``k`` smallest eigenvalues ``e`` ``[k]`` (ascending) of the normalized Laplacian
     :math:`L = I - D^{-1/2} A D^{-1/2}` of the undirected graph ``edge_index`` and their
-    eigenvectors ``U`` ``[num_nodes, k]`` (each signed so that its largest-magnitude entry is
-    positive). ``eigsh`` on the normalized adjacency (its largest ``k``) with a fixed start
+    eigenvectors ``U`` ``[num_nodes, k]`` (each signed so that its inner product with
+    ``(1, 2, ..., n)`` is >= 0). ``eigsh`` on the normalized adjacency (its largest ``k``) with a fixed start
     vector, so the result is deterministic; a dense ``eigh`` when ``k`` is close to
     ``num_nodes`` or ARPACK does not converge. ``k`` is capped at ``num_nodes``."""
     n = int(num_nodes)
@@ -55,7 +55,7 @@ def laplacian_eigenpairs(edge_index: Tensor, num_nodes: int, k: int) -> tuple[Te
         vals, vecs = vals[-k:], vecs[:, -k:]
     order = np.argsort(-vals, kind="stable")  # adjacency descending = Laplacian ascending
     vals, vecs = 1.0 - vals[order], vecs[:, order]
-    sign = np.sign(vecs[np.abs(vecs).argmax(0), np.arange(vecs.shape[1])])
+    sign = np.sign(np.arange(1, n + 1) @ vecs)  # a fixed ramp: no ties between +/- u
     vecs = vecs * np.where(sign == 0, 1.0, sign)[None, :]
     return torch.tensor(vals, dtype=torch.float32), torch.tensor(vecs, dtype=torch.float32)
 
