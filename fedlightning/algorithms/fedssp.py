@@ -13,21 +13,19 @@ from fedlightning.clients.fedssp import FedSSPClassifier
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast
-from fedlightning.models.spectral import SPECTRAL_PREFIX
+from fedlightning.models.spectral import SHARED_PREFIXES
 from fedlightning.server import Server
 from fedlightning.server.fedssp import GLOBAL_MEAN_FIELD, MEAN_FIELD, GlobalMean, uniform_average
 from fedlightning.server.validation import Field, MessageSpec
-
-MEAN_STATE = "mean"  # client state: the running mean representation
 
 
 class FedSSP(PersonalizedContinual):
     """FedSSP with FedOGL's adaptation rule (replay budget, MSP rejection).
 
-    GSKS: only the spectral encoder (``spectral.*`` of
-    :class:`~fedlightning.models.spectral.SpectralGNN`) travels and is averaged uniformly;
-    modality encoders, message-passing weights, preference vector ``b_k`` and head stay on
-    the client. PGPA: the logits ``W(g + b_k)`` and the alignment of the client's running
+    GSKS: only the spectral encoders (``eig_encoder.*`` and ``filter_encoder.*`` of
+    :class:`~fedlightning.models.spectral.SpectralGNN`, the parameters FedSSP's code shares)
+    travel and are averaged uniformly; modality encoders, eigenvalue attention and decoder,
+    message-passing weights, preference vector ``b_k`` and head stay on the client. PGPA: the logits ``W(g + b_k)`` and the alignment of the client's running
     mean representation to the server's mean of means
     (:class:`~fedlightning.clients.fedssp.FedSSPClassifier`). Uplink: the encoder, ``mean``
     (``hidden`` floats) and ``num_examples``.
@@ -57,7 +55,7 @@ class FedSSP(PersonalizedContinual):
         self.width = 0
 
     def client_module(self, net: nn.Module, optimizer: Any) -> FedSSPClassifier:
-        if not hasattr(net, "spectral"):
+        if not hasattr(net, "filter_encoder"):
             raise ConfigError(
                 "model",
                 f"FedSSP needs its spectral GNN, got {type(net).__name__}: use model=spectral_gnn",
@@ -71,8 +69,8 @@ class FedSSP(PersonalizedContinual):
         return module
 
     def shared(self, key: str) -> bool:
-        """GSKS: the spectral encoder alone."""
-        return key.startswith(SPECTRAL_PREFIX)
+        """GSKS: the spectral encoders alone."""
+        return key.startswith(SHARED_PREFIXES)
 
     def server(self, global_state: dict) -> Server:
         modules = {"mean": GlobalMean()}
@@ -89,7 +87,7 @@ class FedSSP(PersonalizedContinual):
 
     def prepare(self, module: Any, client: FederatedClient, broadcast: ServerBroadcast) -> Any:
         batch = super().prepare(module, client, broadcast)
-        module.set_means(client.state.get(MEAN_STATE), broadcast.tensors.get(GLOBAL_MEAN_FIELD))
+        module.set_global_mean(broadcast.tensors.get(GLOBAL_MEAN_FIELD))
         return batch
 
     def finish(
@@ -97,6 +95,5 @@ class FedSSP(PersonalizedContinual):
     ) -> ClientUpdate:
         update = super().finish(module, client, broadcast, batch)
         mean = module.final_mean(batch)
-        client.state[MEAN_STATE] = mean
         update.tensors[MEAN_FIELD] = mean.clone()
         return update

@@ -19,46 +19,46 @@ def mean_representation(h: Tensor, mask: Tensor) -> Tensor:
     return h[mask].mean(0)
 
 
-def momentum_mean(previous: Tensor | None, current: Tensor, momentum: float = 0.5) -> Tensor:
-    r"""PGPA's running mean :math:`\bar\mu_k = m\,\bar\mu_k^{prev} + (1-m)\,\mu_k` (``m`` =
-    ``momentum``); the current mean alone when there is no previous one."""
-    if previous is None:
-        return current
-    return momentum * previous.to(current) + (1.0 - momentum) * current
+def momentum_mean(previous: Tensor, current: Tensor, momentum: float = 0.5) -> Tensor:
+    r"""PGPA's running mean as FedSSP's code updates it,
+    :math:`\bar\mu_k = (1-m)\,\bar\mu_k^{prev} + m\,\mu_k` (``m`` = ``momentum``)."""
+    return (1.0 - momentum) * previous.to(current) + momentum * current
 
 
 def pgpa_penalty(local_mean: Tensor, global_mean: Tensor, tau: float) -> Tensor:
-    r"""PGPA's alignment term :math:`\frac{\tau}{2}\lVert\bar\mu_k - \mu_{glob}\rVert_2^2`."""
-    return 0.5 * tau * (local_mean - global_mean.to(local_mean)).pow(2).sum()
+    r"""PGPA's alignment term :math:`\frac{\tau}{2d}\lVert\bar\mu_k - \mu_{glob}\rVert_2^2`
+    (``d`` the width: FedSSP's code averages the squared difference over the dimensions)."""
+    return 0.5 * tau * (local_mean - global_mean.to(local_mean)).pow(2).mean()
 
 
 class FedSSPClassifier(ContinualNodeClassifier):
     r"""Eq. (5)'s objective (as :class:`ContinualNodeClassifier`; FedSSP's logits are
     :math:`W(g + b_k)`, the net's) plus :func:`pgpa_penalty` of the client's running mean
-    representation :math:`\bar\mu_k` (:func:`momentum_mean` of the previous round's and this
-    batch's mean ``g`` over its supervised and replayed nodes) towards the server's mean of
-    the clients' means (``None``: no term, e.g. in the first round).
+    representation :math:`\bar\mu_k` towards the server's mean of the clients' means
+    (``None``: no term, e.g. in the first round). FedSSP's code resets the running mean
+    before every batch, so with our full-batch steps :math:`\bar\mu_k` is
+    :func:`momentum_mean` of zeros and the batch's mean ``g`` over its supervised and
+    replayed nodes.
 
     Args:
-        tau: the alignment weight (FedSSP: 100).
+        tau_mean: the alignment weight (FedSSP: 100).
         momentum: the running mean's momentum (FedSSP: 0.5).
-        **kw: as :class:`ContinualNodeClassifier`.
+        *args, **kw: as :class:`ContinualNodeClassifier`.
     """
 
     def __init__(self, *args: Any, tau_mean: float = 100.0, momentum: float = 0.5, **kw: Any):
         super().__init__(*args, **kw)
         self.tau_mean, self.momentum = float(tau_mean), float(momentum)
-        self.previous_mean: Tensor | None = None
         self.global_mean: Tensor | None = None
 
-    def set_means(self, previous: Tensor | None, global_mean: Tensor | None) -> None:
-        """The client's running mean of the last round and the server's mean (or ``None``)."""
-        self.previous_mean, self.global_mean = previous, global_mean
+    def set_global_mean(self, global_mean: Tensor | None) -> None:
+        """The server's mean of the clients' means (``None``: none yet)."""
+        self.global_mean = global_mean
 
     def running_mean(self, g: Tensor, batch: Data) -> Tensor:
-        """:math:`\\bar\\mu_k` on ``batch`` (gradient through this batch's mean)."""
+        r""":math:`\bar\mu_k` on ``batch`` (gradient through this batch's mean)."""
         current = mean_representation(g, batch.sup_mask | batch.replay_mask)
-        return momentum_mean(self.previous_mean, current, self.momentum)
+        return momentum_mean(torch.zeros_like(current), current, self.momentum)
 
     def training_step(self, batch: Data, batch_idx: int = 0) -> Tensor:
         reps = self.net.representations(batch)

@@ -2,11 +2,12 @@
 
 A client's subgraph gives its Laplacian eigenpairs (the top ``k`` of the normalized
 adjacency, i.e. the ``k`` smallest Laplacian eigenvalues, by ``scipy.sparse.linalg.eigsh``);
-a *spectral encoder* (sine encoding of the eigenvalues, self-attention over them, a decoder)
-turns them into ``H`` filters; each filter gives edge bases ``U diag(lambda_h) U^T`` on the
-graph's edges, softmax-normalized per target node, which weight the message passing. The
-encoder is what the federation shares (GSKS); the rest, with the preference vector ``b_k``
-of PGPA, stays on the client.
+the eigenvalues' sine encoding, self-attention over them and a decoder give ``H`` filters;
+each filter gives a basis ``U diag(lambda_h) U^T`` on the graph's edges, which a filter
+encoder turns into per-channel edge weights for the message passing. The two spectral
+encoders (the eigenvalue encoder and the filter encoder, as FedSSP's code names them) are
+what the federation shares (GSKS); the rest, with the preference vector ``b_k`` of PGPA,
+stays on the client.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy.sparse import coo_matrix
 from scipy.sparse.linalg import ArpackNoConvergence, eigsh
 from torch import Tensor, nn
@@ -24,7 +26,7 @@ from torch_geometric.utils import softmax as edge_softmax
 
 from fedlightning.models.multimodal import ModalityEncoders, masked_fusion
 
-SPECTRAL_PREFIX = "spectral."  # the state keys of the shared spectral encoder
+SHARED_PREFIXES = ("eig_encoder.", "filter_encoder.")  # GSKS: the spectral encoders
 
 
 def laplacian_eigenpairs(edge_index: Tensor, num_nodes: int, k: int) -> tuple[Tensor, Tensor]:
@@ -73,52 +75,53 @@ def sine_encoding(e: Tensor, dim: int, scale: float = 100.0) -> Tensor:
 def edge_bases(
     e_filters: Tensor, U: Tensor, edge_index: Tensor, num_nodes: int
 ) -> tuple[Tensor, Tensor]:
-    r"""The filters' values on the graph's edges and self loops: for filter ``h`` (a column of
-    ``e_filters`` ``[k, H]``) and edge ``j -> i``, :math:`(U \mathrm{diag}(\lambda_h)
-    U^\top)_{ij}`, then a softmax over the edges into each node ``i`` (per filter). Returns
-    ``(edges [2, E'], weights [E', H])``, the self loops appended to ``edge_index``."""
+    r"""The bases' values on the graph's edges and self loops: the identity, then for each
+    filter ``h`` (a column of ``e_filters`` ``[k, H]``) and edge ``j -> i``,
+    :math:`(U \mathrm{diag}(\lambda_h) U^\top)_{ij}`. Returns ``(edges [2, E'], values [E',
+    H + 1])``, the self loops appended to ``edge_index``."""
     loops = torch.arange(num_nodes, device=edge_index.device)
     edges = torch.cat([edge_index, torch.stack([loops, loops])], dim=1)
     src, dst = edges
     raw = torch.einsum("eq,qh,eq->eh", U[dst], e_filters, U[src])
-    return edges, edge_softmax(raw, dst, num_nodes=num_nodes)
+    identity = (src == dst).to(raw.dtype).unsqueeze(1)
+    return edges, torch.cat([identity, raw], dim=1)
 
 
-class SpectralEncoder(nn.Module):
-    """Eigenvalues -> ``filters`` new eigenvalue sets: sine encoding, a linear lift to
-    ``width``, one pre-norm self-attention block over the ``k`` eigenvalues (``heads``
-    heads) with a feed-forward, and a linear decoder to ``filters`` values per eigenvalue
-    (Specformer's encoder, FedSSP's shared part)."""
+class SpectralConv(nn.Module):
+    """FedSSP's message passing: messages ``GELU(W x_j)`` scaled channel-wise by the edge's
+    basis weights, summed into each node, a residual, then a residual feed-forward."""
 
-    def __init__(self, width: int = 32, heads: int = 4, filters: int = 4) -> None:
+    def __init__(self, hidden: int, dropout: float) -> None:
         super().__init__()
-        self.width = width
-        self.lift = nn.Linear(width + 1, width)
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
-        self.ffn = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
-        self.decoder = nn.Linear(width, filters)
+        self.pre = nn.Linear(hidden, hidden)
+        self.ffn = nn.Sequential(
+            nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
+        )
+        self.dropout = nn.Dropout(dropout)
 
-    def forward(self, e: Tensor) -> Tensor:
-        x = self.lift(sine_encoding(e, self.width)).unsqueeze(0)  # [1, k, width]
-        h = self.norm1(x)
-        x = x + self.attention(h, h, h, need_weights=False)[0]
-        x = x + self.ffn(self.norm2(x))
-        return self.decoder(x.squeeze(0))  # [k, filters]
+    def forward(self, x: Tensor, edges: Tensor, weights: Tensor) -> Tensor:
+        src, dst = edges
+        msg = F.gelu(self.pre(x))[src] * weights
+        x = x + self.dropout(x.new_zeros(x.shape).index_add_(0, dst, msg))
+        return x + self.dropout(self.ffn(x))
 
 
 class SpectralGNN(nn.Module):
-    r"""Modality encoders and masked fusion (``s``), ``layers`` message-passing layers over
-    the spectral encoder's edge bases (``g``), FedSSP's preference vector (``z = g +
-    b_k``), a linear head: :math:`\hat{y} = W(g + b_k)` (PGPA).
+    r"""FedSSP's network at node level: modality encoders and masked fusion (``s``); the
+    eigenvalues' sine encoding and its linear map (``eig_encoder``), one pre-norm
+    self-attention block over them and a decoder to ``filters`` new eigenvalue sets; the
+    identity and the filters' bases on the edges, mapped by the ``filter_encoder`` to
+    per-channel edge weights (softmax over each node's incoming edges); ``layers``
+    :class:`SpectralConv` layers (``g``); the preference vector (``z = g + b_k``) and a
+    linear head, :math:`\hat{y} = W(g + b_k)` (PGPA). The ``eig_encoder`` and
+    ``filter_encoder`` are the spectral encoders GSKS shares (:data:`SHARED_PREFIXES`).
 
     Args:
         in_dims, num_classes, hidden, dropout: as
             :class:`~fedlightning.models.multimodal.MultimodalGNN`.
-        layers: message-passing layers (each: the ``filters`` bases' aggregations of its
-            input, concatenated, a linear map, ReLU).
+        layers: message-passing layers.
         eigs: eigenpairs per graph (``k``).
-        filters, width, heads: the spectral encoder's output filters, width and heads.
+        filters, heads: the decoder's filters and the attention's heads.
     """
 
     def __init__(
@@ -129,15 +132,23 @@ class SpectralGNN(nn.Module):
         layers: int = 2,
         eigs: int = 64,
         filters: int = 4,
-        width: int = 32,
         heads: int = 4,
         dropout: float = 0.5,
     ) -> None:
         super().__init__()
         self.modalities, self.hidden, self.eigs = list(in_dims), hidden, eigs
         self.encoders = ModalityEncoders(in_dims, hidden, dropout)
-        self.spectral = SpectralEncoder(width, heads, filters)
-        self.convs = nn.ModuleList(nn.Linear(filters * hidden, hidden) for _ in range(layers))
+        self.eig_encoder = nn.Linear(hidden + 1, hidden)
+        self.mha_norm, self.ffn_norm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.mha = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.eig_ffn = nn.Sequential(
+            nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden)
+        )
+        self.decoder = nn.Linear(hidden, filters)
+        self.filter_encoder = nn.Sequential(
+            nn.Linear(filters + 1, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU()
+        )
+        self.convs = nn.ModuleList(SpectralConv(hidden, dropout) for _ in range(layers))
         self.preference = nn.Parameter(torch.zeros(hidden))
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(hidden, num_classes)
@@ -154,19 +165,24 @@ class SpectralGNN(nn.Module):
         e, U = self._eig_cache[key]
         return e.to(data.edge_index.device), U.to(data.edge_index.device)
 
+    def filters(self, e: Tensor) -> Tensor:
+        """The decoder's new eigenvalues ``[k, filters]`` from the eigenvalues ``e`` ``[k]``."""
+        x = self.eig_encoder(sine_encoding(e, self.hidden)).unsqueeze(0)  # [1, k, hidden]
+        h = self.mha_norm(x)
+        x = x + self.mha(h, h, h, need_weights=False)[0]
+        x = x + self.eig_ffn(self.ffn_norm(x))
+        return self.decoder(x.squeeze(0))
+
     def representations(self, data: Data) -> dict[str, Tensor]:
         """``s`` (fused input), ``g`` (after message passing), ``z = g + b_k``; ``[N, hidden]``."""
         feats = {m: data[f"x_{m}"] for m in self.modalities}
         s = masked_fusion(self.encoders(feats), data.modality_mask)
         e, U = self.eigenpairs(data)
-        edges, w = edge_bases(self.spectral(e), U, data.edge_index, s.size(0))
-        src, dst = edges
+        edges, bases = edge_bases(self.filters(e), U, data.edge_index, s.size(0))
+        weights = edge_softmax(self.filter_encoder(bases), edges[1], num_nodes=s.size(0))
         x = s
-        for i, conv in enumerate(self.convs):
-            x = self.dropout(x) if i else x
-            msg = (w.unsqueeze(2) * x[src].unsqueeze(1)).flatten(1)  # [E', filters * d]
-            agg = x.new_zeros(x.size(0), msg.size(1)).index_add_(0, dst, msg)
-            x = torch.relu(conv(agg))
+        for conv in self.convs:
+            x = conv(x, edges, weights)
         return {"s": s, "g": x, "z": x + self.preference}
 
     def forward(self, data: Data) -> Tensor:

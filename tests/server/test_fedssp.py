@@ -37,11 +37,12 @@ def test_pgpa_terms_by_hand():
     h = torch.tensor([[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]])
     m = mean_representation(h, torch.tensor([True, True, False]))
     assert torch.equal(m, torch.tensor([2.0, 3.0]))
-    assert torch.equal(momentum_mean(None, m), m)
-    run = momentum_mean(torch.tensor([0.0, 1.0]), m, 0.5)
-    assert torch.equal(run, torch.tensor([1.0, 2.0]))
-    # tau/2 * ((1-0)^2 + (2-4)^2) = 50 * 5
-    assert float(pgpa_penalty(run, torch.tensor([0.0, 4.0]), 100.0)) == 250.0
+    assert torch.equal(momentum_mean(torch.zeros(2), m, 0.5), torch.tensor([1.0, 1.5]))
+    run = momentum_mean(torch.tensor([0.0, 2.0]), m, 0.75)  # 0.25 * prev + 0.75 * m
+    assert torch.equal(run, torch.tensor([1.5, 2.75]))
+    run = torch.tensor([1.0, 2.0])
+    # tau/2 * mean((1-0)^2, (2-4)^2) = 50 * 5 / 2
+    assert float(pgpa_penalty(run, torch.tensor([0.0, 4.0]), 100.0)) == 125.0
 
 
 def test_the_clients_loss_carries_the_alignment_term():
@@ -50,7 +51,7 @@ def test_the_clients_loss_carries_the_alignment_term():
     from fedlightning.models.spectral import SpectralGNN
 
     torch.manual_seed(0)
-    net = SpectralGNN({"a": 4}, 3, hidden=8, eigs=4, width=8, heads=2, dropout=0.0)
+    net = SpectralGNN({"a": 4}, 3, hidden=8, eigs=4, heads=2, dropout=0.0)
     module = FedSSPClassifier(net, torch.optim.SGD, tau_mean=100.0, momentum=0.5)
     n = 8
     a = torch.arange(n - 1)
@@ -64,11 +65,11 @@ def test_the_clients_loss_carries_the_alignment_term():
     batch.sup_mask = torch.tensor([True] * 6 + [False] * 2)
     batch.replay_mask = torch.zeros(n, dtype=torch.bool)
     module.set_stage(torch.tensor([0, 1]), None, None)
-    module.set_means(None, None)
+    module.set_global_mean(None)
     plain = float(module.training_step(batch))
-    prev, glob = torch.ones(8), torch.zeros(8)
-    module.set_means(prev, glob)
+    glob = torch.full((8,), 0.3)
+    module.set_global_mean(glob)
     with_term = float(module.training_step(batch))
     g = net.representations(batch)["g"]
-    run = 0.5 * prev + 0.5 * g[batch.sup_mask].mean(0)
-    assert abs((with_term - plain) - 50.0 * float(run.pow(2).sum())) < 1e-3
+    run = 0.5 * g[batch.sup_mask].mean(0) - glob  # the code's reset running mean, minus glob
+    assert abs((with_term - plain) - 50.0 * float(run.pow(2).mean())) < 1e-3
