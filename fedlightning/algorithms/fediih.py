@@ -16,7 +16,13 @@ from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server import Server
 from fedlightning.server.aggregate import model_state, strip_prefix
-from fedlightning.server.fediih import LOGVAR_FIELD, MU_FIELD, PERSONAL_PREFIX, FactorMixing
+from fedlightning.server.fediih import (
+    LOGVAR_FIELD,
+    MU_FIELD,
+    PERSONAL_PREFIX,
+    FactorMixing,
+    fediih_average,
+)
 from fedlightning.server.validation import Field, MessageSpec
 
 
@@ -66,7 +72,7 @@ class FedIIH(PersonalizedContinual):
 
     def server(self, global_state: dict) -> Server:
         mixing = FactorMixing(self.axes, self.factors, self.scale)
-        return Server(global_state, modules={"factors": mixing}, **self.bounds())
+        return Server(global_state, fediih_average, {"factors": mixing}, **self.bounds())
 
     def received(self, client: FederatedClient, broadcast: ServerBroadcast) -> dict:
         """The global model with the client's personalized factor blocks over it."""

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from fedlightning.messages import ClientUpdate
-from fedlightning.server.aggregate import model_state
+from fedlightning.server.aggregate import fedavg, model_state
 from fedlightning.server.server import ServerModule
 
 MU_FIELD, LOGVAR_FIELD = "posterior.mu", "posterior.logvar"  # uplink, [K, d] each
@@ -70,6 +70,14 @@ def mix_factor_blocks(
             mixed = [torch.tensordot(weights[k][i], blocks[k], dims=1) for k in range(K)]
             out[i][key] = torch.cat(mixed, dim=axis).to(states[0][key].dtype)
     return out
+
+
+def fediih_average(updates: Sequence[ClientUpdate]) -> dict[str, Tensor]:
+    """FedIIH's global model: FedAvg by ``num_examples`` (the code's train-size ratio). Its
+    own function, not :func:`fedavg` itself, so that secure sums, which hide each client's
+    message from the server, refuse it: :class:`FactorMixing` reads every client's weights
+    and posteriors."""
+    return fedavg(updates)
 
 
 class FactorMixing(ServerModule):

@@ -48,6 +48,15 @@ def test_a_foreign_backbone_is_refused_with_one_line(method, tmp_env, compose):
         train(compose(over), tmp_env / "run", verbose=False)
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_secure_sums_are_refused(method, tmp_env, compose):
+    """Both servers read each client's own message (GSKS's uniform mean and global mean;
+    FedIIH's posteriors and weights), which secure sums hide."""
+    over = [*small(method), "federation.secure_sum=true"]
+    with pytest.raises(ConfigError, match="federation.secure_sum"):
+        train(compose(over), tmp_env / "run", verbose=False)
+
+
 def test_fedssp_ledger_matches_a_hand_count(tmp_env, compose):
     """Uplink per client and round: the spectral encoders alone (GSKS), ``mean`` (``hidden``
     floats) and ``num_examples``; downlink: the encoder, plus ``mean.global`` once the
