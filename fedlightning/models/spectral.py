@@ -1,7 +1,7 @@
 """FedSSP's spectral GNN at node level (Tan et al., NeurIPS 2024; docs/fedogl.md, "FedSSP").
 
 A client's subgraph gives its Laplacian eigenpairs (the top ``k`` of the normalized
-adjacency, i.e. the ``k`` smallest Laplacian eigenvalues, by ``scipy.sparse.linalg.eigsh``);
+adjacency, i.e. the ``k`` smallest Laplacian eigenvalues; :func:`laplacian_eigenpairs`);
 the eigenvalues' sine encoding, self-attention over them and a decoder give ``H`` filters;
 each filter gives a basis ``U diag(lambda_h) U^T`` on the graph's edges, which a filter
 encoder turns into per-channel edge weights for the message passing. The two spectral
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy.sparse import coo_matrix
-from scipy.sparse.linalg import ArpackNoConvergence, eigsh
+from scipy.sparse.linalg import lobpcg
 from torch import Tensor, nn
 from torch_geometric.data import Data
 from torch_geometric.utils import softmax as edge_softmax
@@ -29,13 +29,18 @@ from fedlightning.models.multimodal import ModalityEncoders, masked_fusion
 SHARED_PREFIXES = ("eig_encoder.", "filter_encoder.")  # GSKS: the spectral encoders
 
 
+DENSE_UP_TO = 2000  # nodes: a dense symmetric eigensolver below, LOBPCG above
+
+
 def laplacian_eigenpairs(edge_index: Tensor, num_nodes: int, k: int) -> tuple[Tensor, Tensor]:
     r"""The ``k`` smallest eigenvalues ``e`` ``[k]`` (ascending) of the normalized Laplacian
     :math:`L = I - D^{-1/2} A D^{-1/2}` of the undirected graph ``edge_index`` and their
     eigenvectors ``U`` ``[num_nodes, k]`` (each signed so that its inner product with
-    ``(1, 2, ..., n)`` is >= 0). ``eigsh`` on the normalized adjacency (its largest ``k``) with a fixed start
-    vector, so the result is deterministic; a dense ``eigh`` when ``k`` is close to
-    ``num_nodes`` or ARPACK does not converge. ``k`` is capped at ``num_nodes``."""
+    ``(1, 2, ..., n)`` is >= 0), as the largest ``k`` of the normalized adjacency. Up to
+    :data:`DENSE_UP_TO` nodes a dense ``eigh``; above, ``scipy.sparse.linalg.lobpcg`` from a
+    seeded start. Not ``eigsh``: ARPACK restarts from a process-wide random state, so the
+    same graph gives eigenvectors that differ in the last bits from one process to another
+    (a resumed run would not be bitwise). ``k`` is capped at ``num_nodes``."""
     n = int(num_nodes)
     k = max(1, min(int(k), n))
     src, dst = edge_index.cpu().numpy()
@@ -46,15 +51,12 @@ def laplacian_eigenpairs(edge_index: Tensor, num_nodes: int, k: int) -> tuple[Te
     deg = np.asarray(adj.sum(1)).ravel()
     inv = np.where(deg > 0, 1.0 / np.sqrt(np.maximum(deg, 1e-12)), 0.0)
     norm = adj.multiply(inv[:, None]).multiply(inv[None, :]).tocsr()
-    vals = vecs = None
-    if k < n - 1:
-        try:
-            vals, vecs = eigsh(norm, k=k, which="LA", v0=np.ones(n) / math.sqrt(n), tol=1e-8)
-        except ArpackNoConvergence:
-            vals = None
-    if vals is None:
+    if n <= DENSE_UP_TO or 5 * k >= n:
         vals, vecs = np.linalg.eigh(norm.toarray())
         vals, vecs = vals[-k:], vecs[:, -k:]
+    else:
+        start = np.random.default_rng(0).standard_normal((n, k))
+        vals, vecs = lobpcg(norm, start, largest=True, tol=1e-6, maxiter=200)
     order = np.argsort(-vals, kind="stable")  # adjacency descending = Laplacian ascending
     vals, vecs = 1.0 - vals[order], vecs[:, order]
     sign = np.sign(np.arange(1, n + 1) @ vecs)  # a fixed ramp: no ties between +/- u

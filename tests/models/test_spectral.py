@@ -89,3 +89,18 @@ def test_the_spectral_encoders_shape_the_logits():
     # the preference vector b_k is added to g before the head: z = g + b
     reps = net.representations(data)
     assert torch.allclose(reps["z"], reps["g"] + net.preference)
+
+
+def test_large_graphs_take_seeded_lobpcg_and_agree_with_dense(monkeypatch):
+    import fedlightning.models.spectral as spectral
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 120, 4
+    ei = torch.randint(0, n, (2, 600), generator=g)
+    dense_e, dense_U = laplacian_eigenpairs(ei, n, k)
+    monkeypatch.setattr(spectral, "DENSE_UP_TO", 10)
+    e, U = laplacian_eigenpairs(ei, n, k)
+    assert torch.allclose(e, dense_e, atol=1e-4)
+    assert torch.allclose((U * dense_U).sum(0).abs(), torch.ones(k), atol=1e-3)
+    again = laplacian_eigenpairs(ei, n, k)
+    assert torch.equal(again[0], e) and torch.equal(again[1], U)  # seeded: bitwise
