@@ -163,19 +163,17 @@ def same_run(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_kill_and_resume_equals_the_uninterrupted_run(method, tmp_path, env, compose):
     """Killed after the second client of round 2 (stage 2's first fit: the clients' own
-    models and means are client state), resumed: bitwise the uninterrupted run, and a
-    second uninterrupted run equals the first (same seed, same result)."""
+    models are client state), resumed in another process: bitwise the uninterrupted
+    in-process run (so the seed alone decides the result, whichever process runs it)."""
     over = small(method)
     killed = cli([*over, "hydra.run.dir=killed", "runner.kill_at=2:2:fit"], tmp_path, env)
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = cli(["resume=killed", "logger=none"], tmp_path, env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     full = train(compose(over), tmp_path / "full", verbose=False)
-    again = train(compose(over), tmp_path / "again", verbose=False)
     done = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert done["resumed"] is True
     same_run(done, full)
-    same_run(again, full)
     ledger_a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["ledger"]
     ledger_b = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["ledger"]
     assert ledger_a == ledger_b
