@@ -66,10 +66,10 @@ def test_the_clients_loss_carries_the_alignment_term():
     batch.replay_mask = torch.zeros(n, dtype=torch.bool)
     module.set_stage(torch.tensor([0, 1]), None, None)
     module.set_global_mean(None)
-    plain = float(module.training_step(batch))
+    plain = float(module.training_step(batch).detach())
     glob = torch.full((8,), 0.3)
     module.set_global_mean(glob)
-    with_term = float(module.training_step(batch))
+    with_term = float(module.training_step(batch).detach())
     g = net.representations(batch)["g"]
     run = 0.5 * g[batch.sup_mask].mean(0) - glob  # the code's reset running mean, minus glob
     assert abs((with_term - plain) - 50.0 * float(run.pow(2).mean())) < 1e-3
