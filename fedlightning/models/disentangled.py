@@ -5,12 +5,24 @@ an input layer into ``K`` factor channels and parameter-free neighbourhood-routi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch_geometric.data import Data
 
 from fedlightning.models.dropout import InputDropout
 from fedlightning.models.sparse import SparseLinear
+
+
+def unit_channels(x: Tensor) -> Tensor:
+    r""":math:`x_{u,k}/\lVert x_{u,k}\rVert` along the last axis; a zero channel stays zero
+    and takes no gradient, as the norm's own gradient at zero (its direction is undefined).
+
+    ``F.normalize``'s ``x / max(||x||, eps)`` has gradient ``1 / eps = 1e12`` there: a
+    factor channel that ReLU and dropout leave all zero multiplied its gradient by 1e12 in
+    every routing layer, and two such layers overflowed it to ``inf`` (``NaN`` after the
+    dropout mask's zeros) in the input layer's weights."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    nonzero = norm > 0
+    return torch.where(nonzero, x / torch.where(nonzero, norm, torch.ones_like(norm)), 0.0)
 
 
 def neighbourhood_routing(
@@ -20,16 +32,17 @@ def neighbourhood_routing(
     :math:`z_{u,k} = x_{u,k}/\lVert x_{u,k}\rVert`, :math:`c_{u,k} = z_{u,k}`; then
     ``iterations`` times, for every edge ``v -> u``,
     :math:`p_{v,k} = \mathrm{softmax}_k(z_{v,k}^\top c_{u,k} / \tau)` and
-    :math:`c_{u,k} = \mathrm{normalize}(z_{u,k} + \sum_{v} p_{v,k} z_{v,k})`. Self loops
-    are ignored (a node's own ``z`` is always in its sum). Returns ``c`` ``[N, K, d]``."""
-    z = F.normalize(x, dim=2)
+    :math:`c_{u,k} = \mathrm{normalize}(z_{u,k} + \sum_{v} p_{v,k} z_{v,k})`
+    (:func:`unit_channels`: a zero channel stays zero). Self loops are ignored (a node's own
+    ``z`` is always in its sum). Returns ``c`` ``[N, K, d]``."""
+    z = unit_channels(x)
     src, dst = edge_index
     keep = src != dst
     src, dst = src[keep], dst[keep]
     c = z
     for _ in range(iterations):
         p = torch.softmax((z[src] * c[dst]).sum(-1) / tau, dim=1)  # [E, K]
-        c = F.normalize(z.index_add(0, dst, p.unsqueeze(-1) * z[src]), dim=2)
+        c = unit_channels(z.index_add(0, dst, p.unsqueeze(-1) * z[src]))
     return c
 
 
