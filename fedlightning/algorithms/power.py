@@ -53,7 +53,7 @@ class POWER(ContinualFedAvg):
         score, max_update_norm, max_client_weight: as :class:`ContinualFedAvg`.
     """
 
-    RECON_DEFAULTS = {"steps": 30, "max_iter": 20, "lr": 1.0, "keep": 1}
+    RECON_DEFAULTS = {"steps": 20, "max_iter": 20, "lr": 1.0, "keep": 1}
 
     def __init__(
         self,

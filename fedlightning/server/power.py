@@ -84,12 +84,15 @@ def reconstruct_prototype(
     max_iter: int = 20,
     lr: float = 1.0,
     keep: int = 1,
+    tol: float = 1e-9,
 ) -> Tensor:
     r"""Pseudo-prototypes ``[keep, D]`` of class ``label`` whose GE gradient matches
     ``target``: :math:`\min_x \sum_p \lVert \nabla_p \mathrm{CE}(GE(x), c) - g_p
     \rVert^2` by L-BFGS (``steps`` calls of ``max_iter`` evaluations, learning rate
     ``lr``) from :math:`x \sim \mathcal{N}(0, I)` drawn from ``generator``; the iterates of
-    the last ``keep`` steps (the original's ``num_recon_nodes``)."""
+    the last ``keep`` steps (the original's ``num_recon_nodes``). Stops early once a step
+    starts at a loss of at most ``tol`` x :math:`\sum_p \lVert g_p \rVert^2` (converged;
+    the remaining iterates would repeat it)."""
     frozen = {k: v.detach() for k, v in params.items()}
     dim = frozen["lin1.weight"].size(1)
     x = torch.randn(dim, generator=generator).requires_grad_(True)
@@ -101,11 +104,15 @@ def reconstruct_prototype(
         loss.backward()
         return loss
 
+    floor = tol * float(gradient_distance({k: v * 0 for k, v in target.items()}, target))
     kept = []
     for step in range(steps):
-        opt.step(closure)
+        start = float(opt.step(closure).detach())  # the loss before this step's update
         if step >= steps - keep:
             kept.append(x.detach().clone())
+        if start <= floor:  # converged to float precision: the later iterates are this one
+            kept += [x.detach().clone()] * (keep - len(kept))
+            break
     return torch.stack(kept)
 
 

@@ -1,0 +1,176 @@
+"""POWER's equations (docs/fedogl.md, "POWER"), each against a hand computation, and its
+server reconstructing a prototype whose gradient matches the uploaded one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch_geometric.data import Data
+
+from fedlightning.clients.power import coverage_max, fused_input, power_objective, pseudo_graph
+from fedlightning.messages import ClientUpdate
+from fedlightning.server.power import (
+    COUNT_PREFIX,
+    GRAD_PREFIX,
+    PowerMemory,
+    class_gradient,
+    distillation_loss,
+    distillation_weights,
+    ge_parameters,
+    gradient_distance,
+    gradient_label,
+    reconstruct_prototype,
+)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_ge_is_drawn_like_nn_linear_and_shared_by_seed():
+    p = ge_parameters(10, 3, gen())
+    assert [tuple(p[f"lin{i}.weight"].shape) for i in (1, 2, 3, 4)] == [
+        (128, 10),
+        (128, 128),
+        (64, 128),
+        (3, 64),
+    ]
+    for i, fan_in in zip((1, 2, 3, 4), (10, 128, 128, 64), strict=True):
+        bound = 1 / math.sqrt(fan_in)
+        assert p[f"lin{i}.weight"].abs().max() <= bound and p[f"lin{i}.bias"].abs().max() <= bound
+    q = ge_parameters(10, 3, gen())
+    assert all(torch.equal(p[k], q[k]) for k in p)  # the same seed: the same encoder
+
+
+def test_label_is_the_argmin_of_the_last_bias_gradient():
+    p = ge_parameters(6, 4, gen())
+    x = torch.rand(6, generator=gen(1))
+    for c in range(4):
+        g = class_gradient(p, x, c)
+        # dCE/db = softmax(z) - e_c, computed by hand from GE's logits
+        h = x
+        for i in (1, 2, 3):
+            h = torch.relu(p[f"lin{i}.weight"] @ h + p[f"lin{i}.bias"])
+        z = p["lin4.weight"] @ h + p["lin4.bias"]
+        want = torch.softmax(z, 0) - torch.nn.functional.one_hot(torch.tensor(c), 4)
+        assert torch.allclose(g["lin4.bias"], want, atol=1e-6)
+        assert gradient_label(g) == c
+
+
+def test_server_reconstructs_a_prototype_whose_gradient_matches_the_upload():
+    p = ge_parameters(40, 5, gen())
+    proto = (torch.rand(40, generator=gen(2)) < 0.2).float() * 0.5  # a bag-of-words mean
+    target = class_gradient(p, proto, 3)
+    start = torch.randn(40, generator=gen(3))
+    x = reconstruct_prototype(p, target, 3, gen(3), steps=20)
+    assert x.shape == (1, 40)
+    norm = float(gradient_distance({k: v * 0 for k, v in target.items()}, target))
+    assert float(gradient_distance(class_gradient(p, start, 3), target)) > 1e-2 * norm
+    assert float(gradient_distance(class_gradient(p, x[0], 3), target)) < 1e-6 * norm
+    assert torch.nn.functional.cosine_similarity(x[0], proto, 0) > 0.999
+    kept = reconstruct_prototype(p, target, 3, gen(3), steps=20, keep=3)
+    assert kept.shape == (3, 40) and torch.equal(kept[-1], x[0])
+
+
+def test_distillation_weights_by_hand():
+    counts = {
+        0: {0: torch.tensor([2.0, 0, 0]), 1: torch.tensor([1.0, 3, 0])},
+        1: {0: torch.tensor([0.0, 0, 4])},
+    }
+    w = distillation_weights(counts, 1, [0, 1], decay=0.5)
+    # client 0: [0,0,4] + 0.5 [2,0,0] = [1,0,4]; client 1: 0.5 [1,3,0] = [0.5,1.5,0]
+    want = torch.tensor([[1 / 1.5, 0.0, 1.0], [0.5 / 1.5, 1.0, 0.0]], dtype=torch.float64)
+    assert torch.allclose(w, want)
+    assert torch.allclose(
+        distillation_weights(counts, 0, [0, 1], 0.5)[:, 2], torch.zeros(2, dtype=torch.float64)
+    )
+
+
+def test_distillation_loss_by_hand():
+    g = torch.tensor([[1.0, 2.0], [0.0, 0.0]])
+    local = torch.tensor([[0.0, 2.0], [1.0, 1.0]])
+    w = torch.tensor([[0.25, 1.0]])
+    # node 0 (class 0): mean |.| = 0.5; node 1 (class 1): 1.0 -> 0.25 * 0.5 + 1.0 * 1.0
+    assert float(distillation_loss(g, [local], w, torch.tensor([0, 1]))) == pytest.approx(1.125)
+
+
+def test_coverage_max_by_hand():
+    pts = [0.0, 0.1, 0.2, 5.0, 5.1, 10.0]
+    mean = sum(abs(a - b) for a in pts for b in pts) / 36
+    emb = torch.tensor(pts).unsqueeze(1)
+    eta = 0.5 / mean  # cover radius 0.5: clusters {0, 1, 2}, {3, 4}, {5}
+    # greedy: 0 covers 3 nodes, then 3 covers 2 (5 of 6 covered, < 90%), then 5 -> reset with
+    # the chosen removed: 1 covers {1, 2}
+    assert coverage_max(emb, 3, eta).tolist() == [0, 3, 5]
+    assert coverage_max(emb, 4, eta).tolist() == [0, 3, 5, 1]
+    assert coverage_max(emb, 9, eta).sort().values.tolist() == list(range(6))
+
+
+def test_power_objective_by_hand():
+    assert float(power_objective(torch.tensor(2.0), torch.tensor(4.0), 0.25)) == 3.5
+    assert float(power_objective(torch.tensor(2.0), None, 0.25)) == 2.0
+
+
+def test_fused_input_and_pseudo_graph_round_trip():
+    data = Data(
+        x_a=torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+        x_b=torch.tensor([[5.0], [6.0]]).to_sparse(),
+        modality_mask=torch.tensor([[True, False], [True, True]]),
+    )
+    x = fused_input(data, ["a", "b"], torch.tensor([1, 0]))
+    assert x.tolist() == [[3.0, 4.0, 6.0], [1.0, 2.0, 0.0]]
+    g = pseudo_graph(x, {"a": 2, "b": 1})
+    assert g.x_a.tolist() == [[3.0, 4.0], [1.0, 2.0]] and g.x_b.tolist() == [[6.0], [0.0]]
+    assert g.edge_index.shape == (2, 0) and bool(g.modality_mask.all())
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, data: Data) -> torch.Tensor:
+        return self.lin(data.x_a)
+
+
+def test_memory_labels_counts_reconstructs_and_distills_toward_the_clients():
+    torch.manual_seed(0)
+    ge = ge_parameters(4, 3, gen())
+    net = Tiny()
+    mem = PowerMemory(
+        net,
+        lambda x: pseudo_graph(x, {"a": 4}),
+        lambda: ge,
+        lambda r: (r - 1) // 2,
+        lambda r, k, j: gen(100 + k * 10 + j),
+        epochs=50,
+        lr=0.05,
+        weight_decay=0.0,
+    )
+    protos = {0: torch.tensor([1.0, 0.0, 0.5, 0.0]), 1: torch.tensor([0.0, 1.0, 0.0, 0.5])}
+    local = {k: v + 0.5 for k, v in net.state_dict().items()}  # the clients' model
+    ups = []
+    for cid, (c, n) in enumerate(((2, 7.0), (1, 3.0))):
+        tensors = {f"model.{k}": v for k, v in local.items()}
+        for k, g in class_gradient(ge, protos[cid], c).items():
+            tensors[f"{GRAD_PREFIX}0.{k}"] = g
+        ups.append(ClientUpdate(1, tensors, {"num_examples": 10.0, f"{COUNT_PREFIX}0": n}, cid))
+    mem.aggregate(1, ups)
+    assert mem.y.tolist() == [2, 1]  # labels inferred from the gradients alone
+    assert torch.allclose(mem.x, torch.stack([protos[0], protos[1]]), atol=1e-3)
+    assert mem.counts[0][0].tolist() == [0, 0, 7] and mem.counts[0][1].tolist() == [0, 3, 0]
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    g = pseudo_graph(mem.x, {"a": 4})
+
+    def gap(state):
+        out = torch.func.functional_call(net, state, (g,))
+        return float((out - torch.func.functional_call(net, local, (g,))).abs().mean())
+
+    new = mem.update_global(1, start)
+    assert gap(new) < 0.5 * gap(start)  # pulled toward the clients' logits on pseudo-nodes
+    again = PowerMemory(net, None, lambda: ge, lambda r: 0, None)
+    again.load_state_dict(mem.state_dict())
+    assert torch.equal(again.x, mem.x) and again.counts[0][1].tolist() == [0, 3, 0]
