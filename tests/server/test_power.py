@@ -174,3 +174,51 @@ def test_memory_labels_counts_reconstructs_and_distills_toward_the_clients():
     again = PowerMemory(net, None, lambda: ge, lambda r: 0, None)
     again.load_state_dict(mem.state_dict())
     assert torch.equal(again.x, mem.x) and again.counts[0][1].tolist() == [0, 3, 0]
+
+
+def power_message(alg, round: int, slots: int = 1, count: bool = True) -> ClientUpdate:
+    """An honest POWER uplink of ``round``: the model, ``num_examples`` and ``slots`` class
+    gradients of the run's GE, each with its count (unless ``count=False`` for the last)."""
+    tensors = {"model.w": torch.zeros(2)}
+    scalars = {"num_examples": 10.0}
+    for j in range(slots):
+        for k, g in class_gradient(alg.ge(), torch.ones(4), j).items():
+            tensors[f"{GRAD_PREFIX}{j}.{k}"] = g
+        if count or j < slots - 1:
+            scalars[f"{COUNT_PREFIX}{j}"] = 3.0
+    return ClientUpdate(round, tensors, scalars, 0)
+
+
+def test_the_server_refuses_class_gradients_outside_a_stages_first_round_and_without_count():
+    from fedlightning.algorithms.power import POWER
+    from fedlightning.messages import ServerBroadcast
+    from fedlightning.server.validation import validate
+
+    alg = POWER()
+    alg.dims, alg.classes, alg.rounds_per_stage, alg.seed = {"a": 4}, 3, 2, 0
+
+    def check(u):
+        return validate(u, alg.uplink(ServerBroadcast(u.round, {"model.w": torch.zeros(2)})))
+
+    assert check(power_message(alg, 1, slots=2)) is None  # round 1 opens stage 0
+    assert check(power_message(alg, 3)) is None  # round 3 opens stage 1
+    assert check(power_message(alg, 2, slots=0)) is None  # FedAvg's message alone
+    field, why = check(power_message(alg, 2))  # the stage's second round
+    assert field.startswith(GRAD_PREFIX) and "undeclared" in why
+    field, why = check(power_message(alg, 1, slots=2, count=False))
+    assert field == f"{COUNT_PREFIX}1" and "count" in why
+    u = power_message(alg, 1)
+    del u.tensors[f"{GRAD_PREFIX}0.lin2.bias"]  # a slot carries all of GE's gradient
+    assert check(u) == (
+        f"{GRAD_PREFIX}0.lin2.bias",
+        "missing (a slot carries all of GE's gradient)",
+    )
+    u = power_message(alg, 1, slots=2)
+    u.scalars["num_examples"] = 5.0  # counts 3 + 3 > 5
+    assert check(u)[0] == f"{COUNT_PREFIX}*"
+    u = power_message(alg, 1)
+    u.scalars[f"{COUNT_PREFIX}0"] = 2.5
+    assert check(u) == (f"{COUNT_PREFIX}0", "2.5 is not a whole number")
+    # without the server part nothing of POWER's is declared, even in a stage's first round
+    alg.server_kd = False
+    assert "undeclared" in check(power_message(alg, 1))[1]
