@@ -48,7 +48,7 @@ class POWER(ContinualFedAvg):
             no gradient upload).
         decay: ``q``, the weight of a past stage's class counts per stage of age.
         server_lr, server_epochs, server_weight_decay: the server's Adam on the distillation.
-        recon: :func:`~fedlightning.server.power.reconstruct_prototype`'s ``steps``,
+        recon: :func:`~fedlightning.server.power.reconstruct_prototypes`'s ``steps``,
             ``max_iter``, ``lr``, ``keep``.
         score, max_update_norm, max_client_weight: as :class:`ContinualFedAvg`.
     """

@@ -8,7 +8,7 @@ Lightning here.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -75,45 +75,144 @@ def gradient_distance(a: dict[str, Tensor], b: dict[str, Tensor]) -> Tensor:
     return sum(((a[k] - b[k]) ** 2).sum() for k in b)
 
 
-def reconstruct_prototype(
+def gradient_match(
+    params: dict[str, Tensor], x: Tensor, labels: Tensor, targets: dict[str, Tensor]
+) -> Tensor:
+    r""":func:`gradient_distance` between :func:`class_gradient` at each row of ``x``
+    ``[n, D]`` (label ``labels[i]``) and the uploaded ``targets`` (fields ``[n, ...]``),
+    ``[n]``, without forming the per-row gradients: backpropagation written out, with
+    :math:`h_0 = x`, :math:`a_l = W_l h_{l-1} + b_l`, :math:`h_l = \mathrm{relu}(a_l)`,
+    :math:`\delta_L = \mathrm{softmax}(a_L) - e_c`, :math:`\delta_l = W_{l+1}^\top
+    \delta_{l+1} \odot [a_l > 0]`, a weight's gradient is :math:`\delta_l h_{l-1}^\top`,
+    so :math:`\lVert \delta_l h_{l-1}^\top - G_l \rVert^2 = \lVert \delta_l \rVert^2
+    \lVert h_{l-1} \rVert^2 - 2\, \delta_l^\top G_l h_{l-1} + \lVert G_l \rVert^2`, and a
+    bias's :math:`\lVert \delta_l - g_l \rVert^2`. In float64 (the three terms nearly
+    cancel at a match); differentiable in ``x``."""
+    f64 = {k: v.to(torch.float64) for k, v in params.items()}
+    layers = len(f64) // 2
+    h, pre = [x.to(torch.float64)], []
+    for i in range(1, layers + 1):
+        pre.append(F.linear(h[-1], f64[f"lin{i}.weight"], f64[f"lin{i}.bias"]))
+        h.append(torch.relu(pre[-1]))
+    delta = torch.softmax(pre[-1], dim=1) - F.one_hot(labels, pre[-1].size(1)).to(torch.float64)
+    total = x.new_zeros(x.size(0), dtype=torch.float64)
+    for i in range(layers, 0, -1):
+        w, b = targets[f"lin{i}.weight"].to(torch.float64), targets[f"lin{i}.bias"]
+        cross = (delta.unsqueeze(1) @ w @ h[i - 1].unsqueeze(2)).view(-1)
+        total = total + (delta**2).sum(1) * (h[i - 1] ** 2).sum(1) - 2 * cross
+        total = total + (w**2).flatten(1).sum(1) + ((delta - b.to(torch.float64)) ** 2).sum(1)
+        if i > 1:
+            delta = (delta @ f64[f"lin{i}.weight"]) * (pre[i - 2] > 0).to(torch.float64)
+    return total
+
+
+def batched_lbfgs(
+    fun: Callable[[Tensor], Tensor],
+    x: Tensor,
+    iters: int,
+    lr: float = 1.0,
+    history: int = 100,
+    floor: Tensor | None = None,
+    tolerance_grad: float = 1e-7,
+) -> Iterator[tuple[int, Tensor]]:
+    r"""L-BFGS on ``n`` independent problems at once: ``fun(x)`` ``[n]`` is problem
+    ``i``'s loss at row ``x[i]`` (row ``i`` of its gradient depends on ``x[i]`` alone).
+    Each problem keeps its own curvature pairs (the last ``history`` iterations) and moves
+    as :class:`torch.optim.LBFGS` without line search would move it alone: first step
+    :math:`-\min(1, 1/\lVert g\rVert_1)\,\mathrm{lr}\, g`, then ``lr`` times the two-loop
+    direction; a pair with :math:`y^\top s \le 10^{-10}` is skipped. A problem stops (its row
+    frozen) once its loss is at most ``floor[i]``, its largest gradient entry at most
+    ``tolerance_grad``, or its direction is no descent direction (:math:`g^\top d >
+    -10^{-9}`; LBFGS would not move again: the next pair is skipped, the direction the
+    same). Yields ``(iteration, x)`` after each of ``iters`` iterations (and
+    stops early once every problem has stopped, yielding the final ``x`` once more as
+    iteration ``-1``)."""
+    x = x.detach().clone()
+    n = x.size(0)
+    floor = torch.full((n,), -1.0) if floor is None else floor
+    s_hist, y_hist, ro_hist = [], [], []
+    h_diag = torch.ones(n, 1, dtype=x.dtype)
+    g_prev = d = t = None
+    done = torch.zeros(n, dtype=torch.bool)
+    for it in range(iters):
+        x.requires_grad_(True)
+        with torch.enable_grad():
+            loss = fun(x)
+            (g,) = torch.autograd.grad(loss.sum(), [x])
+        x = x.detach()
+        done |= (loss.detach() <= floor) | (g.abs().amax(1) <= tolerance_grad)
+        if bool(done.all()):
+            yield -1, x
+            return
+        if it == 0:
+            d = -g
+            t = (lr * torch.clamp(1.0 / g.abs().sum(1, keepdim=True), max=1.0)).to(x.dtype)
+        else:
+            y, s = g - g_prev, d * t
+            ys = (y * s).sum(1, keepdim=True)
+            ok = ys > 1e-10
+            s_hist.append(s)
+            y_hist.append(y)
+            ro_hist.append(torch.where(ok, 1.0 / ys.clamp(min=1e-300), torch.zeros_like(ys)))
+            if len(s_hist) > history:
+                s_hist.pop(0), y_hist.pop(0), ro_hist.pop(0)
+            yy = (y * y).sum(1, keepdim=True)
+            h_diag = torch.where(ok, ys / yy.clamp(min=1e-300), h_diag)
+            q, al = -g, []
+            for s_i, y_i, ro_i in zip(
+                reversed(s_hist), reversed(y_hist), reversed(ro_hist), strict=True
+            ):
+                al.append(ro_i * (s_i * q).sum(1, keepdim=True))
+                q = q - al[-1] * y_i
+            d = q * h_diag
+            for s_i, y_i, ro_i, a_i in zip(s_hist, y_hist, ro_hist, reversed(al), strict=True):
+                d = d + (a_i - ro_i * (y_i * d).sum(1, keepdim=True)) * s_i
+            t = torch.full_like(t, lr)
+        done |= (g * d).sum(1) > -1e-9  # no descent direction: stuck there for good
+        if bool(done.all()):
+            yield -1, x
+            return
+        d = torch.where(done.unsqueeze(1), torch.zeros_like(d), d)
+        g_prev = g
+        x = x + t * d
+        yield it, x
+
+
+def reconstruct_prototypes(
     params: dict[str, Tensor],
-    target: dict[str, Tensor],
-    label: int,
-    generator: torch.Generator,
-    steps: int = 30,
+    targets: dict[str, Tensor],
+    labels: Tensor,
+    start: Tensor,
+    steps: int = 20,
     max_iter: int = 20,
     lr: float = 1.0,
     keep: int = 1,
-    tol: float = 1e-9,
+    tol: float = 1e-8,
 ) -> Tensor:
-    r"""Pseudo-prototypes ``[keep, D]`` of class ``label`` whose GE gradient matches
-    ``target``: :math:`\min_x \sum_p \lVert \nabla_p \mathrm{CE}(GE(x), c) - g_p
-    \rVert^2` by L-BFGS (``steps`` calls of ``max_iter`` evaluations, learning rate
-    ``lr``) from :math:`x \sim \mathcal{N}(0, I)` drawn from ``generator``; the iterates of
-    the last ``keep`` steps (the original's ``num_recon_nodes``). Stops early once a step
-    starts at a loss of at most ``tol`` x :math:`\sum_p \lVert g_p \rVert^2` (converged;
-    the remaining iterates would repeat it)."""
-    frozen = {k: v.detach() for k, v in params.items()}
-    dim = frozen["lin1.weight"].size(1)
-    x = torch.randn(dim, generator=generator).requires_grad_(True)
-    opt = torch.optim.LBFGS([x], lr=lr, max_iter=max_iter)
+    r"""Pseudo-prototypes ``[n, keep, D]``, for each of ``n`` uploads (``targets``: GE's
+    gradient fields ``[n, ...]``, ``labels`` ``[n]``) one whose GE gradient matches it:
+    :math:`\min_x \sum_p \lVert \nabla_p \mathrm{CE}(GE(x), c) - g_p \rVert^2` by L-BFGS
+    (:func:`batched_lbfgs`, all uploads at once, each its own problem) from ``start``
+    ``[n, D]`` (draws of :math:`\mathcal{N}(0, I)`): ``steps`` x ``max_iter`` iterations
+    of learning rate ``lr``; the iterates at the end of the last ``keep`` steps of
+    ``max_iter`` (the original's ``num_recon_nodes``). A problem stops once its loss is at
+    most ``tol`` x :math:`\sum_p \lVert g_p \rVert^2` (converged: its later iterates
+    would repeat it)."""
+    frozen = {k: v.detach().to(torch.float64) for k, v in params.items()}
+    targets = {k: v.detach().to(torch.float64) for k, v in targets.items()}
+    norms = sum((v**2).flatten(1).sum(1) for v in targets.values())
 
-    def closure() -> Tensor:
-        opt.zero_grad()
-        loss = gradient_distance(class_gradient(frozen, x, label, create_graph=True), target)
-        loss.backward()
-        return loss
+    def loss(x: Tensor) -> Tensor:
+        return gradient_match(frozen, x, labels, targets)
 
-    floor = tol * float(gradient_distance({k: v * 0 for k, v in target.items()}, target))
-    kept = []
-    for step in range(steps):
-        start = float(opt.step(closure).detach())  # the loss before this step's update
-        if step >= steps - keep:
-            kept.append(x.detach().clone())
-        if start <= floor:  # converged to float precision: the later iterates are this one
-            kept += [x.detach().clone()] * (keep - len(kept))
+    kept: list[Tensor] = []
+    for it, x in batched_lbfgs(loss, start.to(torch.float64), steps * max_iter, lr, floor=tol * norms):  # fmt: skip
+        if it < 0:  # every problem converged: the later iterates are this one
+            kept += [x] * (keep - len(kept))
             break
-    return torch.stack(kept)
+        if (it + 1) % max_iter == 0 and (it + 1) // max_iter > steps - keep:
+            kept.append(x)
+    return torch.stack(kept, 1).to(start.dtype)
 
 
 def distillation_weights(
@@ -160,7 +259,7 @@ class PowerMemory(ServerModule):
 
     In a stage's first round each client's ``power_grad.<j>.*`` (one class's GE gradient)
     and ``power_count.<j>`` are turned into a label (:func:`gradient_label`), a class count
-    (per stage and client) and ``keep`` pseudo-prototypes (:func:`reconstruct_prototype`).
+    (per stage and client) and ``keep`` pseudo-prototypes (:func:`reconstruct_prototypes`).
     After every round's FedAvg the global model takes ``epochs`` Adam steps (``lr``) on
     :func:`distillation_loss` against the round's client models on all pseudo-nodes so far.
 
@@ -172,7 +271,7 @@ class PowerMemory(ServerModule):
         stage_of: ``round -> stage``.
         decay, lr, epochs, weight_decay: ``q``; the server's Adam (learning rate, steps per
             round, weight decay).
-        recon: :func:`reconstruct_prototype`'s ``steps``, ``max_iter``, ``lr``, ``keep``.
+        recon: :func:`reconstruct_prototypes`'s ``steps``, ``max_iter``, ``lr``, ``keep``.
         generator: ``(round, client, slot) -> torch.Generator`` of the start point.
     """
 
@@ -203,29 +302,35 @@ class PowerMemory(ServerModule):
     def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
         t = self.stage_of(round)
         self._locals = [(u.client_id, model_state(u.tensors)) for u in updates]
+        uploads = []  # (client, slot, gradient fields, count), in client and slot order
         for u in updates:
             slots = sorted({k[len(GRAD_PREFIX) :].split(".")[0] for k in u.tensors if k.startswith(GRAD_PREFIX)}, key=int)  # fmt: skip
             for j in slots:
                 pre = f"{GRAD_PREFIX}{j}."
                 grads = {k[len(pre) :]: v for k, v in u.tensors.items() if k.startswith(pre)}
-                self.add(t, u.client_id, grads, u.scalars[f"{COUNT_PREFIX}{j}"], round, int(j))
+                uploads.append((u.client_id, int(j), grads, u.scalars[f"{COUNT_PREFIX}{j}"]))
+        if uploads:
+            self.add(t, round, uploads)
 
-    def add(
-        self, t: int, client: int, grads: dict[str, Tensor], count: float, round: int, slot: int
-    ) -> None:
-        """One uploaded class gradient: its label, its count, its pseudo-prototypes."""
+    def add(self, t: int, round: int, uploads: Sequence[tuple[int, int, dict, float]]) -> None:
+        """A round's uploaded class gradients ``(client, slot, fields, count)``: their
+        labels, their counts, their pseudo-prototypes (reconstructed together)."""
         params = self.ge()
-        label = gradient_label(grads)
-        row = self.counts.setdefault(t, {}).setdefault(
-            client, torch.zeros(params["lin4.bias"].numel(), dtype=torch.float64)
-        )
-        row[label] += count
-        xs = reconstruct_prototype(
-            params, grads, label, self.generator(round, client, slot), **self.recon
-        )
-        self.match.append(float(gradient_distance(class_gradient(params, xs[-1], label), grads)))
+        width = params["lin4.bias"].numel()
+        labels = torch.tensor([gradient_label(g) for _, _, g, _ in uploads])
+        for (client, _, _, count), label in zip(uploads, labels.tolist(), strict=True):
+            row = self.counts.setdefault(t, {}).setdefault(
+                client, torch.zeros(width, dtype=torch.float64)
+            )
+            row[label] += count
+        targets = {k: torch.stack([g[k] for _, _, g, _ in uploads]) for k in params}
+        dim = params["lin1.weight"].size(1)
+        start = torch.stack([torch.randn(dim, generator=self.generator(round, k, j)) for k, j, _, _ in uploads])  # fmt: skip
+        xs = reconstruct_prototypes(params, targets, labels, start, **self.recon)
+        self.match += gradient_match(params, xs[:, -1], labels, targets).tolist()
+        xs = xs.flatten(0, 1)
         self.x = xs if self.x.numel() == 0 else torch.cat([self.x, xs])
-        self.y = torch.cat([self.y, torch.full((xs.size(0),), label, dtype=torch.long)])
+        self.y = torch.cat([self.y, labels.repeat_interleave(self.recon.get("keep", 1))])
 
     def update_global(self, round: int, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """The FedAvg model after ``epochs`` steps of :func:`distillation_loss`."""

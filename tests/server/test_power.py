@@ -16,13 +16,15 @@ from fedlightning.server.power import (
     COUNT_PREFIX,
     GRAD_PREFIX,
     PowerMemory,
+    batched_lbfgs,
     class_gradient,
     distillation_loss,
     distillation_weights,
     ge_parameters,
     gradient_distance,
     gradient_label,
-    reconstruct_prototype,
+    gradient_match,
+    reconstruct_prototypes,
 )
 
 
@@ -60,19 +62,69 @@ def test_label_is_the_argmin_of_the_last_bias_gradient():
         assert gradient_label(g) == c
 
 
-def test_server_reconstructs_a_prototype_whose_gradient_matches_the_upload():
+def test_gradient_match_is_the_distance_of_autograds_class_gradients():
+    p = ge_parameters(12, 4, gen())
+    x = torch.randn(3, 12, generator=gen(1), dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 3, 1])
+    uploads = [class_gradient(p, torch.rand(12, generator=gen(2 + i)), c) for i, c in enumerate((2, 3, 1))]  # fmt: skip
+    targets = {k: torch.stack([u[k] for u in uploads]) for k in p}
+    got = gradient_match(p, x, labels, targets)
+    p64 = {k: v.double() for k, v in p.items()}
+    for i in range(3):  # autograd's gradient, its distance, and the distance's gradient in x
+        want = gradient_distance(
+            class_gradient(p64, x[i], int(labels[i]), create_graph=True),
+            {k: v.double() for k, v in uploads[i].items()},
+        )
+        assert float(got[i].detach()) == pytest.approx(float(want.detach()), rel=1e-9)
+        (g_want,) = torch.autograd.grad(want, x, retain_graph=True)
+        (g_got,) = torch.autograd.grad(got[i], x, retain_graph=True)
+        assert torch.allclose(g_got, g_want, rtol=1e-8, atol=1e-12)
+
+
+def test_batched_lbfgs_moves_one_problem_as_torch_lbfgs():
+    a = torch.randn(6, 4, generator=gen(1), dtype=torch.float64)
+    b = torch.randn(6, generator=gen(2), dtype=torch.float64)
+    x0 = torch.randn(4, generator=gen(3), dtype=torch.float64)
+
+    def f(x):
+        return ((x @ a.T - b) ** 2).sum(-1) + (x**4).sum(-1)
+
+    x = x0.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([x], lr=0.5, max_iter=7, tolerance_change=0.0, tolerance_grad=0.0)
+
+    def closure():
+        opt.zero_grad()
+        loss = f(x)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    ours = list(batched_lbfgs(f, x0.unsqueeze(0), 7, lr=0.5, tolerance_grad=0.0))
+    assert [it for it, _ in ours] == list(range(7))
+    assert torch.allclose(ours[-1][1][0], x.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_server_reconstructs_prototypes_whose_gradients_match_the_uploads():
     p = ge_parameters(40, 5, gen())
-    proto = (torch.rand(40, generator=gen(2)) < 0.2).float() * 0.5  # a bag-of-words mean
-    target = class_gradient(p, proto, 3)
-    start = torch.randn(40, generator=gen(3))
-    x = reconstruct_prototype(p, target, 3, gen(3), steps=20)
-    assert x.shape == (1, 40)
-    norm = float(gradient_distance({k: v * 0 for k, v in target.items()}, target))
-    assert float(gradient_distance(class_gradient(p, start, 3), target)) > 1e-2 * norm
-    assert float(gradient_distance(class_gradient(p, x[0], 3), target)) < 1e-6 * norm
-    assert torch.nn.functional.cosine_similarity(x[0], proto, 0) > 0.999
-    kept = reconstruct_prototype(p, target, 3, gen(3), steps=20, keep=3)
-    assert kept.shape == (3, 40) and torch.equal(kept[-1], x[0])
+    protos = (torch.rand(3, 40, generator=gen(2)) < 0.2).float() * 0.5  # bag-of-words means
+    labels = torch.tensor([3, 0, 3])
+    uploads = [class_gradient(p, protos[i], int(labels[i])) for i in range(3)]
+    targets = {k: torch.stack([u[k] for u in uploads]) for k in p}
+    start = torch.randn(3, 40, generator=gen(3))
+    x = reconstruct_prototypes(p, targets, labels, start, steps=20)
+    assert x.shape == (3, 1, 40)
+    for i in range(3):
+        c, target = int(labels[i]), uploads[i]
+        norm = float(gradient_distance({k: v * 0 for k, v in target.items()}, target))
+        assert float(gradient_distance(class_gradient(p, start[i], c), target)) > 1e-2 * norm
+        assert float(gradient_distance(class_gradient(p, x[i, 0], c), target)) < 1e-6 * norm
+        assert torch.nn.functional.cosine_similarity(x[i, 0], protos[i], 0) > 0.999
+        # each upload is its own problem: solved alone, the same prototype
+        alone = reconstruct_prototypes(p, {k: v[i : i + 1] for k, v in targets.items()},
+                                       labels[i : i + 1], start[i : i + 1], steps=20)  # fmt: skip
+        assert torch.allclose(alone[0, 0], x[i, 0], atol=1e-4)
+    kept = reconstruct_prototypes(p, targets, labels, start, steps=20, keep=3)
+    assert kept.shape == (3, 3, 40) and torch.equal(kept[:, -1], x[:, 0])
 
 
 def test_distillation_weights_by_hand():
