@@ -234,7 +234,8 @@ def train_temporal(
         )
         inputs = contexts_of(cfg, stream, proto, bank, world)
         tasks, evals, enc, dims = (inputs[k] for k in ("tasks", "evals", "encoder", "dims"))
-        hashes = inputs["hashes"]
+        algorithm.attach(enc, proto)  # a baseline's history view joins the hashes
+        hashes = {**inputs["hashes"], **getattr(algorithm, "view_hashes", dict)()}
         runner.begin(cfg, run_dir, hashes)
         pending: list[tuple[int, dict[str, float]]] = []
 
@@ -246,7 +247,6 @@ def train_temporal(
             if observe is not None:
                 observe("task", n, loop.final_metrics())
 
-        algorithm.attach(enc, proto)
         loop = algorithm.loop_class(
             algorithm,
             tasks,
