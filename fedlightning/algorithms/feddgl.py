@@ -38,7 +38,8 @@ class FedDGL(DynamicBaseline):
     mix_temperature: float = 0.5
     margin_cap: float = 100.0
     gen_lr: float = 0.05
-    gen_steps: int = 50
+    gen_steps: int = 20
+    hidden: int = 64
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -265,14 +265,21 @@ class FedDGLNet(StackedNet):
             nn.init.xavier_uniform_(self.w0.data[k])
         self.gru = StackedGRU(copies, hidden)
         self.dec = StackedLinear(copies, hidden, d_h)
+        self._evolved: Tensor | None = None
 
     def node(self, s: Tensor, m: Tensor, deg: Tensor, w: Tensor) -> Tensor:
         return self.dec(F.relu(torch.bmm(gcn_mean(s, m, deg), w)))
 
+    def views(self, batch: Batch, family: str) -> tuple[Tensor, ...]:
+        """The weights evolved once per call, then :class:`StackedNet`'s views."""
+        self._evolved = evolve_weights(self.w0, self.gru, self.windows)
+        try:
+            return super().views(batch, family)
+        finally:
+            self._evolved = None
+
     def represent(self, batch: Batch, side: str) -> Tensor:
-        w = evolve_weights(self.w0, self.gru, self.windows)
-        return self.node(batch["h_u"], batch["m_u"], batch["d_u"], w)
+        return self.node(batch["h_u"], batch["m_u"], batch["d_u"], self._evolved)
 
     def target(self, batch: Batch, side: str, rep: Tensor) -> Tensor:
-        w = evolve_weights(self.w0, self.gru, self.windows)
-        return self.node(batch[f"h_{side}"], batch[f"m_{side}"], batch[f"d_{side}"], w)
+        return self.node(batch[f"h_{side}"], batch[f"m_{side}"], batch[f"d_{side}"], self._evolved)

@@ -76,13 +76,13 @@ def personalise(glob: Tensor, own: Tensor, w: float) -> Tensor:
 
 
 class PrototypeGenerator(nn.Module):
-    """FedTGP's generator: a learned embedding per class through a two-layer MLP (``d``
-    wide)."""
+    """FedTGP's generator: a learned embedding per class (``d`` wide) through a two-layer MLP
+    (``hidden`` wide)."""
 
-    def __init__(self, classes: int, d: int) -> None:
+    def __init__(self, classes: int, d: int, hidden: int = 256) -> None:
         super().__init__()
         self.embed = nn.Parameter(torch.randn(classes, d))
-        self.mlp = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, d))
 
     def forward(self) -> Tensor:
         return self.mlp(self.embed)
@@ -98,7 +98,7 @@ class FedDGLServer:
         classes: Sequence[int] = (0, 1),
         margin_cap: float = 100.0,
         gen_lr: float = 0.05,
-        gen_steps: int = 50,
+        gen_steps: int = 20,
         temp: float = 0.5,
     ) -> None:
         self.fedavg = FedTIPServer(
