@@ -1,0 +1,127 @@
+"""Feddy, STFL and FedDGL end to end from their experiments: the hand-counted uplink, the
+history view's hash, determinism, resume at the next task, the refusal of a changed
+protocol, and learning on the synthetic stream (each against its untrained self)."""
+
+import json
+import math
+
+import pytest
+
+from fedlightning.errors import FedLightningError, RunStopped
+from fedlightning.train import train
+
+METHODS = ["feddy", "stfl", "feddgl"]
+
+SMALL = [
+    "protocol.tasks.num_tasks=2",
+    "federation.rounds=2",
+    "federation.local_epochs=2",
+    "bank.epochs=1",
+    "bank.max_events=2000",
+    "logger=none",
+]
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("dynamic-cache")
+
+
+@pytest.fixture
+def env(tmp_env, shared_cache, monkeypatch):
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
+    return tmp_env
+
+
+def hand_uplink(run_dir, rounds, values, d_h, labels, protos_lp):
+    """Float32 values sent up, from tasks.json and the labels: per client, round and family
+    the model, a count per observed class and (nc; lp for FedDGL) a prototype per class."""
+    tasks = json.loads((run_dir / "tasks.json").read_text())["tasks"]
+    total = 0
+    for t in tasks:
+        for events in t["support"].values():
+            nc = len(set(labels[events].tolist()))
+            total += rounds * (values + nc * (d_h + 1))
+            total += rounds * (values + 2 + (2 * d_h if protos_lp else 0))
+    return total
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_runs_end_to_end_with_the_hand_counted_uplink(method, env, compose):
+    from fedlightning.config import build
+    from fedlightning.data.temporal import make_synthetic_stream
+
+    cfg = compose([f"experiment={method}_synthetic", *SMALL])
+    s = train(cfg, env / "a", verbose=False)
+    assert s["tasks_done"] == 2 and s["tags"]["method"] == method
+    assert len(s["hashes"]["history_view"]) == 16
+    m = s["metrics"]
+    for k in ("auc_nc", "auc_tlp", "auc_ilp"):
+        assert 0.0 <= m[k] <= 1.0, k
+    values = build(cfg.algorithm, "algorithm").adapter(64, 64, 8).num_values()
+    labels = make_synthetic_stream(num_events=20000, seed=2026).label
+    expected = hand_uplink(env / "a", 2, values, 64, labels, method == "feddgl")
+    assert s["comm"]["uplink_values"] == expected
+    assert m["uplink_mib_per_task"] == pytest.approx(4 * expected / 1024**2 / 2)
+    assert s["comm"]["message_values_by_hand"]["lp"] == s["comm"]["message_values"]["lp"]
+    again = train(cfg, env / "b", verbose=False)  # same seed, same result
+    assert again["metrics"] == s["metrics"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_resumes_at_the_next_task_and_refuses_a_changed_protocol(method, env, compose):
+    cfg = compose([f"experiment={method}_synthetic", *SMALL])
+    straight = train(cfg, env / "straight", verbose=False)
+
+    def stop_after_first(kind, step, metrics):
+        if step == 1:
+            raise RunStopped("stopped after task 1")
+
+    with pytest.raises(RunStopped):
+        train(cfg, env / "cut", observe=stop_after_first, verbose=False)
+    resumed = train(compose([f"resume={env / 'cut'}"]), env / "x", verbose=False)
+    assert resumed["resumed"] and resumed["metrics"] == straight["metrics"]
+    assert resumed["comm"]["uplink_values"] == straight["comm"]["uplink_values"]
+    saved = json.loads((env / "cut" / "protocol.json").read_text())
+    saved["hashes"]["tasks"] = "0" * 16
+    (env / "cut" / "protocol.json").write_text(json.dumps(saved))
+    with pytest.raises(FedLightningError, match="refusing to resume"):
+        train(compose([f"experiment={method}_synthetic", *SMALL, f"resume={env / 'cut'}"]), env / "y")  # fmt: skip
+
+
+LEARN = [  # 2 tasks of 120 support events over 10 active clients, R=20, E=5, link prediction
+    "protocol.tasks.num_tasks=2",
+    "protocol.tasks.support=120",
+    "protocol.tasks.active=10",
+    "bank.epochs=1",
+    "bank.max_events=2000",
+    "families=[lp]",
+    "logger=none",
+]
+
+
+def margin(p: float, n: int) -> float:
+    """Three standard errors of an AUC near ``p`` over ``n`` evaluation events (the null
+    hypothesis: training changes nothing; tests/integration/test_learning.py's)."""
+    return 3 * math.sqrt(max(p * (1 - p), 1e-4) / n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_link_prediction_beats_the_untrained_model(method, env, compose):
+    """The untrained self: one round of one step at lr 1e-12 (the seeded initial model)."""
+    over = [f"experiment={method}_synthetic", *LEARN]
+    trained = train(
+        compose([*over, "federation.rounds=20", "federation.local_epochs=5"]),
+        env / "trained",
+        verbose=False,
+    )
+    untrained = train(
+        compose([*over, "federation.rounds=1", "federation.local_epochs=1", "algorithm.lr=1e-12"]),
+        env / "untrained",
+        verbose=False,
+    )
+    n = trained["table"]["test"]
+    a0, a1 = untrained["metrics"]["auc_tlp"], trained["metrics"]["auc_tlp"]
+    assert a1 > a0 + margin(a0, n), (a0, a1, n)
