@@ -61,20 +61,22 @@ class DynamicBaseline(FedTIP):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.protocol: Any = None
+        self.snapshot: Any = None
         self.view: SnapshotView | None = None
         self._segments: dict[str, Batch] | None = None
 
     # ------------------------------------------------------------------ the history view
     def attach(self, snapshot: Any, protocol: Any) -> None:
-        """Materialize the snapshot view of the history from the bank's encoder."""
-        self.protocol, self._segments = protocol, None
-        self.view = snapshot_view(
-            snapshot, protocol.stream, protocol.manifest, self.windows, self.recent
-        )
+        """The bank's encoder and the protocol (the view is built by :meth:`materialize_views`)."""
+        self.snapshot, self.protocol, self._segments = snapshot, protocol, None
 
-    def view_hashes(self) -> dict[str, str]:
-        """The view's hash, recorded with the protocol's (a changed view refuses a resume)."""
-        return {"history_view": self.view.hash} if self.view is not None else {}
+    def materialize_views(self, cache_dir: Any = None) -> dict[str, str]:
+        """Build the snapshot view of the history from the bank's encoder; its hash joins
+        the protocol's (a changed view refuses a resume). Built per run (seconds), not cached."""
+        self.view = snapshot_view(
+            self.snapshot, self.protocol.stream, self.protocol.manifest, self.windows, self.recent
+        )
+        return {"history_view": self.view.hash}
 
     def event_inputs(self, nodes: dict[str, Tensor]) -> Batch:
         """The method's per-event inputs from the view, keyed by side (``u``, ``i``, ``j``)."""

@@ -81,6 +81,6 @@ class Feddy(DynamicBaseline):
         rows["traj_mask"] = rows.pop("mask")
         return rows
 
-    def attach(self, snapshot, protocol) -> None:
-        super().attach(snapshot, protocol)
+    def materialize_views(self, cache_dir=None) -> dict[str, str]:
         self._traj = {}
+        return super().materialize_views(cache_dir)

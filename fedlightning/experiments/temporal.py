@@ -234,8 +234,11 @@ def train_temporal(
         )
         inputs = contexts_of(cfg, stream, proto, bank, world)
         tasks, evals, enc, dims = (inputs[k] for k in ("tasks", "evals", "encoder", "dims"))
-        algorithm.attach(enc, proto)  # a baseline's history view joins the hashes
-        hashes = {**inputs["hashes"], **getattr(algorithm, "view_hashes", dict)()}
+        hashes = inputs["hashes"]
+        algorithm.attach(enc, inputs["protocol"])
+        views = getattr(algorithm, "materialize_views", None)
+        if views is not None:  # a comparator's graph view of the history, hashed
+            hashes = {**hashes, **views(cache_dir)}
         runner.begin(cfg, run_dir, hashes)
         pending: list[tuple[int, dict[str, float]]] = []
 
