@@ -64,11 +64,14 @@ class DynamicBaseline(FedTIP):
         self.snapshot: Any = None
         self.view: SnapshotView | None = None
         self._segments: dict[str, Batch] | None = None
+        self._stacks: dict[tuple[int, ...], Batch] = {}
+        self._stacks_task: int | None = None
 
     # ------------------------------------------------------------------ the history view
     def attach(self, snapshot: Any, protocol: Any) -> None:
         """The bank's encoder and the protocol (the view is built by :meth:`materialize_views`)."""
         self.snapshot, self.protocol, self._segments = snapshot, protocol, None
+        self._stacks, self._stacks_task = {}, None
 
     def materialize_views(self, cache_dir: Any = None) -> dict[str, str]:
         """Build the snapshot view of the history from the bank's encoder; its hash joins
@@ -136,13 +139,24 @@ class DynamicBaseline(FedTIP):
             mine = [task.active[i] for i in share]
             starts = self.starts(broadcast, module, mine)
             module.receive(starts, self.client_extras(context, mine))
-            stack = stack_batches([self.augmented(task.clients[k]) for k in mine], task.longest)
+            stack = self.client_stack(task, mine)
             torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, broadcast.round))
             context.executor.fit(module, stack, context.epochs)
             return self.updates(module, stack, starts, broadcast, mine)
 
         uplink = self.task_uplink(task, family, broadcast, module.net.d_h, field="model")
         return ClientWork(share=fit, uplink=uplink)
+
+    def client_stack(self, task: TaskBatches, clients: list[int]) -> Batch:
+        """The stacked supports of ``clients`` with the method's inputs, built once per task
+        (every round of a task fits the same supports)."""
+        if self._stacks_task != task.task:
+            self._stacks, self._stacks_task = {}, task.task
+        key = tuple(clients)
+        if key not in self._stacks:
+            rows = [self.augmented(task.clients[k]) for k in clients]
+            self._stacks[key] = stack_batches(rows, task.longest)
+        return self._stacks[key]
 
     def updates(
         self,

@@ -235,12 +235,36 @@ class StackedGRU(nn.Module):
         return (1 - z) * n + z * h
 
 
+def self_input_gates(gru: StackedGRU) -> tuple[Tensor, Tensor]:
+    r"""The GRU's gate weights when its input is its hidden state (EvolveGCN-O feeds
+    :math:`W` as both): the reset and update gates need only :math:`W_{x} + W_{h}` (and the
+    summed biases), the candidate keeps :math:`W_{xn}` and :math:`W_{hn}` apart. Returns
+    ``[K, 4H, H]`` rows ``[r+z summed | xn | hn]`` and their biases ``[K, 4H]``; a third
+    fewer products than the two ``3H`` maps."""
+    width = gru.x.weight.size(-1)
+    wx, wh, bx, bh = gru.x.weight, gru.h.weight, gru.x.bias, gru.h.bias
+    rz = 2 * width
+    weight = torch.cat([wx[:, :rz] + wh[:, :rz], wx[:, rz:], wh[:, rz:]], 1)
+    bias = torch.cat([bx[:, :rz] + bh[:, :rz], bx[:, rz:], bh[:, rz:]], 1)
+    return weight, bias
+
+
 def evolve_weights(w0: Tensor, gru: StackedGRU, steps: int) -> Tensor:
     r"""EvolveGCN-O: :math:`W^{(w)} = \mathrm{GRU}(W^{(w-1)}, W^{(w-1)})` row by row, ``steps``
-    times from :math:`W^{(0)}` ``[K, d_in, d_out]``; returns the last."""
+    times from :math:`W^{(0)}` ``[K, d_in, d_out]``; returns the last. Equal to ``steps``
+    calls of :class:`StackedGRU` with input = hidden (up to float rounding), with one fused
+    product per step (:func:`self_input_gates`, built once per call)."""
+    if steps == 0:
+        return w0
+    weight, bias = self_input_gates(gru)
+    weight_t, bias = weight.transpose(1, 2), bias.unsqueeze(1)
+    width = w0.size(-1)
     w = w0
     for _ in range(steps):
-        w = gru(w, w)
+        rz, xn, hn = torch.baddbmm(bias, w, weight_t).split([2 * width, width, width], -1)
+        r, z = torch.sigmoid(rz).chunk(2, -1)
+        n = torch.tanh(xn + r * hn)
+        w = n + z * (w - n)  # (1 - z) n + z w
     return w
 
 
@@ -265,21 +289,32 @@ class FedDGLNet(StackedNet):
             nn.init.xavier_uniform_(self.w0.data[k])
         self.gru = StackedGRU(copies, hidden)
         self.dec = StackedLinear(copies, hidden, d_h)
-        self._evolved: Tensor | None = None
 
     def node(self, s: Tensor, m: Tensor, deg: Tensor, w: Tensor) -> Tensor:
         return self.dec(F.relu(torch.bmm(gcn_mean(s, m, deg), w)))
 
     def views(self, batch: Batch, family: str) -> tuple[Tensor, ...]:
-        """The weights evolved once per call, then :class:`StackedNet`'s views."""
-        self._evolved = evolve_weights(self.w0, self.gru, self.windows)
-        try:
-            return super().views(batch, family)
-        finally:
-            self._evolved = None
+        r""":class:`StackedNet`'s views with the weights evolved once per call (they depend
+        on the parameters only) and every side's nodes in one product: the pair's
+        representation is the source's, :math:`\mathbf{z}_u`, scored against
+        :math:`\mathbf{z}_i` and :math:`\mathbf{z}_j`."""
+        w = evolve_weights(self.w0, self.gru, self.windows)
+        sides = ("u",) if family == "nc" else ("u", "i", "j")
+        n = batch["h_u"].size(1)
+        z = self.node(
+            torch.cat([batch[f"h_{s}"] for s in sides], 1),
+            torch.cat([batch[f"m_{s}"] for s in sides], 1),
+            torch.cat([batch[f"d_{s}"] for s in sides], 1),
+            w,
+        ).split(n, 1)
+        if family == "nc":
+            return z[0], batch["y"], batch["mask"]
+        return z[0], z[1], z[0], z[2], batch["mask"] & batch["neg_ok"]
 
     def represent(self, batch: Batch, side: str) -> Tensor:
-        return self.node(batch["h_u"], batch["m_u"], batch["d_u"], self._evolved)
+        w = evolve_weights(self.w0, self.gru, self.windows)
+        return self.node(batch["h_u"], batch["m_u"], batch["d_u"], w)
 
     def target(self, batch: Batch, side: str, rep: Tensor) -> Tensor:
-        return self.node(batch[f"h_{side}"], batch[f"m_{side}"], batch[f"d_{side}"], self._evolved)
+        w = evolve_weights(self.w0, self.gru, self.windows)
+        return self.node(batch[f"h_{side}"], batch[f"m_{side}"], batch[f"d_{side}"], w)

@@ -294,6 +294,74 @@ def test_stacked_gru_equals_torch_gru_cell_and_evolves_the_weights():
     assert torch.allclose(evolve_weights(w0, ours, 3)[0], w, atol=1e-5)
 
 
+def previous_feddgl_views(net: FedDGLNet, b: dict, family: str) -> tuple:
+    """The earlier FedDGL forward: the GRU cell called ``windows`` times with input = hidden
+    (two ``3H`` maps per step), then each side's node on its own."""
+    w = net.w0
+    for _ in range(net.windows):
+        w = net.gru(w, w)
+
+    def node(side):
+        return net.node(b[f"h_{side}"], b[f"m_{side}"], b[f"d_{side}"], w)
+
+    if family == "nc":
+        return node("u"), b["y"], b["mask"]
+    return node("u"), node("i"), node("u"), node("j"), b["mask"] & b["neg_ok"]
+
+
+@pytest.mark.parametrize("family", ["lp", "nc"])
+def test_fused_feddgl_forward_equals_the_previous_one_with_its_gradients(family):
+    """The fused evolution (summed r/z gate weights, one product per step, built once per
+    call) and the sides in one product: the same views and gradients up to float rounding."""
+    torch.manual_seed(0)
+    net = FedDGLNet(4, hidden=6, windows=10, copies=3)
+    with torch.no_grad():  # non-trivial gates: biases away from zero
+        for p in net.gru.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    b = feddy_batch(k=3)
+    reference = previous_feddgl_views(net, b, family)
+    grads = []
+    for views in (net.views, lambda x, f: previous_feddgl_views(net, x, f)):
+        net.zero_grad()
+        v = views(b, family)
+        for got, want in zip(v, reference, strict=True):
+            assert torch.allclose(got, want, atol=1e-6), family
+        reps = [t for t in v if t.requires_grad]
+        sum((i + 1) * t.square().sum() for i, t in enumerate(reps)).backward()
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4), name
+    gru_ref = net.w0
+    for _ in range(10):
+        gru_ref = net.gru(gru_ref, gru_ref)
+    assert torch.allclose(evolve_weights(net.w0, net.gru, 10), gru_ref, atol=1e-6)
+    assert not torch.allclose(evolve_weights(net.w0, net.gru, 9), gru_ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["lp", "nc"])
+def test_fused_feddgl_trains_as_the_previous_one_in_double_precision(family):
+    """30 Adam steps of the family loss with either forward from the same start: in float64
+    the models agree (a float32 run differs only by the rounding Adam amplifies)."""
+    from fedlightning.clients.temporal_prompt import task_loss
+
+    torch.manual_seed(0)
+    start = FedDGLNet(4, hidden=6, windows=10, copies=2).double()
+    b = {k: v.double() if v.is_floating_point() else v for k, v in feddy_batch(k=2).items()}
+    fitted = []
+    for views in ("fused", "previous"):
+        net = FedDGLNet(4, hidden=6, windows=10, copies=2).double()
+        net.load_state_dict(start.state_dict())
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        for _ in range(30):
+            opt.zero_grad()
+            v = net.views(b, family) if views == "fused" else previous_feddgl_views(net, b, family)
+            task_loss(v, family, 0.1).backward()
+            opt.step()
+        fitted.append(torch.cat([p.reshape(-1) for p in net.parameters()]))
+    assert not torch.allclose(fitted[0], torch.cat([p.reshape(-1) for p in start.parameters()]))
+    assert torch.allclose(fitted[0], fitted[1], atol=1e-9, rtol=0)
+
+
 def test_gcn_mean_and_feddgl_uses_the_evolved_weights():
     s, m = torch.tensor([[1.0, 1.0]]), torch.tensor([[4.0, 0.0]])
     assert gcn_mean(s, m, torch.tensor([3.0])).tolist() == [[13 / 4, 1 / 4]]
