@@ -57,6 +57,7 @@ class DynamicBaseline(FedTIP):
     hidden: int = 128
     lr: float = 1e-3
     modes = ("federated",)
+    flower_nodes = False  # a Flower node does not build the history view: refused up front
 
     def __post_init__(self) -> None:
         super().__post_init__()

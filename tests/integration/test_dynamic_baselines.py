@@ -7,15 +7,15 @@ import math
 
 import pytest
 
-from fedlightning.errors import FedLightningError, RunStopped
+from fedlightning.errors import ConfigError, FedLightningError, RunStopped
 from fedlightning.train import train
 
 METHODS = ["feddy", "stfl", "feddgl"]
 
-SMALL = [
+SMALL = [  # 2 tasks (a resume needs a next one), one round of one epoch, a small bank
     "protocol.tasks.num_tasks=2",
-    "federation.rounds=2",
-    "federation.local_epochs=2",
+    "federation.rounds=1",
+    "federation.local_epochs=1",
     "bank.epochs=1",
     "bank.max_events=2000",
     "logger=none",
@@ -33,10 +33,10 @@ def env(tmp_env, shared_cache, monkeypatch):
     return tmp_env
 
 
-def hand_uplink(run_dir, rounds, values, d_h, labels, protos_lp):
+def hand_uplink(run_dir, rounds, values, d_h, labels, protos_lp, tasks_done):
     """Float32 values sent up, from tasks.json and the labels: per client, round and family
     the model, a count per observed class and (nc; lp for FedDGL) a prototype per class."""
-    tasks = json.loads((run_dir / "tasks.json").read_text())["tasks"]
+    tasks = json.loads((run_dir / "tasks.json").read_text())["tasks"][:tasks_done]
     total = 0
     for t in tasks:
         for events in t["support"].values():
@@ -51,21 +51,36 @@ def test_runs_end_to_end_with_the_hand_counted_uplink(method, env, compose):
     from fedlightning.config import build
     from fedlightning.data.temporal import make_synthetic_stream
 
-    cfg = compose([f"experiment={method}_synthetic", *SMALL])
+    cfg = compose([f"experiment={method}_synthetic", *SMALL, "max_tasks=1"])
     s = train(cfg, env / "a", verbose=False)
-    assert s["tasks_done"] == 2 and s["tags"]["method"] == method
+    assert s["tasks_done"] == 1 and s["tags"]["method"] == method
     assert len(s["hashes"]["history_view"]) == 16
     m = s["metrics"]
     for k in ("auc_nc", "auc_tlp", "auc_ilp"):
         assert 0.0 <= m[k] <= 1.0, k
     values = build(cfg.algorithm, "algorithm").adapter(64, 64, 8).num_values()
     labels = make_synthetic_stream(num_events=20000, seed=2026).label
-    expected = hand_uplink(env / "a", 2, values, 64, labels, method == "feddgl")
+    expected = hand_uplink(env / "a", 1, values, 64, labels, method == "feddgl", 1)
     assert s["comm"]["uplink_values"] == expected
-    assert m["uplink_mib_per_task"] == pytest.approx(4 * expected / 1024**2 / 2)
+    assert m["uplink_mib_per_task"] == pytest.approx(4 * expected / 1024**2)
     assert s["comm"]["message_values_by_hand"]["lp"] == s["comm"]["message_values"]["lp"]
     again = train(cfg, env / "b", verbose=False)  # same seed, same result
     assert again["metrics"] == s["metrics"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_runner_flower_is_refused_before_anything_runs(method, tmp_env, compose):
+    """A Flower node does not build the history view: refused in one line, no run begun
+    (FedTIP's own runs on the nodes)."""
+    pytest.importorskip("flwr")
+    from fedlightning.flower.apps import flower_nodes, simulate
+
+    assert flower_nodes(compose(["experiment=fedtip_synthetic"]).algorithm)
+    assert not flower_nodes(compose([f"experiment={method}_synthetic"]).algorithm)
+
+    with pytest.raises(ConfigError, match=f"runner=flower does not build {method}'s history"):
+        simulate([f"experiment={method}_synthetic"], tmp_env / "r")
+    assert not (tmp_env / "r").exists()
 
 
 @pytest.mark.slow
