@@ -4,6 +4,7 @@ protocol, and learning on the synthetic stream (each against its untrained self)
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -95,18 +96,20 @@ def test_resumes_at_the_next_task_and_refuses_a_changed_protocol(method, env, co
 
     with pytest.raises(RunStopped):
         train(cfg, env / "cut", observe=stop_after_first, verbose=False)
+    shutil.copytree(env / "cut", env / "again")  # a second stopped run, for the refusal
     resumed = train(compose([f"resume={env / 'cut'}"]), env / "x", verbose=False)
     assert resumed["resumed"] and resumed["metrics"] == straight["metrics"]
     assert resumed["comm"]["uplink_values"] == straight["comm"]["uplink_values"]
-    saved = json.loads((env / "cut" / "protocol.json").read_text())
+    saved = json.loads((env / "again" / "protocol.json").read_text())
     saved["hashes"]["tasks"] = "0" * 16
-    (env / "cut" / "protocol.json").write_text(json.dumps(saved))
+    (env / "again" / "protocol.json").write_text(json.dumps(saved))
     with pytest.raises(FedLightningError, match="refusing to resume"):
-        train(compose([f"experiment={method}_synthetic", *SMALL, f"resume={env / 'cut'}"]), env / "y")  # fmt: skip
+        train(compose([f"experiment={method}_synthetic", *SMALL, f"resume={env / 'again'}"]), env / "y")  # fmt: skip
 
 
-LEARN = [  # 2 tasks of 120 support events over 10 active clients, R=20, E=5, link prediction
+LEARN = [  # the first task of 120 support events over 10 active clients, E=5, link prediction
     "protocol.tasks.num_tasks=2",
+    "max_tasks=1",
     "protocol.tasks.support=120",
     "protocol.tasks.active=10",
     "bank.epochs=1",
@@ -114,6 +117,10 @@ LEARN = [  # 2 tasks of 120 support events over 10 active clients, R=20, E=5, li
     "families=[lp]",
     "logger=none",
 ]
+# the fewest rounds that clear the margin well; measured auc_tlp trained vs untrained
+# (margin 0.026 over 3200 test events): FedDGL 0.628 vs 0.484 and STFL 0.574 vs 0.502 at
+# R=5; Feddy 0.598 vs 0.561 at R=20 (0.591 at R=5 and R=10: within 0.005 of the bar)
+ROUNDS = {"feddy": 20, "stfl": 5, "feddgl": 5}
 
 
 def margin(p: float, n: int) -> float:
@@ -128,7 +135,7 @@ def test_link_prediction_beats_the_untrained_model(method, env, compose):
     """The untrained self: one round of one step at lr 1e-12 (the seeded initial model)."""
     over = [f"experiment={method}_synthetic", *LEARN]
     trained = train(
-        compose([*over, "federation.rounds=20", "federation.local_epochs=5"]),
+        compose([*over, f"federation.rounds={ROUNDS[method]}", "federation.local_epochs=5"]),
         env / "trained",
         verbose=False,
     )
@@ -140,3 +147,25 @@ def test_link_prediction_beats_the_untrained_model(method, env, compose):
     n = trained["table"]["test"]
     a0, a1 = untrained["metrics"]["auc_tlp"], trained["metrics"]["auc_tlp"]
     assert a1 > a0 + margin(a0, n), (a0, a1, n)
+
+
+REAL = {"bitcoin_alpha": (24_186, ["nc", "lp"]), "wikipedia": (157_474, ["lp"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", sorted(REAL))
+@pytest.mark.parametrize("method", METHODS)
+def test_runs_on_real_data(method, data, env, compose, shared_data, monkeypatch):
+    """One task, one round of one epoch, from the experiment's name on the real stream:
+    its families scored, the history view hashed, the message as counted by hand."""
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    over = [f"experiment={method}_{data}", *SMALL[:-2], "bank.max_events=3000", "logger=none"]
+    s = train(compose([*over, "max_tasks=1"]), env / "r", verbose=False)
+    events, families = REAL[data]
+    assert s["table"]["events"] == events and s["families"] == families
+    assert s["tasks_done"] == 1 and s["tags"]["method"] == method
+    assert len(s["hashes"]["history_view"]) == 16
+    keys = ["auc_tlp", "auc_ilp", *(["auc_nc"] if "nc" in families else [])]
+    assert all(0.0 <= s["metrics"][k] <= 1.0 for k in keys), s["metrics"]
+    assert s["comm"]["message_values_by_hand"] == s["comm"]["message_values"]
+    assert s["metrics"]["uplink_mib_per_task"] > 0
