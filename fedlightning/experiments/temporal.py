@@ -244,6 +244,9 @@ def train_temporal(
         tasks, evals, enc, dims = (inputs[k] for k in ("tasks", "evals", "encoder", "dims"))
         hashes = inputs["hashes"]
         hashes.update(algorithm.attach(enc, proto) or {})  # a baseline's history graph
+        views = getattr(algorithm, "materialize_views", None)
+        if views is not None:  # a comparator's graph view of the history, hashed
+            hashes = {**hashes, **views(cache_dir)}
         runner.begin(cfg, run_dir, hashes)
         pending: list[tuple[int, dict[str, float]]] = []
 

@@ -80,9 +80,12 @@ def evaluate(
     adapter: PromptAdapter, prototypes: dict[int, Tensor], batch: Batch, family: str
 ) -> dict[str, float]:
     """Server-side AUC-ROC of one segment (a one-client stack): ``auc_nc`` against the
-    class prototypes, or ``auc_tlp`` and ``auc_ilp`` (the events flagged inductive)."""
+    class prototypes, or ``auc_tlp`` and ``auc_ilp`` (the events flagged inductive). A model
+    with a ``views(batch, family)`` method (the published baselines) gives the family's
+    representations itself."""
     adapter.eval()
-    views = family_views(adapter, batch, family)
+    own = getattr(adapter, "views", None)  # a baseline's model reads its own inputs
+    views = own(batch, family) if own is not None else family_views(adapter, batch, family)
     if family == "nc":
         h, y, mask = views
         if not {0, 1} <= set(prototypes):

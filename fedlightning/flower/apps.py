@@ -46,7 +46,22 @@ def flower_configs(overrides: list[str]) -> tuple[DictConfig, DictConfig]:
             f"runner=flower runs federated rounds; task=bank (experiment {trained.get('name')}) "
             "pre-trains the bank centrally: use runner=sequential",
         )
+    if trained.get("task") == "temporal" and not flower_nodes(trained.algorithm):
+        raise ConfigError(
+            "runner",
+            f"runner=flower does not build {trained.algorithm.get('name')}'s history view on "
+            "its nodes: use runner=sequential or runner=distributed",
+        )
     return cfg, trained
+
+
+def flower_nodes(algorithm: DictConfig) -> bool:
+    """Whether the temporal ``algorithm`` runs on Flower's nodes (a class attribute
+    ``flower_nodes``, default yes; the class is imported, not built)."""
+    from hydra.utils import get_class
+
+    target = algorithm.get("_target_")
+    return target is None or bool(getattr(get_class(str(target)), "flower_nodes", True))
 
 
 def default_run_dir(cfg: DictConfig) -> Path:
