@@ -235,6 +235,10 @@ def train_temporal(
         inputs = contexts_of(cfg, stream, proto, bank, world)
         tasks, evals, enc, dims = (inputs[k] for k in ("tasks", "evals", "encoder", "dims"))
         hashes = inputs["hashes"]
+        algorithm.attach(enc, inputs["protocol"])
+        views = getattr(algorithm, "materialize_views", None)
+        if views is not None:  # a comparator's graph view of the history, hashed
+            hashes = {**hashes, **views(cache_dir)}
         runner.begin(cfg, run_dir, hashes)
         pending: list[tuple[int, dict[str, float]]] = []
 
@@ -246,7 +250,6 @@ def train_temporal(
             if observe is not None:
                 observe("task", n, loop.final_metrics())
 
-        algorithm.attach(enc, proto)
         loop = algorithm.loop_class(
             algorithm,
             tasks,
