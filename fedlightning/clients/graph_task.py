@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch_geometric.utils import k_hop_subgraph
 
 from fedlightning.clients.temporal_prompt import FAMILIES, NUM_CLASSES, task_loss
 from fedlightning.temporal.adapter import class_prototypes
@@ -97,16 +98,38 @@ class GraphTaskClient(pl.LightningModule):
 
     def use_graph(self, graph: ClientGraph) -> None:
         self.graph = graph
+        self._sub: tuple[Any, ...] | None = None
+
+    def subgraph(self, nodes: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The support's receptive field: the ``model.hops``-hop subgraph around its nodes
+        (the GNN's output at those nodes is the whole graph's), its nodes' inputs and each
+        support node's position in it; kept while the graph and the support stay."""
+        key = tuple(id(n) for n in nodes)
+        if self._sub is None or self._sub[0] != key:
+            targets = torch.unique(torch.cat([n.flatten() for n in nodes]))
+            subset, edges, _, _ = k_hop_subgraph(
+                targets, self.model.hops, self.graph.edge_index, relabel_nodes=True,
+                num_nodes=self.graph.x.size(0), flow="target_to_source",
+            )  # fmt: skip
+            where = torch.full((self.graph.x.size(0),), -1, dtype=torch.long)
+            where[subset] = torch.arange(len(subset))
+            self._sub = (key, self.graph.x[subset], edges, where)
+        return self._sub[1:]
 
     def receive(self, state: dict[str, Tensor]) -> None:
         """Start a round from the global weights."""
         self.model.load_state_dict(state)
 
     def embed(self) -> Tensor:
+        """Every node's representation on the whole client graph."""
         return self.model(self.graph.x, self.graph.edge_index)
 
     def views(self, batch: Batch) -> tuple[Tensor, ...]:
-        return graph_views(self.embed(), event_nodes(self.src, self.dst, batch), batch, self.family)
+        """The family's views of the support, the GNN run on its receptive field only."""
+        nodes = event_nodes(self.src, self.dst, batch)
+        x, edges, where = self.subgraph(nodes)
+        z = self.model(x, edges)
+        return graph_views(z, tuple(where[n] for n in nodes), batch, self.family)
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = task_loss(self.views(batch), self.family, self.tau)

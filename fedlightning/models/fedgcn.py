@@ -57,6 +57,8 @@ class FedGCNNet(nn.Module):
     :math:`\mathbf{z}_v = W_2\,\mathrm{mean}(\mathbf{h}_v, \mathbf{h}_{N(v)}) + b_2` over
     the graph's edges (a client's own; the server's whole history)."""
 
+    hops = 1  # the receptive field: the first layer reads precomputed rows
+
     def __init__(self, d_in: int, hidden: int = 32, d_out: int = 32, dropout: float = 0.0) -> None:
         super().__init__()
         self.lin1, self.lin2 = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)

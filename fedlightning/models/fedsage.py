@@ -37,6 +37,8 @@ class SageLayer(nn.Module):
 class SageNet(nn.Module):
     """The classifier: two :class:`SageLayer` s with a ReLU between (latent ``hidden``)."""
 
+    hops = 2  # the receptive field: two aggregations
+
     def __init__(self, d_in: int, hidden: int = 128, d_out: int = 64, dropout: float = 0.0) -> None:
         super().__init__()
         self.conv1, self.conv2 = SageLayer(d_in, hidden), SageLayer(hidden, d_out)

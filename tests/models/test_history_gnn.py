@@ -226,3 +226,30 @@ def test_link_loss_reads_the_gnn_states():
     neg = F.cosine_similarity(z[0], z[4], dim=0) / 0.1
     want = torch.logaddexp(pos, neg) - pos  # event 1's negative failed: masked
     assert client.training_step(batch, 0).item() == pytest.approx(want.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("net", [FedGCNNet(4, 3, 2), SageNet(4, 5, 3)])
+def test_the_support_subgraph_gives_the_whole_graphs_states(net):
+    """The client runs the GNN on its support's receptive field only: the same states."""
+    from fedlightning.clients.graph_task import ClientGraph, GraphTaskClient, event_nodes
+
+    proto, _ = toy_world()
+    g = torch.Generator().manual_seed(1)
+    ei = torch.randint(0, 30, (2, 80), generator=g)
+    ei = torch.unique(torch.cat([ei, ei.flip(0)], 1), dim=1)
+    x = torch.randn(30, 4, generator=g)
+    stream = EventStream(
+        "r", np.array([0, 5, 9]), np.array([12, 20, 29]), np.arange(3), 30, False,
+        np.zeros(30, int),
+    )  # fmt: skip
+    client = GraphTaskClient(net, stream, "lp")
+    client.use_graph(ClientGraph(x, ei))
+    batch = {"events": torch.tensor([0, 1, 2]), "neg_id": torch.tensor([3, 7, 11])}
+    batch.update(neg_ok=torch.ones(3, dtype=torch.bool), y=torch.zeros(3, dtype=torch.long))
+    full = net(x, ei)
+    u, i, _, j, _ = client.views(batch)
+    nodes = event_nodes(stream.src, stream.dst, batch)
+    for got, n in ((u, nodes[0]), (i, nodes[1]), (j, nodes[2])):
+        assert torch.allclose(got[0], full[n], atol=1e-6)
+    sub_x, _, _ = client.subgraph(nodes)
+    assert sub_x.size(0) < 30 or net.hops == 2  # a field, not the graph (for one hop)
