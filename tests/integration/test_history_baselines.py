@@ -140,3 +140,20 @@ def test_link_prediction_beats_the_untrained_model(method, tmp_env, compose, mon
     a0, a1 = untrained["metrics"]["auc_tlp"], trained["metrics"]["auc_tlp"]
     assert a1 > a0 + margin(a0, n), (a0, a1, n)
     assert not np.isnan(trained["metrics"]["auc_ilp"])
+
+
+@pytest.mark.slow
+@pytest.mark.realdata
+@pytest.mark.parametrize("dataset", ["bitcoin_alpha", "wikipedia"])
+@pytest.mark.parametrize("method", METHODS)
+def test_runs_on_the_real_streams(method, dataset, env, compose, shared_data, monkeypatch):
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    over = [f"experiment={method}_{dataset}", "max_tasks=1", *SMALL[1:], "bank.max_events=3000"]
+    s = train(
+        compose([*over, *(GEN if method == "fedsage_plus" else [])]), env / "r", verbose=False
+    )
+    assert s["tasks_done"] == 1 and "history" in s["hashes"]
+    fams = s["families"]
+    keys = ["auc_tlp", "auc_ilp", *(["auc_nc"] if "nc" in fams else [])]
+    assert not any(np.isnan(s["metrics"][k]) for k in keys)
+    assert s["metrics"]["uplink_mib_per_task"] > 0
