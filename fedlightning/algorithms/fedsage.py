@@ -25,7 +25,7 @@ from fedlightning.federation.ledger import CommLedger
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.federation.tasks import Member, TaskLoop
 from fedlightning.messages import ClientUpdate, ServerBroadcast
-from fedlightning.models.fedsage import NeighGen, SageNet, impair, mend
+from fedlightning.models.fedsage import NeighGen, SageNet, impair, local_batch, mend, relabel
 from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.server.validation import Field, MessageSpec
 from fedlightning.utils.seeding import derive_seed, torch_generator
@@ -63,11 +63,13 @@ class FedSagePlus(HistoryBaseline):
         return SageNet(d_in, self.hidden, self.out, self.dropout)
 
     def impaired(self, k: int, seed: int) -> dict[str, Tensor]:
-        """Client ``k``'s generator batch: its graph with a seeded ``hide`` of its nodes hidden."""
+        """Client ``k``'s generator batch: its graph with a seeded ``hide`` of its nodes hidden,
+        restricted to what the loss reads (:func:`~fedlightning.models.fedsage.local_batch`:
+        the kept nodes and, as targets, their hidden neighbours' features)."""
         g, edges = self.history, self.local[k]
         gen = torch_generator(seed, "fedsage", "hide", k)
         kept, _, imp, missing = impair(edges, client_nodes(edges), g.num_nodes, self.hide, gen)
-        return {"x": g.x, "impaired": imp, "kept": kept, "missing": missing}
+        return local_batch(g.x, kept, imp, missing)
 
     def prepare(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
         """The generator round (module docstring), rounds ``1..gen_rounds`` of the first
@@ -120,8 +122,11 @@ class FedSagePlus(HistoryBaseline):
         x = self.history.x
         if not self.mending:
             return ClientGraph(x, edges)
-        degree, features = self.generator(x, edges)
-        x2, e2, _ = mend(x, edges, client_nodes(edges), degree, features)
+        nodes = client_nodes(edges)  # a node's generation reads its 1-hop neighbours only
+        degree, features = self.generator(x[nodes], relabel(edges, nodes, x.size(0)))
+        deg = x.new_zeros(x.size(0)).index_copy(0, nodes, degree)
+        feats = x.new_zeros(x.size(0), *features.shape[1:]).index_copy(0, nodes, features)
+        x2, e2, _ = mend(x, edges, nodes, deg, feats)
         return ClientGraph(x2, e2)
 
     def client_graph(self, k: int) -> ClientGraph:

@@ -17,7 +17,8 @@ def generator_loss(gen: NeighGen, batch: dict[str, Tensor], lambda_feat: float =
     deg, feats = gen(batch["x"], batch["impaired"])
     kept, missing = batch["kept"], batch["missing"]
     loss = degree_loss(deg, missing, kept, gen.num_pred)
-    return loss + lambda_feat * greedy_feature_loss(feats, batch["x"], missing, kept)
+    targets = batch.get("targets", batch["x"])  # the hidden neighbours' features
+    return loss + lambda_feat * greedy_feature_loss(feats, targets, missing, kept)
 
 
 class NeighGenClient(pl.LightningModule):

@@ -93,6 +93,29 @@ def impair(
     return kept, hidden, edge_index[:, keep], edge_index[:, miss]
 
 
+def relabel(edge_index: Tensor, nodes: Tensor, num_nodes: int) -> Tensor:
+    """``edge_index`` (between ``nodes`` only) renumbered to positions in ``nodes``."""
+    pos = torch.full((num_nodes,), -1, dtype=torch.long)
+    pos[nodes] = torch.arange(len(nodes))
+    return pos[edge_index]
+
+
+def local_batch(x: Tensor, kept: Tensor, impaired: Tensor, missing: Tensor) -> dict[str, Tensor]:
+    """NeighGen's training batch on the kept nodes only (what :func:`impair`'s loss reads:
+    the impaired graph has edges between kept nodes only, and a kept node's targets are its
+    hidden neighbours): ``x`` the kept nodes' inputs, ``impaired`` renumbered to them,
+    ``kept`` all of them, ``missing`` ``(kept position, target row)`` and ``targets`` the
+    hidden neighbours' inputs. The losses equal those on the whole graph."""
+    hidden = torch.unique(missing[1])
+    miss = torch.stack(
+        [relabel(missing[0], kept, x.size(0)), relabel(missing[1], hidden, x.size(0))]
+    )
+    return {
+        "x": x[kept], "impaired": relabel(impaired, kept, x.size(0)),
+        "kept": torch.arange(len(kept)), "missing": miss, "targets": x[hidden],
+    }  # fmt: skip
+
+
 def degree_loss(pred: Tensor, missing: Tensor, kept: Tensor, num_pred: int) -> Tensor:
     r""":math:`L_{deg}`: smooth-L1 between dGen's output and each kept node's number of
     hidden neighbours (capped at ``num_pred``), averaged over ``kept``."""

@@ -29,6 +29,7 @@ from fedlightning.models.fedsage import (
     degree_loss,
     greedy_feature_loss,
     impair,
+    local_batch,
     mend,
     sage_mean,
 )
@@ -205,6 +206,25 @@ def test_fedsage_mended_graph_has_the_generated_neighbours():
     plain.attach(None, proto)
     plain.use_history(graph)
     assert plain.mended(plain.local[0]).x.size(0) == graph.num_nodes
+
+
+def test_neighgen_local_batch_gives_the_whole_graph_loss():
+    """The generator's batch on the kept nodes only has the loss of the whole graph."""
+    from fedlightning.clients.fedsage import generator_loss
+
+    torch.manual_seed(0)
+    n, d = 12, 3
+    x = torch.randn(n, d)
+    ei = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    ei = torch.cat([ei, ei.flip(0)], 1)  # node 11 has no edge
+    nodes = torch.unique(ei.flatten())
+    kept, _, imp, missing = impair(ei, nodes, n, 0.5, torch.Generator().manual_seed(3))
+    assert missing.size(1) > 0 and imp.size(1) > 0
+    gen = NeighGen(d, 4, 2)
+    whole = {"x": x, "impaired": imp, "kept": kept, "missing": missing}
+    local = local_batch(x, kept, imp, missing)
+    assert local["x"].size(0) == len(kept) < n
+    assert torch.allclose(generator_loss(gen, local), generator_loss(gen, whole), atol=1e-6)
 
 
 def test_link_loss_reads_the_gnn_states():
