@@ -6,27 +6,39 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
 
-from fedlightning.errors import FedLightningError, RunStopped
+from fedlightning.errors import ConfigError, FedLightningError, RunStopped
 from fedlightning.models.fedgcn import FedGCNNet
 from fedlightning.models.fedsage import NeighGen, SageNet
 from fedlightning.train import train
+from tests.conftest import compose_cfg
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 METHODS = ("fedgcn", "fedsage_plus")
+ROUNDS = 1  # R, the fewest that exercises a round; 2 tasks for resume at the next task
 SMALL = [
     "protocol.tasks.num_tasks=2",
-    "federation.rounds=2",
-    "federation.local_epochs=2",
+    f"federation.rounds={ROUNDS}",
+    "federation.local_epochs=1",
     "bank.epochs=1",
     "bank.max_events=2000",
     "logger=none",
 ]
-GEN = ["algorithm.gen_rounds=2"]  # FedSage+'s generator round, shortened
+GEN = ["algorithm.gen_rounds=1"]  # FedSage+'s generator round, shortened
+
+
+def small(method: str) -> list[str]:
+    return [f"experiment={method}_synthetic", *SMALL, *(GEN if method == "fedsage_plus" else [])]
+
+
+def stop_after_first(kind, step, metrics):
+    if step == 1:
+        raise RunStopped("stopped after task 1")
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +46,23 @@ def shared_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("history-cache")
 
 
-@pytest.fixture
-def env(tmp_env, shared_cache, monkeypatch):
-    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
-    return tmp_env
-
-
-def small(method: str) -> list[str]:
-    return [f"experiment={method}_synthetic", *SMALL, *(GEN if method == "fedsage_plus" else [])]
+@pytest.fixture(scope="module", params=METHODS)
+def runs(request, tmp_path_factory, shared_cache):
+    """One method's runs, shared by the tests below: a straight 2-task run, a run stopped
+    after task 1 (and a copy of it) and its resume (the bank and contexts built once for
+    the module)."""
+    method, base = request.param, tmp_path_factory.mktemp(request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(base)
+        mp.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{base / 'mlflow.db'}")
+        cfg = compose_cfg(small(method))
+        straight = train(cfg, base / "straight", verbose=False)
+        with pytest.raises(RunStopped):
+            train(cfg, base / "cut", observe=stop_after_first, verbose=False)
+        shutil.copytree(base / "cut", base / "again")  # resumed by the refusal test
+        resumed = train(compose_cfg([f"resume={base / 'cut'}"]), base / "x", verbose=False)
+    return {"method": method, "base": base, "straight": straight, "resumed": resumed}
 
 
 def exchange_values(method: str, summary: dict) -> int:
@@ -52,64 +73,71 @@ def exchange_values(method: str, summary: dict) -> int:
     return sum(v["up"] for k, v in fields.items() if k.startswith(prefix))
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_runs_end_to_end_with_the_hand_counted_uplink(method, env, compose):
-    s = train(compose(small(method)), env / "a", verbose=False)
+def test_runs_end_to_end_with_the_hand_counted_uplink(runs):
+    method, base, s = runs["method"], runs["base"], runs["straight"]
     assert s["tasks_done"] == 2 and s["tags"]["method"] == method
     assert set(s["hashes"]) >= {"manifest", "tasks", "bank", "contexts", "history"}
-    per_task = json.loads((env / "a" / "task_metrics.json").read_text())
+    per_task = json.loads((base / "straight" / "task_metrics.json").read_text())
     for k in ("auc_nc", "auc_tlp", "auc_ilp"):
         assert all(0.0 <= r[k] <= 1.0 for r in per_task), k
-    tasks = json.loads((env / "a" / "tasks.json").read_text())["tasks"]
-    d, labels = 64, None
+    tasks = json.loads((base / "straight" / "tasks.json").read_text())["tasks"]
     from fedlightning.data.temporal import make_synthetic_stream
 
-    labels = make_synthetic_stream(num_events=20000, seed=2026).label
+    d, labels = 64, make_synthetic_stream(num_events=20000, seed=2026).label
     model = FedGCNNet(d, 32, 32) if method == "fedgcn" else SageNet(d, 128, 64)
     p, width = model.num_values(), model.d_out
     rounds_total = 0
     for t in tasks:
         for events in t["support"].values():
             nc_classes = len(set(labels[events].tolist()))
-            rounds_total += 2 * (p + nc_classes * (width + 1))  # nc: delta, means, counts
-            rounds_total += 2 * (p + 2)  # lp: delta, two counts
+            rounds_total += ROUNDS * (p + nc_classes * (width + 1))  # nc: delta, means, counts
+            rounds_total += ROUNDS * (p + 2)  # lp: delta, two counts
     one_off = exchange_values(method, s)
     if method == "fedgcn":
         # every client once: per node with an edge, its id, d sums and a count
         assert one_off % (d + 2) == 0 and one_off > 0
-    else:  # 2 generator rounds x 10 clients x (NeighGen's delta + a count)
-        assert one_off == 2 * 10 * (NeighGen(d, 128, 5).num_values() + 1)
+    else:  # 1 generator round x 10 clients x (NeighGen's delta + a count)
+        assert one_off == 1 * 10 * (NeighGen(d, 128, 5).num_values() + 1)
     assert s["comm"]["uplink_values"] == rounds_total + one_off
     assert s["metrics"]["uplink_mib_per_task"] == pytest.approx(
         4 * (rounds_total + one_off) / 1024**2 / 2
     )
     # the one-off exchange is counted in the first task's scope, once
     assert per_task[0]["uplink_mib"] > per_task[1]["uplink_mib"]
-    again = train(compose(small(method)), env / "b", verbose=False)  # same seed, same run
-    assert again["metrics"] == s["metrics"]
+
+
+def test_resumes_at_the_next_task_bitwise(runs):
+    """The resumed run (its first task from a fresh run, so also the same seed's same
+    result) equals the straight one, with the one-off exchange counted once."""
+    straight, resumed = runs["straight"], runs["resumed"]
+    assert resumed["resumed"] and resumed["metrics"] == straight["metrics"]
+    assert resumed["comm"]["uplink_values"] == straight["comm"]["uplink_values"]
+
+
+def test_refuses_a_changed_history_on_resume(runs, shared_cache, monkeypatch):
+    import fedlightning.temporal.history as history
+
+    base = runs["base"]
+    monkeypatch.chdir(base)
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
+    monkeypatch.setattr(history, "HISTORY_VERSION", history.HISTORY_VERSION + 1)
+    with pytest.raises(FedLightningError, match="history hash"):
+        train(compose_cfg([f"resume={base / 'again'}"]), base / "y", verbose=False)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_resumes_at_the_next_task_and_refuses_a_changed_history(method, env, compose, monkeypatch):
-    cfg = compose(small(method))
-    straight = train(cfg, env / "straight", verbose=False)
+def test_refuses_runner_flower_before_training(method, tmp_env, compose):
+    """Flower nodes hold no history graph nor its one-off exchange: refused in one line."""
+    with pytest.raises(ConfigError, match=r"runner=flower cannot run") as e:
+        train(compose([f"experiment={method}_synthetic", "runner=flower"]), tmp_env / "f")
+    assert "\n" not in str(e.value) and not (tmp_env / "f").exists()
+    assert not (tmp_env / "cache").exists()  # nothing built: no bank, no history
 
-    def stop_after_first(kind, step, metrics):
-        if step == 1:
-            raise RunStopped("stopped after task 1")
 
-    with pytest.raises(RunStopped):
-        train(cfg, env / "cut", observe=stop_after_first, verbose=False)
-    resumed = train(compose([f"resume={env / 'cut'}"]), env / "x", verbose=False)
-    assert resumed["resumed"] and resumed["metrics"] == straight["metrics"]
-    assert resumed["comm"]["uplink_values"] == straight["comm"]["uplink_values"]
-    with pytest.raises(RunStopped):
-        train(cfg, env / "again", observe=stop_after_first, verbose=False)
-    import fedlightning.temporal.history as history
-
-    monkeypatch.setattr(history, "HISTORY_VERSION", history.HISTORY_VERSION + 1)
-    with pytest.raises(FedLightningError, match="history hash"):
-        train(compose([f"resume={env / 'again'}"]), env / "y", verbose=False)
+@pytest.fixture
+def env(tmp_env, shared_cache, monkeypatch):
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
+    return tmp_env
 
 
 def margin(p: float, n: int) -> float:
