@@ -88,8 +88,15 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
             f"task=temporal needs a FedTIP algorithm (fedtip, prompt_fedavg, prompt_central, "
             f"fulltune_fedavg), got {type(algorithm).__name__}",
         )
+    flower = "flower" in str(cfg.runner.get("_target_", ""))
+    if flower and hasattr(algorithm, "materialize_views"):  # its nodes hold no history view
+        raise ConfigError(
+            "runner",
+            f"runner=flower cannot run {algorithm.name} (its nodes hold neither the history "
+            "graph nor its one-off exchange): use runner=sequential",
+        )
     if enabled(cfg.federation.get("secure_sum", False)):  # docs/security.md
-        if "flower" in str(cfg.runner.get("_target_", "")):
+        if flower:
             raise ConfigError(
                 "federation.secure_sum",
                 "runner=flower does not mask on its nodes: use "
