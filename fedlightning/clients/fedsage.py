@@ -13,12 +13,16 @@ from fedlightning.models.fedsage import NeighGen, degree_loss, greedy_feature_lo
 
 
 def generator_loss(gen: NeighGen, batch: dict[str, Tensor], lambda_feat: float = 1.0) -> Tensor:
-    r"""NeighGen's loss on one impaired graph: :math:`L_{deg} + \lambda L_{feat}`."""
-    deg, feats = gen(batch["x"], batch["impaired"])
+    r"""NeighGen's loss on one impaired graph: :math:`L_{deg} + \lambda L_{feat}`, fGen run
+    on the kept nodes with a hidden neighbour only (the others add nothing to
+    :math:`L_{feat}`)."""
     kept, missing = batch["kept"], batch["missing"]
+    rows, owner = torch.unique(missing[0], return_inverse=True)  # fGen where L_feat reads it
+    deg, feats = gen(batch["x"], batch["impaired"], rows)
     loss = degree_loss(deg, missing, kept, gen.num_pred)
     targets = batch.get("targets", batch["x"])  # the hidden neighbours' features
-    return loss + lambda_feat * greedy_feature_loss(feats, targets, missing, kept)
+    local = torch.stack([owner, missing[1]])
+    return loss + lambda_feat * greedy_feature_loss(feats, targets, local, kept)
 
 
 class NeighGenClient(pl.LightningModule):

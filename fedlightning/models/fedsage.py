@@ -67,10 +67,14 @@ class NeighGen(nn.Module):
             nn.Linear(2048, num_pred * d),
         )  # fmt: skip
 
-    def forward(self, x: Tensor, edge_index: Tensor) -> tuple[Tensor, Tensor]:
-        """Predicted missing degree ``[N]`` and generated features ``[N, num_pred, d]``."""
+    def forward(
+        self, x: Tensor, edge_index: Tensor, rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Predicted missing degree ``[N]`` and generated features ``[N, num_pred, d]``
+        (``[len(rows), num_pred, d]``: fGen on the nodes ``rows`` only)."""
         h = torch.relu(self.enc(x, edge_index))
-        return self.dgen(h).squeeze(-1), self.fgen(h).view(-1, self.num_pred, self.d)
+        g = h if rows is None else h[rows]
+        return self.dgen(h).squeeze(-1), self.fgen(g).view(-1, self.num_pred, self.d)
 
     def num_values(self) -> int:
         return sum(p.numel() for p in self.parameters())

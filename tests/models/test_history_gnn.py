@@ -209,7 +209,8 @@ def test_fedsage_mended_graph_has_the_generated_neighbours():
 
 
 def test_neighgen_local_batch_gives_the_whole_graph_loss():
-    """The generator's batch on the kept nodes only has the loss of the whole graph."""
+    """The generator's batch on the kept nodes only (fGen on those with a hidden neighbour)
+    has the loss of the whole graph."""
     from fedlightning.clients.fedsage import generator_loss
 
     torch.manual_seed(0)
@@ -221,10 +222,13 @@ def test_neighgen_local_batch_gives_the_whole_graph_loss():
     kept, _, imp, missing = impair(ei, nodes, n, 0.5, torch.Generator().manual_seed(3))
     assert missing.size(1) > 0 and imp.size(1) > 0
     gen = NeighGen(d, 4, 2)
+    deg, feats = gen(x, imp)  # the whole graph, fGen on every node
+    want = degree_loss(deg, missing, kept, 2) + greedy_feature_loss(feats, x, missing, kept)
     whole = {"x": x, "impaired": imp, "kept": kept, "missing": missing}
     local = local_batch(x, kept, imp, missing)
     assert local["x"].size(0) == len(kept) < n
-    assert torch.allclose(generator_loss(gen, local), generator_loss(gen, whole), atol=1e-6)
+    assert torch.allclose(generator_loss(gen, local), want, atol=1e-6)
+    assert torch.allclose(generator_loss(gen, whole), want, atol=1e-6)
 
 
 def test_link_loss_reads_the_gnn_states():
