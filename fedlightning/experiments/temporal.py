@@ -88,16 +88,15 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
             f"task=temporal needs a FedTIP algorithm (fedtip, prompt_fedavg, prompt_central, "
             f"fulltune_fedavg), got {type(algorithm).__name__}",
         )
-    if "flower" in str(cfg.runner.get("_target_", "")) and not getattr(
-        algorithm, "flower_nodes", True
-    ):  # its clients read a view the nodes do not build (docs/fedtip.md)
+    flower = "flower" in str(cfg.runner.get("_target_", ""))
+    if flower and not getattr(algorithm, "flower_nodes", True):  # docs/fedtip.md
         raise ConfigError(
             "runner",
-            f"runner=flower does not build {algorithm.name}'s history graph on its nodes: "
-            "use runner=sequential or runner=distributed",
+            f"runner=flower cannot run {algorithm.name} (its nodes hold neither its history "
+            "view nor its one-off exchange): use runner=sequential or runner=distributed",
         )
     if enabled(cfg.federation.get("secure_sum", False)):  # docs/security.md
-        if "flower" in str(cfg.runner.get("_target_", "")):
+        if flower:
             raise ConfigError(
                 "federation.secure_sum",
                 "runner=flower does not mask on its nodes: use "

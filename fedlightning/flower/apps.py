@@ -49,8 +49,9 @@ def flower_configs(overrides: list[str]) -> tuple[DictConfig, DictConfig]:
     if trained.get("task") == "temporal" and not flower_nodes(trained.algorithm):
         raise ConfigError(
             "runner",
-            f"runner=flower does not build {trained.algorithm.get('name')}'s history view on "
-            "its nodes: use runner=sequential or runner=distributed",
+            f"runner=flower cannot run {trained.algorithm.get('name')} (its nodes hold neither "
+            "its history view nor its one-off exchange): use runner=sequential or "
+            "runner=distributed",
         )
     return cfg, trained
 

@@ -279,7 +279,7 @@ def test_flower_is_refused_before_any_training(tmp_env, compose):
 
     for name in ("fedgnn_synthetic", "fedlink_synthetic"):
         cfg = compose([f"experiment={name}", "runner=flower", "logger=none"])
-        with pytest.raises(ConfigError, match="runner=flower does not build"):
+        with pytest.raises(ConfigError, match="runner=flower cannot run"):
             train(cfg, tmp_env / name, verbose=False)
         assert not (tmp_env / name).exists()  # refused before a run directory exists
 
