@@ -30,7 +30,7 @@ from fedlightning.models.fedgnn import (
     pseudo_items,
     scored_segment,
 )
-from fedlightning.server.fedgnn import RowSparseServer, unflatten_keys
+from fedlightning.server.fedgnn import RowSparseServer, row_upload_problem, unflatten_keys
 from fedlightning.server.validation import Field, MessageSpec, Rule
 from fedlightning.utils.seeding import derive_seed, torch_generator
 
@@ -198,16 +198,7 @@ class FedGNN(FedTIP):
         )
 
         def rows_fit(u: ClientUpdate) -> str | None:
-            idx, delta = u.tensors["items.idx"], u.tensors["items.delta"]
-            if len(idx) != len(delta):
-                return f"items.delta: {len(delta)} rows for {len(idx)} items.idx"
-            for name in ("items.idx", "expansion.idx"):
-                x = u.tensors.get(name)
-                if x is not None and len(x) and (int(x.min()) < 0 or int(x.max()) >= n_items):
-                    return f"{name}: rows must lie in 0..{n_items - 1}"
-            if len(torch.unique(idx)) != len(idx):
-                return "items.idx: a row sent twice"
-            return None
+            return row_upload_problem(u, "items", n_items, also=("expansion.idx",))
 
         return MessageSpec(declared, rules=(Rule(rows_fit),), reference=broadcast)
 

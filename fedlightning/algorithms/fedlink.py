@@ -21,7 +21,7 @@ from fedlightning.federation.tasks import Batch, Member, TaskBatches, TaskContex
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.fedgnn import ScoreView
 from fedlightning.models.fedlink import FedLinkModel, chronological_buffers, local_adjacency
-from fedlightning.server.fedgnn import RowSparseServer, unflatten_keys
+from fedlightning.server.fedgnn import RowSparseServer, row_upload_problem, unflatten_keys
 from fedlightning.server.validation import Field, MessageSpec, Rule
 from fedlightning.utils.seeding import derive_seed
 
@@ -161,14 +161,7 @@ class FedLink(FedGNN):
         )
 
         def rows_fit(u: ClientUpdate) -> str | None:
-            idx, delta = u.tensors["users.idx"], u.tensors["users.delta"]
-            if len(idx) != len(delta):
-                return f"users.delta: {len(delta)} rows for {len(idx)} users.idx"
-            if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n_users):
-                return f"users.idx: rows must lie in 0..{n_users - 1}"
-            if len(torch.unique(idx)) != len(idx):
-                return "users.idx: a row sent twice"
-            return None
+            return row_upload_problem(u, "users", n_users)
 
         return MessageSpec(declared, rules=(Rule(rows_fit),), reference=broadcast)
 

@@ -36,6 +36,24 @@ def row_mean_update(
     return out
 
 
+def row_upload_problem(
+    u: ClientUpdate, table: str, n_rows: int, also: Sequence[str] = ()
+) -> str | None:
+    """Why ``u``'s rows of ``table`` (``<table>.idx``, ``<table>.delta``, and the index
+    fields ``also``) cannot be applied to a table of ``n_rows`` rows; ``None`` when they can
+    (one delta per index, indices in range, no row twice)."""
+    idx, delta = u.tensors[f"{table}.idx"], u.tensors[f"{table}.delta"]
+    if len(idx) != len(delta):
+        return f"{table}.delta: {len(delta)} rows for {len(idx)} {table}.idx"
+    for name in (f"{table}.idx", *also):
+        x = u.tensors.get(name)
+        if x is not None and len(x) and (int(x.min()) < 0 or int(x.max()) >= n_rows):
+            return f"{name}: rows must lie in 0..{n_rows - 1}"
+    if len(torch.unique(idx)) != len(idx):
+        return f"{table}.idx: a row sent twice"
+    return None
+
+
 class RowSparseServer:
     """One task's server (module docstring). ``state``: the model's initial state dict;
     ``keys``: the dense parameters a family trains (in ``dense``'s order); ``tables``: the

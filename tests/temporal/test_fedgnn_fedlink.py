@@ -13,6 +13,7 @@ from fedlightning.algorithms.fedlink import FedLink
 from fedlightning.clients.fedgnn import FedGNNClient
 from fedlightning.errors import FedLightningError, RunStopped
 from fedlightning.federation.tasks import evaluate
+from fedlightning.messages import ClientUpdate
 from fedlightning.metrics.temporal import auroc
 from fedlightning.models.fedgnn import (
     FedGNNModel,
@@ -28,7 +29,7 @@ from fedlightning.models.fedgnn import (
     scored_segment,
 )
 from fedlightning.models.fedlink import FedLinkModel, bce_link_loss, chronological_buffers
-from fedlightning.server.fedgnn import row_mean_update
+from fedlightning.server.fedgnn import row_mean_update, row_upload_problem
 from fedlightning.train import train
 
 
@@ -78,6 +79,22 @@ def test_row_mean_update_by_hand():
     assert torch.allclose(out[0], torch.tensor([1.0, 1.0]))
     assert torch.allclose(out[1], torch.tensor([(2 + 12) / 4, 18 / 4]))  # weighted by 1 and 3
     assert torch.equal(out[2], torch.zeros(2))  # nobody sent it
+
+
+def test_row_uploads_are_screened_before_they_touch_a_table():
+    def up(idx, rows, **more):
+        tensors = {"items.idx": torch.tensor(idx), "items.delta": torch.zeros(rows, 2), **more}
+        return ClientUpdate(round=1, client_id=0, tensors=tensors)
+
+    assert row_upload_problem(up([0, 3], 2), "items", 4) is None
+    assert row_upload_problem(up([0, 3], 1), "items", 4) == "items.delta: 1 rows for 2 items.idx"
+    assert row_upload_problem(up([0, 4], 2), "items", 4) == "items.idx: rows must lie in 0..3"
+    assert row_upload_problem(up([1, 1], 2), "items", 4) == "items.idx: a row sent twice"
+    bad = up([0], 1, **{"expansion.idx": torch.tensor([-1])})
+    assert row_upload_problem(bad, "items", 4) is None  # not checked unless named
+    assert row_upload_problem(bad, "items", 4, also=("expansion.idx",)) == (
+        "expansion.idx: rows must lie in 0..3"
+    )
 
 
 def test_row_mean_adjacency_by_hand():
