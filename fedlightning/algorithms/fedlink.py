@@ -19,7 +19,6 @@ from fedlightning.clients.fedlink import FedLinkClient, dense_keys, fedlink_forw
 from fedlightning.federation.round import ClientWork
 from fedlightning.federation.tasks import Batch, Member, TaskBatches, TaskContext
 from fedlightning.messages import ClientUpdate, ServerBroadcast
-from fedlightning.models.fedgnn import ScoreView
 from fedlightning.models.fedlink import FedLinkModel, chronological_buffers, local_adjacency
 from fedlightning.server.fedgnn import RowSparseServer, row_upload_problem, unflatten_keys
 from fedlightning.server.validation import Field, MessageSpec, Rule
@@ -164,13 +163,6 @@ class FedLink(FedGNN):
             return row_upload_problem(u, "users", n_users)
 
         return MessageSpec(declared, rules=(Rule(rows_fit),), reference=broadcast)
-
-    def task_result(
-        self, module: FedLinkClient, adapter: FedLinkModel, server: RowSparseServer
-    ) -> tuple[ScoreView, dict[int, Tensor]]:
-        module.receive(server.state())
-        self.trained = (module.family, module.model)
-        return ScoreView(), ScoreView.prototypes()
 
     @torch.no_grad()
     def scores(
