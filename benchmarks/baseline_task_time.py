@@ -1,7 +1,7 @@
 """Seconds per task of FedTIP's baselines, side by side with FedTIP, one run each.
 
 Runs ``python -m fedlightning train experiment=<name> max_tasks=N threads=1 logger=none`` for
-every experiment name given (default: FedTIP and every baseline built so far on
+every experiment name given (default: FedTIP and its seven published baselines on
 ``--dataset``), one after another in fresh processes sharing one ``FEDLIGHTNING_CACHE`` (the
 bank, contexts and history graph are keyed by content: the first run of a stream builds
 them, the others reuse them), and prints, per experiment, the mean and median of the
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ["fedtip", "fedgcn", "fedsage_plus"]  # add a baseline's name here once it exists
+METHODS = ["fedtip", "fedsage_plus", "fedgcn", "fedgnn", "feddy", "stfl", "feddgl", "fedlink"]
 
 
 def run(name: str, tasks: int, out: Path, env: dict, overrides: list[str]) -> dict:
