@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.fulltune import FullTuneClient
@@ -33,6 +33,35 @@ from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.temporal.contexts import event_batch, fork, stream_contexts
 from fedlightning.temporal.encoders import time_encoder
 from fedlightning.utils.seeding import derive_seed
+
+
+def model_update(
+    context: TaskContext,
+    task: TaskBatches,
+    family: str,
+    module: Any,
+    model: nn.Module,
+    omega: dict[str, Tensor],
+    round: int,
+    client: int,
+) -> ClientUpdate:
+    """One client's whole-model FedAvg message (Eq. 2 with the whole model for the adapter):
+    ``module`` fitted on the client's support from the global weights ``omega``, then the
+    delta of every parameter of ``model`` (the weights ``omega`` names), a count per
+    observed class and, for node classification, the class means of its support."""
+    module.receive(omega)
+    torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, round, client))
+    context.executor.fit(module, task.clients[client], context.epochs)
+    q, counts = module.prototypes(task.clients[client])
+    delta = torch.cat([(p.detach() - omega[n]).reshape(-1) for n, p in model.named_parameters()])
+    observed = {c: int(n) for c, n in enumerate(counts.tolist()) if n > 0}
+    tensors = {"delta": delta}
+    if family == "nc":
+        tensors.update({f"proto.{c}": q[c].clone() for c in observed})
+    return ClientUpdate(
+        round=round, client_id=client, tensors=tensors,
+        scalars={f"count.{c}": float(n) for c, n in observed.items()},
+    )  # fmt: skip
 
 
 @dataclass
@@ -83,22 +112,7 @@ class FullTuneFedAvg(FedTIP):
         r = broadcast.round
 
         def fit(client: Member) -> ClientUpdate:
-            k = client.client_id
-            module.receive(omega)
-            torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, r, k))
-            context.executor.fit(module, task.clients[k], context.epochs)
-            q, counts = module.prototypes(task.clients[k])
-            delta = torch.cat(
-                [(p.detach() - omega[n]).reshape(-1) for n, p in module.named_parameters()]
-            )
-            observed = {c: int(n) for c, n in enumerate(counts.tolist()) if n > 0}
-            tensors = {"delta": delta}
-            if family == "nc":
-                tensors.update({f"proto.{c}": q[c].clone() for c in observed})
-            return ClientUpdate(
-                round=r, client_id=k, tensors=tensors,
-                scalars={f"count.{c}": float(n) for c, n in observed.items()},
-            )  # fmt: skip
+            return model_update(context, task, family, module, module, omega, r, client.client_id)
 
         uplink = self.task_uplink(task, family, broadcast, module.adapter.d_h, field="model")
         return ClientWork(one=fit, uplink=uplink)

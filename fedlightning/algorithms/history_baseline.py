@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning.algorithms.fedtip import FedTIP
+from fedlightning.algorithms.fulltune import model_update
 from fedlightning.clients.graph_task import (
     ClientGraph,
     GraphTaskClient,
@@ -37,7 +38,6 @@ from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.temporal.bank import streaming_threads
 from fedlightning.temporal.history import FEATURES, HistoryGraph, cached_history
-from fedlightning.utils.seeding import derive_seed
 
 
 class GraphTaskLoop(TaskLoop):
@@ -175,21 +175,7 @@ class HistoryBaseline(FedTIP):
         def fit(client: Member) -> ClientUpdate:
             k = client.client_id
             module.use_graph(self.client_graph(k))
-            module.receive(omega)
-            torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, r, k))
-            context.executor.fit(module, task.clients[k], context.epochs)
-            q, counts = module.prototypes(task.clients[k])
-            delta = torch.cat(
-                [(p.detach() - omega[n]).reshape(-1) for n, p in module.model.named_parameters()]
-            )
-            observed = {c: int(n) for c, n in enumerate(counts.tolist()) if n > 0}
-            tensors = {"delta": delta}
-            if family == "nc":
-                tensors.update({f"proto.{c}": q[c].clone() for c in observed})
-            return ClientUpdate(
-                round=r, client_id=k, tensors=tensors,
-                scalars={f"count.{c}": float(n) for c, n in observed.items()},
-            )  # fmt: skip
+            return model_update(context, task, family, module, module.model, omega, r, k)
 
         uplink = self.task_uplink(task, family, broadcast, module.model.d_out, field="model")
         return ClientWork(one=fit, uplink=uplink)
