@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.fedgnn import FAMILY_KEYS, FedGNNClient, fedgnn_forward
@@ -70,6 +70,7 @@ class FedGNN(FedTIP):
     pseudo_items: int = 1000
     init: str = "bank"
     modes = ("fedgnn",)
+    tables = ("items",)  # the embedding tables the broadcast sends whole
     flower_nodes = False  # a Flower node would need the history graph: refused (ConfigError)
 
     def __post_init__(self) -> None:
@@ -97,6 +98,19 @@ class FedGNN(FedTIP):
         state = dict(module.model.named_parameters())
         return RowSparseServer(state, FAMILY_KEYS[module.family], ["items"], weighted=False)
 
+    def dense_keys(self, model: nn.Module, family: str) -> tuple[str, ...]:
+        """The dense parameters a family trains and sends (:data:`FAMILY_KEYS`)."""
+        return FAMILY_KEYS[family]
+
+    def start_state(
+        self, model: nn.Module, family: str, broadcast: ServerBroadcast
+    ) -> dict[str, Tensor]:
+        """The round's global parameters: the dense ones (:meth:`dense_keys`, flattened in
+        the broadcast's ``dense``) and the :attr:`tables`."""
+        like = dict(model.named_parameters())
+        dense = unflatten_keys(broadcast.tensors["dense"], like, self.dense_keys(model, family))
+        return {**dense, **{t: broadcast.tensors[t] for t in self.tables}}
+
     def dense_size(self, family: str) -> int:
         """Values of the family's dense update (:data:`FAMILY_KEYS`)."""
         d = self.graph.item_state.size(1)
@@ -111,11 +125,7 @@ class FedGNN(FedTIP):
         broadcast: ServerBroadcast,
     ) -> ClientWork:
         """Each client's fit on its own, then its noisy upload (:meth:`upload`)."""
-        r, model = broadcast.round, module.model
-        like = dict(model.named_parameters())
-        keys = FAMILY_KEYS[family]
-        start = {**unflatten_keys(broadcast.tensors["dense"], like, keys),
-                 "items": broadcast.tensors["items"]}  # fmt: skip
+        r, start = broadcast.round, self.start_state(module.model, family, broadcast)
 
         def fit(client: Member) -> ClientUpdate:
             k = client.client_id
@@ -180,10 +190,9 @@ class FedGNN(FedTIP):
         width: int,
         field: str = "",
     ) -> MessageSpec:
-        """``dense`` as the broadcast's; ``items.idx`` distinct rows of the table with one
-        ``items.delta`` row each; ``expansion.idx`` (round 1) rows of the table; ``count``
-        the client's support size."""
-        n_items, d = broadcast.tensors["items"].shape
+        """``dense`` as the broadcast's; the table rows of :meth:`row_fields`; ``count`` the
+        client's support size."""
+        table, rows, also = self.row_fields(broadcast)
 
         def support(k: int) -> float:
             b = task.clients.get(k)
@@ -191,16 +200,29 @@ class FedGNN(FedTIP):
 
         declared = (
             Field("dense", dtype="like", like=lambda m: "dense"),
+            *rows,
+            Field("count", tensor=False, low=1.0, high=support, integral=True),
+        )
+        n_rows = broadcast.tensors[table].shape[0]
+
+        def rows_fit(u: ClientUpdate) -> str | None:
+            return row_upload_problem(u, table, n_rows, also=also)
+
+        return MessageSpec(declared, rules=(Rule(rows_fit),), reference=broadcast)
+
+    def row_fields(
+        self, broadcast: ServerBroadcast
+    ) -> tuple[str, tuple[Field, ...], tuple[str, ...]]:
+        """The table whose rows a client sends, their fields, and the other index fields
+        into it: ``items.idx`` distinct rows of the table with one ``items.delta`` row
+        each; ``expansion.idx`` (round 1) rows of the table."""
+        d = broadcast.tensors["items"].shape[1]
+        fields = (
             Field("items.idx", shape=(-1,), dtype=torch.int64),
             Field("items.delta", shape=(-1, d)),
             Field("expansion.idx", shape=(-1,), dtype=torch.int64, required=False),
-            Field("count", tensor=False, low=1.0, high=support, integral=True),
         )
-
-        def rows_fit(u: ClientUpdate) -> str | None:
-            return row_upload_problem(u, "items", n_items, also=("expansion.idx",))
-
-        return MessageSpec(declared, rules=(Rule(rows_fit),), reference=broadcast)
+        return "items", fields, ("expansion.idx",)
 
     def task_result(
         self, module: FedGNNClient, adapter: FedGNNModel, server: RowSparseServer

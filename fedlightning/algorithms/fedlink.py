@@ -20,8 +20,8 @@ from fedlightning.federation.round import ClientWork
 from fedlightning.federation.tasks import Batch, Member, TaskBatches, TaskContext
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.fedlink import FedLinkModel, chronological_buffers, local_adjacency
-from fedlightning.server.fedgnn import RowSparseServer, row_upload_problem, unflatten_keys
-from fedlightning.server.validation import Field, MessageSpec, Rule
+from fedlightning.server.fedgnn import RowSparseServer
+from fedlightning.server.validation import Field
 from fedlightning.utils.seeding import derive_seed
 
 
@@ -37,6 +37,7 @@ class FedLink(FedGNN):
     buffer_size: int = 2
     layers: int = 2
     modes = ("fedlink",)
+    tables = ("items", "users")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,6 +50,9 @@ class FedLink(FedGNN):
 
     def task_module(self, adapter: FedLinkModel, family: str) -> FedLinkClient:
         return FedLinkClient(adapter, family, lr=self.lr)
+
+    def dense_keys(self, model: FedLinkModel, family: str) -> tuple[str, ...]:
+        return dense_keys(model, family)
 
     def task_server(self, module: FedLinkClient) -> RowSparseServer:
         state = dict(module.model.named_parameters())
@@ -105,10 +109,7 @@ class FedLink(FedGNN):
         broadcast: ServerBroadcast,
     ) -> ClientWork:
         r, model = broadcast.round, module.model
-        like = dict(model.named_parameters())
-        keys = dense_keys(model, family)
-        start = {**unflatten_keys(broadcast.tensors["dense"], like, keys),
-                 "items": broadcast.tensors["items"], "users": broadcast.tensors["users"]}  # fmt: skip
+        keys, start = self.dense_keys(model, family), self.start_state(model, family, broadcast)
 
         def fit(client: Member) -> ClientUpdate:
             k = client.client_id
@@ -135,34 +136,18 @@ class FedLink(FedGNN):
 
         return ClientWork(one=fit, uplink=self.task_uplink(task, family, broadcast, 0))
 
-    def task_uplink(
-        self,
-        task: TaskBatches,
-        family: str,
-        broadcast: ServerBroadcast,
-        width: int,
-        field: str = "",
-    ) -> MessageSpec:
-        """``dense`` as the broadcast's, ``items.delta`` the whole table, ``users.idx``
-        distinct user rows with a ``users.delta`` row each, ``count`` the support size."""
-        n_users, d = broadcast.tensors["users"].shape
-
-        def support(k: int) -> float:
-            b = task.clients.get(k)
-            return float(len(b["h_u"])) if b is not None else float("inf")
-
-        declared = (
-            Field("dense", dtype="like", like=lambda m: "dense"),
+    def row_fields(
+        self, broadcast: ServerBroadcast
+    ) -> tuple[str, tuple[Field, ...], tuple[str, ...]]:
+        """``items.delta`` the whole table, ``users.idx`` distinct user rows with a
+        ``users.delta`` row each."""
+        d = broadcast.tensors["users"].shape[1]
+        fields = (
             Field("items.delta", dtype="like", like=lambda m: "items"),
             Field("users.idx", shape=(-1,), dtype=torch.int64),
             Field("users.delta", shape=(-1, d)),
-            Field("count", tensor=False, low=1.0, high=support, integral=True),
         )
-
-        def rows_fit(u: ClientUpdate) -> str | None:
-            return row_upload_problem(u, "users", n_users)
-
-        return MessageSpec(declared, rules=(Rule(rows_fit),), reference=broadcast)
+        return "users", fields, ()
 
     @torch.no_grad()
     def scores(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fedlightning.models.fedgnn import (
     FedGNNModel,
@@ -35,15 +35,16 @@ def fedgnn_forward(model: FedGNNModel, batch: dict[str, Tensor], family: str) ->
     )
 
 
-class FedGNNClient(pl.LightningModule):
-    """One client's fit of :class:`FedGNNModel` (module docstring); ``clip`` the gradient
-    norm bound :math:`\\delta` (per parameter tensor), ``lr`` SGD's step."""
+class TableClient(pl.LightningModule):
+    """What FedGNN's and FedLink's clients share: the model and its family, the server's
+    parameters received by name, and the family's loss on the scores of
+    :meth:`step_scores` (the node head's BCE, or the class's :attr:`link_loss`)."""
 
-    def __init__(
-        self, model: FedGNNModel, family: str, lr: float = 0.01, clip: float = 0.1
-    ) -> None:
+    link_loss = staticmethod(mse_link_loss)
+
+    def __init__(self, model: nn.Module, family: str, lr: float) -> None:
         super().__init__()
-        self.model, self.family, self.lr, self.clip = model, family, lr, clip
+        self.model, self.family, self.lr = model, family, lr
         self.last_loss = float("nan")
 
     def receive(self, state: dict[str, Tensor]) -> None:
@@ -53,14 +54,29 @@ class FedGNNClient(pl.LightningModule):
             for k, v in state.items():
                 own[k].copy_(v)
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        out = fedgnn_forward(self.model, batch, self.family)
+    def step_scores(self, batch: dict) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
+        """A step's scores and the rows they score (with ``y`` and ``ok``)."""
+        return fedgnn_forward(self.model, batch, self.family), batch
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        out, rows = self.step_scores(batch)
         if self.family == "nc":
-            loss = bce_node_loss(out[0], batch["y"])
+            loss = bce_node_loss(out[0], rows["y"])
         else:
-            loss = mse_link_loss(*out, batch["ok"])
+            loss = self.link_loss(*out, rows["ok"])
         self.last_loss = float(loss.detach())
         return loss
+
+
+class FedGNNClient(TableClient):
+    """One client's fit of :class:`FedGNNModel` (module docstring); ``clip`` the gradient
+    norm bound :math:`\\delta` (per parameter tensor), ``lr`` SGD's step."""
+
+    def __init__(
+        self, model: FedGNNModel, family: str, lr: float = 0.01, clip: float = 0.1
+    ) -> None:
+        super().__init__(model, family, lr)
+        self.clip = clip
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         for p in self.model.parameters():

@@ -6,11 +6,11 @@ from the graph of the client's history plus the support events of earlier buffer
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from fedlightning.models.fedgnn import bce_node_loss, dot_scores
+from fedlightning.clients.fedgnn import TableClient
+from fedlightning.models.fedgnn import dot_scores
 from fedlightning.models.fedlink import FedLinkModel, bce_link_loss
 
 GNN_KEYS = "gnn."
@@ -32,30 +32,19 @@ def fedlink_forward(model: FedLinkModel, buf: dict[str, Tensor], family: str) ->
     return dot_scores(zu, z_i[buf["i"]]), dot_scores(zu, z_i[buf["j"]])
 
 
-class FedLinkClient(pl.LightningModule):
+class FedLinkClient(TableClient):
     """One client's fit (module docstring); the batch is ``{"buffers": [...]}``."""
 
+    link_loss = staticmethod(bce_link_loss)
+
     def __init__(self, model: FedLinkModel, family: str, lr: float = 1e-3) -> None:
-        super().__init__()
-        self.model, self.family, self.lr = model, family, lr
-        self.last_loss = float("nan")
+        super().__init__(model, family, lr)
 
-    def receive(self, state: dict[str, Tensor]) -> None:
-        with torch.no_grad():
-            own = dict(self.model.named_parameters())
-            for k, v in state.items():
-                own[k].copy_(v)
-
-    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+    def step_scores(self, batch: dict) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
+        """The scores of one buffer of the support, drawn at random."""
         buffers = batch["buffers"]
         buf = buffers[int(torch.randint(len(buffers), (1,)))]
-        out = fedlink_forward(self.model, buf, self.family)
-        if self.family == "nc":
-            loss = bce_node_loss(out[0], buf["y"])
-        else:
-            loss = bce_link_loss(*out, buf["ok"])
-        self.last_loss = float(loss.detach())
-        return loss
+        return fedlink_forward(self.model, buf, self.family), buf
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         keys = set(dense_keys(self.model, self.family)) | {"users", "items"}
