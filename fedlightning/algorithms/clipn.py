@@ -43,14 +43,11 @@ def load_branch(branch: NoBranch, global_state: dict) -> NoBranch:
     return branch
 
 
-class CLIPN(ContinualFedAvg):
-    """FedAvg + replay with CLIPN's learned "no" branch and its ATD score.
-
-    Args:
-        lambda_no: weight of the branch's losses (CLIPN's ``0.5``).
-        scale: cosine scale :math:`s` of the yes/no softmax (default ``10``).
-        **kw: as :class:`~fedlightning.algorithms.continual.ContinualFedAvg`.
-    """
+class CLIPNSettings:
+    """What both CLIPN readings share (a mixin before their FedAvg base): the validated
+    ``lambda_no`` and ``scale``, the name ``clipn``, the score's sign checked on validation,
+    and the "no" branch: the net's (FedAvg'd with the model) and the server's copy that
+    the global weights are loaded into."""
 
     calibrate_direction = True
 
@@ -61,6 +58,23 @@ class CLIPN(ContinualFedAvg):
         self.lambda_no, self.scale = float(lambda_no), float(scale)
         self._branch: NoBranch | None = None
 
+    def add_branch(self, net: nn.Module, dim: int, classes: int) -> None:
+        """A :class:`NoBranch` of ``dim`` by ``classes`` on ``net`` (unless it has one) and
+        the server's copy."""
+        if not hasattr(net, "no_branch"):
+            net.no_branch = NoBranch(dim, classes)
+        self._branch = NoBranch(dim, classes)
+
+
+class CLIPN(CLIPNSettings, ContinualFedAvg):
+    """FedAvg + replay with CLIPN's learned "no" branch and its ATD score.
+
+    Args:
+        lambda_no: weight of the branch's losses (CLIPN's ``0.5``).
+        scale: cosine scale :math:`s` of the yes/no softmax (default ``10``).
+        **kw: as :class:`~fedlightning.algorithms.continual.ContinualFedAvg`.
+    """
+
     def client_module(self, net: nn.Module, optimizer: Any) -> CLIPNClassifier:
         if hasattr(net, "pair_mask") or not isinstance(getattr(net, "head", None), nn.Linear):
             raise ConfigError(
@@ -68,9 +82,7 @@ class CLIPN(ContinualFedAvg):
                 f"{type(net).__name__} has no linear class head; cil_clipn needs a "
                 "classifier such as model=multimodal_gnn",
             )
-        if not hasattr(net, "no_branch"):
-            net.no_branch = NoBranch(net.head.in_features, net.head.out_features)
-        self._branch = NoBranch(net.head.in_features, net.head.out_features)
+        self.add_branch(net, net.head.in_features, net.head.out_features)
         return CLIPNClassifier(
             net, optimizer, lambda_no=self.lambda_no, scale=self.scale, **self.retention_kwargs()
         )
@@ -88,7 +100,7 @@ class CLIPN(ContinualFedAvg):
         return atd_known_score(p_yes, logits[:, known.bool()])
 
 
-class RetrievalCLIPN(ContinualRetrieval):
+class RetrievalCLIPN(CLIPNSettings, ContinualRetrieval):
     """Cross-modal retrieval with CLIPN's "no" branch over the items and its ATD score.
 
     The net gets a :class:`~fedlightning.clients.clipn.NoBranch` with one offset
@@ -102,21 +114,10 @@ class RetrievalCLIPN(ContinualRetrieval):
         **kw: as :class:`~fedlightning.algorithms.retrieval.ContinualRetrieval`.
     """
 
-    calibrate_direction = True
-
-    def __init__(self, lambda_no: float = 0.5, scale: float = 10.0, **kw: Any) -> None:
-        check_clipn(lambda_no, scale)
-        kw.setdefault("name", "clipn")
-        super().__init__(**kw)
-        self.lambda_no, self.scale = float(lambda_no), float(scale)
-        self._branch: NoBranch | None = None
-
     def client_module(self, net: nn.Module, optimizer: Any) -> CLIPNRetrievalClient:
         check_retrieval_net(net)
         dim = net.heads[net.item].out_features
-        if not hasattr(net, "no_branch"):
-            net.no_branch = NoBranch(dim, 1)
-        self._branch = NoBranch(dim, 1)
+        self.add_branch(net, dim, 1)
         return CLIPNRetrievalClient(
             net,
             optimizer,
