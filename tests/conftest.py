@@ -58,6 +58,21 @@ def tmp_env(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One cache for a test module: protocol objects, banks and contexts are keyed by their
+    content, so runs of the same stream share them, as a user's runs do."""
+    return tmp_path_factory.mktemp("module-cache")
+
+
+@pytest.fixture
+def env(tmp_env, shared_cache, monkeypatch):
+    """:func:`tmp_env` with the module's :func:`shared_cache` (the temporal runs' bank and
+    contexts built once per module)."""
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
+    return tmp_env
+
+
 @pytest.fixture(scope="session")
 def compose():
     """``compose(overrides) -> DictConfig``: the real config as the CLI composes it."""

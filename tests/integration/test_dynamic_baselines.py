@@ -3,13 +3,13 @@ history view's hash, determinism, resume at the next task, the refusal of a chan
 protocol, and learning on the synthetic stream (each against its untrained self)."""
 
 import json
-import math
 import shutil
 
 import pytest
 
 from fedlightning.errors import ConfigError, FedLightningError, RunStopped
 from fedlightning.train import train
+from tests.integration.test_learning import TIP_SUPPORT, margin
 
 METHODS = ["feddy", "stfl", "feddgl"]
 
@@ -21,17 +21,6 @@ SMALL = [  # 2 tasks (a resume needs a next one), one round of one epoch, a smal
     "bank.max_events=2000",
     "logger=none",
 ]
-
-
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("dynamic-cache")
-
-
-@pytest.fixture
-def env(tmp_env, shared_cache, monkeypatch):
-    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
-    return tmp_env
 
 
 def hand_uplink(run_dir, rounds, values, d_h, labels, protos_lp, tasks_done):
@@ -107,13 +96,10 @@ def test_resumes_at_the_next_task_and_refuses_a_changed_protocol(method, env, co
         train(compose([f"experiment={method}_synthetic", *SMALL, f"resume={env / 'again'}"]), env / "y")  # fmt: skip
 
 
-LEARN = [  # the first task of 120 support events over 10 active clients, E=5, link prediction
+LEARN = [  # the first task of FedTIP's learning setting, E=5, link prediction
     "protocol.tasks.num_tasks=2",
     "max_tasks=1",
-    "protocol.tasks.support=120",
-    "protocol.tasks.active=10",
-    "bank.epochs=1",
-    "bank.max_events=2000",
+    *TIP_SUPPORT,
     "families=[lp]",
     "logger=none",
 ]
@@ -121,12 +107,6 @@ LEARN = [  # the first task of 120 support events over 10 active clients, E=5, l
 # (margin 0.026 over 3200 test events): FedDGL 0.628 vs 0.484 and STFL 0.574 vs 0.502 at
 # R=5; Feddy 0.598 vs 0.561 at R=20 (0.591 at R=5 and R=10: within 0.005 of the bar)
 ROUNDS = {"feddy": 20, "stfl": 5, "feddgl": 5}
-
-
-def margin(p: float, n: int) -> float:
-    """Three standard errors of an AUC near ``p`` over ``n`` evaluation events (the null
-    hypothesis: training changes nothing; tests/integration/test_learning.py's)."""
-    return 3 * math.sqrt(max(p * (1 - p), 1e-4) / n)
 
 
 @pytest.mark.slow

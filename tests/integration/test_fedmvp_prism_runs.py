@@ -19,6 +19,7 @@ from fedlightning.config import build
 from fedlightning.errors import ConfigError
 from fedlightning.experiments.graph import build_clients, build_model, load_graph
 from fedlightning.train import train
+from tests.integration.test_learning import learned, learned_margin
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -97,25 +98,6 @@ def test_ledger_matches_a_hand_count_of_the_message(method, tmp_env, compose):
         ledger = torch.load(tmp_env / "run" / "checkpoint.pt", weights_only=False)["ledger"]
         senders = {e[2] for e in ledger["entries"] if e[0] == "up" and e[3].startswith(prefix)}
         assert senders.isdisjoint(missing) and senders
-
-
-def learned(summary: dict) -> float:
-    """The mean over stages of ``M[t, t]`` (as tests/integration/test_learning.py)."""
-    M = summary["acc_matrix"]
-    return sum(M[t][t] for t in range(len(M))) / len(M)
-
-
-def learned_margin(run_dir: Path, summary: dict) -> float:
-    """Three standard errors of :func:`learned`: a mean of ``T`` proportions, each over the
-    test nodes of one stage's classes."""
-    last = torch.load(run_dir / "test_scores.pt", weights_only=False)[-1]
-    y = last["y"][last["known"]]
-    M = summary["acc_matrix"]
-    var = 0.0
-    for j, classes in enumerate(summary["stream"]["stages"]):
-        n_j = int(torch.isin(y, torch.tensor(classes)).sum())
-        var += max(M[j][j] * (1 - M[j][j]), 1e-4) / n_j
-    return 3 * math.sqrt(var) / len(M)
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -11,20 +11,6 @@ from fedlightning.errors import ConfigError, RunStopped
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.train import train
 
-
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory):
-    """One cache for the module: protocol objects, banks and contexts are keyed by their
-    content, so runs of the same stream share them, as a user's runs do."""
-    return tmp_path_factory.mktemp("fedtip-cache")
-
-
-@pytest.fixture
-def env(tmp_env, shared_cache, monkeypatch):
-    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
-    return tmp_env
-
-
 SMALL = [
     "protocol.tasks.num_tasks=3",
     "federation.rounds=2",

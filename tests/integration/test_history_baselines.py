@@ -5,7 +5,6 @@ the next task, refusal of a changed history hash, and learning on the synthetic 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import numpy as np
@@ -16,6 +15,8 @@ from fedlightning.models.fedgcn import FedGCNNet
 from fedlightning.models.fedsage import NeighGen, SageNet
 from fedlightning.train import train
 from tests.conftest import compose_cfg
+from tests.integration.test_learning import TIP_SUPPORT, margin
+from tests.integration.test_learning import UNTRAINED_FEDTIP as UNTRAINED
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -39,11 +40,6 @@ def small(method: str) -> list[str]:
 def stop_after_first(kind, step, metrics):
     if step == 1:
         raise RunStopped("stopped after task 1")
-
-
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("history-cache")
 
 
 @pytest.fixture(scope="module", params=METHODS)
@@ -134,27 +130,7 @@ def test_refuses_runner_flower_before_training(method, tmp_env, compose):
     assert not (tmp_env / "cache").exists()  # nothing built: no bank, no history
 
 
-@pytest.fixture
-def env(tmp_env, shared_cache, monkeypatch):
-    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
-    return tmp_env
-
-
-def margin(p: float, n: int) -> float:
-    """Three standard errors of a proportion ``p`` measured on ``n`` items."""
-    return 3 * math.sqrt(max(p * (1 - p), 1e-4) / n)
-
-
-LEARN = [  # as FedTIP's learning test: 3 tasks of 120 events over 10 active clients
-    "protocol.tasks.num_tasks=3",
-    "protocol.tasks.support=120",
-    "protocol.tasks.active=10",
-    "bank.epochs=1",
-    "bank.max_events=2000",
-    "families=[lp]",
-    "logger=none",
-]
-UNTRAINED = ["federation.rounds=1", "federation.local_epochs=1", "algorithm.lr=1e-12"]
+LEARN = ["protocol.tasks.num_tasks=3", *TIP_SUPPORT, "families=[lp]", "logger=none"]
 
 
 @pytest.mark.slow

@@ -137,14 +137,13 @@ def test_cross_modal_retrieval_beats_its_initial_model(tmp_env, compose):
     assert r1 > r0 + margin(r0, n), (r0, r1, n)
 
 
-FEDTIP = [  # 3 tasks of 120 support events over 10 active clients (12 each), R=20, E=5
-    "experiment=fedtip_synthetic",
-    "protocol.tasks.num_tasks=3",
-    "protocol.tasks.support=120",
+TIP_SUPPORT = [  # FedTIP's learning setting: 120 support events a task over 10 active clients
+    "protocol.tasks.support=120",  # (12 each), with a small bank; the temporal baselines' too
     "protocol.tasks.active=10",
     "bank.epochs=1",
     "bank.max_events=2000",
 ]
+FEDTIP = ["experiment=fedtip_synthetic", "protocol.tasks.num_tasks=3", *TIP_SUPPORT]  # R=20, E=5
 
 UNTRAINED_FEDTIP = ["federation.rounds=1", "federation.local_epochs=1", "algorithm.lr=1e-12"]
 

@@ -31,6 +31,8 @@ from fedlightning.models.fedgnn import (
 from fedlightning.models.fedlink import FedLinkModel, bce_link_loss, chronological_buffers
 from fedlightning.server.fedgnn import row_mean_update, row_upload_problem
 from fedlightning.train import train
+from tests.integration.test_learning import TIP_SUPPORT, margin
+from tests.integration.test_learning import UNTRAINED_FEDTIP as UNTRAINED
 
 
 def tiny_graph(users=3, items=20, d=4) -> HistoryGraph:
@@ -199,17 +201,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("baseline-cache")
-
-
-@pytest.fixture
-def env(tmp_env, shared_cache, monkeypatch):
-    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
-    return tmp_env
-
-
 def touched_items(stream, manifest, events, negs, family):
     """Item rows a client's fit reads, from the stream alone: its users' history items
     and, for link prediction, its events' items and negatives."""
@@ -302,23 +293,13 @@ def test_flower_is_refused_before_any_training(tmp_env, compose):
 
 
 # ---------------------------------------------------------------- learning
-LEARN = [  # FedTIP's learning setting: 3 tasks of 120 support events over 10 clients
+LEARN = [  # FedTIP's learning setting: 3 tasks
     "protocol.tasks.num_tasks=3",
-    "protocol.tasks.support=120",
-    "protocol.tasks.active=10",
-    "bank.epochs=1",
-    "bank.max_events=2000",
+    *TIP_SUPPORT,
     "families=[lp]",
     "logger=none",
     "runner.progress=false",
 ]
-UNTRAINED = ["federation.rounds=1", "federation.local_epochs=1", "algorithm.lr=1e-12"]
-
-
-def margin(p: float, n: int) -> float:
-    """Three standard errors of an AUC ``p`` read as a proportion over ``n`` evaluation
-    events (tests/integration/test_learning.py's rule)."""
-    return 3 * np.sqrt(max(p * (1 - p), 1e-4) / n)
 
 
 @pytest.fixture(scope="module")
