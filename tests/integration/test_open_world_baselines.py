@@ -89,10 +89,9 @@ def test_grasp_score_raises_the_neighbours_of_the_selected_training_nodes():
     assert on[5] == off[5]  # beyond two hops of G
 
 
-def test_clipn_fit_teaches_the_no_branch():
-    """A local fit lowers the branch's ITBO + TSO loss on the training nodes (without the
-    branch's term in the training loss, nothing would pull it down: the backbone's
-    embeddings and prototypes enter the branch's loss detached)."""
+def branch_fit_graph() -> tuple[Data, dict[str, int]]:
+    """120 synthetic nodes of 3 classes, every other one a training (and support) node, no
+    replay, and the modalities' input widths; the torch seed set for the net built next."""
     graph = make_synthetic(num_nodes=120, num_classes=3, seed=0)
     data = graph.to_data()
     n = data.num_nodes
@@ -100,21 +99,34 @@ def test_clipn_fit_teaches_the_no_branch():
     data.sup_mask = data.train_mask
     data.replay_mask = torch.zeros(n, dtype=torch.bool)
     torch.manual_seed(0)
-    in_dims = {m: x.size(1) for m, x in graph.features.items()}
-    net = MultimodalGNN(in_dims=in_dims, num_classes=3, hidden=16)
-    module = CLIPN(replay_budget=0).client_module(net, lambda p: torch.optim.Adam(p, lr=0.01))
+    return data, {m: x.size(1) for m, x in graph.features.items()}
+
+
+def assert_fit_lowers(module, net, data, branch_loss) -> None:
+    """15 local epochs of ``module`` on all stage classes lower ``branch_loss()`` (read in
+    eval mode, without gradients) by more than 0.1."""
     module.set_stage(torch.tensor([0, 1, 2]), None, None)
 
-    def branch_loss() -> float:
+    def loss() -> float:
         net.eval()
         with torch.no_grad():
-            out = float(module.no_loss(net.embed(data), data))
+            out = float(branch_loss())
         net.train()
         return out
 
-    loss0 = branch_loss()
+    loss0 = loss()
     LeanExecutor().fit(module, data, 15, [])
-    assert branch_loss() < loss0 - 0.1, loss0
+    assert loss() < loss0 - 0.1, loss0
+
+
+def test_clipn_fit_teaches_the_no_branch():
+    """A local fit lowers the branch's ITBO + TSO loss on the training nodes (without the
+    branch's term in the training loss, nothing would pull it down: the backbone's
+    embeddings and prototypes enter the branch's loss detached)."""
+    data, in_dims = branch_fit_graph()
+    net = MultimodalGNN(in_dims=in_dims, num_classes=3, hidden=16)
+    module = CLIPN(replay_budget=0).client_module(net, lambda p: torch.optim.Adam(p, lr=0.01))
+    assert_fit_lowers(module, net, data, lambda: module.no_loss(net.embed(data), data))
 
 
 def retrieval_view(n: int) -> SimpleNamespace:
@@ -190,29 +202,11 @@ def test_cir_clipn_scores_queries_by_atd_over_their_splits_items_by_hand():
 def test_cir_clipn_fit_teaches_the_no_branch_over_the_items():
     """A local retrieval fit lowers the branch's ITBO + TSO loss over the paired training
     nodes (the embeddings enter it detached: only the branch's own term pulls it down)."""
-    graph = make_synthetic(num_nodes=120, num_classes=3, seed=0)
-    data = graph.to_data()
-    n = data.num_nodes
-    data.train_mask = torch.arange(n) % 2 == 0
-    data.sup_mask = data.train_mask
-    data.replay_mask = torch.zeros(n, dtype=torch.bool)
-    torch.manual_seed(0)
-    in_dims = {m: x.size(1) for m, x in graph.features.items()}
+    data, in_dims = branch_fit_graph()
     net = CrossModalGNN(in_dims, query="text", item="image", hidden=16)
     algo = RetrievalCLIPN(replay_budget=0)
     module = algo.client_module(net, lambda p: torch.optim.Adam(p, lr=0.01))
-    module.set_stage(torch.tensor([0, 1, 2]), None, None)
-
-    def branch_loss() -> float:
-        net.eval()
-        with torch.no_grad():
-            out = float(module.no_loss(*net(data), data))
-        net.train()
-        return out
-
-    loss0 = branch_loss()
-    LeanExecutor().fit(module, data, 15, [])
-    assert branch_loss() < loss0 - 0.1, loss0
+    assert_fit_lowers(module, net, data, lambda: module.no_loss(*net(data), data))
 
 
 def hand_model_values(compose, over) -> tuple[int, int]:
