@@ -8,6 +8,7 @@ through another fixture); :func:`pytest_collection_modifyitems` marks each such 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,23 @@ from fedlightning.resources import conf_dir
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = str(conf_dir())  # the imported package's configs
 SHARED_DATA = Path(os.environ.get("FEDLIGHTNING_TEST_DATA", REPO.parent / "shared" / "data"))
+
+
+def _absl_writes_to_the_real_stderr() -> None:
+    """absl (imported by dp-accounting) makes its log handler on whatever ``sys.stderr`` is
+    at import: in a test, pytest's capture file. Its ``close`` closes any stream that is not
+    the current ``sys.stderr``, so when a later in-process run has Hydra reset logging
+    (``logging.config.dictConfig`` closes every handler) while the test redirects
+    ``sys.stderr``, pytest's capture file is closed and every later test of the worker
+    errors. Pointed at ``sys.__stderr__``, the handler never closes a stream it does not own."""
+    try:
+        import absl.logging
+    except ImportError:
+        return
+    absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
+
+
+_absl_writes_to_the_real_stderr()
 
 
 @pytest.fixture(scope="session")
