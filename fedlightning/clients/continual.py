@@ -12,6 +12,7 @@ from torch_geometric.data import Data
 
 from fedlightning.clients.losses import distillation_kl, restrict_logits, retention_objective
 from fedlightning.clients.node_classifier import NodeClassifier
+from fedlightning.models.constant import kept_output
 
 DISTILL_ON = ("replay", "current", "both")
 
@@ -59,6 +60,7 @@ class ContinualNodeClassifier(NodeClassifier):
             self._teacher = [copy.deepcopy(self.net).requires_grad_(False)]
         self._teacher[0].load_state_dict(teacher_state)
         self._teacher[0].eval()
+        self._teacher_state = teacher_state  # what its logits depend on (teacher_logits)
         self.teacher_known = teacher_known
 
     def on_fit_start(self) -> None:
@@ -97,8 +99,8 @@ class ContinualNodeClassifier(NodeClassifier):
         mask = self.distill_mask(batch) if self._teacher else None
         if mask is None or not bool(mask.any()) or self.teacher_known.numel() == 0:
             return None
-        with torch.no_grad():
-            return self._teacher[0](batch)
+        # frozen, in eval mode: the same logits on a stage's batch every step and round
+        return kept_output(self._teacher[0], batch, [self._teacher_state])
 
     def objective(self, full: Tensor, batch: Data, teacher: Tensor | None = None) -> Tensor:
         """Eq. (5) from the net's logits ``full`` on ``batch`` and the teacher's (``None``:

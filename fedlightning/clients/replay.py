@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
@@ -30,6 +32,6 @@ def stage_batch(data: Data, known: Tensor, supervised_classes: Tensor, replay: T
     sup = data.train_mask & torch.isin(data.y, supervised_classes)
     rep = torch.zeros_like(sup)
     rep[replay] = True
-    batch = data.clone()
+    batch = copy.copy(data)  # shallow: subgraph makes new tensors, data keeps its own
     batch.sup_mask, batch.replay_mask = sup, rep & ~sup
     return batch.subgraph(keep.nonzero().view(-1))  # indices: a sparse modality too

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from fedlightning.clients.losses import proximal_term
 from fedlightning.errors import ConfigError
+from fedlightning.models.constant import kept_output
 from fedlightning.models.stacked import (
     Segments,
     copy_state,
@@ -102,6 +103,7 @@ class StackedClients(pl.LightningModule):
             whose objective, proximal coefficient and anchor are used.
         net, segments: the stack of its net and its rows.
         teacher: a stack of the clients' frozen teachers (eval mode), or ``None``.
+        teacher_sources: the clients' teacher state dicts loaded into ``teacher``.
     """
 
     def __init__(
@@ -110,11 +112,13 @@ class StackedClients(pl.LightningModule):
         net: nn.Module,
         segments: Segments,
         teacher: nn.Module | None = None,
+        teacher_sources: Sequence[dict[str, Tensor]] = (),
     ) -> None:
         super().__init__()
         self.net = net
         self.client = [module]  # lists: neither is a submodule of the stack
         self.teacher = [teacher] if teacher is not None else []
+        self.teacher_sources = list(teacher_sources)  # the state dicts loaded into it
         self.segments = segments
         self.anchor: dict[str, Tensor] = dict(getattr(module, "anchor", {}))
         self.losses: list[float] = []
@@ -133,9 +137,8 @@ class StackedClients(pl.LightningModule):
         m = self.client[0]
         logits = self.net(batch)
         teacher = None
-        if self.teacher:
-            with torch.no_grad():
-                teacher = self.teacher[0](batch)
+        if self.teacher:  # frozen: computed once per stage's union (kept_output)
+            teacher = kept_output(self.teacher[0], batch, self.teacher_sources)
         mu = float(getattr(m, "prox_mu", 0.0))
         copies = {n: p.unbind(0) for n, p in self.net.named_parameters()} if mu > 0 else {}
         losses = []
@@ -203,7 +206,7 @@ def fit_stacked(
         tseg.bind(batches)
         teacher.eval()
     segments.streams = seeded_streams(seeds, getattr(executor, "device", None))
-    stacked = StackedClients(module, net, segments, teacher)
+    stacked = StackedClients(module, net, segments, teacher, teachers or ())
     try:
         executor.fit(stacked, union, epochs, callbacks)
     finally:

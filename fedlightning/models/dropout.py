@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedlightning.models.constant import kept
+
 #: Above this fraction of non-zero entries a dense CPU input takes standard dropout (measured
 #: break-even about 0.5: ``benchmarks/input_dropout.py --sweep``).
 MAX_DENSITY = 0.3
@@ -90,12 +92,26 @@ def nonzero_dropout(
     ):
         return _into(F.dropout(x, p, True), out)
     flat = x.reshape(-1)
-    idx = nonzero_positions(flat, max_density)
+    idx, values = nonzeros(x, max_density)
     if idx is None:
         return _into(F.dropout(x, p, True), out)
     res = flat.clone() if out is None else out.view(-1).copy_(flat)
-    res[idx] = flat[idx] * keep_scale(idx.shape, p, flat)
+    res[idx] = values * keep_scale(idx.shape, p, flat)
     return res.view(x.shape)
+
+
+def nonzeros(x: Tensor, max_density: float = MAX_DENSITY) -> tuple[Tensor | None, Tensor | None]:
+    """The flat positions of a dense input's non-zero entries and their values
+    (:func:`nonzero_positions`; ``(None, None)``: too dense), found once per input tensor
+    and kept while it is unchanged (:func:`~fedlightning.models.constant.kept`): a client's
+    features are the same tensor every step of its fit and every round."""
+
+    def find() -> tuple[Tensor | None, Tensor | None]:
+        flat = x.reshape(-1)
+        pos = nonzero_positions(flat, max_density) if flat.numel() else None
+        return (None, None) if pos is None else (pos, flat[pos])
+
+    return kept(x, ("nonzeros", max_density), find)
 
 
 def nonzero_positions(flat: Tensor, max_density: float = MAX_DENSITY) -> Tensor | None:

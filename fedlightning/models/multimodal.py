@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch_geometric.data import Data
-from torch_geometric.nn import GCNConv, SAGEConv
+from torch_geometric.nn import SAGEConv
 
+from fedlightning.models.constant import KeptNormGCNConv
 from fedlightning.models.dropout import InputDropout
 from fedlightning.models.sparse import SparseLinear
 
@@ -36,9 +37,10 @@ class ModalityEncoders(nn.Module):
 
 class GNNEncoder(nn.Module):
     """``layers`` PyG convolutions (``gcn`` or ``sage``) of width ``hidden``, with ReLU and
-    dropout between layers."""
+    dropout between layers; a GCN layer normalises each graph once
+    (:class:`~fedlightning.models.constant.KeptNormGCNConv`)."""
 
-    CONVS = {"gcn": GCNConv, "sage": SAGEConv}
+    CONVS = {"gcn": KeptNormGCNConv, "sage": SAGEConv}
 
     def __init__(
         self,

@@ -26,7 +26,8 @@ from torch_geometric.nn import GCNConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.nn.dense.linear import Linear as PygLinear
 
-from fedlightning.models.dropout import InputDropout, keep_scale, nonzero_dropout, nonzero_positions
+from fedlightning.models.constant import graphs_identity, kept_gcn_norm, unchanged
+from fedlightning.models.dropout import InputDropout, keep_scale, nonzero_dropout, nonzeros
 from fedlightning.models.sparse import _SparseAffine
 
 
@@ -40,7 +41,6 @@ class Segments:
         self.streams: list[dict[str, Tensor]] | None = None
         self._cut: list[tuple[Tensor, list[Tensor]]] = []  # sparse tensors and their rows
         self._dense: dict[int, tuple[Tensor, list[Tensor]]] = {}  # union attribute -> graphs'
-        self._plans: dict[tuple[int, float], tuple] = {}  # graph tensor -> its non-zeros
         self._dropped: dict[tuple[int, float], tuple[Tensor, list]] = {}  # buffer, per copy
         self._bound: tuple[list, Data] | None = None  # the graphs' identity, their union
 
@@ -78,19 +78,16 @@ class Segments:
         sparse or dense floating node attribute's rows known to be the graphs' own tensors.
         The same graphs again, none of their tensors replaced or changed in place (a round's
         clients, round after round), give the union already built."""
-        key = _identity(graphs)
-        if self._bound is not None and _same(self._bound[0], key):  # the same graphs, unchanged
+        if self._bound is not None and unchanged(self._bound[0], graphs):  # the same, unchanged
             return self._bound[1]
         union, self.ptr = disjoint_union(graphs)
-        self._bound = (key, union)
+        self._bound = (graphs_identity(graphs), union)
         self._cut, self._dense, self._dropped = [], {}, {}
         for key, value in union.items():
             if isinstance(value, Tensor) and value.layout == torch.sparse_coo:
                 self.remember(value, [g[key] for g in graphs])
             elif isinstance(value, Tensor) and value.is_floating_point() and value.dim() == 2:
                 self._dense[id(value)] = (value, [g[key] for g in graphs])
-        live = {id(t) for _, owners in self._dense.values() for t in owners}
-        self._plans = {k: v for k, v in self._plans.items() if k[0] in live}  # no stale tensors
         return union
 
     def input_plan(self, x: Tensor, max_density: float) -> tuple[Tensor, list] | None:
@@ -109,22 +106,10 @@ class Segments:
             for (_, a, b), own in zip(self.ranges(), entry[1], strict=True):
                 if own.shape != (b - a, *x.shape[1:]):
                     return None
-                pos, values = self._positions(own, max_density)
+                pos, values = nonzeros(own, max_density)
                 parts.append(None if pos is None else (pos + a * width, values))
             self._dropped[key] = (x.clone(memory_format=torch.contiguous_format), parts)
         return self._dropped[key]
-
-    def _positions(self, own: Tensor, max_density: float) -> tuple[Tensor | None, Tensor]:
-        """One graph tensor's non-zero positions and values, cached while it is unchanged
-        (its version counter)."""
-        key = (id(own), max_density)
-        hit = self._plans.get(key)
-        if hit is None or hit[0] is not own or hit[1] != own._version:
-            flat = own.reshape(-1)
-            pos = nonzero_positions(flat, max_density) if flat.numel() else None
-            hit = (own, own._version, pos, None if pos is None else flat[pos])
-            self._plans[key] = hit
-        return hit[2], hit[3]
 
     @contextlib.contextmanager
     def stream(self, k: int, device: torch.device) -> Iterator[None]:
@@ -140,26 +125,6 @@ class Segments:
             state["cpu"] = torch.get_rng_state()
             if cuda:
                 state["cuda"] = torch.cuda.get_rng_state(device)
-
-
-def _identity(graphs: Sequence[Data]) -> list:
-    """What :meth:`Segments.bind`'s union depends on: each graph and each of its tensors
-    (the objects themselves, kept alive here, and their in-place version counters) and every
-    other attribute's value; compare two with :func:`_same`."""
-    return [
-        (g, [(k, v, v._version if isinstance(v, Tensor) else repr(v)) for k, v in g.items()])
-        for g in graphs
-    ]
-
-
-def _same(a: list, b: list) -> bool:
-    """Whether two :func:`_identity` lists name the same objects in the same states."""
-    return len(a) == len(b) and all(
-        ga is gb
-        and len(ia) == len(ib)
-        and all(x[0] == y[0] and x[1] is y[1] and x[2] == y[2] for x, y in zip(ia, ib, strict=True))
-        for (ga, ia), (gb, ib) in zip(a, b, strict=True)
-    )
 
 
 def seeded_streams(seeds: Sequence[int], device: torch.device | None = None) -> list[dict]:
@@ -231,15 +196,11 @@ class SegmentGCNConv(nn.Module):
     def forward(self, x: Tensor, edge_index: Tensor, edge_weight: Tensor | None = None) -> Tensor:
         conv = self.conv[0]
         if conv.normalize:
-            edge_index, edge_weight = gcn_norm(
-                edge_index,
-                edge_weight,
-                x.size(conv.node_dim),
-                conv.improved,
-                conv.add_self_loops,
-                conv.flow,
-                x.dtype,
-            )
+            norm = (x.size(conv.node_dim), conv.improved, conv.add_self_loops, conv.flow, x.dtype)
+            if edge_weight is None:  # the union's edges: the same tensor every step and round
+                edge_index, edge_weight = kept_gcn_norm(edge_index, *norm)
+            else:
+                edge_index, edge_weight = gcn_norm(edge_index, edge_weight, *norm)
         out = conv.propagate(edge_index, x=self.lin(x), edge_weight=edge_weight)
         return out if self.bias is None else segment_add(out, self.bias, self.segments[0])
 

@@ -88,3 +88,33 @@ def test_ce_uses_only_known_logits():
     target = b.y[b.sup_mask] - 1  # class 1 -> 0, class 2 -> 1 in the known head
     ref = torch.nn.functional.cross_entropy(logits[b.sup_mask], target)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_a_stage_batch_is_built_once_per_stage_and_again_when_its_inputs_change():
+    """``batch_at`` gives every round of a stage the batch it built (so the work kept per
+    graph tensor carries over), and a new one for another stage, replay memory or graph."""
+    from types import SimpleNamespace
+
+    from fedlightning.algorithms.continual import ContinualFedAvg
+    from fedlightning.federation.algorithm import FederatedClient
+
+    algo = ContinualFedAvg(replay_budget=2)
+    algo.stream = SimpleNamespace(
+        known=lambda t: [0, 1] if t == 0 else [0, 1, 2], observed=[[[0, 1], [2]]]
+    )
+    client = FederatedClient(0, _data())
+    first = algo.batch_at(client, 0)
+    assert algo.batch_at(client, 0) is first
+    again = stage_batch(client.data, torch.tensor([0, 1]), torch.tensor([0, 1]), first.y[:0])
+    for key in ("y", "edge_index", "sup_mask", "replay_mask"):
+        assert torch.equal(first[key], again[key])
+    old = ((client.data.y == 0) & client.data.train_mask).nonzero().squeeze(1)
+    client.state["replay"] = {0: old[:2]}
+    later = algo.batch_at(client, 1)
+    assert later is not first and int(later.replay_mask.sum()) == 2
+    assert algo.batch_at(client, 1) is later
+    client.state["replay"] = {0: old[1:3]}  # another memory
+    assert algo.batch_at(client, 1) is not later
+    kept = algo.batch_at(client, 1)
+    client.data.y[5] = 2  # the graph written in place
+    assert algo.batch_at(client, 1) is not kept
