@@ -7,7 +7,7 @@ fresh ``python -m fedlightning train experiment=X max_tasks=N threads=1 logger=n
 process with ``PYTHONPATH`` and the working directory set to its tree and one shared
 ``FEDLIGHTNING_CACHE`` (bank and contexts are keyed by content: ``--warmup`` untimed passes
 first fill or reuse them). This checkout runs once per ``--workers`` value
-(``+task_workers=W``). Runs are interleaved (ref, head, head with 2 workers, ref, ...), so
+(``task_workers=W``). Runs are interleaved (ref, head, head with 2 workers, ref, ...), so
 machine noise hits every side alike. Prints each side's median wall time (process start to
 exit), the ratio ref/side, and whether every side's ``summary.json`` ``metrics`` and
 ``comm`` equal the reference's bitwise (the wall times aside).
@@ -90,7 +90,7 @@ def main() -> None:
     base = [f"experiment={args.experiment}", f"max_tasks={args.tasks}", "threads=1", "logger=none"]
     sides = {"ref": (ref_tree, base)}
     for w in args.workers:
-        sides[f"head w={w}"] = (REPO, base + ([f"+task_workers={w}"] if w > 1 else []))
+        sides[f"head w={w}"] = (REPO, [*base, f"task_workers={w}"])
     times: dict[str, list[float]] = {s: [] for s in sides}
     summaries: dict[str, str] = {}
     try:

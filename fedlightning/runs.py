@@ -30,7 +30,7 @@ MLFLOW_RUN_FILE, IDENTITY_FILE = "mlflow_run.json", "identity.json"
 # observe(kind, step, metrics): see fedlightning.train.train
 Observer = Callable[[str, int, dict[str, float]], None]
 # What a resume may change without changing the run (how and where it runs, not what).
-RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra", "threads")
+RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra", "threads", "task_workers")
 # Any failure to unpickle a file that is not a torch checkpoint.
 _UNREADABLE = (
     pickle.UnpicklingError,

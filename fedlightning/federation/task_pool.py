@@ -29,10 +29,11 @@ _JOB: dict[str, Any] = {}  # what a forked worker reads: the loop and its tasks
 
 
 def resolve_workers(workers: Any, tasks: int, runner: Any = None) -> int:
-    """``task_workers``: a positive int, or ``auto`` (the usable cores, at most ``tasks``, or
-    1 where only one process can run them); ``None`` is 1. More than one needs a
-    one-process CPU runner (``runner=sequential``) on a system that forks: otherwise one
-    line naming the key."""
+    """``task_workers``: a positive int, or ``auto`` (the default: the usable cores, at most
+    ``tasks``, or 1 where only one process can run them or where the runner is set to kill
+    its process, ``runner.kill_at``, which a pool's worker would take with it); ``None`` is
+    1. More than one needs a one-process CPU runner (``runner=sequential``) on a system that
+    forks: otherwise one line naming the key."""
     device = getattr(getattr(runner, "executor", None), "device", None)
     forkable = runner is None or (
         type(runner).__name__ == "SequentialRunner"
@@ -44,7 +45,8 @@ def resolve_workers(workers: Any, tasks: int, runner: Any = None) -> int:
         return 1
     if workers == "auto":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        return max(1, min(cores, tasks)) if forkable else 1
+        killing = getattr(runner, "kill_at", None) is not None
+        return max(1, min(cores, tasks)) if forkable and not killing else 1
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError("task_workers", f"a positive integer or auto, got {workers!r}")
     if workers > 1 and not forkable:

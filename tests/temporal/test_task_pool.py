@@ -113,3 +113,6 @@ def test_task_workers_setting():
     with pytest.raises(ConfigError, match="runner=sequential on the CPU"):
         resolve_workers(2, 10, gpu)
     assert resolve_workers("auto", 10, gpu) == 1
+    killed = SequentialRunner(LeanExecutor(), progress=False, kill_at="1:1:task_fit")
+    assert resolve_workers("auto", 10, killed) == 1  # the pool would lose its killed worker
+    assert resolve_workers(2, 10, killed) == 2
