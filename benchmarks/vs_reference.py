@@ -13,9 +13,10 @@ rounds of every run but its first (the warm-up) and the repeats, the ratio ref/h
 median wall time of a whole run (process start to exit) per side.
 
     python benchmarks/vs_reference.py [--ref e492aed] [--experiments fedavg_cora \\
-        cil_fedogl_citeseer_mm] [--rounds 5] [--repeats 2] [--threads 2] [--data DIR] [--keep]
+        cil_fedogl_citeseer_mm] [--rounds 5] [--repeats 2] [--threads 2] [--data DIR] [--keep] \
+        [--head runner.stack_clients=true]
 
-``--rounds`` is per stage for the class-incremental experiments (``cil_*``).
+``--head`` overrides apply to this checkout's runs only. ``--rounds`` is per stage for the class-incremental experiments (``cil_*``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def measure(args: argparse.Namespace, trees: dict[str, Path]) -> tuple[dict, dic
                 if "threads" in cfgs[side]:
                     ov.append(f"threads={args.threads}")
                     cfgs[side]["threads"] = args.threads
+                if side == "head":  # head-only settings, e.g. runner.stack_clients=true
+                    ov.extend(args.head)
                 overrides[key] = ov
             if len(cfgs) == 2:
                 a, b = cfgs["ref"], cfgs["head"]
@@ -150,6 +153,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     ap.add_argument("--keep", action="store_true", help="keep the reference worktree")
+    ap.add_argument(
+        "--head", nargs="*", default=[], help="overrides for head only (not in the config diff)"
+    )
     args = ap.parse_args()
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (a run's first round warms up)")
