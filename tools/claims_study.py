@@ -17,7 +17,7 @@ finished study is not run again (its storage holds its trials), a best setting w
 runs all finished is not re-run.
 
     python tools/claims_study.py [--only cil_fedogl] [--parallel 2] [--seeds 0 1 2 3 4]
-        [--out outputs/claims] [--set federation.rounds=2 ...]
+        [--out outputs/claims] [--trials N] [--set federation.rounds=2 ...]
 
 ``--set`` adds Hydra overrides to every run (a quick check of the whole pipeline).
 """
@@ -37,6 +37,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = REPO / "sweeps" / "claims"
+ABLATED = ("replay", "distill", "projection", "prototypes")  # FedOGL's components (Table 2)
 
 
 def fedlightning(args: list[str], log: Path) -> float:
@@ -74,7 +75,9 @@ def one_study(sweep: Path, args: argparse.Namespace) -> float:
     (out / "optuna").mkdir(parents=True, exist_ok=True)
     common = [f"logger.experiment_name={args.experiment_name}", "threads=1", *args.set]
     spent = fedlightning(
-        ["sweep", str(sweep), "--storage", storage, "--out", str(out / "trials" / name), *common],
+        ["sweep", str(sweep), "--storage", storage, "--out", str(out / "trials" / name)]
+        + (["--trials", str(args.trials)] if args.trials else [])
+        + common,
         out / "logs" / f"{name}.sweep.log",
     )
     params, value, number = best_params(storage, name)
@@ -83,24 +86,47 @@ def one_study(sweep: Path, args: argparse.Namespace) -> float:
     record = {"study": name, "experiment": experiment, "trial": number, "val_am": value}
     (best_dir / "best.json").write_text(json.dumps({**record, "params": params}, indent=2) + "\n")
     print(f"[{name}] best trial {number}: val_am {value:.4f}  {params}", flush=True)
-    done = sorted(best_dir.glob("*/summary.json"))
-    if len(done) < len(args.seeds):
-        seeds = ",".join(str(s) for s in args.seeds)
-        overrides = [f"{k}={_value(v)}" for k, v in params.items()]
-        spent += fedlightning(
-            [
-                "train",
-                "-m",
-                f"experiment={experiment}",
-                f"seed={seeds}",
-                *overrides,
-                *common,
-                f"hydra.sweep.dir={best_dir}",
-                "hydra.sweep.subdir=seed${seed}",
-            ],
-            out / "logs" / f"{name}.best.log",
-        )
+    tuned = [f"{k}={_value(v)}" for k, v in params.items()]
+    spent += seed_runs(
+        experiment, [*tuned, *common], best_dir, out / "logs" / f"{name}.best.log", args
+    )
     print(f"[{name}] {len(args.seeds)} seeds at the best setting done ({spent:.0f} s)", flush=True)
+    if "_fedogl_" in f"_{name}_":
+        spent += ablations(experiment, name, params, args, common)
+    return spent
+
+
+def seed_runs(experiment: str, overrides: list[str], run_dir: Path, log: Path, args) -> float:
+    """``fedlightning train -m`` of ``experiment`` at ``overrides`` for every seed into
+    ``run_dir/seed<k>`` (nothing when every seed's ``summary.json`` is there)."""
+    if len(sorted(run_dir.glob("seed*/summary.json"))) >= len(args.seeds):
+        return 0.0
+    seeds = ",".join(str(s) for s in args.seeds)
+    return fedlightning(
+        [
+            "train",
+            "-m",
+            f"experiment={experiment}",
+            f"seed={seeds}",
+            *overrides,
+            f"hydra.sweep.dir={run_dir}",
+            "hydra.sweep.subdir=seed${seed}",
+        ],
+        log,
+    )
+
+
+def ablations(experiment: str, name: str, params: dict, args, common: list[str]) -> float:
+    """FedOGL's Table 2 at the tuned setting: each component off (``algorithm.<c>=false``)."""
+    out, spent = Path(args.out), 0.0
+    tuned = [f"{k}={_value(v)}" for k, v in params.items()]
+    for c in ABLATED:
+        run_dir = out / "ablations" / name / f"no_{c}"
+        log = out / "logs" / f"{name}.no_{c}.log"
+        spent += seed_runs(
+            experiment, [*tuned, f"algorithm.{c}=false", *common], run_dir, log, args
+        )
+    print(f"[{name}] ablations at the best setting done", flush=True)
     return spent
 
 
@@ -127,12 +153,95 @@ def report(args: argparse.Namespace, parts: set[str]) -> None:
             out / "logs" / f"report_{part}.log",
         )
         print(f"table: {out / 'report' / f'claims_{part}.md'}", flush=True)
+        if part == "cil" and any(out.glob("ablations/*/*/seed*/summary.json")):
+            fedlightning(
+                ["report", "--dirs", str(out / "best"), str(out / "ablations"), "--task", part]
+                + ["--layout", "ablation", "--dataset", "citeseer_mm", "cora", "--metrics", metrics]
+                + ["--out", str(out / "report"), "--name", f"claims_{part}_ablation"],
+                out / "logs" / f"report_{part}_ablation.log",
+            )
+            print(f"table: {out / 'report' / f'claims_{part}_ablation.md'}", flush=True)
+
+
+def _runs(out: Path) -> dict[tuple[str, str], list[dict]]:
+    """The finished best and ablation runs' summaries by (dataset, row label)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for path in sorted(
+        [*out.glob("best/*/seed*/summary.json"), *out.glob("ablations/*/*/seed*/summary.json")]
+    ):
+        s = json.loads(path.read_text())
+        tags = s.get("tags", {})
+        if tags.get("task") != "cil":
+            continue
+        variant = tags.get("variant", "full")
+        label = tags["method"] if variant in ("full", "") else f"{tags['method']}, {variant}"
+        groups.setdefault((tags["dataset"], label), []).append(s)
+    return groups
+
+
+def _mean_std(values: list[float]) -> str:
+    import statistics
+
+    if len(values) < 2:
+        return f"{values[0]:.3f}" if values else "-"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def plasticity(acc: list[list[float | None]]) -> float:
+    """The mean over stages of the accuracy on a stage's own classes right after it (the
+    diagonal of the accuracy matrix): how well new classes are learned."""
+    return sum(acc[t][t] for t in range(len(acc))) / len(acc)
+
+
+def mechanism(out: Path) -> None:
+    """Per dataset, the drift diagnostics of Eqs. (2)-(4) over stages for every row (the FedOGL
+    paper's Fig. 2; mean over seeds), ``OUT/report/drift_<dataset>.png``, and a table of the
+    last stage's drifts beside plasticity, FM and AM, ``OUT/report/mechanism_<dataset>.md``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    groups = _runs(out)
+    (out / "report").mkdir(parents=True, exist_ok=True)
+    for dataset in sorted({d for d, _ in groups}):
+        rows = sorted(label for d, label in groups if d == dataset)
+        fig = Figure(figsize=(13, 3.8))
+        axes = fig.subplots(1, 3)
+        table = [
+            f"| {dataset} | n | d_sem (last stage) | d_str | d_fed | plasticity | FM | AM |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for label in rows:
+            runs = groups[(dataset, label)]
+            stages = len(runs[0]["stages"])
+            for ax, key in zip(axes, ("d_sem", "d_str", "d_fed"), strict=True):
+                curve = [sum(r["stages"][t][key] for r in runs) / len(runs) for t in range(stages)]
+                ax.plot(range(1, stages + 1), curve, marker="o", label=label)
+                ax.set_title(key)
+                ax.set_xlabel("stage")
+                ax.set_xticks(range(1, stages + 1))
+            cells = [
+                _mean_std([r["metrics"][k] for r in runs]) for k in ("d_sem", "d_str", "d_fed")
+            ]
+            cells += [_mean_std([plasticity(r["acc_matrix"]) for r in runs])]
+            cells += [_mean_std([r["metrics"][k] for r in runs]) for k in ("fm", "am")]
+            table.append(f"| {label} | {len(runs)} | " + " | ".join(cells) + " |")
+        axes[0].legend(fontsize=7)
+        fig.suptitle(f"drift over stages, {dataset} (mean over seeds, tuned settings)")
+        fig.tight_layout()
+        fig.savefig(out / "report" / f"drift_{dataset}.png", dpi=110)
+        (out / "report" / f"mechanism_{dataset}.md").write_text("\n".join(table) + "\n")
+        print(f"mechanism: {out / 'report' / f'mechanism_{dataset}.md'}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=[], help="sweep files whose name has one of these")
     ap.add_argument("--parallel", type=int, default=2)
+    ap.add_argument(
+        "--trials", type=int, default=None, help="finished trials per study (the files')"
+    )
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--out", default="outputs/claims")
     ap.add_argument("--experiment-name", default="fedlightning-claims")
@@ -153,6 +262,7 @@ def main() -> None:
     with ThreadPoolExecutor(args.parallel) as pool:
         spent = sum(pool.map(lambda p: one_study(p, args), sweeps))
     report(args, {p.stem.split("_")[0] for p in sweeps})
+    mechanism(Path(args.out))
     elapsed = time.perf_counter() - t0
     print(
         f"compute: {spent / 60:.1f} process-minutes, {elapsed / 60:.1f} minutes elapsed", flush=True
