@@ -38,6 +38,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = REPO / "sweeps" / "claims"
 ABLATED = ("replay", "distill", "projection", "prototypes")  # FedOGL's components (Table 2)
+DATASETS = {"cil": ["citeseer_mm", "cora"], "cir": ["citeseer_mm"]}  # each part's table
 
 
 def fedlightning(args: list[str], log: Path) -> float:
@@ -142,7 +143,7 @@ def report(args: argparse.Namespace, parts: set[str]) -> None:
                 "--task",
                 part,
                 "--dataset",
-                *(["citeseer_mm", "cora"] if part == "cil" else ["citeseer_mm"]),
+                *DATASETS[part],
                 "--metrics",
                 metrics,
                 "--out",
@@ -153,10 +154,10 @@ def report(args: argparse.Namespace, parts: set[str]) -> None:
             out / "logs" / f"report_{part}.log",
         )
         print(f"table: {out / 'report' / f'claims_{part}.md'}", flush=True)
-        if part == "cil" and any(out.glob("ablations/*/*/seed*/summary.json")):
+        if any(out.glob(f"ablations/{part}_*/*/seed*/summary.json")):
             fedlightning(
                 ["report", "--dirs", str(out / "best"), str(out / "ablations"), "--task", part]
-                + ["--layout", "ablation", "--dataset", "citeseer_mm", "cora", "--metrics", metrics]
+                + ["--layout", "ablation", "--dataset", *DATASETS[part], "--metrics", metrics]
                 + ["--out", str(out / "report"), "--name", f"claims_{part}_ablation"],
                 out / "logs" / f"report_{part}_ablation.log",
             )
