@@ -48,7 +48,7 @@ STAGE_PROXY = {"val_am": "val_seen_acc", "val_fpr95": "val_fpr95"}
 PARENT_ATTR = "mlflow_parent_run_id"
 RUN_ATTR = "mlflow_run_id"  # a trial's MLflow run
 FIELDS = ("experiment", "space", "objective", "trials", "seeds", "overrides", "sampler")
-FIELDS += ("pruner", "storage", "study_name")
+FIELDS += ("pruner", "storage", "study_name", "start_from_defaults")
 PARAM_FIELDS = {"type", "low", "high", "log", "step", "choices"}
 SAMPLER_FIELDS = {"tpe": {"name", "seed", "startup"}, "random": {"name", "seed"}}
 SAMPLER_FIELDS["grid"] = {"name", "seed"}
@@ -73,6 +73,7 @@ class SweepSpec:
     pruner: dict[str, Any]
     storage: str
     study_name: str
+    start_from_defaults: bool = False
 
 
 def _fail(path: Path, key: str, message: str) -> ConfigError:
@@ -205,6 +206,9 @@ def load_spec(path: str | Path) -> SweepSpec:
     for key in ("storage", "study_name"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
             raise _fail(path, key, f"a string, got {raw[key]!r}")
+    start = raw.get("start_from_defaults", False)
+    if not isinstance(start, bool):
+        raise _fail(path, "start_from_defaults", f"true or false, got {start!r}")
     spec = SweepSpec(
         path=path,
         experiment=raw["experiment"],
@@ -218,6 +222,7 @@ def load_spec(path: str | Path) -> SweepSpec:
         pruner=pruner,
         storage=str(raw.get("storage") or "sqlite:///optuna.db"),
         study_name=str(raw.get("study_name") or path.stem),
+        start_from_defaults=start,
     )
     try:  # the pruner's options, as Optuna reads them
         make_pruner(spec)
@@ -362,6 +367,7 @@ class Sweep:
             raise _fail(
                 spec.path, f"space.{missing[0]}", f"not a key of experiment {spec.experiment}"
             )
+        self.defaults = experiment_setting(spec, base) if spec.start_from_defaults else None
         self.parent: MlflowTracker | None = None  # the study's MLflow run
         if base.logger.get("enabled", False):
             self.parent = MlflowTracker(base.logger.tracking_uri, base.logger.experiment_name)
@@ -403,6 +409,9 @@ class Sweep:
         for dead, retry in retried.items():
             self.say(f"trial {dead} died with its process; trial {retry} runs its parameters")
         self.say(f"study {study.study_name}: {self.status(study)}")
+        if self.defaults is not None and not study.get_trials(deepcopy=False):
+            study.enqueue_trial(self.defaults)  # trial 0: the experiment's own setting
+            self.say(f"trial 0 is the experiment's own setting: {_shown(self.defaults)}")
         duplicates = 0
         while finished(study) < self.spec.trials:
             study.sampler = make_sampler(self.spec, len(study.get_trials(deepcopy=False)))
@@ -590,6 +599,34 @@ class Sweep:
                 raise RunStopped(f"trial {trial.number} pruned at {kind} {step}")
 
         return observe
+
+
+def experiment_setting(spec: SweepSpec, base: Any) -> dict[str, Any]:
+    """The composed experiment's value of every searched key (``start_from_defaults``: the
+    study's first trial), each checked against its search range: one line naming the file,
+    the key and the range when a value lies outside it."""
+    values = {}
+    for key, p in spec.space.items():
+        v = OmegaConf.select(base, key)
+        if p["type"] == "categorical":
+            ok = v in p["choices"]
+        elif p["type"] == "int":
+            ok = isinstance(v, int) and not isinstance(v, bool) and p["low"] <= v <= p["high"]
+        else:
+            ok = (
+                isinstance(v, int | float)
+                and not isinstance(v, bool)
+                and p["low"] <= v <= p["high"]
+            )
+        if not ok:
+            where = p.get("choices", [p.get("low"), p.get("high")])
+            raise _fail(
+                spec.path,
+                f"space.{key}",
+                f"start_from_defaults: the experiment's value {v!r} lies outside {where}",
+            )
+        values[key] = float(v) if p["type"] == "float" else v
+    return values
 
 
 def _shown(params: dict[str, Any]) -> str:

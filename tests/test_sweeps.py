@@ -400,3 +400,38 @@ def test_malformed_sweep_file_is_one_line_exit_2(tmp_path, monkeypatch, capsys, 
     assert line.startswith("error:") and "Traceback" not in line
     assert "bad.yaml" in line and key in line, line
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "optuna.db").exists()
+
+
+def test_start_from_defaults_runs_the_experiments_own_setting_first(tmp_path, monkeypatch):
+    """``start_from_defaults: true``: trial 0 is the composed experiment's values of the
+    searched keys (so tuning never ends below the defaults on validation), later trials are
+    sampled; a default outside its range is one error naming the key."""
+    monkeypatch.chdir(tmp_path)
+    text = (
+        "experiment: fedavg_synthetic\nspace:\n"
+        "  model.optimizer.lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n"
+        "  model.net.conv: {type: categorical, choices: [sage, gcn]}\n"
+        "  federation.local_epochs: {type: int, low: 1, high: 9}\n"
+        "objective: {metric: val_acc}\ntrials: 3\nsampler: {name: random, seed: 0}\n"
+        "start_from_defaults: true\n"
+    )
+    spec = load_spec(write(tmp_path / "d.yaml", text))
+    spec.storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    base = compose(["experiment=fedavg_synthetic"])
+    ran = []
+
+    def fake_train(cfg, run_dir, observe):
+        ran.append((cfg.model.optimizer.lr, cfg.model.net.conv, cfg.federation.local_epochs))
+        return {"metrics": {"val_acc": 0.5}}
+
+    study = Sweep(spec, tmp_path / "out", ["logger=none"], compose, fake_train).run()
+    defaults = (base.model.optimizer.lr, base.model.net.conv, base.federation.local_epochs)
+    assert ran[0] == defaults and len(ran) == 3
+    assert study.trials[0].params == dict(zip(spec.space, defaults, strict=True))
+    assert all(r != defaults for r in ran[1:])
+    narrow = load_spec(
+        write(tmp_path / "n.yaml", text.replace("low: 1, high: 9", "low: 20, high: 30"))
+    )
+    with pytest.raises(ConfigError, match=r"space\.federation\.local_epochs.*outside"):
+        Sweep(narrow, tmp_path / "out", ["logger=none"], compose, fake_train)
+    assert not load_spec(write(tmp_path / "g.yaml", GOOD)).start_from_defaults
