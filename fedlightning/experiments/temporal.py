@@ -19,6 +19,7 @@ from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.temporal_prompt import FAMILIES
 from fedlightning.config import build, build_stream
 from fedlightning.data.temporal.events import EventStream
+from fedlightning.data.temporal.noise import noise_settings
 from fedlightning.data.temporal.protocol import TemporalProtocol, materialize
 from fedlightning.errors import ConfigError, FedLightningError
 from fedlightning.federation.task_pool import resolve_workers
@@ -49,7 +50,8 @@ PAPER_MESSAGE_VALUES = 1050  # paper 001, Sec. 5.4: 0.40 MiB over 5 clients x 20
 def task_batches(
     contexts: dict[str, Any], proto: TemporalProtocol, te: torch.nn.Module, limit: int | None
 ) -> list[TaskBatches]:
-    """Every task's client batches (at most ``limit`` tasks, in manifest order)."""
+    """Every task's client batches (at most ``limit`` tasks, in manifest order), with the
+    unreliable clients' flipped state labels when ``protocol.noise`` is on."""
     mode, stream = contexts["mode"], proto.stream
     out = []
     for task in proto.tasks.tasks[:limit]:
@@ -61,6 +63,9 @@ def task_batches(
             ctx = contexts["tasks"][task.task][k]
             j = np.array([negs[e] for e in ctx["events"].tolist()], dtype=np.int64)
             clients[k] = event_batch(ctx, stream, te, j)
+            if proto.noise is not None:
+                y = proto.noise.labels(stream.label, ctx["events"].numpy())
+                clients[k]["y"] = torch.from_numpy(y)
         out.append(TaskBatches(task.task, clients))
     return out
 
@@ -134,6 +139,22 @@ def check_families(families: Any, stream: EventStream | None) -> list[str]:
     return fams
 
 
+def check_noise(protocol: Any, families: list[str]) -> None:
+    """``protocol.noise`` flips state labels, which node classification alone trains on: a
+    :class:`ConfigError` for a bad value (naming ``protocol.noise``) or for noise on with any
+    family but ``nc`` (naming ``families``)."""
+    try:
+        on = noise_settings(protocol.get("noise")) is not None
+    except ValueError as e:
+        raise ConfigError("protocol.noise", str(e)) from None
+    if on and families != ["nc"]:
+        raise ConfigError(
+            "families",
+            f"protocol.noise flips state labels, which only node classification trains on "
+            f"(link prediction has no label to flip): use families=[nc], got {families}",
+        )
+
+
 def saved_state(path: Path, identity: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The loop state checkpointed at ``path`` (``None`` before a first task ended); one
     line refusing a checkpoint of format 1 or (given ``identity``) of another run."""
@@ -159,6 +180,10 @@ def format_temporal_summary(summary: dict[str, Any]) -> str:
         rows.append(("uplink per task", f"{m['uplink_mib_per_task']:.4f} MiB"))
     for fam, n in c.get("message_values", {}).items():
         rows.append((f"message [{fam}]", f"{n} float32 values (paper: ~{PAPER_MESSAGE_VALUES})"))
+    if "noise" in summary:
+        z = summary["noise"]
+        rows.append(("unreliable", f"clients {z['unreliable_clients']}, flipped "
+                     f"{z['flipped_support_events']}/{z['unreliable_support_events']} support labels"))  # fmt: skip
     return summary_table(rows, summary)
 
 
@@ -211,7 +236,7 @@ def train_temporal(
     t0 = time.perf_counter()
     if not cfg.get("resume"):  # a bad value fails before a run directory exists
         make_algorithm(cfg)
-        check_families(cfg.get("families"), None)
+        check_noise(cfg.protocol, check_families(cfg.get("families"), None))
     if runner is None:  # a distributed runner joins its ranks here
         runner = build(cfg.runner, "runner")
     resolve_workers(cfg.get("task_workers"), 1, runner)  # checked before any training
@@ -221,6 +246,7 @@ def train_temporal(
     world.run_dir = run_dir
     algorithm = make_algorithm(cfg)  # a resumed run's own config
     families = check_families(cfg.get("families"), stream)
+    check_noise(cfg.protocol, families)
     cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]
 
     variant = algorithm.variant(bank_cfg.pretrained, bank_cfg.negatives == "filtered")
@@ -300,6 +326,7 @@ def train_temporal(
         table=proto.table(),
         privacy=privacy,
         resumed=resuming,
+        **({} if proto.noise is None else {"noise": proto.noise.stats(proto.tasks)}),
     )
     plots = []
     if world.is_main:

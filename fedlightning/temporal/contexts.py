@@ -208,7 +208,7 @@ def cached_contexts(
     protocol, training negatives)."""
     mode = train_mode or protocol.negatives["mode"]
     key = content_hash(
-        {"version": CONTEXT_VERSION, "bank": bank_hash, "train_mode": mode, **protocol.hashes}
+        {"version": CONTEXT_VERSION, "bank": bank_hash, "train_mode": mode, **protocol.event_hashes}
     )
     path = Path(cache_dir) / "contexts" / f"{protocol.stream.name}-{key}.pt"
     if path.exists():

@@ -198,7 +198,7 @@ def build_history(
         "segments": list(segments),
         "features": features,
         "stream": stream.fingerprint,
-        "protocol": protocol.hashes,
+        "protocol": protocol.event_hashes,
         "bank": encoder_digest(snapshot) if features == "bank" else None,
     }
     return HistoryGraph(users, items, edge_index, t, torch.from_numpy(events), x, params)
@@ -219,7 +219,7 @@ def cached_history(
     key = content_hash(
         {
             "version": HISTORY_VERSION,
-            "protocol": protocol.hashes,
+            "protocol": protocol.event_hashes,
             "bank": encoder_digest(snapshot) if features == "bank" else None,
             "segments": list(segments),
             "features": features,

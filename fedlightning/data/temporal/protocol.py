@@ -1,4 +1,5 @@
-"""The FedTIP protocol objects, materialized together: manifest, ownership, tasks, negatives.
+"""The FedTIP protocol objects, materialized together: manifest, ownership, tasks, negatives
+and, with ``protocol.noise`` on, the unreliable clients' label noise.
 
 Built from ``protocol.*`` (``conf/protocol/temporal.yaml``) and the stream, cached under
 ``protocol.cache_dir`` by a hash of the stream's content and every parameter, reused when
@@ -25,6 +26,7 @@ from fedlightning.data.temporal.manifest import (
     manifest_table,
 )
 from fedlightning.data.temporal.negatives import materialize_negatives
+from fedlightning.data.temporal.noise import LabelNoise, draw_noise, noise_settings
 from fedlightning.data.temporal.ownership import Ownership, build_ownership
 from fedlightning.data.temporal.tasks import Task, TaskSet, build_tasks
 from fedlightning.errors import ConfigError
@@ -41,9 +43,12 @@ class TemporalProtocol:
     ownership: Ownership
     tasks: TaskSet
     negatives: dict[str, Any]
+    noise: LabelNoise | None = None
 
     @property
-    def hashes(self) -> dict[str, str]:
+    def event_hashes(self) -> dict[str, str]:
+        """The objects that fix which events each party sees, and none of the labels: what
+        the bank's contexts and history views are keyed by."""
         return {
             "manifest": self.manifest.hash,
             "ownership": self.ownership.hash,
@@ -51,17 +56,25 @@ class TemporalProtocol:
             "negatives": content_hash(self.negatives),
         }
 
+    @property
+    def hashes(self) -> dict[str, str]:
+        """Every object's hash: :attr:`event_hashes` and, with noise on, ``noise``'s."""
+        noise = {} if self.noise is None else {"noise": self.noise.hash}
+        return {**self.event_hashes, **noise}
+
     def table(self) -> dict[str, Any]:
         return manifest_table(self.stream, self.manifest)
 
     def write(self, folder: Path) -> list[Path]:
-        """The four objects as JSON files (each with its hash) and ``protocol.json``."""
+        """The objects as JSON files (each with its hash) and ``protocol.json``."""
         bodies = {
             "manifest": self.manifest.to_json(),
             "ownership": self.ownership.to_json(),
             "tasks": self.tasks.to_json(),
             "negatives": self.negatives,
         }
+        if self.noise is not None:
+            bodies["noise"] = self.noise.to_json()
         hashes = self.hashes
         for name, body in bodies.items():
             write_json(folder / f"{name}.json", {"hash": hashes[name], **body})
@@ -71,6 +84,8 @@ class TemporalProtocol:
             "tasks": self.tasks.stats(self.stream),
             "collisions": self.negatives["checks"],
         }
+        if self.noise is not None:
+            summary["noise"] = self.noise.stats(self.tasks)
         write_json(folder / "protocol.json", summary)
         return [folder / f"{name}.json" for name in (*bodies, "protocol")]
 
@@ -78,6 +93,7 @@ class TemporalProtocol:
 def build_temporal_protocol(stream: EventStream, protocol: dict[str, Any]) -> TemporalProtocol:
     """Every protocol object from ``protocol`` (a plain dict of ``protocol.*``)."""
     seed = int(protocol.get("seed", 2026))
+    settings = noise_settings(protocol.get("noise"))  # a bad value fails before any work
     manifest = build_manifest(stream, seed=seed, **protocol.get("manifest", {}))
     ownership = build_ownership(
         stream, manifest.indices(SUP_POOL), seed=seed, **protocol.get("ownership", {})
@@ -91,21 +107,27 @@ def build_temporal_protocol(stream: EventStream, protocol: dict[str, Any]) -> Te
         seed=seed,
         **protocol.get("negatives", {}),
     )
-    return TemporalProtocol(stream, manifest, ownership, tasks, negatives)
+    noise = (
+        None if settings is None else draw_noise(stream, ownership, tasks, seed=seed, **settings)
+    )
+    return TemporalProtocol(stream, manifest, ownership, tasks, negatives, noise)
 
 
 def cached_protocol(
     stream: EventStream, protocol: dict[str, Any], cache_dir: Path
 ) -> tuple[TemporalProtocol | None, Path]:
-    """A previously materialized protocol for the same stream and parameters, if any."""
-    params = {k: v for k, v in protocol.items() if k != "cache_dir"}
+    """A previously materialized protocol for the same stream and parameters, if any (noise
+    off keys the cache as before the option existed)."""
+    noisy = noise_settings(protocol.get("noise")) is not None
+    params = {k: v for k, v in protocol.items() if k != "cache_dir" and (k != "noise" or noisy)}
     key = content_hash(
         {"version": PROTOCOL_VERSION, "stream": stream.fingerprint, "protocol": params}
     )
     folder = Path(cache_dir) / "temporal" / f"{stream.name}-{key}"
-    if not all((folder / f"{n}.json").is_file() for n in FILES):
+    names = (*FILES, "noise") if noisy else FILES
+    if not all((folder / f"{n}.json").is_file() for n in names):
         return None, folder
-    loaded = {n: json.loads((folder / f"{n}.json").read_text()) for n in FILES}
+    loaded = {n: json.loads((folder / f"{n}.json").read_text()) for n in names}
     for body in loaded.values():
         body.pop("hash")
     m = loaded["manifest"]
@@ -126,7 +148,9 @@ def cached_protocol(
         [Task(x["task"], {int(k): v for k, v in x["support"].items()}) for x in t["tasks"]],
         t["params"],
     )
-    return TemporalProtocol(stream, manifest, ownership, tasks, loaded["negatives"]), folder
+    z = loaded.get("noise")
+    noise = None if z is None else LabelNoise(z["clients"], z["flipped"], z["params"])
+    return TemporalProtocol(stream, manifest, ownership, tasks, loaded["negatives"], noise), folder
 
 
 def materialize(
