@@ -233,7 +233,6 @@ def test_noise_with_link_prediction_fails_before_a_run_directory(env, compose):
     assert not (env / "r").exists()
 
 
-@pytest.mark.slow
 def test_a_tiny_fedtip_run_with_unreliable_clients(env, compose):
     from fedlightning.train import train
 
@@ -244,3 +243,12 @@ def test_a_tiny_fedtip_run_with_unreliable_clients(env, compose):
     assert s["hashes"]["noise"] == noise["hash"]
     assert s["noise"]["unreliable_clients"] == noise["clients"] and len(noise["clients"]) == 4
     assert json.loads((env / "r" / "protocol.json").read_text())["noise"] == s["noise"]
+    # the clean run: same events, contexts reused (they hold no label), other labels trained on
+    clean = train(compose([*SMALL[:-2], "families=[nc]"]), env / "c", verbose=False)
+    assert "noise" not in clean and "noise" not in clean["hashes"]
+    assert clean["hashes"] == {k: v for k, v in s["hashes"].items() if k != "noise"}
+    task0 = json.loads((env / "r" / "tasks.json").read_text())["tasks"][0]["support"]
+    served = [e for k, v in task0.items() if int(k) in noise["clients"] for e in v]
+    assert s["noise"]["flipped_support_events"] > 0
+    assert set(served) & set(noise["flipped"])  # task 0 trains on flipped labels (seed 2026)
+    assert clean["metrics"]["auc_nc"] != s["metrics"]["auc_nc"]
