@@ -252,3 +252,10 @@ def test_a_tiny_fedtip_run_with_unreliable_clients(env, compose):
     assert s["noise"]["flipped_support_events"] > 0
     assert set(served) & set(noise["flipped"])  # task 0 trains on flipped labels (seed 2026)
     assert clean["metrics"]["auc_nc"] != s["metrics"]["auc_nc"]
+    # unreliable clients that flip nothing: recorded, and the clean run's numbers
+    zero = train(
+        compose([*SMALL[:-1], "protocol.noise.flip=0", "families=[nc]"]), env / "z", verbose=False
+    )
+    assert zero["noise"]["unreliable_clients"] == noise["clients"]
+    assert zero["noise"]["flipped_support_events"] == 0 and "noise" in zero["hashes"]
+    assert zero["metrics"] == clean["metrics"]
