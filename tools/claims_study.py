@@ -7,14 +7,14 @@ For each sweep file (``--only`` narrows them by name), in ``--parallel`` process
    under ``OUT/trials/<study>``): the study and its trials are MLflow runs in the
    ``--experiment-name`` family (default ``fedlightning-claims``);
 2. the best trial's parameters, written to ``OUT/best/<study>/best.json`` with its value;
-3. ``fedlightning train -m`` of the study's experiment at those parameters for every
-   ``--seeds`` (runs under ``OUT/best/<study>/<job>``, top-level MLflow runs of the same family).
+3. ``fedlightning train`` of the study's experiment at those parameters for every ``--seeds``
+   (runs under ``OUT/best/<study>/seed<k>``, top-level MLflow runs of the same family).
 
 Then ``fedlightning report`` of the best runs, per part (``cil``: node classification;
 ``cir``: retrieval) into ``OUT/report``, and a line with the whole study's compute time
 (the sum of every process's wall time, and the elapsed time). Run it again to go on: a
-finished study is not run again (its storage holds its trials), a best setting whose seed
-runs all finished is not re-run.
+finished study is not run again (its storage holds its trials), a finished seed run is
+kept, and one whose process died is resumed from its checkpoint.
 
     python tools/claims_study.py [--only cil_fedogl] [--parallel 2] [--seeds 0 1 2 3 4]
         [--out outputs/claims] [--trials N] [--set federation.rounds=2 ...]
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -98,23 +99,23 @@ def one_study(sweep: Path, args: argparse.Namespace) -> float:
 
 
 def seed_runs(experiment: str, overrides: list[str], run_dir: Path, log: Path, args) -> float:
-    """``fedlightning train -m`` of ``experiment`` at ``overrides`` for every seed into
-    ``run_dir/seed<k>`` (nothing when every seed's ``summary.json`` is there)."""
-    if len(sorted(run_dir.glob("seed*/summary.json"))) >= len(args.seeds):
-        return 0.0
-    seeds = ",".join(str(s) for s in args.seeds)
-    return fedlightning(
-        [
-            "train",
-            "-m",
-            f"experiment={experiment}",
-            f"seed={seeds}",
-            *overrides,
-            f"hydra.sweep.dir={run_dir}",
-            "hydra.sweep.subdir=seed${seed}",
-        ],
-        log,
-    )
+    """``fedlightning train`` of ``experiment`` at ``overrides`` for every seed into
+    ``run_dir/seed<k>``: a seed whose ``summary.json`` is there is done, one whose process
+    died after a checkpoint is resumed, one that died before it starts again."""
+    spent = 0.0
+    for seed in args.seeds:
+        seed_dir = run_dir / f"seed{seed}"
+        if (seed_dir / "summary.json").exists():
+            continue
+        if (seed_dir / "checkpoint.pt").exists():
+            cmd = ["train", f"resume={seed_dir}"]
+        else:
+            if seed_dir.exists():  # died before its first checkpoint: nothing to keep
+                shutil.rmtree(seed_dir)
+            cmd = ["train", f"experiment={experiment}", f"seed={seed}", *overrides]
+            cmd.append(f"hydra.run.dir={seed_dir}")
+        spent += fedlightning(cmd, log.with_suffix(f".seed{seed}.log"))
+    return spent
 
 
 def ablations(experiment: str, name: str, params: dict, args, common: list[str]) -> float:
