@@ -46,6 +46,7 @@ class GraphTaskLoop(TaskLoop):
     fresh run, redone without counting on a resumed one (its result is deterministic)."""
 
     prepared = False
+    pool_tasks = False  # the one-off exchange is in the first task's scope of this ledger
 
     @streaming_threads()
     def run(self) -> list[dict[str, float]]:

@@ -234,12 +234,13 @@ def train_temporal(
     """Run FedTIP (or a comparator, or an ablation) over the task manifest. ``runner``,
     when given, replaces the one ``cfg.runner`` builds (a Flower ServerApp passes its own)."""
     t0 = time.perf_counter()
+    poolable = True
     if not cfg.get("resume"):  # a bad value fails before a run directory exists
-        make_algorithm(cfg)
+        poolable = make_algorithm(cfg).loop_class.pool_tasks
         check_noise(cfg.protocol, check_families(cfg.get("families"), None))
     if runner is None:  # a distributed runner joins its ranks here
         runner = build(cfg.runner, "runner")
-    resolve_workers(cfg.get("task_workers"), 1, runner)  # checked before any training
+    resolve_workers(cfg.get("task_workers"), 1, runner, poolable)  # before any training
     world = runner.world  # only rank 0 writes files; the others get its results
     setup = world.on_main(temporal_setup, cfg, run_dir)
     cfg, run_dir, resuming, stream, bank_cfg, proto, files = setup
@@ -297,7 +298,9 @@ def train_temporal(
             checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
             on_task_end=on_task_end,
             progress=world.is_main,  # the bar over tasks (runner.progress: the per-round bars)
-            workers=resolve_workers(cfg.get("task_workers"), len(tasks), runner),
+            workers=resolve_workers(
+                cfg.get("task_workers"), len(tasks), runner, algorithm.loop_class.pool_tasks
+            ),
             min_clients=cfg.federation.get("min_clients", 1),
         )
         if resume_loop(loop, world, cfg, run_dir, hashes, resuming, saved_state):

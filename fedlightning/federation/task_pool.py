@@ -28,12 +28,14 @@ from fedlightning.federation.ledger import CommLedger
 _JOB: dict[str, Any] = {}  # what a forked worker reads: the loop and its tasks
 
 
-def resolve_workers(workers: Any, tasks: int, runner: Any = None) -> int:
+def resolve_workers(workers: Any, tasks: int, runner: Any = None, poolable: bool = True) -> int:
     """``task_workers``: a positive int, or ``auto`` (the default: the usable cores, at most
     ``tasks``, or 1 where only one process can run them or where the runner is set to kill
     its process, ``runner.kill_at``, which a pool's worker would take with it); ``None`` is
     1. More than one needs a one-process CPU runner (``runner=sequential``) on a system that
-    forks: otherwise one line naming the key."""
+    forks, and a schedule whose tasks carry nothing else between them (``poolable``, a task
+    loop's :attr:`~fedlightning.federation.tasks.TaskLoop.pool_tasks`): otherwise one line
+    naming the key (``auto``: 1)."""
     device = getattr(getattr(runner, "executor", None), "device", None)
     forkable = runner is None or (
         type(runner).__name__ == "SequentialRunner"
@@ -46,12 +48,18 @@ def resolve_workers(workers: Any, tasks: int, runner: Any = None) -> int:
     if workers == "auto":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         killing = getattr(runner, "kill_at", None) is not None
-        return max(1, min(cores, tasks)) if forkable and not killing else 1
+        return max(1, min(cores, tasks)) if forkable and poolable and not killing else 1
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError("task_workers", f"a positive integer or auto, got {workers!r}")
     if workers > 1 and not forkable:
         raise ConfigError(
             "task_workers", f"{workers} processes need runner=sequential on the CPU; use 1"
+        )
+    if workers > 1 and not poolable:
+        raise ConfigError(
+            "task_workers",
+            f"this method's one-off exchange before its first task is counted in that task; "
+            f"{workers} processes would lose it from the task's own uplink: use 1 or auto",
         )
     return workers
 

@@ -120,6 +120,9 @@ class TaskLoop(Schedule):
     """
 
     pooled = False  # the clients' supports are pooled: no messages, no bank sent
+    #: tasks may run on forked processes (task_workers): nothing carries from one task to
+    #: the next but the ledger and the clients already sent the bank
+    pool_tasks = True
 
     def __init__(
         self,

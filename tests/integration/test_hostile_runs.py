@@ -81,6 +81,7 @@ SMALL = [
     "bank.epochs=1",
     "bank.max_events=2000",
     "logger=none",
+    "task_workers=1",  # spoil_highest records the ids in this process
 ]
 
 

@@ -116,3 +116,6 @@ def test_task_workers_setting():
     killed = SequentialRunner(LeanExecutor(), progress=False, kill_at="1:1:task_fit")
     assert resolve_workers("auto", 10, killed) == 1  # the pool would lose its killed worker
     assert resolve_workers(2, 10, killed) == 2
+    assert resolve_workers("auto", 10, runner, poolable=False) == 1  # a one-off exchange
+    with pytest.raises(ConfigError, match="one-off exchange"):
+        resolve_workers(2, 10, runner, poolable=False)
