@@ -33,11 +33,13 @@ LOWER_IS_BETTER |= {"uplink_mib_per_task", "downlink_mib_per_task"}
 DEFAULT_METRICS = {"temporal": "auc_nc,auc_tlp,auc_ilp,uplink_mib_per_task,s_per_task"}
 LABELS = {"am": "AM", "fm": "FM", "fpr95": "FPR95", "auroc_ood": "AUROC", "open_acc": "OpenAcc"}
 LABELS.update(s_per_round="s/round", uplink_mib="uplink MiB", downlink_mib="downlink MiB")
-LOWER_IS_BETTER |= {"uplink_mib", "downlink_mib"}
-COMM_METRICS = ("uplink_mib", "downlink_mib")  # a run's totals, from summary.json["comm"]
+LOWER_IS_BETTER |= {"uplink_mib", "downlink_mib", "recurrent_downlink_mib_per_task"}
+#: from summary.json["comm"]: a run's totals, and FedTIP's downlink per task without the bank
+COMM_METRICS = ("uplink_mib", "downlink_mib", "recurrent_downlink_mib_per_task")
 LABELS.update(
     auc_nc="NC", auc_tlp="T-LP", auc_ilp="I-LP", uplink_mib_per_task="MiB/task", s_per_task="s/task"
 )
+LABELS.update(recurrent_downlink_mib_per_task="down MiB/task (no bank)")
 SWEEP_TASKS = ("sweep", "sweep_trial", "report")
 TASKS = ("fl", "cil", "cir", "temporal", "bank")  # the `task` tags of training runs
 
@@ -185,8 +187,9 @@ def aggregate(runs: list[dict], metrics: list[str], layout: str) -> dict[str, di
 def value(summary: dict, metric: str) -> float | None:
     """A run's metric. ``s_per_round`` (``s_per_task``): the mean round (task) time the
     run measured (``summary.json["timing"]``), or, for runs made before it did, its wall
-    time divided by its rounds (tasks); ``uplink_mib``, ``downlink_mib``: the run's totals of its ledger
-    (``summary.json["comm"]``)."""
+    time divided by its rounds (tasks); ``uplink_mib``, ``downlink_mib``: the run's totals of its
+    ledger, and ``recurrent_downlink_mib_per_task`` (FedTIP: adapter and anchors, the bank
+    left out), from ``summary.json["comm"]``."""
     if metric in ("s_per_round", "s_per_task"):
         measured = summary.get("timing", {}).get(metric)
         if _finite(measured):

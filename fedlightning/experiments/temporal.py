@@ -178,6 +178,10 @@ def format_temporal_summary(summary: dict[str, Any]) -> str:
             rows.append((k, f"{m[k]:.4f} +- {m[k + '_std']:.4f}"))
     if "uplink_mib_per_task" in m:
         rows.append(("uplink per task", f"{m['uplink_mib_per_task']:.4f} MiB"))
+    if "recurrent_downlink_mib_per_task" in c and "uplink_mib_per_task" in m:
+        rows.append(
+            ("down per task", f"{c['recurrent_downlink_mib_per_task']:.4f} MiB (bank aside)")
+        )
     for fam, n in c.get("message_values", {}).items():
         rows.append((f"message [{fam}]", f"{n} float32 values (paper: ~{PAPER_MESSAGE_VALUES})"))
     if "noise" in summary:

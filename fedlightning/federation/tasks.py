@@ -22,7 +22,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
-from fedlightning.federation.ledger import DOWN, UP
+from fedlightning.federation.ledger import DOWN, MIB, UP
 from fedlightning.federation.loop import Schedule, check_min_clients
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.federation.task_pool import task_results
@@ -289,6 +289,10 @@ class TaskLoop(Schedule):
             for r in self.results
         }
         out["bank_values"] = self.bank_values
+        bank = out["fields"].get("bank", {DOWN: 0})[DOWN]  # Eq. (33)'s one-off term
+        out["recurrent_downlink_mib_per_task"] = (
+            4.0 * (out["downlink_values"] - bank) / MIB / max(1, len(self.results))
+        )
         out["clients_provisioned"] = len(self.provisioned)
         return out
 

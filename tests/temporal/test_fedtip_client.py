@@ -199,6 +199,9 @@ def test_task_loop_ledger_matches_the_hand_count_eqs32_33():
     assert comm["uplink_mib_per_task"] == pytest.approx(
         (results[0]["uplink_mib"] + results[1]["uplink_mib"]) / 2
     )
+    # the recurrent downlink (Sec. 5.4): adapter and anchors, without the bank's 4 sends
+    recurrent = (adapter_down + 2 * 2 * (3 * p + 2 * 2 * D_H)) / 2
+    assert comm["recurrent_downlink_mib_per_task"] == pytest.approx(4 * recurrent / 1024**2)
     final = loop.final_metrics()
     for k in ("auc_nc", "auc_tlp", "auc_ilp", "val_auc_nc", "val_auc_tlp"):
         vals = [r[k] for r in results if not math.isnan(r[k])]

@@ -28,7 +28,7 @@ from fedlightning.data.temporal.manifest import (
 from fedlightning.data.temporal.negatives import NegativeSampler, materialize_negatives
 from fedlightning.data.temporal.ownership import build_ownership
 from fedlightning.data.temporal.protocol import build_temporal_protocol, materialize
-from fedlightning.data.temporal.tasks import build_tasks
+from fedlightning.data.temporal.tasks import Task, TaskSet, build_tasks, prototype_counts
 
 FL = str(Path(sys.executable).parent / "fedlightning")
 
@@ -150,6 +150,19 @@ def test_tasks_have_30_events_from_5_clients_with_a_positive():
     again = build_tasks(s, m, own, num_tasks=40, seed=1)
     assert again.hash == ts.hash
     assert build_tasks(s, m, own, num_tasks=40, seed=2).hash != ts.hash
+
+
+def test_prototype_counts_by_hand():
+    label = np.array([0, 0, 1, 0, 1, 1, 0, 0])
+    tasks = [
+        Task(0, {0: [0, 1, 2], 1: [3]}),  # client 0: class 0 twice, class 1 once; client 1: 0 once
+        Task(1, {2: [4, 5], 3: [6, 7]}),  # class 1 twice; class 0 twice
+    ]
+    assert prototype_counts(tasks, label) == (5, 2)
+    ts = TaskSet(tasks, {})
+    s = stream(np.arange(8), [0] * 8, [1] * 8, 1, 1, label)
+    stats = ts.stats(s)
+    assert (stats["local_prototypes"], stats["single_event_prototypes"]) == (5, 2)
 
 
 # --- negatives ------------------------------------------------------------------------------

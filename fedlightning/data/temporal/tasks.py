@@ -59,12 +59,29 @@ class TaskSet(ContentHashed):
                 sum(len(set(stream.label[v].tolist())) == 2 for v in t.support.values())
                 for t in self.tasks
             ]
+            protos, single = prototype_counts(self.tasks, stream.label)
             out.update(
                 mean_positives=float(np.mean(pos)),
                 tasks_with_both_labels=int(sum(both)),
                 mean_clients_with_both_labels=float(np.mean(clients_both)),
+                local_prototypes=protos,
+                single_event_prototypes=single,
             )
         return out
+
+
+def prototype_counts(tasks: list[Task], label: np.ndarray) -> tuple[int, int]:
+    """The local class prototypes (Eq. 18) the supports form, one per (task, client, state
+    label) with at least one event, and how many of them average a single event (the
+    highest-exposure case of FedTIP Sec. 3.5): ``(prototypes, single-event prototypes)``."""
+    counts = [
+        n
+        for t in tasks
+        for v in t.support.values()
+        for n in np.bincount(label[np.asarray(v, dtype=np.int64)].astype(np.int64))
+        if n > 0
+    ]
+    return len(counts), int(sum(n == 1 for n in counts))
 
 
 def _allocate(rng: np.random.Generator, total: int, clients: list[int]) -> dict[int, int]:
