@@ -15,11 +15,12 @@ from pathlib import Path
 
 import optuna
 import pytest
+from omegaconf import OmegaConf
 from optuna.trial import FixedTrial, TrialState
 
 from fedlightning.config import compose
 from fedlightning.errors import ConfigError
-from fedlightning.sweeps import Sweep, load_spec, suggest
+from fedlightning.sweeps import Sweep, experiment_setting, load_spec, suggest
 from fedlightning.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,9 +83,28 @@ def test_suggest_types():
 
 
 def test_shipped_sweep_files_are_valid():
-    for f in sorted((REPO / "sweeps").glob("*.yaml")):
-        spec = load_spec(f)
-        assert spec.metric.startswith("val_"), f
+    """Every sweep file of ``sweeps/`` and its subfolders (``sweeps/claims/``): a valid spec
+    whose searched keys are keys of its composed experiment, each default inside its range
+    where trial 0 is the defaults (what a sweep checks before its first trial). Composition
+    only, under one Hydra initialization."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from fedlightning.config import CONF_DIR
+
+    files = sorted((REPO / "sweeps").glob("**/*.yaml"))
+    assert any(f.parent.name == "claims" for f in files)  # the subfolders are read
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        for f in files:
+            spec = load_spec(f)
+            assert spec.metric.startswith("val_"), f
+            base = hydra_compose(
+                config_name="train", overrides=[f"experiment={spec.experiment}", *spec.overrides]
+            )
+            for key in spec.space:
+                assert OmegaConf.select(base, key, default=KeyError) is not KeyError, (f, key)
+            if spec.start_from_defaults:
+                experiment_setting(spec, base)  # a ConfigError names the file and the key
 
 
 def test_test_objective_refused_before_any_trial(tmp_path):
