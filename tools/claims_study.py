@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -135,7 +136,7 @@ def ablations(experiment: str, name: str, params: dict, args, common: list[str])
 def report(args: argparse.Namespace, parts: set[str]) -> None:
     out = Path(args.out)
     for part in sorted(parts):
-        metrics = "am,fm,fpr95,auroc_ood" if part == "cil" else "am,fm"
+        metrics = "am,fm,fpr95,auroc_ood" if part == "cil" else "am,fm,recall_at_1,fpr95,auroc_ood"
         fedlightning(
             [
                 "report",
@@ -165,15 +166,18 @@ def report(args: argparse.Namespace, parts: set[str]) -> None:
             print(f"table: {out / 'report' / f'claims_{part}_ablation.md'}", flush=True)
 
 
-def _runs(out: Path) -> dict[tuple[str, str], list[dict]]:
-    """The finished best and ablation runs' summaries by (dataset, row label)."""
+def _runs(
+    out: Path, part: str = "cil", ablations: bool = True
+) -> dict[tuple[str, str], list[dict]]:
+    """The finished best (and ablation) runs' summaries of a part (``cil``, ``cir``) by
+    (dataset, row label); each carries its run folder as ``"dir"``."""
     groups: dict[tuple[str, str], list[dict]] = {}
-    for path in sorted(
-        [*out.glob("best/*/seed*/summary.json"), *out.glob("ablations/*/*/seed*/summary.json")]
-    ):
-        s = json.loads(path.read_text())
+    paths = [*out.glob("best/*/seed*/summary.json")]
+    paths += [*out.glob("ablations/*/*/seed*/summary.json")] if ablations else []
+    for path in sorted(paths):
+        s = json.loads(path.read_text()) | {"dir": str(path.parent)}
         tags = s.get("tags", {})
-        if tags.get("task") != "cil":
+        if tags.get("task") != part:
             continue
         variant = tags.get("variant", "full")
         label = tags["method"] if variant in ("full", "") else f"{tags['method']}, {variant}"
@@ -182,8 +186,6 @@ def _runs(out: Path) -> dict[tuple[str, str], list[dict]]:
 
 
 def _mean_std(values: list[float]) -> str:
-    import statistics
-
     if len(values) < 2:
         return f"{values[0]:.3f}" if values else "-"
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
@@ -237,6 +239,47 @@ def mechanism(out: Path) -> None:
         print(f"mechanism: {out / 'report' / f'mechanism_{dataset}.md'}", flush=True)
 
 
+def progress(out: Path) -> dict[tuple[str, str, str], tuple[list[float], list[float]]]:
+    """Per part and dataset, the tuned methods side by side (mean over seeds): the seen-class
+    accuracy after every stage (the FedOGL paper's Fig. 5 right; for retrieval, Recall@1),
+    ``OUT/report/seen_<part>_<dataset>.png``, and the test accuracy after every round (its
+    Fig. 6 left: convergence; the run's ``history.json``), ``OUT/report/rounds_<part>_<dataset>.png``.
+    Returns both curves per (part, dataset, row label)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    curves = {}
+    (out / "report").mkdir(parents=True, exist_ok=True)
+    for part in DATASETS:
+        groups = _runs(out, part, ablations=False)
+        for dataset in sorted({d for d, _ in groups}):
+            seen, rounds = Figure(figsize=(5.5, 3.8)), Figure(figsize=(7, 3.8))
+            ax_s, ax_r = seen.subplots(), rounds.subplots()
+            for label in sorted(label for d, label in groups if d == dataset):
+                runs = groups[(dataset, label)]
+                curve = [statistics.mean(r["stages"][t]["seen_acc"] for r in runs)
+                         for t in range(len(runs[0]["stages"]))]  # fmt: skip
+                ax_s.plot(range(1, len(curve) + 1), curve, marker="o", label=label)
+                ax_s.set_xticks(range(1, len(curve) + 1))
+                hist = [json.loads((Path(r["dir"]) / "history.json").read_text()) for r in runs]
+                acc = [statistics.mean(h[i]["test_acc"] for h in hist) for i in range(len(hist[0]))]
+                ax_r.plot(range(1, len(acc) + 1), acc, label=label, lw=1.2)
+                curves[(part, dataset, label)] = (curve, acc)
+            metric = "Recall@1" if part == "cir" else "accuracy"
+            ax_s.set(xlabel="stage", ylabel=f"seen-class {metric}", title=f"{part} {dataset}")
+            ax_r.set(
+                xlabel="round (all stages)", ylabel=f"test {metric}", title=f"{part} {dataset}"
+            )
+            for fig, ax, name in ((seen, ax_s, "seen"), (rounds, ax_r, "rounds")):
+                ax.legend(fontsize=7)
+                fig.tight_layout()
+                fig.savefig(out / "report" / f"{name}_{part}_{dataset}.png", dpi=110)
+            print(f"progress: {out / 'report'}/{{seen,rounds}}_{part}_{dataset}.png", flush=True)
+    return curves
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=[], help="sweep files whose name has one of these")
@@ -265,6 +308,7 @@ def main() -> None:
         spent = sum(pool.map(lambda p: one_study(p, args), sweeps))
     report(args, {p.stem.split("_")[0] for p in sweeps})
     mechanism(Path(args.out))
+    progress(Path(args.out))
     elapsed = time.perf_counter() - t0
     print(
         f"compute: {spent / 60:.1f} process-minutes, {elapsed / 60:.1f} minutes elapsed", flush=True

@@ -30,6 +30,25 @@ def test_plasticity_is_the_mean_of_the_accuracy_matrix_diagonal():
     assert _module().plasticity(acc) == pytest.approx((0.9 + 0.7 + 0.2) / 3)
 
 
+def test_progress_curves_are_seed_means_per_stage_and_round(tmp_path):
+    def run(seed, seen, accs, method="fedogl"):
+        d = tmp_path / "best" / f"cir_{method}_citeseer_mm" / f"seed{seed}"
+        d.mkdir(parents=True)
+        tags = {"task": "cir", "dataset": "citeseer_mm", "method": method, "variant": "full"}
+        stages = [{"seen_acc": v} for v in seen]
+        (d / "summary.json").write_text(json.dumps({"tags": tags, "stages": stages}))
+        (d / "history.json").write_text(json.dumps([{"test_acc": a} for a in accs]))
+
+    run(0, [0.4, 0.2], [0.1, 0.3, 0.5])
+    run(1, [0.6, 0.4], [0.3, 0.5, 0.7])
+    run(0, [0.1, 0.1], [0.0, 0.0, 0.0], method="fedavg")
+    curves = _module().progress(tmp_path)
+    seen, rounds = curves[("cir", "citeseer_mm", "fedogl")]
+    assert seen == pytest.approx([0.5, 0.3]) and rounds == pytest.approx([0.2, 0.4, 0.6])
+    assert set(curves) == {("cir", "citeseer_mm", "fedogl"), ("cir", "citeseer_mm", "fedavg")}
+    assert (tmp_path / "report" / "rounds_cir_citeseer_mm.png").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_claims_study_runs_the_best_setting_and_the_ablations(shared_data, tmp_env, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
@@ -68,4 +87,5 @@ def test_claims_study_runs_the_best_setting_and_the_ablations(shared_data, tmp_e
     assert all(f"no_{c}" in ablation for c in ("replay", "distill", "projection", "prototypes"))
     mechanism = (report / "mechanism_cora.md").read_text().splitlines()
     assert len(mechanism) == 2 + 5 and (report / "drift_cora.png").stat().st_size > 0
+    assert (report / "seen_cil_cora.png").stat().st_size > 0
     assert "compute:" in done.stdout
