@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 from collections import defaultdict
@@ -303,7 +304,8 @@ def sensitivity(runs: list[dict], key: str, metric: str, layout: str, out: Path)
         if len(points) < 2:
             continue
         xs = sorted(points)
-        name = f"sensitivity_{key}_{row}_{d}".replace("+", "_").replace("/", "_")
+        name = re.sub(r"[^\w.=-]+", "_", f"sensitivity_{key}_{row}_{d}")  # "fedtip (tgn)"
+        name = re.sub("_+", "_", name)
         paths.append(
             plot_sensitivity(xs, [points[x] for x in xs], out / f"{name}.png", key, metric)
         )

@@ -26,3 +26,13 @@ def test_a_loss_panel_only_with_a_reported_loss(tmp_path):
     assert png_width(plot_curves(rows(math.nan), tmp_path / "nan.png")) == 550
     no_key = [{"round": 1, "val_acc": 0.5}]
     assert png_width(plot_curves(no_key, tmp_path / "none.png")) == 550
+
+
+def test_sensitivity_axis_scale_follows_the_grid():
+    from fedlightning.tracking.plots import x_scale
+
+    assert x_scale([0, 1e-4, 1e-3, 1e-2, 0.1, 1]) == "symlog"  # FedTIP's lambda grids
+    assert x_scale([2, 4, 8, 16, 32, 256]) == "log"
+    assert x_scale([2, 4, 8, 16, 32]) == "linear"  # under two decades
+    assert x_scale([0, 0.1, 0.5, 1]) == "linear"
+    assert x_scale([-1, 0.01, 10]) == "linear"

@@ -109,22 +109,36 @@ def plot_importances(importances: dict[str, float], path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def x_scale(x: Sequence[float]) -> str:
+    """The axis scale for a parameter grid: ``"log"`` for positive values spanning two
+    decades or more, ``"symlog"`` for such a grid with 0 in it (``lambda`` in {0, 1e-4, ...,
+    1}), else ``"linear"``."""
+    positive = [v for v in x if v > 0]
+    if len(positive) < 2 or min(x) < 0 or max(positive) / min(positive) < 100:
+        return "linear"
+    return "log" if min(x) > 0 else "symlog"
+
+
 def plot_sensitivity(
     x: Sequence[float],
     values: Sequence[Sequence[float]],
     path: str | Path,
     xlabel: str,
     ylabel: str,
-    log_x: bool = False,
+    log_x: bool | None = None,
 ) -> Path:
     """A metric against one parameter: the mean of each x's ``values`` (over seeds) with
-    sample-std error bars (0 for one value), sorted by x."""
+    sample-std error bars (0 for one value), sorted by x; ``log_x=None``: the scale of
+    :func:`x_scale`."""
     order = sorted(range(len(x)), key=lambda i: x[i])
     mean = [statistics.fmean(values[i]) for i in order]
     std = [statistics.stdev(values[i]) if len(values[i]) > 1 else 0.0 for i in order]
     fig, ax = _subplots(figsize=(5, 3.6))
     ax.errorbar([x[i] for i in order], mean, yerr=std, marker="o", capsize=3)
-    if log_x:
+    scale = x_scale(x) if log_x is None else "log" if log_x else "linear"
+    if scale == "symlog":
+        ax.set_xscale("symlog", linthresh=min(v for v in x if v > 0))
+    elif scale == "log":
         ax.set_xscale("log")
     ax.set(xlabel=xlabel, ylabel=ylabel, title=f"sensitivity to {xlabel}")
     return _save(fig, path)
