@@ -257,16 +257,20 @@ def progress(out: Path) -> dict[tuple[str, str, str], tuple[list[float], list[fl
         for dataset in sorted({d for d, _ in groups}):
             seen, rounds = Figure(figsize=(5.5, 3.8)), Figure(figsize=(7, 3.8))
             ax_s, ax_r = seen.subplots(), rounds.subplots()
+            same: dict[tuple, list[str]] = {}  # rows that train alike share one line
             for label in sorted(label for d, label in groups if d == dataset):
                 runs = groups[(dataset, label)]
                 curve = [statistics.mean(r["stages"][t]["seen_acc"] for r in runs)
                          for t in range(len(runs[0]["stages"]))]  # fmt: skip
-                ax_s.plot(range(1, len(curve) + 1), curve, marker="o", label=label)
-                ax_s.set_xticks(range(1, len(curve) + 1))
                 hist = [json.loads((Path(r["dir"]) / "history.json").read_text()) for r in runs]
                 acc = [statistics.mean(h[i]["test_acc"] for h in hist) for i in range(len(hist[0]))]
-                ax_r.plot(range(1, len(acc) + 1), acc, label=label, lw=1.2)
                 curves[(part, dataset, label)] = (curve, acc)
+                same.setdefault((tuple(curve), tuple(acc)), []).append(label)
+            for i, ((curve, acc), labels) in enumerate(same.items()):
+                style = {"label": " = ".join(labels), "ls": ("-", "--", ":")[i // 10 % 3]}
+                ax_s.plot(range(1, len(curve) + 1), curve, marker="o", **style)
+                ax_s.set_xticks(range(1, len(curve) + 1))
+                ax_r.plot(range(1, len(acc) + 1), acc, lw=1.2, **style)
             metric = "Recall@1" if part == "cir" else "accuracy"
             ax_s.set(xlabel="stage", ylabel=f"seen-class {metric}", title=f"{part} {dataset}")
             ax_r.set(
