@@ -304,8 +304,7 @@ def sensitivity(runs: list[dict], key: str, metric: str, layout: str, out: Path)
         if len(points) < 2:
             continue
         xs = sorted(points)
-        name = re.sub(r"[^\w.=-]+", "_", f"sensitivity_{key}_{row}_{d}")  # "fedtip (tgn)"
-        name = re.sub("_+", "_", name)
+        name = re.sub(r"(?:[^\w.=-]|_)+", "_", f"sensitivity_{key}_{row}_{d}")  # "fedtip (tgn)"
         paths.append(
             plot_sensitivity(xs, [points[x] for x in xs], out / f"{name}.png", key, metric)
         )
