@@ -558,9 +558,9 @@ def fit_round():
     federated_round(1, server, runner, clients, work, ledger)
     return server, ledger
 server, ledger = fit_round()
-print("RESULT", json.dumps({{"rank": runner.world.rank,
-    "w": server.global_state["w"].tolist(),
-    "rejections": [list(r[:4]) for r in ledger.rejections]}}), flush=True)
+with open(f"result_{{runner.world.rank}}.json", "w") as f:
+    json.dump({{"rank": runner.world.rank, "w": server.global_state["w"].tolist(),
+               "rejections": [list(r[:4]) for r in ledger.rejections]}}, f)
 """
 
 
@@ -580,8 +580,13 @@ def test_hostile_clients_under_two_gloo_ranks(tmp_path):
         [*cmd, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    results = [json.loads(x.split("RESULT ", 1)[1]) for x in r.stdout.splitlines() if "RESULT" in x]
-    assert sorted(x["rank"] for x in results) == [0, 1]
+    # one file per rank, not stdout: two ranks share torchrun's pipe
+    files = sorted(tmp_path.glob("result_*.json"))
+    assert [f.name for f in files] == ["result_0.json", "result_1.json"], (
+        f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    )
+    results = [json.loads(f.read_text()) for f in files]
+    assert [x["rank"] for x in results] == [0, 1]
     assert (
         results[0]["w"] == results[1]["w"] and results[0]["rejections"] == results[1]["rejections"]
     )
