@@ -167,6 +167,7 @@ class FederatedLoop(Schedule):
         self.on_round_end = on_round_end
         self.history: list[dict[str, float]] = []
         self.completed_rounds = 0
+        self.last_updates: list[ClientUpdate] = []  # the round's kept updates (not saved)
         self._stacking: bool | None = None
 
     # ------------------------------------------------------------------ one round
@@ -184,6 +185,7 @@ class FederatedLoop(Schedule):
             desc=f"round {round}/{self.rounds}",
             min_clients=self.min_clients,
         )
+        self.last_updates = updates
         metrics = self.evaluate(round)
         if self.algorithm.report_train_loss:  # the clients' own loss, only when they send it
             weights = [u.num_examples for u in updates]

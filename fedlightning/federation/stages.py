@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 import math
@@ -24,6 +25,8 @@ from fedlightning.metrics import (
     average_accuracy,
     basis_drift,
     class_centroids,
+    discrepancy_spread,
+    dispersion_of,
     energy_score,
     forgetting,
     forgetting_diag,
@@ -31,12 +34,13 @@ from fedlightning.metrics import (
     msp_score,
     open_accuracy,
     principal_basis,
-    prototype_dispersion,
+    prototype_discrepancies,
     seen_accuracy_curve,
     semantic_drift,
     threshold_at_tpr,
 )
 from fedlightning.metrics.open_set import score_sign
+from fedlightning.server.aggregate import model_state
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,10 @@ class ContinualLoop(FederatedLoop):
         "d_sem",
         "d_str",
         "d_fed",
+        "d_fed_local",
+        "d_fed_local_std",
+        "d_fed_local_class_std",
+        "d_fed_local_client_std",
     )
 
     def __init__(
@@ -94,6 +102,7 @@ class ContinualLoop(FederatedLoop):
         self.test_scores: list[dict[str, Any]] = []  # per stage: every test node's score
         self.centroids_at_intro: dict[int, Tensor] = {}
         self.bases_at_end: dict[int, Tensor] = {}
+        self.prototype_terms: list[list[list]] = []  # per stage: [class, client, Eq. (4) term]
 
     def stage_of(self, round: int) -> int:
         return (round - 1) // self.rounds_per_stage
@@ -322,7 +331,8 @@ class ContinualLoop(FederatedLoop):
         Semantic drift of old-class centroids of ``s`` since their stage (Eq. (2)), drift of
         the top-``r`` basis of ``g`` on each earlier stage's training nodes since that
         stage's end (Eq. (3), averaged over earlier stages), and the dispersion of the
-        clients' class prototypes of ``z`` around their count-weighted mean (Eq. (4)).
+        clients' class prototypes of ``z`` around their count-weighted mean (Eq. (4)), with
+        the spread of its client-by-class terms (kept in ``prototype_terms``, Fig. 3).
         """
         if not reps_all or not reps_all[0][1]:
             return {}
@@ -350,23 +360,57 @@ class ContinualLoop(FederatedLoop):
                 self.bases_at_end[i] = basis
             elif i in self.bases_at_end:
                 drifts.append(basis_drift(self.bases_at_end[i], basis))
-        local: dict[int, list[Tensor]] = {}
+        glob_terms = self.prototype_terms_of(known, reps_all)
+        out = {
+            "d_sem": d_sem,
+            "d_str": sum(drifts) / len(drifts) if drifts else 0.0,
+            "d_fed": dispersion_of(glob_terms),
+        }
+        if self.last_updates:  # the clients of the round just run (the stage's last)
+            terms = self.prototype_terms_of(known, self.uplinked_representations())
+            self.prototype_terms.append(
+                [[cl, k, v] for cl, by_client in terms.items() for k, v in by_client.items()]
+            )
+            out["d_fed_local"] = dispersion_of(terms)
+            out.update(discrepancy_spread(terms, "d_fed_local"))
+        return out
+
+    @staticmethod
+    def prototype_terms_of(
+        known: list[int], reps_all: list[tuple[Any, dict[str, Tensor]]]
+    ) -> dict[int, dict[int, float]]:
+        """The terms of Eq. (4), ``{class: {client: 1 - cos}}``: each client's prototype of
+        a known class (the mean ``z`` of its training nodes of it) against their mean
+        weighted by the clients' node counts (FedAvg's weights)."""
+        local: dict[int, dict[int, Tensor]] = {}
         weights: dict[int, list[int]] = {}
-        for m, y, r in train:
+        for c, r in reps_all:
+            m, y = c.data.train_mask, c.data.y
             for cl in known:
                 sel = m & (y == cl)
                 if sel.any():
-                    local.setdefault(cl, []).append(r["z"][sel].mean(0))
+                    local.setdefault(cl, {})[c.client_id] = r["z"][sel].mean(0)
                     weights.setdefault(cl, []).append(int(sel.sum()))
         glob = {
-            cl: sum(w * p for w, p in zip(weights[cl], ps, strict=True)) / sum(weights[cl])
+            cl: sum(w * p for w, p in zip(weights[cl], ps.values(), strict=True)) / sum(weights[cl])
             for cl, ps in local.items()
         }
-        return {
-            "d_sem": d_sem,
-            "d_str": sum(drifts) / len(drifts) if drifts else 0.0,
-            "d_fed": prototype_dispersion(local, glob),
-        }
+        return prototype_discrepancies(local, glob)
+
+    @torch.no_grad()
+    def uplinked_representations(self) -> list[tuple[Any, dict[str, Tensor]]]:
+        """Each client of the round just run with the representations of the model it
+        uplinked (its local model after the fit; fields it did not send: the global
+        model's) on its own subgraph: Fig. 3's local prototypes come from these."""
+        net = copy.deepcopy(self.module.net).eval()
+        base, glob = net.state_dict(), self.server.global_state
+        by_id = {c.client_id: c for c in self.clients}
+        out = []
+        for u in self.last_updates:
+            sent = model_state(u.tensors)
+            net.load_state_dict({k: sent.get(k, glob.get(k, v)) for k, v in base.items()})
+            out.append((by_id[u.client_id], net.representations(by_id[u.client_id].data)))
+        return out
 
     # ------------------------------------------------------------------ results
     def matrix(self, split: str = "test") -> Tensor:
@@ -398,6 +442,7 @@ class ContinualLoop(FederatedLoop):
             "client_acc_matrices": {str(k): v for k, v in self.client_rows.items()},
             "stages": self.stage_results,
             "stream": {"stages": self.stream.stages, "never": self.stream.never},
+            "prototype_terms": self.prototype_terms,
         }
 
     def write_artifacts(self, run_dir: Path, title: str) -> list[Path]:
@@ -414,16 +459,36 @@ class ContinualLoop(FederatedLoop):
         paths.append(csv_path)
         paths.append(plot_accuracy_matrix(m, run_dir / "acc_matrix.png", title=title))
         paths.append(plot_seen_accuracy(self.stage_results, run_dir / "seen_acc.png", title=title))
+        if self.prototype_terms:
+            paths += self.write_prototype_terms(run_dir, title)
         if self.test_scores:
             torch.save(self.test_scores, run_dir / "test_scores.pt")
             paths.append(run_dir / "test_scores.pt")
         return paths
 
+    def write_prototype_terms(self, run_dir: Path, title: str) -> list[Path]:
+        """Every stage's client-by-class terms of Eq. (4) (``d_fed_terms.csv``) and the last
+        stage's as a heatmap (``d_fed_terms.png``, the paper's Fig. 3)."""
+        from fedlightning.tracking.plots import plot_client_class_matrix
+
+        csv_path = run_dir / "d_fed_terms.csv"
+        with csv_path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["after_stage", "class", "client", "discrepancy"])
+            for t, rows in enumerate(self.prototype_terms):
+                w.writerows([t + 1, cl, k, f"{v:.6f}"] for cl, k, v in rows)
+        png = plot_client_class_matrix(
+            {f"after stage {len(self.prototype_terms)}": self.prototype_terms[-1]},
+            run_dir / "d_fed_terms.png",
+            title=f"{title}: 1 - cos(client prototype, global prototype)",
+        )
+        return [csv_path, png]
+
     # ------------------------------------------------------------------ state
     own_state = ("rows", "client_rows", "stage_results", "centroids_at_intro", "bases_at_end")
 
     def state_dict(self) -> dict[str, Any]:
-        extra = {k: getattr(self, k) for k in (*self.own_state, "test_scores")}
+        extra = {k: getattr(self, k) for k in (*self.own_state, "test_scores", "prototype_terms")}
         return {**super().state_dict(), "extra": extra}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -431,3 +496,4 @@ class ContinualLoop(FederatedLoop):
         for k in self.own_state:
             setattr(self, k, state["extra"][k])
         self.test_scores = state["extra"].get("test_scores", [])  # not in older checkpoints
+        self.prototype_terms = state["extra"].get("prototype_terms", [])  # nor these

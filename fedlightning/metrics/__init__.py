@@ -10,7 +10,10 @@ from fedlightning.metrics.continual import (
 from fedlightning.metrics.diagnostics import (
     basis_drift,
     class_centroids,
+    discrepancy_spread,
+    dispersion_of,
     principal_basis,
+    prototype_discrepancies,
     prototype_dispersion,
     semantic_drift,
 )
@@ -41,6 +44,9 @@ __all__ = [
     "msp_score",
     "open_accuracy",
     "principal_basis",
+    "discrepancy_spread",
+    "dispersion_of",
+    "prototype_discrepancies",
     "prototype_dispersion",
     "recall_at_k",
     "seen_accuracy_curve",

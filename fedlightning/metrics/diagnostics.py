@@ -18,7 +18,10 @@ from fedlightning.server.basis import fix_signs
 __all__ = [
     "basis_drift",
     "class_centroids",
+    "discrepancy_spread",
+    "dispersion_of",
     "principal_basis",
+    "prototype_discrepancies",
     "prototype_dispersion",
     "semantic_drift",
 ]
@@ -122,6 +125,53 @@ def basis_drift(u_then: Tensor, u_now: Tensor) -> float:
     return float(torch.linalg.matrix_norm(diff, ord="fro")) / math.sqrt(2 * r)
 
 
+def prototype_discrepancies(
+    local: Mapping[int, Mapping[int, Tensor]], global_: Mapping[int, Tensor]
+) -> dict[int, dict[int, float]]:
+    r"""The terms of FedOGL Eq. (4), client by class (the matrix of the paper's Fig. 3):
+    ``{c: {k: 1 - cos(p_kc, pbar_c)}}``.
+
+    ``local[c]`` maps each client :math:`k \in \mathcal{K}_c` to its prototype
+    :math:`\mathbf{p}_{k,c}`, ``global_[c]`` is :math:`\bar{\mathbf{p}}_c`; only the classes
+    with both appear, in ascending order (the clients in ``local[c]``'s order).
+    """
+    classes = sorted(c for c in set(local) & set(global_) if len(local[c]) > 0)
+    return {c: {k: _cos_dist(p, global_[c]) for k, p in local[c].items()} for c in classes}
+
+
+def dispersion_of(terms: Mapping[int, Mapping[int, float]]) -> float:
+    """Eq. (4)'s averages of :func:`prototype_discrepancies`: over each class's clients, then
+    over the classes, each class weighing the same (NaN with no class)."""
+    if not terms:
+        return math.nan
+    per_class = [sum(t.values()) / len(t) for t in terms.values()]
+    return sum(per_class) / len(per_class)
+
+
+def discrepancy_spread(
+    terms: Mapping[int, Mapping[int, float]], name: str = "d_fed"
+) -> dict[str, float]:
+    """How unevenly the terms of Eq. (4) fall (Fig. 3's "class- and client-wise variation"):
+    the population standard deviation of all (client, class) terms (``<name>_std``), of the
+    per-class means over their clients (``<name>_class_std``), and of the per-client means
+    over their classes (``<name>_client_std``); NaN with no term."""
+    by_client: dict[int, list[float]] = {}
+    for t in terms.values():
+        for k, v in t.items():
+            by_client.setdefault(k, []).append(v)
+
+    def std(values: list[float]) -> float:
+        if not values:
+            return math.nan
+        return float(torch.tensor(values, dtype=torch.float64).std(correction=0))
+
+    return {
+        f"{name}_std": std([v for t in terms.values() for v in t.values()]),
+        f"{name}_class_std": std([sum(t.values()) / len(t) for t in terms.values()]),
+        f"{name}_client_std": std([sum(v) / len(v) for v in by_client.values()]),
+    }
+
+
 def prototype_dispersion(
     local: Mapping[int, Sequence[Tensor]], global_: Mapping[int, Tensor]
 ) -> float:
@@ -139,8 +189,6 @@ def prototype_dispersion(
     Shapes:
         - **input:** ``local`` ``{c: [(d,), ...]}``, ``global_`` ``{c: (d,)}``
     """
-    classes = sorted(c for c in set(local) & set(global_) if len(local[c]) > 0)
-    if not classes:
-        return math.nan
-    per_class = [sum(_cos_dist(p, global_[c]) for p in local[c]) / len(local[c]) for c in classes]
-    return sum(per_class) / len(per_class)
+    return dispersion_of(
+        prototype_discrepancies({c: dict(enumerate(ps)) for c, ps in local.items()}, global_)
+    )

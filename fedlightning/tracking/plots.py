@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,41 @@ def plot_accuracy_matrix(matrix, path: str | Path, title: str = "") -> Path:
     ax.set(xlabel="classes of stage j", ylabel="after stage t", title=title or "accuracy matrix")
     fig.colorbar(im, ax=ax)
     return _save(fig, path)
+
+
+def plot_client_class_matrix(
+    panels: Mapping[str, Sequence[Sequence[float]]], path: str | Path, title: str = ""
+) -> Path:
+    """Client-by-class heatmaps, one panel per entry of ``panels`` (``{name: [[class, client,
+    value], ...]}``), on one colour scale from 0 (white) to the largest value (dark); a
+    missing (client, class) pair is grey. FedOGL's Fig. 3 with the terms of Eq. (4)."""
+    import numpy as np
+
+    rows = [r for p in panels.values() for r in p]
+    classes = sorted({int(r[0]) for r in rows})
+    clients = sorted({int(r[1]) for r in rows})
+    top = max((r[2] for r in rows), default=1.0) or 1.0
+    n = len(panels)
+    fig, axes = _subplots(
+        1,
+        n,
+        squeeze=False,
+        figsize=(0.35 * len(classes) * n + 1.5 * n + 1, 0.3 * len(clients) + 1.8),
+    )
+    for ax, (name, part) in zip(axes[0], panels.items(), strict=True):
+        m = np.full((len(clients), len(classes)), np.nan)
+        for cl, k, v in part:
+            m[clients.index(int(k)), classes.index(int(cl))] = v
+        ax.set_facecolor("0.85")
+        im = ax.imshow(np.ma.masked_invalid(m), vmin=0, vmax=top, cmap="Blues", aspect="auto")
+        ax.set_xticks(range(len(classes)), [str(c) for c in classes], fontsize=7)
+        ax.set_yticks(range(len(clients)), [str(k) for k in clients], fontsize=7)
+        ax.set(xlabel="class", ylabel="client", title=name)
+    fig.colorbar(im, ax=list(axes[0]))
+    if title:
+        fig.suptitle(title)
+    fig.savefig(Path(path), dpi=110, bbox_inches="tight")
+    return Path(path)
 
 
 def plot_seen_accuracy(

@@ -1,6 +1,8 @@
 """The class-incremental open-world protocol end to end, checked against recomputation."""
 
+import csv
 import json
+import statistics
 
 import pytest
 import torch
@@ -84,8 +86,34 @@ def test_stage_metrics_match_a_recomputation_from_the_final_model(tmp_env, compo
         "d_sem",
         "d_str",
         "d_fed",
+        "d_fed_local",
+        "d_fed_local_std",
     ):
         assert k in s["metrics"], k
+    # Fig. 3: every stage's client-by-class terms of Eq. (4), in the summary and the CSV, and
+    # the scalars recomputed from the last stage's
+    terms = s["prototype_terms"]
+    assert len(terms) == 3
+    with (run / "d_fed_terms.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == sum(map(len, terms))
+    assert [float(r["discrepancy"]) for r in rows[-len(terms[-1]) :]] == pytest.approx(
+        [v for _, _, v in terms[-1]], abs=1e-6
+    )
+    last = terms[-1]
+    assert {cl for cl, _, _ in last} <= set(stream.known(2))
+    assert {k for _, k, _ in last} <= {c.client_id for c in build_clients(graph, part)}
+    by_class = {cl: [v for c2, _, v in last if c2 == cl] for cl, _, _ in last}
+    by_client = {k: [v for _, k2, v in last if k2 == k] for _, k, _ in last}
+    class_means = [statistics.fmean(v) for v in by_class.values()]
+    m = s["metrics"]
+    assert m["d_fed_local"] == pytest.approx(statistics.fmean(class_means), abs=1e-12)
+    assert m["d_fed_local_std"] == pytest.approx(statistics.pstdev(v for _, _, v in last))
+    assert m["d_fed_local_class_std"] == pytest.approx(statistics.pstdev(class_means))
+    assert m["d_fed_local_client_std"] == pytest.approx(
+        statistics.pstdev(statistics.fmean(v) for v in by_client.values())
+    )
+    assert (run / "d_fed_terms.png").exists()
 
 
 def test_replay_reduces_forgetting_on_cora(tmp_env, compose, shared_data, monkeypatch):

@@ -10,7 +10,10 @@ import torch
 from fedlightning.metrics import (
     basis_drift,
     class_centroids,
+    discrepancy_spread,
+    dispersion_of,
     principal_basis,
+    prototype_discrepancies,
     prototype_dispersion,
     semantic_drift,
 )
@@ -96,3 +99,20 @@ def test_prototype_dispersion_hand():
     # (pooling all prototypes would give (0 + 1 + 0) / 3 instead).
     assert prototype_dispersion(local, global_) == pytest.approx(0.25)
     assert math.isnan(prototype_dispersion({}, global_))
+
+
+def test_prototype_discrepancies_client_by_class_hand():
+    local = {0: {3: t(1, 0), 7: t(0, 1)}, 1: {3: t(1, 1)}, 2: {}, 4: {3: t(1, 0)}}
+    global_ = {0: t(1, 0), 1: t(2, 2), 2: t(0, 1)}
+    terms = prototype_discrepancies(local, global_)
+    # class 2 has no client, class 4 no global prototype: both left out
+    assert terms == {0: {3: pytest.approx(0.0), 7: pytest.approx(1.0)}, 1: {3: pytest.approx(0.0)}}
+    assert dispersion_of(terms) == pytest.approx(0.25)  # (mean(0, 1) + 0) / 2
+    assert math.isnan(dispersion_of({}))
+    spread = discrepancy_spread(terms, "x")
+    # all terms 0, 1, 0: mean 1/3, population std sqrt(((1/3)^2 * 2 + (2/3)^2) / 3) = sqrt(2)/3
+    assert spread["x_std"] == pytest.approx(math.sqrt(2) / 3)
+    assert spread["x_class_std"] == pytest.approx(0.25)  # class means 0.5 and 0
+    assert spread["x_client_std"] == pytest.approx(0.5)  # client 3: mean(0, 0); client 7: 1
+    assert all(math.isnan(v) for v in discrepancy_spread({}).values())
+    assert set(discrepancy_spread({})) == {"d_fed_std", "d_fed_class_std", "d_fed_client_std"}
