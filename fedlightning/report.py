@@ -26,7 +26,12 @@ from omegaconf import OmegaConf
 from fedlightning.errors import ConfigError
 from fedlightning.tracking import MlflowTracker, flatten
 from fedlightning.tracking.mlflow_tracker import PARENT_TAG, family_experiment, local_store
-from fedlightning.tracking.plots import plot_accuracy_matrix, plot_scatter, plot_sensitivity
+from fedlightning.tracking.plots import (
+    plot_accuracy_matrix,
+    plot_client_class_matrix,
+    plot_scatter,
+    plot_sensitivity,
+)
 
 LOWER_IS_BETTER = {"fm", "fm_diag", "fpr95", "val_fm", "val_fpr95", "train_loss", "s_per_round"}
 LOWER_IS_BETTER |= {"s_per_task"}
@@ -265,6 +270,7 @@ def plots(runs: list[dict], layout: str, metric: str, out: Path) -> list[Path]:
     """Uplink against ``metric`` for every run, and seed-mean accuracy matrices."""
     points: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
     mats: dict[tuple[str, str], list] = defaultdict(list)
+    terms: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for s in runs:
         row, d = row_label(s["tags"], layout), s["tags"].get("dataset", "?")
         if _finite(s["metrics"].get(metric)):
@@ -272,6 +278,8 @@ def plots(runs: list[dict], layout: str, metric: str, out: Path) -> list[Path]:
             points[f"{row} ({d})"][1].append(s["metrics"][metric])
         if s.get("acc_matrix"):
             mats[(row, d)].append(s["acc_matrix"])
+        if s.get("prototype_terms"):
+            terms[d][row].append(s["prototype_terms"][-1])
     paths = []
     if points:
         paths.append(
@@ -284,7 +292,21 @@ def plots(runs: list[dict], layout: str, metric: str, out: Path) -> list[Path]:
         ]
         name = f"acc_matrix_{row}_{d}".replace("+", "_").replace("/", "_")
         paths.append(plot_accuracy_matrix(mean, out / f"{name}.png", f"{row}, {d}"))
+    for d, by_row in sorted(terms.items()):
+        panels = {row: mean_terms(ts) for row, ts in sorted(by_row.items())}
+        title = f"{d}, last stage: 1 - cos(client prototype, global prototype), seed mean"
+        paths.append(plot_client_class_matrix(panels, out / f"d_fed_terms_{d}.png", title))
     return paths
+
+
+def mean_terms(runs_terms: list[list[list[float]]]) -> list[list[float]]:
+    """The mean over runs of each (class, client) term of Eq. (4) (``[class, client, term]``
+    rows, over the runs that have the pair), sorted by class then client."""
+    cells: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for rows in runs_terms:
+        for cl, k, v in rows:
+            cells[(int(cl), int(k))].append(v)
+    return [[cl, k, statistics.fmean(v)] for (cl, k), v in sorted(cells.items())]
 
 
 def sensitivity(runs: list[dict], key: str, metric: str, layout: str, out: Path) -> list[Path]:

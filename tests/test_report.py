@@ -309,3 +309,20 @@ def test_seconds_per_task_from_the_summaries_timing_or_wall_time():
     assert value(s, "s_per_task") == 5.0
     del s["timing"]
     assert value(s, "s_per_task") == pytest.approx(100.0 / 3)
+
+
+def test_fig3_panels_are_the_seed_means_of_each_client_and_class(tmp_path):
+    from fedlightning.report import mean_terms, plots
+
+    # two seeds of one method: (class 0, client 1) in both, (class 2, client 0) in one
+    a = [[0, 1, 0.2], [2, 0, 0.5]]
+    b = [[0, 1, 0.4]]
+    assert mean_terms([a, b]) == [[0, 1, pytest.approx(0.3)], [2, 0, 0.5]]
+    runs = []
+    for seed, terms in ((0, a), (1, b)):
+        s = _run("cora", seed, 0.6)
+        runs.append({**s, "prototype_terms": [[[0, 1, 9.9]], terms]})  # the last stage counts
+    paths = plots(runs, "main", "am", tmp_path)
+    assert (
+        tmp_path / "d_fed_terms_cora.png" in paths and (tmp_path / "d_fed_terms_cora.png").exists()
+    )

@@ -366,7 +366,9 @@ class ContinualLoop(FederatedLoop):
             "d_str": sum(drifts) / len(drifts) if drifts else 0.0,
             "d_fed": dispersion_of(glob_terms),
         }
-        if self.last_updates:  # the clients of the round just run (the stage's last)
+        # the clients of the round just run (the stage's last); under secure aggregation the
+        # server sees masked shares only, no client's model
+        if self.last_updates and getattr(self.server, "secure", None) is None:
             terms = self.prototype_terms_of(known, self.uplinked_representations())
             self.prototype_terms.append(
                 [[cl, k, v] for cl, by_client in terms.items() for k, v in by_client.items()]

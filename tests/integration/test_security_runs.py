@@ -51,6 +51,8 @@ def test_fedogl_sums_models_and_prototypes_securely(tmp_env, compose):
     over = [*DEMO, "logger=none", "federation.secure_sum=true"]
     s = train(compose(over), tmp_env / "s", verbose=False)
     assert 0.0 <= s["metrics"]["am"] <= 1.0
+    # masked shares show no client's model: Eq. (4) from the clients' own models is left out
+    assert "d_fed" in s["metrics"] and "d_fed_local" not in s["metrics"]
 
 
 FEDTIP = [
