@@ -36,6 +36,10 @@ from fedlightning.tracking.plots import (
 LOWER_IS_BETTER = {"fm", "fm_diag", "fpr95", "val_fm", "val_fpr95", "train_loss", "s_per_round"}
 LOWER_IS_BETTER |= {"s_per_task"}
 LOWER_IS_BETTER |= {"uplink_mib_per_task", "downlink_mib_per_task"}
+#: the drift diagnostics of FedOGL Eqs. (2)-(4) and the spread of Eq. (4)'s terms: less is
+#: the memory the paper wants kept
+LOWER_IS_BETTER |= {"d_sem", "d_str", "d_fed", "d_fed_local"}
+LOWER_IS_BETTER |= {f"d_fed_local_{s}" for s in ("std", "class_std", "client_std")}
 DEFAULT_METRICS = {"temporal": "auc_nc,auc_tlp,auc_ilp,uplink_mib_per_task,s_per_task"}
 LABELS = {"am": "AM", "fm": "FM", "fpr95": "FPR95", "auroc_ood": "AUROC", "open_acc": "OpenAcc"}
 LABELS.update(s_per_round="s/round", uplink_mib="uplink MiB", downlink_mib="downlink MiB")

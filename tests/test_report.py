@@ -33,6 +33,10 @@ def test_render_bolds_the_best_of_each_column():
     assert "| c | 0.64 (n=1) | 0.40 ± 0.01 (n=2) |" in md  # one seed: no spread shown
     tex = render(table, ["am", "fm"], 2, "tex")
     assert r"\textbf{0.70 $\pm$ 0.05 (n=2)}" in tex and r"\multicolumn{2}{c}{d}" in tex
+    drift = {"a": {"d": {"d_fed_local_std": cell(0.1, 0.0)}}, "b": {"d": {"d_fed_local_std": one}}}
+    assert "| a | **0.10 ± 0.00 (n=2)** |" in render(
+        drift, ["d_fed_local_std"], 2, "md"
+    )  # less drift
 
 
 def parse(md: str) -> dict[str, list[str]]:

@@ -100,7 +100,7 @@ def plot_client_class_matrix(
         im = ax.imshow(np.ma.masked_invalid(m), vmin=0, vmax=top, cmap="Blues", aspect="auto")
         ax.set_xticks(range(len(classes)), [str(c) for c in classes], fontsize=7)
         ax.set_yticks(range(len(clients)), [str(k) for k in clients], fontsize=7)
-        ax.set(xlabel="class", ylabel="client", title=name)
+        ax.set(xlabel="class", ylabel="client" if ax is axes[0][0] else "", title=name)
     fig.colorbar(im, ax=list(axes[0]))
     if title:
         fig.suptitle(title)
