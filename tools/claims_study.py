@@ -18,6 +18,11 @@ kept, and one whose process died is resumed from its checkpoint.
 
     python tools/claims_study.py [--only cil_fedogl] [--parallel 2] [--seeds 0 1 2 3 4]
         [--out outputs/claims] [--trials N] [--set federation.rounds=2 ...]
+        [--sweeps sweeps/claims/rejection]
+
+``--sweeps`` names another folder of sweep files: ``sweeps/claims/rejection/`` searches the
+rejection parameters of CLIPN, GRASP and TopoOOD on the validation FPR95, with the
+accuracy-tuned setting as each file's fixed ``overrides`` (which the seed runs keep too).
 
 ``--set`` adds Hydra overrides to every run (a quick check of the whole pipeline).
 """
@@ -73,7 +78,8 @@ def _value(v: object) -> str:
 def one_study(sweep: Path, args: argparse.Namespace) -> float:
     """The sweep, its best setting's seed runs; the seconds they took."""
     name, out = sweep.stem, Path(args.out)
-    experiment = yaml.safe_load(sweep.read_text())["experiment"]
+    spec = yaml.safe_load(sweep.read_text())
+    experiment, metric = spec["experiment"], spec["objective"]["metric"]
     storage = f"sqlite:///{(out / 'optuna' / f'{name}.db').resolve()}"
     (out / "optuna").mkdir(parents=True, exist_ok=True)
     common = [f"logger.experiment_name={args.experiment_name}", "threads=1", *args.set]
@@ -86,10 +92,10 @@ def one_study(sweep: Path, args: argparse.Namespace) -> float:
     params, value, number = best_params(storage, name)
     best_dir = out / "best" / name
     best_dir.mkdir(parents=True, exist_ok=True)
-    record = {"study": name, "experiment": experiment, "trial": number, "val_am": value}
+    record = {"study": name, "experiment": experiment, "trial": number, metric: value}
     (best_dir / "best.json").write_text(json.dumps({**record, "params": params}, indent=2) + "\n")
-    print(f"[{name}] best trial {number}: val_am {value:.4f}  {params}", flush=True)
-    tuned = [f"{k}={_value(v)}" for k, v in params.items()]
+    print(f"[{name}] best trial {number}: {metric} {value:.4f}  {params}", flush=True)
+    tuned = [*spec.get("overrides", []), *(f"{k}={_value(v)}" for k, v in params.items())]
     spent += seed_runs(
         experiment, [*tuned, *common], best_dir, out / "logs" / f"{name}.best.log", args
     )
@@ -287,6 +293,7 @@ def progress(out: Path) -> dict[tuple[str, str, str], tuple[list[float], list[fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=[], help="sweep files whose name has one of these")
+    ap.add_argument("--sweeps", default=str(SWEEPS), help="the folder of the sweep files")
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument(
         "--trials", type=int, default=None, help="finished trials per study (the files')"
@@ -296,13 +303,14 @@ def main() -> None:
     ap.add_argument("--experiment-name", default="fedlightning-claims")
     ap.add_argument("--set", nargs="*", default=[], help="Hydra overrides for every run")
     args = ap.parse_args()
+    folder = Path(args.sweeps)
     sweeps = [
         p
-        for p in sorted(SWEEPS.glob("*.yaml"))
+        for p in sorted(folder.glob("*.yaml"))
         if not args.only or any(o in p.stem for o in args.only)
     ]
     if not sweeps:
-        raise SystemExit(f"no sweep file of {SWEEPS} matches {args.only}")
+        raise SystemExit(f"no sweep file of {folder} matches {args.only}")
     print(
         f"{len(sweeps)} studies, {args.parallel} at once: {', '.join(p.stem for p in sweeps)}",
         flush=True,

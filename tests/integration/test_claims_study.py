@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -89,3 +90,26 @@ def test_claims_study_runs_the_best_setting_and_the_ablations(shared_data, tmp_e
     assert len(mechanism) == 2 + 5 and (report / "drift_cora.png").stat().st_size > 0
     assert (report / "seen_cil_cora.png").stat().st_size > 0
     assert "compute:" in done.stdout
+
+
+def test_a_rejection_study_keeps_its_overrides_and_names_its_objective(tmp_path, monkeypatch):
+    """A study of sweeps/claims/rejection/: its fixed overrides (the accuracy-tuned setting)
+    reach every seed run beside the best parameters, and best.json names its metric."""
+    mod = _module()
+    sweep = REPO / "sweeps/claims/rejection/cil_grasp_cora.yaml"
+    spec = yaml.safe_load(sweep.read_text())
+    calls = []
+    monkeypatch.setattr(mod, "fedlightning", lambda args, log: calls.append(args) or 1.0)
+    monkeypatch.setattr(
+        mod, "best_params", lambda storage, study: ({"algorithm.steps": 3}, 0.25, 7)
+    )
+    args = SimpleNamespace(out=str(tmp_path), set=[], seeds=[0, 1], trials=None)
+    args.experiment_name = "x"
+    assert mod.one_study(sweep, args) == 3.0  # the sweep and two seed runs
+    best = json.loads((tmp_path / "best" / "cil_grasp_cora" / "best.json").read_text())
+    assert spec["objective"] == {"metric": "val_fpr95", "direction": "minimize"}
+    assert best["val_fpr95"] == 0.25 and best["trial"] == 7
+    for seed, run in zip((0, 1), calls[1:], strict=True):
+        assert run[:3] == ["train", "experiment=cil_grasp_cora", f"seed={seed}"]
+        assert run[3 : 3 + len(spec["overrides"])] == spec["overrides"]
+        assert "algorithm.steps=3" in run
