@@ -1,5 +1,5 @@
-"""Real runs with one hostile client of five (docs/security.md): the run ends within 0.02 of
-the clean run and its summary names the rejected client. The hostile client is injected by
+"""Real runs with one hostile client of five (docs/security.md): a rejected client costs
+what its absence costs, a bounded one is bounded, and the summary names the rejected client. The hostile client is injected by
 wrapping the clients' own fit in-process."""
 
 from __future__ import annotations
@@ -48,12 +48,26 @@ def cora(tmp_env, shared_data, monkeypatch, compose):
     return lambda extra, name: train(compose([*CORA, *extra]), tmp_env / name, verbose=False)
 
 
+def broken(update, broadcast):
+    raise RuntimeError("client broke after its fit")
+
+
 @pytest.mark.realdata
 def test_fedavg_cora_with_one_nan_client(cora, monkeypatch):
+    """A NaN client costs exactly its absence: the run equals, bit for bit, the run in which
+    the same client fails every round (its message never arrives), and it still learns.
+    (How far either ends from the clean run is one client's share of the data: 0.020 in
+    test accuracy here, 0.611 against 0.591, which no fixed tolerance bounds in general.)"""
     clean = cora([], "clean")
-    hostile_fit(monkeypatch, nan_model)
+    spoil = {"with": nan_model}
+    hostile_fit(monkeypatch, lambda update, broadcast: spoil["with"](update, broadcast))
     hostile = cora([], "nan")
-    assert abs(hostile["metrics"]["test_acc"] - clean["metrics"]["test_acc"]) <= 0.02
+    spoil["with"] = broken
+    absent = cora([], "absent")
+    for key in ("train_acc", "val_acc", "test_acc"):
+        assert hostile["metrics"][key] == absent["metrics"][key], key
+    assert hostile["metrics"]["test_acc"] > 0.5 > 1 / 7  # far above chance: it learned
+    assert absent["comm"]["rejected"]["per_client"] == {str(BAD): 5}
     rejected = hostile["comm"]["rejected"]
     assert rejected["per_client"] == {str(BAD): 5} and rejected["count"] == 5
     assert {m["rule"] for m in rejected["messages"]} == {"non-finite values (NaN or Inf)"}
