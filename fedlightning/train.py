@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError
-from fedlightning.runs import Observer, apply_threads, trained_config
+
+if TYPE_CHECKING:
+    from fedlightning.runs import Observer
+
+GRAPH_TASKS = ("fl", "cil", "cir")
 
 
 def train(
@@ -28,6 +32,12 @@ def train(
     summary table on stdout. ``runner``, when given, replaces the one ``cfg.runner`` builds
     (a Flower ServerApp passes its own).
     """
+    if not cfg.get("resume") and str(cfg.get("task")) in GRAPH_TASKS:
+        from fedlightning.config import validate
+
+        validate(cfg)  # a config error costs no import of torch: it is told at once
+    from fedlightning.runs import apply_threads, trained_config
+
     task = str(trained_config(cfg).get("task"))  # resume=DIR: the saved run's task
     threads = apply_threads(cfg.get("threads", "auto"))  # before any work: every runner's
     logging.getLogger("fedlightning").info("threads: %d (threads=%s)", threads, cfg.get("threads"))

@@ -60,6 +60,26 @@ def test_cli_and_train_import_nothing_heavy():
     assert got == {"cli": [], "train": []}
 
 
+def test_a_config_error_is_told_before_torch_is_imported():
+    """``train`` checks a graph run's config first: a value the config alone refutes costs
+    no import of torch, PyG or Lightning (the error comes at once)."""
+    got = run_python(
+        """
+        import json, sys
+        from fedlightning.config import compose
+        from fedlightning.errors import ConfigError
+        from fedlightning.train import train
+        try:
+            train(compose(["federation.clients=0", "logger=none"]), "never_made")
+        except ConfigError as e:
+            error = str(e)
+        heavy = ("torch", "torch_geometric", "lightning")
+        print(json.dumps({"error": error, "imported": [m for m in heavy if m in sys.modules]}))
+        """
+    )
+    assert "federation.clients" in got["error"] and got["imported"] == []
+
+
 def test_pyg_and_lightning_import_without_their_optional_extras():
     """The modules of a graph run (PyG, Lightning, torchmetrics, the clients, metrics, data,
     tracking) leave the heavy optional packages alone; afterwards those import and work, the
