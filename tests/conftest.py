@@ -78,9 +78,15 @@ def tmp_env(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def shared_cache(tmp_path_factory):
-    """One cache for a test module: protocol objects, banks and contexts are keyed by their
-    content, so runs of the same stream share them, as a user's runs do."""
-    return tmp_path_factory.mktemp("module-cache")
+    """One cache for the whole test session, shared by the pytest-xdist workers: protocol
+    objects, banks, contexts and history graphs are keyed by their content and written
+    atomically, so runs of the same stream share them across modules and processes, as a
+    user's concurrent runs do (the real streams' bank and contexts are built about once)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # workers' common
+    path = root / "shared-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture
