@@ -126,8 +126,8 @@ def test_five_trainings_at_once_on_a_fresh_store(tmp_path):
     }
     procs = [
         subprocess.Popen(
-            [FL, "train", "experiment=demo", "federation.rounds=1", f"seed={i}",
-             f"hydra.run.dir=run_{i}"],
+            [FL, "train", "experiment=demo", "federation.rounds=1", "federation.local_epochs=1",
+             "dataset.num_nodes=300", f"seed={i}", f"hydra.run.dir=run_{i}"],
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,
