@@ -62,7 +62,7 @@ def nonzero_dropout(
     if not training or p == 0.0:
         return x if out is None else out.copy_(x)
     if x.layout == torch.sparse_coo:
-        xc = x.coalesce()
+        xc = coalesced(x)
         return torch.sparse_coo_tensor(
             xc.indices(),
             _dropped(xc.values(), p),
@@ -98,6 +98,15 @@ def nonzero_dropout(
     res = flat.clone() if out is None else out.view(-1).copy_(flat)
     res[idx] = values * keep_scale(idx.shape, p, flat)
     return res.view(x.shape)
+
+
+def coalesced(x: Tensor) -> Tensor:
+    """``x.coalesce()`` of a sparse COO ``x``, kept per input tensor (:func:`kept`) when it
+    takes no gradient: a client's sparse features, cut from the whole graph's, are not
+    flagged coalesced, and coalescing them again every step cost about 0.5 ms on Cora."""
+    if x.is_coalesced() or x.requires_grad:
+        return x.coalesce()
+    return kept(x, "coalesced", x.coalesce)
 
 
 def nonzeros(x: Tensor, max_density: float = MAX_DENSITY) -> tuple[Tensor | None, Tensor | None]:

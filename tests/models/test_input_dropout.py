@@ -223,3 +223,23 @@ def test_model_output_distribution_matches_nn_dropout():
     ks = (ecdf(a) - ecdf(b)).abs().max().item()
     assert ks < 1.95 * math.sqrt(2 / draws)
     assert not torch.equal(b[:5], samples(net, 10_000, 5))  # other draws, hence other bits
+
+
+def test_a_sparse_input_not_flagged_coalesced_is_coalesced_once_and_drops_alike():
+    """A client's features made from sorted indices are not flagged coalesced: the coalesced
+    form is computed once per input tensor, and the draws are those of the flagged twin."""
+    from fedlightning.models.dropout import coalesced
+
+    whole = torch.tensor([[1.0, 0.0, 3.0], [0.0, 0.0, 4.0]]).to_sparse()
+    rows = torch.sparse_coo_tensor(whole.indices(), whole.values(), whole.shape)
+    assert not rows.is_coalesced()
+    first = coalesced(rows)
+    assert coalesced(rows) is first  # kept, not recomputed
+    assert torch.equal(first.indices(), rows.coalesce().indices())
+    assert torch.equal(first.values(), torch.tensor([1.0, 3.0, 4.0]))
+    flagged = rows.coalesce()
+    torch.manual_seed(3)
+    a = nonzero_dropout(rows, 0.5).to_dense()
+    torch.manual_seed(3)
+    b = nonzero_dropout(flagged, 0.5).to_dense()
+    assert torch.equal(a, b)
