@@ -198,7 +198,8 @@ def train_graph(
     """:func:`fedlightning.train.train` for ``task=fl``, ``cil``, ``cir``; ``observe`` sees
     ``"round"`` and ``"stage"`` metrics."""
     t0 = time.perf_counter()
-    validate(cfg)  # every rule the config alone decides, before any data is read
+    if cfg.get("resume"):  # a fresh run's config was checked by train(), before any import
+        validate(cfg)  # every rule the config alone decides, before any data is read
     if not cfg.get("resume"):
         check_algorithm_fits_protocol(build(cfg.algorithm, "algorithm"), cfg.protocol.get("stream"))
     if runner is None:  # first: a distributed runner joins its ranks here
