@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch_geometric.data import Data
 
-from fedlightning.models.dropout import InputDropout
+from fedlightning.models.dropout import Dropout, InputDropout
 from fedlightning.models.sparse import SparseLinear
 
 
@@ -87,7 +87,7 @@ class DisentangledGNN(nn.Module):
         self.inputs = nn.ModuleDict({m: SparseLinear(d, hidden) for m, d in in_dims.items()})
         self.availability = nn.Linear(len(in_dims), hidden)
         self.input_dropout = InputDropout(dropout)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.head = nn.Linear(hidden, num_classes)
 
     def factor_axes(self) -> dict[str, int]:

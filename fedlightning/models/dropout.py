@@ -30,6 +30,26 @@ def keep_scale(shape: torch.Size, p: float, like: Tensor) -> Tensor:
     return keep.to(like.dtype).div_(1.0 - p)
 
 
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    """:func:`torch.nn.functional.dropout` of ``x``, bitwise: the same values, gradient and
+    random draws, about twice as fast on a contiguous float32/float64 CPU ``x``. There torch
+    draws the mask with ``bernoulli_(1-p)``, one float64 uniform ``u`` per entry (kept iff
+    ``u < 1-p``); ``torch.rand(..., dtype=float64)`` draws the same uniforms from the same
+    generator without bernoulli's per-entry overhead (docs/fedogl.md, "Input dropout on
+    sparse inputs"). Anything else (other devices or dtypes, ``p`` of 0 or 1) takes
+    :func:`torch.nn.functional.dropout` itself."""
+    if (
+        not training
+        or not 0.0 < p < 1.0
+        or x.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.float64)
+        or not x.is_contiguous()
+    ):
+        return F.dropout(x, p, training)
+    keep = torch.rand(x.shape, dtype=torch.float64) < 1.0 - p
+    return x * keep.to(x.dtype).div_(1.0 - p)
+
+
 def _dropped(values: Tensor, p: float) -> Tensor:
     """A sparse tensor's stored ``values`` after dropout."""
     return values * 0.0 if p == 1.0 else values * keep_scale(values.shape, p, values)
@@ -90,11 +110,11 @@ def nonzero_dropout(
         or (x.requires_grad and torch.is_grad_enabled())
         or x.numel() == 0
     ):
-        return _into(F.dropout(x, p, True), out)
+        return _into(dropout(x, p), out)
     flat = x.reshape(-1)
     idx, values = nonzeros(x, max_density)
     if idx is None:
-        return _into(F.dropout(x, p, True), out)
+        return _into(dropout(x, p), out)
     res = flat.clone() if out is None else out.view(-1).copy_(flat)
     res[idx] = values * keep_scale(idx.shape, p, flat)
     return res.view(x.shape)
@@ -137,6 +157,14 @@ def nonzero_positions(flat: Tensor, max_density: float = MAX_DENSITY) -> Tensor 
 
 def _into(result: Tensor, out: Tensor | None) -> Tensor:
     return result if out is None else out.copy_(result)
+
+
+class Dropout(nn.Dropout):
+    """:class:`torch.nn.Dropout` computed by :func:`dropout`: bitwise the same, faster on
+    the CPU."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, self.training)
 
 
 class InputDropout(nn.Dropout):

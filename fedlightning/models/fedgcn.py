@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from fedlightning.models.dropout import Dropout
+
 
 def neighbour_sums(x: Tensor, edge_index: Tensor, num_nodes: int) -> tuple[Tensor, Tensor]:
     r""":math:`S_v = \sum_{(v, j) \in E} \mathbf{x}_j` ``[N, d]`` and :math:`c_v = |\{(v, j)
@@ -62,7 +64,7 @@ class FedGCNNet(nn.Module):
     def __init__(self, d_in: int, hidden: int = 32, d_out: int = 32, dropout: float = 0.0) -> None:
         super().__init__()
         self.lin1, self.lin2 = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.d_out = d_out
 
     def forward(self, m: Tensor, edge_index: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedlightning.models.dropout import Dropout
 from fedlightning.models.fedgcn import neighbour_sums
 
 
@@ -42,7 +43,7 @@ class SageNet(nn.Module):
     def __init__(self, d_in: int, hidden: int = 128, d_out: int = 64, dropout: float = 0.0) -> None:
         super().__init__()
         self.conv1, self.conv2 = SageLayer(d_in, hidden), SageLayer(hidden, d_out)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.d_out = d_out
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ from torch_geometric.data import Data
 from torch_geometric.nn import SAGEConv
 
 from fedlightning.models.constant import KeptNormGCNConv
-from fedlightning.models.dropout import InputDropout
+from fedlightning.models.dropout import Dropout, InputDropout
 from fedlightning.models.sparse import SparseLinear
 
 
@@ -57,7 +57,7 @@ class GNNEncoder(nn.Module):
         self.convs = nn.ModuleList(
             self.CONVS[conv](a, b) for a, b in zip(dims[:-1], dims[1:], strict=False)
         )
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward_until(self, x: Tensor, edge_index: Tensor, layer: int) -> Tensor:
         """The input of ``convs[layer]`` (before its dropout): what its weight sees."""
@@ -99,7 +99,7 @@ class MultimodalGNN(nn.Module):
         self.encoders = ModalityEncoders(in_dims, hidden, dropout)
         self.gnn = GNNEncoder(hidden, hidden, gnn_layers, conv, dropout)
         self.project = nn.Linear(2 * hidden + len(in_dims), hidden)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.head = nn.Linear(hidden, num_classes)
 
     def representations(self, data: Data) -> dict[str, Tensor]:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch_geometric.data import Data
 from torch_geometric.utils import softmax as edge_softmax
 
+from fedlightning.models.dropout import Dropout
 from fedlightning.models.multimodal import ModalityEncoders, masked_fusion
 
 SHARED_PREFIXES = ("eig_encoder.", "filter_encoder.")  # GSKS: the spectral encoders
@@ -99,7 +100,7 @@ class SpectralConv(nn.Module):
         self.ffn = nn.Sequential(
             nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
         )
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor, edges: Tensor, weights: Tensor) -> Tensor:
         src, dst = edges
@@ -152,7 +153,7 @@ class SpectralGNN(nn.Module):
         )
         self.convs = nn.ModuleList(SpectralConv(hidden, dropout) for _ in range(layers))
         self.preference = nn.Parameter(torch.zeros(hidden))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.head = nn.Linear(hidden, num_classes)
         self._eig_cache: dict[str, tuple[Tensor, Tensor]] = {}
 

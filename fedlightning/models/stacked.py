@@ -27,7 +27,13 @@ from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.nn.dense.linear import Linear as PygLinear
 
 from fedlightning.models.constant import graphs_identity, kept_gcn_norm, unchanged
-from fedlightning.models.dropout import InputDropout, keep_scale, nonzero_dropout, nonzeros
+from fedlightning.models.dropout import (
+    InputDropout,
+    dropout,
+    keep_scale,
+    nonzero_dropout,
+    nonzeros,
+)
 from fedlightning.models.sparse import _SparseAffine
 
 
@@ -220,7 +226,7 @@ class SegmentDropout(nn.Module):
     def _drop(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         if self.max_density is not None:
             return nonzero_dropout(x, self.p, True, self.max_density, out)
-        result = F.dropout(x, self.p, True)
+        result = dropout(x, self.p)
         return result if out is None else out.copy_(result)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -257,7 +263,7 @@ class SegmentDropout(nn.Module):
         for k, xk in enumerate(seg.split(x)):
             with seg.stream(k, x.device):
                 if parts[k] is None:  # too dense for the non-zero path: standard dropout
-                    blocks[k].copy_(F.dropout(xk, self.p, True))
+                    blocks[k].copy_(dropout(xk, self.p))
                 else:
                     pos, values = parts[k]
                     flat[pos] = values * keep_scale(pos.shape, self.p, x)

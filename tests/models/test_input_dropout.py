@@ -17,7 +17,7 @@ from torch import nn
 
 from fedlightning.models import InputDropout, MultimodalGNN, nonzero_dropout
 from fedlightning.models.cross_modal import CrossModalGNN
-from fedlightning.models.dropout import MAX_DENSITY
+from fedlightning.models.dropout import MAX_DENSITY, Dropout, dropout
 
 
 @pytest.fixture(autouse=True)
@@ -186,7 +186,7 @@ def test_sparse_gradient_reaches_kept_values_only(layout):
 def test_models_use_input_dropout_on_modality_inputs():
     mm = MultimodalGNN({"bow": 30, "text": 8}, num_classes=3)
     assert type(mm.encoders.dropout) is InputDropout
-    assert type(mm.dropout) is nn.Dropout  # on the dense representation z: unchanged
+    assert type(mm.dropout) is Dropout  # on the dense representation z: torch's, bitwise
     cm = CrossModalGNN({"text": 8, "bow": 30}, num_classes=3)
     assert type(cm.dropout) is InputDropout
     assert mm.encoders.dropout.p == cm.dropout.p == 0.5
@@ -243,3 +243,39 @@ def test_a_sparse_input_not_flagged_coalesced_is_coalesced_once_and_drops_alike(
     torch.manual_seed(3)
     b = nonzero_dropout(flagged, 0.5).to_dense()
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(540, 64), (7,), (3, 4, 5), (20000,)])
+@pytest.mark.parametrize("p", [0.5, 0.1, 0.75])
+def test_fast_dropout_is_torch_dropout_bitwise(threads, dtype, shape, p):
+    """Values, gradient and the generator's state afterwards are torch's own, bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(shape, dtype=dtype)
+        results = []
+        for fn in (F.dropout, dropout):
+            xi = x.clone().requires_grad_(True)
+            torch.manual_seed(5)
+            out = fn(xi, p, True)
+            out.backward(torch.arange(out.numel(), dtype=dtype).view(shape))
+            results.append((out.detach(), xi.grad, torch.get_rng_state()))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fast_dropout_module_is_nn_dropout_and_falls_back_elsewhere():
+    x = torch.randn(30, 8)
+    for inp in (x, x.t(), x.half(), x[:, :3]):  # contiguous; transposed; half; strided view
+        torch.manual_seed(1)
+        ref = nn.Dropout(0.4)(inp)
+        torch.manual_seed(1)
+        assert torch.equal(Dropout(0.4)(inp), ref)
+    m = Dropout(0.4).eval()
+    assert m(x) is x
+    assert torch.equal(Dropout(1.0)(x), torch.zeros_like(x))
+    assert dropout(x, 0.0) is x
