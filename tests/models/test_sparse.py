@@ -50,3 +50,33 @@ def test_sparse_input_with_grad_is_refused() -> None:
     x = _multi_hot().to_sparse().requires_grad_()
     with pytest.raises(ValueError, match="takes no gradient"):
         lin(x)
+
+
+def test_kept_csr_structures_give_torchs_own_sparse_products_bitwise() -> None:
+    """The CSR structures found once per pattern give the products torch's own sparse paths
+    compute (``to_sparse_csr`` forward, the transposed COO ``torch.sparse.mm`` backward),
+    bit for bit, step after step with new values on one pattern (a dropout's)."""
+    from fedlightning.models.sparse import csr_structure
+
+    torch.manual_seed(3)
+    x = (torch.rand(60, 40) < 0.15).float().to_sparse_coo().coalesce()
+    w, b = torch.randn(5, 40, requires_grad=True), torch.randn(5, requires_grad=True)
+    lin = SparseLinear(40, 5)
+    with torch.no_grad():
+        lin.weight.copy_(w), lin.bias.copy_(b)
+    for step in range(3):
+        values = x.values() * (torch.rand(x._nnz()) < 0.5).float() * 2.0
+        xs = torch.sparse_coo_tensor(x.indices(), values, x.shape, is_coalesced=True)
+        g = torch.randn(60, 5)
+        lin.weight.grad = None
+        out = lin(xs)
+        out.backward(g)
+        assert torch.equal(out, torch.addmm(b, xs.to_sparse_csr(), w.t()).detach())
+        x_t = torch.sparse_coo_tensor(xs.indices().flip(0), values, (40, 60))
+        assert torch.equal(lin.weight.grad, torch.sparse.mm(x_t, g).t())
+        torch.testing.assert_close(lin.weight.grad, g.t() @ xs.to_dense())
+        if step == 0:
+            kept = csr_structure(xs)
+        assert all(a is b for a, b in zip(csr_structure(xs), kept, strict=True))
+    other = (torch.rand(60, 40) < 0.15).float().to_sparse_coo().coalesce()  # another pattern
+    assert csr_structure(other)[0] is not kept[0]
