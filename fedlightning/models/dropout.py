@@ -38,16 +38,32 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     generator without bernoulli's per-entry overhead (docs/fedogl.md, "Input dropout on
     sparse inputs"). Anything else (other devices or dtypes, ``p`` of 0 or 1) takes
     :func:`torch.nn.functional.dropout` itself."""
-    if (
-        not training
-        or not 0.0 < p < 1.0
-        or x.device.type != "cpu"
-        or x.dtype not in (torch.float32, torch.float64)
-        or not x.is_contiguous()
-    ):
+    if not training or not drawn_as_torch(x, p):
         return F.dropout(x, p, training)
-    keep = torch.rand(x.shape, dtype=torch.float64) < 1.0 - p
-    return x * keep.to(x.dtype).div_(1.0 - p)
+    return x * dropout_noise(x.shape, p, x.dtype)
+
+
+def drawn_as_torch(x: Tensor, p: float) -> bool:
+    """Whether :func:`dropout` draws ``x``'s mask itself (:func:`dropout_noise`): a
+    contiguous float32/float64 CPU ``x`` and ``0 < p < 1``."""
+    return (
+        0.0 < p < 1.0
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and x.is_contiguous()
+    )
+
+
+def dropout_noise(
+    shape: torch.Size, p: float, dtype: torch.dtype, out: Tensor | None = None
+) -> Tensor:
+    """The multiplier :func:`torch.nn.functional.dropout` draws on the CPU, ``m / (1-p)``
+    with ``m = [u < 1-p]`` for one float64 uniform ``u`` per entry from torch's global
+    generator (into ``out`` when given: a contiguous block of ``dtype``)."""
+    keep = torch.rand(shape, dtype=torch.float64) < 1.0 - p
+    if out is None:
+        return keep.to(dtype).div_(1.0 - p)
+    return out.copy_(keep).div_(1.0 - p)
 
 
 def _dropped(values: Tensor, p: float) -> Tensor:

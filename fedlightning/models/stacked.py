@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,9 @@ from torch_geometric.nn.dense.linear import Linear as PygLinear
 from fedlightning.models.constant import graphs_identity, kept_gcn_norm, unchanged
 from fedlightning.models.dropout import (
     InputDropout,
+    drawn_as_torch,
     dropout,
+    dropout_noise,
     keep_scale,
     nonzero_dropout,
     nonzeros,
@@ -168,6 +171,8 @@ class SegmentLinear(nn.Module):
         self.bias = _stacked_param(getattr(linear, "bias", None), segments.copies)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.layout != torch.sparse_coo and x.dim() == 2:
+            return _SegmentAffine.apply(x, self.weight, self.bias, self.segments[0].ptr)
         ws = self.weight.unbind(0)  # one backward node that stacks the copies' gradients
         bs = self.bias.unbind(0) if self.bias is not None else [None] * len(ws)
         parts = []
@@ -179,8 +184,67 @@ class SegmentLinear(nn.Module):
         return torch.cat(parts)
 
 
+def _blocks(ptr: Sequence[int]) -> list[slice]:
+    return [slice(a, b) for a, b in zip(ptr[:-1], ptr[1:], strict=True)]
+
+
+class _SegmentAffine(torch.autograd.Function):
+    """Rows ``ptr[k]:ptr[k+1]`` of a dense 2-D ``x`` through copy ``k`` of ``weight``
+    ``[K, out, in]`` and ``bias`` ``[K, out]`` (or ``None``), each block written in place
+    of one output (no concatenation). Forward and backward make the calls autograd makes
+    for ``F.linear`` on each block (``addmm``/``mm``; the weight's gradient ``g_k^T x_k``,
+    the input's ``g_k W_k``, the bias's ``g_k.sum(0)``), so every value is bitwise theirs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, ptr: list) -> Tensor:
+        blocks = _blocks(ptr)
+        out = x.new_empty((x.shape[0], weight.shape[1]))
+        for k, rows in enumerate(blocks):
+            if bias is None:
+                torch.mm(x[rows], weight[k].t(), out=out[rows])
+            else:
+                torch.addmm(bias[k], x[rows], weight[k].t(), out=out[rows])
+        ctx.save_for_backward(x, weight)
+        ctx.blocks, ctx.has_bias = blocks, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = x.new_empty(x.shape)
+            for k, rows in enumerate(ctx.blocks):
+                torch.mm(g[rows], weight[k], out=gx[rows])
+        if ctx.needs_input_grad[1]:
+            gw = torch.stack([g[rows].t().mm(x[rows]) for rows in ctx.blocks])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = torch.stack([g[rows].sum(0) for rows in ctx.blocks])
+        return gx, gw, gb, None
+
+
+class _SegmentBias(torch.autograd.Function):
+    """``x[rows of k] + bias[k]`` for every copy ``k``, into one output; the bias's
+    gradient is each block's ``g_k.sum(0)``, as autograd reduces a broadcast add's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, bias: Tensor, ptr: list) -> Tensor:
+        ctx.blocks = _blocks(ptr)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        for k, rows in enumerate(ctx.blocks):
+            torch.add(x[rows], bias[k], out=out[rows])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        gb = torch.stack([g[rows].sum(0) for rows in ctx.blocks])
+        return g, gb, None
+
+
 def segment_add(x: Tensor, bias: Tensor, segments: Segments) -> Tensor:
     """``x[rows of k] + bias[k]`` for every copy ``k``."""
+    if x.dim() == 2 and x.layout == torch.strided:
+        return _SegmentBias.apply(x, bias, segments.ptr)
     bs = bias.unbind(0)
     return torch.cat([xk + bs[k] for k, xk in enumerate(segments.split(x))])
 
@@ -235,6 +299,12 @@ class SegmentDropout(nn.Module):
         seg = self.segments[0]
         if seg.streams is None:
             return self._drop(x)
+        if x.layout != torch.sparse_coo and self.max_density is None and drawn_as_torch(x, self.p):
+            noise = torch.empty_like(x)  # every copy's multiplier, one product: no concatenation
+            for k, block in enumerate(seg.split(noise)):
+                with seg.stream(k, x.device):
+                    dropout_noise(block.shape, self.p, x.dtype, out=block)
+            return x * noise
         if x.layout == torch.sparse_coo or (x.requires_grad and torch.is_grad_enabled()):
             parts = []
             for k, xk in enumerate(seg.split(x)):

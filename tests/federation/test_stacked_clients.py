@@ -225,6 +225,55 @@ def test_planned_input_dropout_draws_what_each_client_draws_alone():
     assert segments.bind(graphs) is not union
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_segment_layers_make_each_clients_own_products_bitwise(bias):
+    """A stacked linear layer, a GCN bias and a hidden dropout write each client's rows into
+    one output (no concatenation): outputs, gradients (weights, biases, input) and dropout
+    draws are bitwise those of each client's own ``nn.Linear``/``nn.Dropout`` on its rows.
+    Rows of 16 float32 values keep every block 64-byte aligned, as a client's own tensor is
+    (a block at another alignment may take another kernel path: docs/scaling.md)."""
+    from fedlightning.models.stacked import (
+        SegmentDropout,
+        SegmentLinear,
+        Segments,
+        seeded_streams,
+        segment_add,
+    )
+
+    sizes, seeds = [7, 0, 12, 5], [21, 22, 23, 24]
+    segments = Segments(len(sizes))
+    segments.ptr = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(16, 16, bias=bias) for _ in sizes]
+    adds = [torch.randn(16, requires_grad=True) for _ in sizes]
+    stack = SegmentLinear(linears[0], segments)
+    with torch.no_grad():
+        stack.weight.copy_(torch.stack([m.weight for m in linears]))
+        if bias:
+            stack.bias.copy_(torch.stack([m.bias for m in linears]))
+    add = torch.stack([a.detach() for a in adds]).requires_grad_()
+    drop = SegmentDropout(torch.nn.Dropout(0.4), segments)
+    x = torch.randn(sum(sizes), 16, requires_grad=True)
+    upstream = torch.randn(sum(sizes), 16)
+
+    segments.streams = seeded_streams(seeds)
+    out = drop(segment_add(stack(x), add, segments))
+    (out * upstream).sum().backward()
+
+    xs = [x.detach()[a:b].clone().requires_grad_() for _, a, b in segments.ranges()]
+    for k, (_, a, b) in enumerate(segments.ranges()):
+        torch.manual_seed(seeds[k])
+        own = torch.nn.functional.dropout(linears[k](xs[k]) + adds[k], 0.4)
+        (own * upstream[a:b]).sum().backward()
+        assert torch.equal(out[a:b], own), k
+        assert torch.equal(x.grad[a:b], xs[k].grad), k
+        assert torch.equal(stack.weight.grad[k], linears[k].weight.grad), k
+        assert torch.equal(add.grad[k], adds[k].grad), k
+        if bias:
+            assert torch.equal(stack.bias.grad[k], linears[k].bias.grad), k
+        assert torch.equal(segments.streams[k]["cpu"], torch.get_rng_state()), k
+
+
 def test_union_evaluation_equals_per_client_evaluation():
     clients = clients_of([40, 17, 63])
     net, module, _ = setup(FedAvg())
