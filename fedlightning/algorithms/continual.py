@@ -194,10 +194,16 @@ class ContinualFedAvg(Algorithm):
         seeds: Sequence[int],
     ) -> list[ClientUpdate]:
         """:meth:`local_fit` of ``clients`` as one stacked fit, each with its own stage
-        batch, teacher and dropout stream (``seeds[k]``); their updates, in order."""
-        batches = [self.prepare(module, c, broadcast) for c in clients]
+        batch, start weights (what :meth:`prepare` loads for it: a personalized client's own
+        model), teacher and dropout stream (``seeds[k]``); their updates, in order."""
+        batches, starts = [], []
+        for c in clients:
+            batches.append(self.prepare(module, c, broadcast))
+            starts.append({n: p.detach().clone() for n, p in module.net.named_parameters()})
         teachers = [c.state.get("teacher") for c in clients] if module._teacher else None
-        fitted = fit_stacked(module, batches, executor, epochs, self.callbacks(), seeds, teachers)
+        fitted = fit_stacked(
+            module, batches, executor, epochs, self.callbacks(), seeds, teachers, starts
+        )
         return [
             self.finish(fitted.load(module, k), c, broadcast, batches[k])
             for k, c in enumerate(clients)

@@ -190,14 +190,16 @@ def fit_stacked(
     callbacks: Sequence[pl.Callback],
     seeds: Sequence[int],
     teachers: Sequence[dict[str, Tensor]] | None = None,
+    starts: Sequence[dict[str, Tensor]] | None = None,
 ) -> StackedFit:
-    """Fit ``len(batches)`` clients at once, every copy starting from ``module.net``'s
-    current weights (the received broadcast): client ``k`` on ``batches[k]``, its dropout
-    seeded by ``seeds[k]``, its teacher (if any) ``teachers[k]``."""
+    """Fit ``len(batches)`` clients at once: client ``k`` on ``batches[k]`` from the weights
+    ``starts[k]`` (``None``: every copy from ``module.net``'s current weights, the received
+    broadcast), its dropout seeded by ``seeds[k]``, its teacher (if any) ``teachers[k]``."""
     copies = len(batches)
     net, segments = cached_stack(module.net, copies)
-    start = {n: p.detach() for n, p in module.net.named_parameters()}
-    load_copies(net, [start] * copies)
+    if starts is None:
+        starts = [{n: p.detach() for n, p in module.net.named_parameters()}] * copies
+    load_copies(net, starts)
     union = segments.bind(batches)
     teacher = None
     if teachers is not None:

@@ -365,18 +365,28 @@ def assert_same_run(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
         ],
         ["experiment=demo", "federation.rounds=1", "federation.local_epochs=3"],
         ["experiment=demo", "federation.rounds=2", "federation.participation=0.6"],
+        [
+            "experiment=demo",
+            "algorithm=cil_fediih",
+            "model=disentangled_gnn",
+            "federation.rounds=1",
+        ],
     ],
-    ids=["fedavg", "fedprox_partial", "fedogl_cil", "fedogl_cil_partial"],
+    ids=["fedavg", "fedprox_partial", "fedogl_cil", "fedogl_cil_partial", "fediih_personal"],
 )
 def test_stacked_run_equals_one_at_a_time(tmp_env, compose, overrides, stacked_steps):
     """Whole runs: metrics, messages and final global weights (FedOGL: with its stage-end
-    bases, so the later stages fit under gradient projection)."""
+    bases, so the later stages fit under gradient projection; FedIIH: personalized, each
+    client's copy starts from its own model with its factor blocks over it)."""
     one = run(compose, tmp_env, "one", [*overrides, "runner.stack_clients=false"])
     assert stacked_steps == []
     stacked = run(compose, tmp_env, "stacked", [*overrides, "runner.stack_clients=true"])
     assert stacked_steps and max(stacked_steps) > 1  # several clients per step
     assert_same_run(one, stacked)
-    if "experiment=demo" in overrides:  # stages 2 and 3 fitted under Eq. (9)'s projection
+    fedogl = "experiment=demo" in overrides and not any(
+        o.startswith("algorithm=") for o in overrides
+    )
+    if fedogl:  # stages 2 and 3 fitted under Eq. (9)'s projection
         assert stacked[1]["modules"]["basis"]["bases"]
 
 
