@@ -238,7 +238,7 @@ class _SegmentBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         gb = torch.stack([g[rows].sum(0) for rows in ctx.blocks])
-        return g, gb, None
+        return g.contiguous(), gb, None  # a strided g slows the message passing's gather
 
 
 def segment_add(x: Tensor, bias: Tensor, segments: Segments) -> Tensor:
