@@ -14,7 +14,7 @@ median wall time of a whole run (process start to exit) per side.
 
     python benchmarks/vs_reference.py [--ref e492aed] [--experiments fedavg_cora \\
         cil_fedogl_citeseer_mm] [--rounds 5] [--repeats 2] [--threads 2] [--data DIR] [--keep] \
-        [--head runner.stack_clients=true]
+        [--head dataset.sparse_modalities=[bow]]
 
 ``--head`` overrides apply to this checkout's runs only. ``--rounds`` is per stage for the class-incremental experiments (``cil_*``).
 """
@@ -99,7 +99,7 @@ def measure(args: argparse.Namespace, trees: dict[str, Path]) -> tuple[dict, dic
                 if "threads" in cfgs[side]:
                     ov.append(f"threads={args.threads}")
                     cfgs[side]["threads"] = args.threads
-                if side == "head":  # head-only settings, e.g. runner.stack_clients=true
+                if side == "head":  # head-only settings, e.g. dataset.sparse_modalities=[bow]
                     ov.extend(args.head)
                 overrides[key] = ov
             if len(cfgs) == 2:

@@ -126,7 +126,8 @@ class SequentialRunner(Runner):
             task's round); ``"ROUND:N:KIND:TIMES"``: the TIMES-th time it matches (FedTIP's
             round numbers start again with every task and family).
         stack_clients: fit a round's clients as one stack and evaluate them in one pass
-            where the method supports it (:mod:`~fedlightning.federation.stacking`).
+            where the method supports it (:mod:`~fedlightning.federation.stacking`; the
+            same results as one at a time, faster); ``False``: one at a time.
         client_timeout_s: seconds one client's fit may take (``None``: no limit); a fit
             that raises or runs longer is dropped from its round (:class:`ClientFailed`).
             A stacked share (several clients fitted at once) counts as one fit.
@@ -140,7 +141,7 @@ class SequentialRunner(Runner):
         executor: Any,
         progress: bool = True,
         kill_at: str | None = None,
-        stack_clients: bool = False,
+        stack_clients: bool = True,
         client_timeout_s: float | None = 600.0,
         timeout_s: float | None = None,
     ) -> None:
@@ -224,7 +225,7 @@ class DistributedRunner(SequentialRunner):
         client_timeout_s: float | None = 600.0,
         progress: bool = True,
         kill_at: str | None = None,
-        stack_clients: bool = False,
+        stack_clients: bool = True,
         timeout_s: float | None = None,
     ) -> None:
         super().__init__(executor, progress, kill_at, stack_clients, client_timeout_s, timeout_s)
