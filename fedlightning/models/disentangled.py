@@ -4,6 +4,8 @@ an input layer into ``K`` factor channels and parameter-free neighbourhood-routi
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor, nn
 from torch_geometric.data import Data
@@ -40,9 +42,12 @@ def neighbourhood_routing(
     keep = src != dst
     src, dst = src[keep], dst[keep]
     c = z
+    rows = partial(
+        torch.index_select, dim=0
+    )  # not z[src]: its backward adds in any order on threads
     for _ in range(iterations):
-        p = torch.softmax((z[src] * c[dst]).sum(-1) / tau, dim=1)  # [E, K]
-        c = unit_channels(z.index_add(0, dst, p.unsqueeze(-1) * z[src]))
+        p = torch.softmax((rows(z, index=src) * rows(c, index=dst)).sum(-1) / tau, dim=1)  # [E, K]
+        c = unit_channels(z.index_add(0, dst, p.unsqueeze(-1) * rows(z, index=src)))
     return c
 
 

@@ -104,7 +104,8 @@ class SpectralConv(nn.Module):
 
     def forward(self, x: Tensor, edges: Tensor, weights: Tensor) -> Tensor:
         src, dst = edges
-        msg = F.gelu(self.pre(x))[src] * weights
+        # index_select, not [src]: the latter's backward accumulates in any order on threads
+        msg = F.gelu(self.pre(x)).index_select(0, src) * weights
         x = x + self.dropout(x.new_zeros(x.shape).index_add_(0, dst, msg))
         return x + self.dropout(self.ffn(x))
 
