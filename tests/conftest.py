@@ -101,3 +101,25 @@ def env(tmp_env, shared_cache, monkeypatch):
 def compose():
     """``compose(overrides) -> DictConfig``: the real config as the CLI composes it."""
     return compose_cfg
+
+
+@pytest.fixture(scope="session")
+def grads_on_two_threads():
+    """``grads(x0, loss, runs=4)``: the gradient of ``loss(x)`` at ``x0``, once per run, on two
+    torch threads (the caller's number restored after), to compare runs for determinism."""
+    import torch
+
+    def grads(x0, loss, runs: int = 4) -> list:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            out = []
+            for _ in range(runs):
+                x = x0.clone().requires_grad_()
+                loss(x).backward()
+                out.append(x.grad)
+            return out
+        finally:
+            torch.set_num_threads(threads)
+
+    return grads

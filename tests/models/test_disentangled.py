@@ -104,7 +104,7 @@ def test_factor_axes_split_the_input_rows_and_head_columns():
     assert mu.shape == logvar.shape == (2, 4)
 
 
-def test_routing_gradient_is_the_same_on_every_run_on_two_threads():
+def test_routing_gradient_is_the_same_on_every_run_on_two_threads(grads_on_two_threads):
     """Advanced indexing ``z[src]`` accumulated its backward in any order on several CPU
     threads, so FedIIH's runs with ``threads: auto`` changed from run to run; gathered with
     ``index_select``, the gradient is the same on every run (and bitwise the old one on one
@@ -113,14 +113,7 @@ def test_routing_gradient_is_the_same_on_every_run_on_two_threads():
     x0 = torch.relu(torch.randn(2000, 2, 16, generator=g))
     edges = torch.randint(0, 2000, (2, 8000), generator=g)
     upstream = torch.randn(2000, 2, 16, generator=g)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        grads = []
-        for _ in range(4):
-            x = x0.clone().requires_grad_()
-            (neighbourhood_routing(x, edges, iterations=2) * upstream).sum().backward()
-            grads.append(x.grad)
-    finally:
-        torch.set_num_threads(threads)
+    grads = grads_on_two_threads(
+        x0, lambda x: (neighbourhood_routing(x, edges, iterations=2) * upstream).sum()
+    )
     assert all(torch.equal(grads[0], other) for other in grads[1:])

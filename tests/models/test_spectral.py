@@ -106,7 +106,7 @@ def test_large_graphs_take_seeded_lobpcg_and_agree_with_dense(monkeypatch):
     assert torch.equal(again[0], e) and torch.equal(again[1], U)  # seeded: bitwise
 
 
-def test_spectral_conv_gradient_is_the_same_on_every_run_on_two_threads():
+def test_spectral_conv_gradient_is_the_same_on_every_run_on_two_threads(grads_on_two_threads):
     """Messages gathered with ``index_select`` (not ``x[src]``, whose backward accumulated
     in any order on several CPU threads): FedSSP's gradient, and so its runs with
     ``threads: auto``, the same on every run."""
@@ -114,17 +114,9 @@ def test_spectral_conv_gradient_is_the_same_on_every_run_on_two_threads():
 
     torch.manual_seed(0)
     conv = SpectralConv(16, dropout=0.0)
-    x0 = torch.randn(2000, 16)
     edges = torch.randint(0, 2000, (2, 8000))
     weights = torch.rand(8000, 16)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        grads = []
-        for _ in range(4):
-            x = x0.clone().requires_grad_()
-            conv(x, edges, weights).square().sum().backward()
-            grads.append(x.grad)
-    finally:
-        torch.set_num_threads(threads)
+    grads = grads_on_two_threads(
+        torch.randn(2000, 16), lambda x: conv(x, edges, weights).square().sum()
+    )
     assert all(torch.equal(grads[0], other) for other in grads[1:])
