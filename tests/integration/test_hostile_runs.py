@@ -13,7 +13,14 @@ from fedlightning.server.aggregate import model_state
 from fedlightning.train import train
 
 pytestmark = pytest.mark.slow
-CORA = ["experiment=fedavg_cora", "federation.rounds=5", "logger=none"]
+# one client at a time: the hostile client is injected by wrapping the one-client fit
+# (``local_fit``), which a stacked round (``local_fit_share``) does not call
+CORA = [
+    "experiment=fedavg_cora",
+    "federation.rounds=5",
+    "logger=none",
+    "runner.stack_clients=false",
+]
 BAD = 2
 
 
