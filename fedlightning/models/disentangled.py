@@ -4,8 +4,6 @@ an input layer into ``K`` factor channels and parameter-free neighbourhood-routi
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import Tensor, nn
 from torch_geometric.data import Data
@@ -41,13 +39,10 @@ def neighbourhood_routing(
     src, dst = edge_index
     keep = src != dst
     src, dst = src[keep], dst[keep]
-    c = z
-    rows = partial(
-        torch.index_select, dim=0
-    )  # not z[src]: its backward adds in any order on threads
+    c = z  # rows by index_select: z[src]'s backward adds in no fixed order on threads
     for _ in range(iterations):
-        p = torch.softmax((rows(z, index=src) * rows(c, index=dst)).sum(-1) / tau, dim=1)  # [E, K]
-        c = unit_channels(z.index_add(0, dst, p.unsqueeze(-1) * rows(z, index=src)))
+        p = torch.softmax((z.index_select(0, src) * c.index_select(0, dst)).sum(-1) / tau, dim=1)
+        c = unit_channels(z.index_add(0, dst, p.unsqueeze(-1) * z.index_select(0, src)))
     return c
 
 
