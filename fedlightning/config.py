@@ -99,6 +99,12 @@ def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = 
     return float(v)
 
 
+def plots_on(cfg: DictConfig) -> bool:
+    """``plots``: whether a run draws its PNG plots (``FEDLIGHTNING_PLOTS``, default true;
+    a run saved before the key existed draws them)."""
+    return _get(cfg, "plots") if "plots" in cfg else True
+
+
 def dataset_label(cfg: DictConfig) -> str:
     """How messages name the dataset before it is read: its ``display_name``, else its
     ``name``, quoted."""
@@ -156,6 +162,8 @@ def validate(cfg: DictConfig) -> None:
             missing[0],
             f"is required (`???` in the config); set it on the command line, e.g. {missing[0]}=...",
         )
+    if not isinstance(plots_on(cfg), bool):
+        raise ConfigError("plots", f"must be true or false, got {plots_on(cfg)!r}")
     _int(cfg, "seed", 0)
     _int(cfg, "protocol.seed", 0)
     _int(cfg, "federation.clients", 1)

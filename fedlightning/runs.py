@@ -30,7 +30,7 @@ MLFLOW_RUN_FILE, IDENTITY_FILE = "mlflow_run.json", "identity.json"
 # observe(kind, step, metrics): see fedlightning.train.train
 Observer = Callable[[str, int, dict[str, float]], None]
 # What a resume may change without changing the run (how and where it runs, not what).
-RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra", "threads", "task_workers")
+RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra", "threads", "task_workers", "plots")
 # Any failure to unpickle a file that is not a torch checkpoint.
 _UNREADABLE = (
     pickle.UnpicklingError,
@@ -173,14 +173,15 @@ def refuse_existing_run(run_dir: Path) -> None:
 
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
     """The config and directory to run in, and whether it resumes: on ``resume`` the earlier
-    run's own (its saved config, with this invocation's ``runner`` and ``logger``); a fresh
-    run refuses a directory that already holds a run."""
+    run's own (its saved config, with this invocation's ``runner``, ``logger``, ``threads``
+    and ``plots``); a fresh run refuses a directory that already holds a run."""
     if cfg.get("resume"):
         old = Path(cfg.resume)
         check_resume_dir(old)
         saved = load_saved_config(old / CONFIG_FILE)
         saved.runner, saved.logger = cfg.runner, cfg.logger
         saved.threads = cfg.get("threads", "auto")
+        saved.plots = cfg.get("plots", True)
         saved.resume = str(old)
         return saved, old, True
     refuse_existing_run(run_dir)

@@ -38,6 +38,10 @@ def _absl_writes_to_the_real_stderr() -> None:
 
 
 _absl_writes_to_the_real_stderr()
+# No run draws its PNG plots (`plots`, docs/experiments.md) unless a test asks with
+# `plots=true`: matplotlib's import and the drawing cost about a second per run. Set in the
+# environment, so the runs in subprocesses (CLI, ranks, Flower nodes) inherit it too.
+os.environ.setdefault("FEDLIGHTNING_PLOTS", "false")
 
 
 @pytest.fixture(scope="session")

@@ -118,3 +118,28 @@ def test_threads_are_recorded_and_a_resume_may_change_them(tmp_path, restore_thr
     assert saved.threads == 1 and not resuming
     again = OmegaConf.create({**run, "resume": str(run_dir), "threads": 2})
     assert prepare_run_dir(again, tmp_path / "other")[0].threads == 2
+
+
+def test_plots_follow_the_environment_are_checked_and_a_resume_may_change_them(
+    tmp_path, compose, monkeypatch
+):
+    from fedlightning.config import validate
+    from fedlightning.runs import run_identity
+
+    for env, expected in (("true", True), ("false", False)):
+        monkeypatch.setenv("FEDLIGHTNING_PLOTS", env)
+        assert compose([]).plots is expected
+    monkeypatch.delenv("FEDLIGHTNING_PLOTS")
+    assert compose([]).plots is True  # the default: a run draws its plots
+    for bad in ("maybe", "0"):
+        with pytest.raises(ConfigError, match="config `plots`: must be true or false"):
+            validate(compose([f"plots={bad}"]))
+    run = {"name": "demo", "task": "fl", "runner": {}, "logger": {}}
+    saved, run_dir, _ = prepare_run_dir(
+        OmegaConf.create({**run, "resume": None, "plots": False}), tmp_path / "run"
+    )
+    again = prepare_run_dir(
+        OmegaConf.create({**run, "resume": str(run_dir), "plots": True}), tmp_path
+    )
+    assert saved.plots is False and again[0].plots is True
+    assert run_identity(saved, {}) == run_identity(again[0], {})  # the same run

@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig
 from torch_geometric.data import Data
 
-from fedlightning.config import build, dataset_node, validate
+from fedlightning.config import build, dataset_node, plots_on, validate
 from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
 from fedlightning.data.partition import TEST, TRAIN, VAL, Partition, check_trainable
 from fedlightning.data.streams import ClassStream
@@ -277,7 +277,8 @@ def train_graph(
     )
     artifacts = []
     if world.is_main:
-        artifacts = loop.write_artifacts(run_dir, f"{cfg.name} ({algorithm.name}, {graph.name})")
+        title = f"{cfg.name} ({algorithm.name}, {graph.name})"
+        artifacts = loop.write_artifacts(run_dir, title, plots_on(cfg))
     protocol_files = [run_dir / f for f in ("partition.json", "stream.json", CLASS_NAMES_FILE)]
     return run.finish(
         summary,

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.temporal_prompt import FAMILIES
-from fedlightning.config import build, build_stream
+from fedlightning.config import build, build_stream, plots_on
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.noise import noise_settings
 from fedlightning.data.temporal.protocol import TemporalProtocol, materialize
@@ -337,11 +337,11 @@ def train_temporal(
     )
     plots = []
     if world.is_main:
+        run.tracker.set_tags({"hash_bank": hashes["bank"], "hash_contexts": hashes["contexts"]})
+    if world.is_main and plots_on(cfg):
         from fedlightning.tracking.plots import plot_task_metrics
 
-        run.tracker.set_tags({"hash_bank": hashes["bank"], "hash_contexts": hashes["contexts"]})
-        title = f"{cfg.name} ({variant})"
-        plots = [plot_task_metrics(results, run_dir / "task_auc.png", title)]
+        plots = [plot_task_metrics(results, run_dir / "task_auc.png", f"{cfg.name} ({variant})")]
     return run.finish(
         summary,
         step=len(results),

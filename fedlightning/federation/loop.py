@@ -299,8 +299,11 @@ class FederatedLoop(Schedule):
             "rounds_timed": float(len(times)),
         }
 
-    def write_artifacts(self, run_dir: Path, title: str) -> list[Path]:
-        """Plots and tables of the run, written into ``run_dir``; returns their paths."""
+    def write_artifacts(self, run_dir: Path, title: str, plots: bool = True) -> list[Path]:
+        """Plots (unless ``plots`` is false) and tables of the run, written into ``run_dir``;
+        returns their paths."""
+        if not plots:
+            return []
         from fedlightning.tracking.plots import plot_curves
 
         # the loss panel stays empty unless the clients sent their loss

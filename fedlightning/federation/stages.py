@@ -447,10 +447,8 @@ class ContinualLoop(FederatedLoop):
             "prototype_terms": self.prototype_terms,
         }
 
-    def write_artifacts(self, run_dir: Path, title: str) -> list[Path]:
-        from fedlightning.tracking.plots import plot_accuracy_matrix, plot_seen_accuracy
-
-        paths = super().write_artifacts(run_dir, title)
+    def write_artifacts(self, run_dir: Path, title: str, plots: bool = True) -> list[Path]:
+        paths = super().write_artifacts(run_dir, title, plots)
         m = self.matrix("test")
         csv_path = run_dir / "acc_matrix.csv"
         with csv_path.open("w", newline="") as f:
@@ -459,26 +457,33 @@ class ContinualLoop(FederatedLoop):
             for t, row in enumerate(m.tolist()):
                 w.writerow([t + 1, *["" if math.isnan(v) else f"{v:.6f}" for v in row]])
         paths.append(csv_path)
-        paths.append(plot_accuracy_matrix(m, run_dir / "acc_matrix.png", title=title))
-        paths.append(plot_seen_accuracy(self.stage_results, run_dir / "seen_acc.png", title=title))
+        if plots:
+            from fedlightning.tracking.plots import plot_accuracy_matrix, plot_seen_accuracy
+
+            paths.append(plot_accuracy_matrix(m, run_dir / "acc_matrix.png", title=title))
+            seen = run_dir / "seen_acc.png"
+            paths.append(plot_seen_accuracy(self.stage_results, seen, title=title))
         if self.prototype_terms:
-            paths += self.write_prototype_terms(run_dir, title)
+            paths += self.write_prototype_terms(run_dir, title, plots)
         if self.test_scores:
             torch.save(self.test_scores, run_dir / "test_scores.pt")
             paths.append(run_dir / "test_scores.pt")
         return paths
 
-    def write_prototype_terms(self, run_dir: Path, title: str) -> list[Path]:
-        """Every stage's client-by-class terms of Eq. (4) (``d_fed_terms.csv``) and the last
-        stage's as a heatmap (``d_fed_terms.png``, the paper's Fig. 3)."""
-        from fedlightning.tracking.plots import plot_client_class_matrix
-
+    def write_prototype_terms(self, run_dir: Path, title: str, plots: bool = True) -> list[Path]:
+        """Every stage's client-by-class terms of Eq. (4) (``d_fed_terms.csv``) and, unless
+        ``plots`` is false, the last stage's as a heatmap (``d_fed_terms.png``, the paper's
+        Fig. 3)."""
         csv_path = run_dir / "d_fed_terms.csv"
         with csv_path.open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["after_stage", "class", "client", "discrepancy"])
             for t, rows in enumerate(self.prototype_terms):
                 w.writerows([t + 1, cl, k, f"{v:.6f}"] for cl, k, v in rows)
+        if not plots:
+            return [csv_path]
+        from fedlightning.tracking.plots import plot_client_class_matrix
+
         png = plot_client_class_matrix(
             {f"after stage {len(self.prototype_terms)}": self.prototype_terms[-1]},
             run_dir / "d_fed_terms.png",

@@ -25,6 +25,7 @@ def test_stage_metrics_match_a_recomputation_from_the_final_model(tmp_env, compo
         "federation.rounds=3",
         "logger=none",
         "task=cil",
+        "plots=true",
     ]
     run = tmp_env / "run"
     s = train(compose(over), run)

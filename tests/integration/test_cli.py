@@ -42,7 +42,7 @@ def cli_env(tmp_path, shared_data):
 
 def test_default_demo_logs_everything_to_mlflow(tmp_path, cli_env):
     env = {k: v for k, v in cli_env.items() if k != "MLFLOW_TRACKING_URI"}  # the default store
-    r = fl(["train", "federation.rounds=2"], tmp_path, env)  # per stage; stages [2, 1, 1]
+    r = fl(["train", "federation.rounds=2", "plots=true"], tmp_path, env)  # stages [2, 1, 1]
     assert r.returncode == 0, r.stderr
     assert "test_acc" in r.stdout and "uplink" in r.stdout and "fpr95" in r.stdout  # summary
     (run,) = run_dirs(tmp_path, "demo")
@@ -215,6 +215,9 @@ def test_fedogl_killed_after_a_stage_end_resumes_identically(tmp_path, cli_env):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("full", "killed"))
     assert a["metrics"] == b["metrics"] and a["comm"] == b["comm"] and b["resumed"] is True
+    # FEDLIGHTNING_PLOTS=false (the suite's default, tests/conftest.py): tables, no PNG
+    assert (tmp_path / "full" / "acc_matrix.csv").exists()
+    assert not list((tmp_path / "full").glob("*.png"))
 
 
 def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env):
@@ -222,13 +225,14 @@ def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env):
         "train",
         "experiment=cil_fedavg_replay_cora",
         "federation.rounds=2",
+        "plots=true",
         "algorithm.lambda_dis=1.0",
     ]
     full = fl([*base, "hydra.run.dir=full", "logger=none"], tmp_path, cli_env)
     assert full.returncode == 0, full.stderr
     killed = fl([*base, "hydra.run.dir=killed", "runner.kill_at=3:2"], tmp_path, cli_env)
     assert killed.returncode == -9  # in stage 2, after the teacher was frozen for 2 clients
-    resumed = fl(["train", "resume=killed"], tmp_path, cli_env)
+    resumed = fl(["train", "resume=killed", "plots=true"], tmp_path, cli_env)
     assert resumed.returncode == 0, resumed.stderr
     a = json.loads((tmp_path / "full" / "summary.json").read_text())
     b = json.loads((tmp_path / "killed" / "summary.json").read_text())

@@ -121,7 +121,8 @@ def test_bad_fedtip_input_fails_before_training(env, compose):
 def test_fedtip_logs_every_task_to_mlflow(env, compose):
     from mlflow.tracking import MlflowClient
 
-    cfg = compose(["experiment=fedtip_synthetic", *[o for o in SMALL if o != "logger=none"]])
+    over = [o for o in SMALL if o != "logger=none"]
+    cfg = compose(["experiment=fedtip_synthetic", *over, "plots=true"])
     s = train(cfg, env / "a", verbose=False)
     client = MlflowClient(cfg.logger.tracking_uri)
     run_id = json.loads((env / "a" / "mlflow_run.json").read_text())["run_id"]
