@@ -10,12 +10,18 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 PIP=(.venv/bin/python -m pip install -q --no-compile --disable-pip-version-check)
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# Done already for this pyproject.toml and this script (the editable install follows the
+# code by itself): nothing to do. Remove .venv/.setup to redo it.
+setup="$(cat pyproject.toml tools/setup.sh | sha256sum | cut -c1-16)"
+[ "$(cat .venv/.setup 2>/dev/null || true)" = "$setup" ] && exit 0
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[dev,features,flower]"
-stamp="$(.venv/bin/python -m pip freeze --disable-pip-version-check 2>/dev/null | sha256sum | cut -c1-16)"
+freeze=(.venv/bin/python -m pip freeze --exclude-editable --disable-pip-version-check)
+stamp="$("${freeze[@]}" 2>/dev/null | sha256sum | cut -c1-16)"
 if [ "$(cat .venv/.compiled 2>/dev/null || true)" != "$stamp" ]; then
   site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   # a package's deliberately invalid test files fail to compile, as they do under pip
   .venv/bin/python -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
   echo "$stamp" >.venv/.compiled
 fi
+echo "$setup" >.venv/.setup
