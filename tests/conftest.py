@@ -44,6 +44,24 @@ _absl_writes_to_the_real_stderr()
 os.environ.setdefault("FEDLIGHTNING_PLOTS", "false")
 
 
+def _cores_per_worker() -> None:
+    """Under pytest-xdist, each worker and every process it starts (CLI runs, ranks, Flower
+    nodes) computes on its share of the cores (``OMP_NUM_THREADS``, unless set): with one
+    worker per core, torch's default of a thread per core put two spinning OpenMP teams on
+    each core, and the workers' heavy tests took 1.7x the time (docs/scaling.md, "The test
+    suite computes on its share of the cores")."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // workers))
+    if "torch" in sys.modules:  # already imported: its thread pool follows the variable
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_cores_per_worker()
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The real data of ``../shared/data`` (or ``FEDLIGHTNING_TEST_DATA``); under CI a
