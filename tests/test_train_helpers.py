@@ -1,5 +1,6 @@
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -143,3 +144,30 @@ def test_plots_follow_the_environment_are_checked_and_a_resume_may_change_them(
     )
     assert saved.plots is False and again[0].plots is True
     assert run_identity(saved, {}) == run_identity(again[0], {})  # the same run
+
+
+def test_concurrent_builders_of_a_cached_file_build_it_once(tmp_path):
+    """Four threads ask for one cached file at once (each opens the lock file itself, as
+    separate processes do): one builds it, the three others wait and find it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fedlightning.utils.io import build_once, save_torch
+
+    path = tmp_path / "cache" / "contexts" / "x.pt"
+    builds, started = [], threading.Barrier(4)
+
+    def build() -> None:
+        builds.append(threading.get_ident())
+        time.sleep(0.3)  # the others arrive while it builds
+        save_torch(path, {"built_by": builds[0]})
+
+    def ask(_: int) -> bool:
+        started.wait()
+        return build_once(path, build)
+
+    with ThreadPoolExecutor(4) as pool:
+        reused = list(pool.map(ask, range(4)))
+    assert len(builds) == 1 and sorted(reused) == [False, True, True, True]
+    assert torch.load(path)["built_by"] == builds[0]
+    assert build_once(path, build) is True and len(builds) == 1  # later: reused at once

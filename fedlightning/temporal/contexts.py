@@ -27,7 +27,7 @@ from fedlightning.temporal.bank import (
     make_encoder,
     streaming_threads,
 )
-from fedlightning.utils.io import content_hash, save_torch
+from fedlightning.utils.io import build_once, content_hash, save_torch
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +211,10 @@ def cached_contexts(
         {"version": CONTEXT_VERSION, "bank": bank_hash, "train_mode": mode, **protocol.event_hashes}
     )
     path = Path(cache_dir) / "contexts" / f"{protocol.stream.name}-{key}.pt"
-    if path.exists():
-        return path, key, True
-    save_torch(path, compute_contexts(bank_path, protocol, train_mode=mode))
-    return path, key, False
+    reused = build_once(
+        path, lambda: save_torch(path, compute_contexts(bank_path, protocol, train_mode=mode))
+    )
+    return path, key, reused
 
 
 @torch.no_grad()

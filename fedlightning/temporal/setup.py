@@ -26,7 +26,7 @@ from fedlightning.temporal.bank import (
     save_bank,
 )
 from fedlightning.temporal.contexts import bank_size, read_bank, tensor_values
-from fedlightning.utils.io import content_hash
+from fedlightning.utils.io import build_once, content_hash
 
 log = logging.getLogger(__name__)
 
@@ -85,48 +85,55 @@ def ensure_bank(
     key = content_hash({"version": BANK_VERSION, **ident, "bank": bank_cfg.key(), "seed": seed})
     variant = bank_variant(bank_cfg)
     path = Path(cache_dir) / "banks" / f"{stream.name}-{bank_cfg.encoder}-{variant}-{key}.pt"
-    if path.exists():
-        saved = read_bank(path)  # read once: the run's encoder comes from the same read
-        log.info("bank %s reused", path)
-        meta = saved["meta"]
-        return dict(
-            path=path, hash=saved["hash"], metrics=meta["metrics"], history=meta["history"],
-            reused=True, values=bank_size(path),
+    built: dict[str, Any] = {}
+
+    def build() -> None:
+        pre_idx, val_idx = proto.manifest.indices(PRETRAIN), proto.manifest.indices(PREVAL)
+        t0 = time.perf_counter()
+        log.info(
+            "bank %s not in the cache: pre-training it (%d + %d events)",
+            path,
+            len(pre_idx),
+            len(val_idx),
+        )
+        enc, history = pretrain(
+            stream,
+            pre_idx,
+            val_idx,
+            bank_cfg,
+            seed,
+            on_epoch=lambda e, row: tracker.log_metrics(
+                {f"bank_{k}": v for k, v in row.items()}, e
+            ),
+        )
+        metrics, negatives = build_snapshot(enc, stream, pre_idx, val_idx, bank_cfg, seed)
+        meta = {
+            "encoder": bank_cfg.encoder,
+            "config": bank_cfg.key(),
+            "variant": variant,
+            **ident,
+            "metrics": metrics,
+            "history": history,
+        }
+        state = bank_state(enc, negatives)
+        digest = save_bank(path, state, meta)
+        log.info(
+            "bank built in %.1fs: pre-validation auc %.4f  ap %.4f",
+            time.perf_counter() - t0,
+            metrics["auc"],
+            metrics["ap"],
+        )
+        built.update(
+            path=path, hash=digest, metrics=metrics, history=history, reused=False,
+            values=tensor_values(state),
         )  # fmt: skip
-    pre_idx, val_idx = proto.manifest.indices(PRETRAIN), proto.manifest.indices(PREVAL)
-    t0 = time.perf_counter()
-    log.info(
-        "bank %s not in the cache: pre-training it (%d + %d events)",
-        path,
-        len(pre_idx),
-        len(val_idx),
-    )
-    enc, history = pretrain(
-        stream,
-        pre_idx,
-        val_idx,
-        bank_cfg,
-        seed,
-        on_epoch=lambda e, row: tracker.log_metrics({f"bank_{k}": v for k, v in row.items()}, e),
-    )
-    metrics, negatives = build_snapshot(enc, stream, pre_idx, val_idx, bank_cfg, seed)
-    meta = {
-        "encoder": bank_cfg.encoder,
-        "config": bank_cfg.key(),
-        "variant": variant,
-        **ident,
-        "metrics": metrics,
-        "history": history,
-    }
-    state = bank_state(enc, negatives)
-    digest = save_bank(path, state, meta)
-    log.info(
-        "bank built in %.1fs: pre-validation auc %.4f  ap %.4f",
-        time.perf_counter() - t0,
-        metrics["auc"],
-        metrics["ap"],
-    )
+
+    if not build_once(path, build):
+        return built
+    saved = read_bank(path)  # read once: the run's encoder comes from the same read
+    log.info("bank %s reused", path)
+    meta = saved["meta"]
     return dict(
-        path=path, hash=digest, metrics=metrics, history=history, reused=False,
-        values=tensor_values(state),
+        path=path, hash=saved["hash"], metrics=meta["metrics"], history=meta["history"],
+        reused=True, values=bank_size(path),
     )  # fmt: skip

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +54,30 @@ def write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
 def save_torch(path: str | Path, obj: Any) -> None:
     """``torch.save`` atomically: a kill during the write leaves the previous file intact."""
     _atomic(Path(path), lambda f: torch.save(obj, f))
+
+
+def build_once(path: str | Path, build: Callable[[], Any]) -> bool:
+    """Make the cached file ``path`` with ``build()`` (which writes it) unless it exists;
+    whether it was there already. Concurrent callers for the same ``path`` (parallel runs
+    of one stream, test workers) build it once: the first holds an exclusive lock on
+    ``<path>.lock`` while it builds, the others wait on it and then find the file. The OS
+    releases the lock of a process that dies. Without ``fcntl`` (Windows), no lock."""
+    path = Path(path)
+    if path.exists():
+        return True
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        build()
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logging.getLogger("fedlightning").info("waiting for another process: %s", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return True
+        build()
+    return False
