@@ -18,7 +18,7 @@ from fedlightning.clients.replay import class_balanced_sample, stage_batch
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm, FederatedClient, check_bounds
-from fedlightning.federation.stacking import StackedFit, fit_stacked
+from fedlightning.federation.stacking import fit_stacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.models.constant import graphs_identity, unchanged
 from fedlightning.server.aggregate import model_state
@@ -204,17 +204,6 @@ class ContinualFedAvg(Algorithm):
         fitted = fit_stacked(
             module, batches, executor, epochs, self.callbacks(), seeds, teachers, starts
         )
-        return self.finish_share(module, fitted, clients, broadcast, batches)
-
-    def finish_share(
-        self,
-        module: ContinualNodeClassifier,
-        fitted: StackedFit,
-        clients: Sequence[FederatedClient],
-        broadcast: ServerBroadcast,
-        batches: Sequence[Any],
-    ) -> list[ClientUpdate]:
-        """After a stacked fit: each client's :meth:`finish`, its weights in ``module``."""
         return [
             self.finish(fitted.load(module, k), c, broadcast, batches[k])
             for k, c in enumerate(clients)

@@ -17,7 +17,6 @@ from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.callbacks import GradientProjection
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
-from fedlightning.federation.stacking import StackedFit, outputs_in_one_pass
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.structure import protected_biases, protected_inputs
 from fedlightning.server import Server
@@ -236,31 +235,6 @@ class FedOGL(ContinualFedAvg):
             self.add_prototypes(module, client, broadcast.round, update)
         return update
 
-    def finish_share(
-        self,
-        module: Any,
-        fitted: StackedFit,
-        clients: Sequence[FederatedClient],
-        broadcast: ServerBroadcast,
-        batches: Sequence[Any],
-    ) -> list[ClientUpdate]:
-        """After a stacked fit: every client's prototype descriptors in one pass of the
-        trained stack over their stage graphs (each client's rows get its own net's
-        products, docs/scaling.md), then each client's :meth:`finish`."""
-        if not self.use_prototypes:
-            return super().finish_share(module, fitted, clients, broadcast, batches)
-        t = self.stage_of(broadcast.round)
-        graphs = [self.batch_at(c, t, replay=False) for c in clients]
-        state = {n: p.detach() for n, p in fitted.net.named_parameters()}
-        banks = outputs_in_one_pass(
-            module.net, state, graphs, self.descriptors, stacked=True, role="descriptors"
-        )
-        self._banks = {c.client_id: b for c, b in zip(clients, banks, strict=True)}
-        try:
-            return super().finish_share(module, fitted, clients, broadcast, batches)
-        finally:
-            self._banks = {}
-
     def descriptors(self, net: Any, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Memory descriptors by bank: ``{"": (z, sup_mask)}``, the fused ``z`` of Eq. (10)."""
         return {"": (net.representations(batch)["z"], batch.sup_mask)}
@@ -273,11 +247,9 @@ class FedOGL(ContinualFedAvg):
         with their support, as fields ``proto.[<bank>.]<c>.<q>`` (and ``proto_count.``)."""
         t = self.stage_of(round)
         batch = self.batch_at(client, t, replay=False)
-        banks = self.__dict__.get("_banks", {}).get(client.client_id)  # a stack's (finish_share)
-        if banks is None:
-            module.net.eval()
-            banks = self.descriptors(module.net, batch)
-            module.net.train()
+        module.net.eval()
+        banks = self.descriptors(module.net, batch)
+        module.net.train()
         for side, (x, m) in banks.items():
             if self.release.on:
                 self.add_released(update, client, round, side, x[m], batch.y[m], t)

@@ -224,19 +224,14 @@ def outputs_in_one_pass(
     state: dict[str, Tensor],
     graphs: Sequence[Any],
     fn: Callable[[nn.Module, Any], Any],
-    stacked: bool = False,
-    role: str = "eval",
 ) -> list[Any]:
     """``fn(net with state, graph)`` for every graph, computed as one pass of ``fn`` on their
     disjoint union (a stack whose copies all hold ``state``: each graph's rows get the
     products its own pass computes); every tensor of the result cut back per graph.
-    ``fn`` returns a tensor ``[N, ...]`` or a tuple/dict of them. ``stacked``: ``state``
-    holds each graph's own weights, a stack's parameters (leading axis one per graph).
-    ``role`` names the stack kept for these graphs (:func:`cached_stack`): a caller that
-    passes the same graphs round after round keeps their union built."""
-    stack, segments = cached_stack(net, len(graphs), role)
-    for name, p in stack.named_parameters():  # one state broadcasts to every copy
-        p.copy_(state[name] if stacked else state[name].expand_as(p))
+    ``fn`` returns a tensor ``[N, ...]`` or a tuple/dict of them."""
+    stack, segments = cached_stack(net, len(graphs), "eval")
+    for name, p in stack.named_parameters():  # the one state into every copy
+        p.copy_(state[name].expand_as(p))
     union = segments.bind(graphs)
     stack.eval()
     out = fn(stack, union)

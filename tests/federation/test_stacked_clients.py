@@ -27,7 +27,6 @@ from fedlightning.federation.stacking import (
     StackedClients,
     UnionEvaluate,
     fit_stacked,
-    outputs_in_one_pass,
     why_not_stacked,
 )
 from fedlightning.messages import ServerBroadcast
@@ -283,30 +282,6 @@ def test_union_evaluation_equals_per_client_evaluation():
     for c in clients:
         module.receive(state)
         assert union(c) == module.evaluate(c.data)
-
-
-def test_one_pass_with_each_graphs_own_weights_equals_each_net_alone():
-    """``outputs_in_one_pass(..., stacked=True)`` (FedOGL's prototype descriptors after a
-    stacked fit): graph ``k``'s rows are what a net holding copy ``k`` alone computes."""
-    graphs = [graph(n, 20 + n) for n in (16, 32, 48)]
-    net, _, _ = setup(FedAvg())
-    stack, _ = stack_net(net, len(graphs))
-    with torch.no_grad():
-        for p in stack.parameters():
-            p.add_(torch.randn_like(p))  # every copy its own weights
-    state = {n: p.detach() for n, p in stack.named_parameters()}
-    fn = lambda m, g: (m(g), m.representations(g))  # noqa: E731
-    outs = outputs_in_one_pass(net, state, graphs, fn, stacked=True, role="test")
-    for k, g in enumerate(graphs):
-        net.load_state_dict({n: v[k] for n, v in state.items()})
-        net.eval()
-        logits, reps = fn(net, g)
-        assert torch.equal(outs[k][0], logits), k
-        assert reps.keys() == outs[k][1].keys()
-        for key, v in reps.items():
-            assert torch.equal(outs[k][1][key], v), (k, key)
-    net.load_state_dict({n: v[0] for n, v in state.items()})
-    assert not torch.allclose(net(graphs[1]), outs[1][0])  # copy 1's weights, not copy 0's
 
 
 def test_an_optimizer_that_is_not_elementwise_is_refused():
