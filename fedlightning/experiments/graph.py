@@ -18,6 +18,7 @@ from fedlightning.data.partition import TEST, TRAIN, VAL, Partition, check_train
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
+from fedlightning.federation.executors import with_foreach
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.federation.stages import ContinualLoop
 from fedlightning.runs import (
@@ -58,7 +59,7 @@ def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> t
     ``(seed, "init")``, so every process that builds them gets the same."""
     torch.manual_seed(derive_seed(cfg.seed, "init"))
     net = build(cfg.model.net, "model.net")(in_dims=in_dims, num_classes=num_classes)
-    optimizer = build(cfg.model.optimizer, "model.optimizer")
+    optimizer = with_foreach(build(cfg.model.optimizer, "model.optimizer"))
     algorithm = build(cfg.algorithm, "algorithm")
     algorithm.report_train_loss = bool(cfg.federation.get("report_train_loss", False))
     return net, algorithm, algorithm.client_module(net, optimizer)

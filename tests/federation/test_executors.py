@@ -4,11 +4,12 @@ import copy
 from functools import partial
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from fedlightning.clients import NodeClassifier, proximal_term
 from fedlightning.data.graphs import make_synthetic
-from fedlightning.federation.executors import LeanExecutor, TrainerExecutor
+from fedlightning.federation.executors import LeanExecutor, TrainerExecutor, with_foreach
 from fedlightning.models import MultimodalGNN
 
 
@@ -83,3 +84,49 @@ def test_proximal_term_hand_value():
     anchor = {"w": torch.tensor([0.0, 4.0])}
     # mu/2 * ((1-0)^2 + (2-4)^2) = 0.1/2 * 5 = 0.25
     assert proximal_term([("w", w)], anchor, 0.1).item() == 0.25
+
+
+def _steps(factory, steps: int = 30) -> list[torch.Tensor]:
+    """``steps`` updates of a few weights (a stack of five clients' word encoders among them)
+    from seeded gradients, some entries' gradients zero (as under gradient projection)."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(5, 16, 300), (5, 16), (16, 33), (7, 16), (3,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    opt = factory(params)
+    for _ in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=g)
+            if i % 2 == 0:
+                p.grad[..., 0] = 0.0
+        opt.step()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        partial(torch.optim.Adam, lr=0.01, weight_decay=5e-4),
+        partial(torch.optim.Adam, lr=0.003, amsgrad=True),
+        partial(torch.optim.AdamW, lr=0.01, weight_decay=0.01),
+        partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True),
+        partial(torch.optim.SGD, lr=0.1),
+    ],
+    ids=["adam", "adam-amsgrad", "adamw", "sgd-nesterov", "sgd"],
+)
+def test_foreach_updates_are_bitwise_the_per_tensor_ones(factory):
+    fast = with_foreach(factory)
+    assert fast.keywords["foreach"] is True
+    per_tensor = _steps(partial(factory, foreach=False))
+    multi = _steps(fast)
+    assert all(torch.equal(a, b) for a, b in zip(per_tensor, multi, strict=True))
+    assert not torch.equal(per_tensor[0], _steps(factory, steps=29)[0])  # the steps count
+
+
+def test_foreach_is_left_to_an_explicit_setting_and_other_optimizers():
+    for factory in (
+        partial(torch.optim.Adam, lr=0.01, foreach=False),
+        partial(torch.optim.Adam, lr=0.01, fused=True),
+        partial(torch.optim.RMSprop, lr=0.01),
+        torch.optim.Adam,
+    ):
+        assert with_foreach(factory) is factory
