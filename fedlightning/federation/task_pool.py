@@ -72,15 +72,6 @@ def _run_one(i: int) -> tuple[dict[str, float], dict[str, list]]:
     return metrics, loop.ledger.state_dict()
 
 
-def merge_ledger(ledger: CommLedger, part: dict[str, list]) -> None:
-    """Append a task's ledger records (its :meth:`~CommLedger.state_dict`, every value a
-    list of records) after ``ledger``'s, as recording them in this process would have."""
-    state = ledger.state_dict()
-    for key, records in part.items():
-        state[key] = list(state.get(key, [])) + list(records)
-    ledger.load_state_dict(state)
-
-
 def task_results(loop: Any, todo: Sequence[Any], workers: int = 1) -> Iterator[dict[str, float]]:
     """``loop.run_task(task)`` of every task of ``todo`` in order, on ``workers`` processes
     (module docstring; ``1``: in this process). After each yielded task the loop's ledger
@@ -101,7 +92,7 @@ def task_results(loop: Any, todo: Sequence[Any], workers: int = 1) -> Iterator[d
             for task, (metrics, part) in zip(
                 todo, pool.imap(_run_one, range(len(todo)), chunksize=1), strict=True
             ):
-                merge_ledger(loop.ledger, part)
+                loop.ledger.extend(part)  # after the earlier tasks' records
                 if not loop.pooled:
                     loop.provisioned |= set(task.clients)
                 yield metrics

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -146,8 +145,6 @@ class TaskLoop(Schedule):
         super().__init__(checkpoint_path)
         self.workers = workers
         self.min_clients = check_min_clients(min_clients)
-        self._packed: list[bytes] = []  # the ledger's entries pickled task by task (state_dict)
-        self._packed_upto = 0
         self.algorithm, self.tasks, self.eval_batches = algorithm, list(tasks), eval_batches
         self.families, self.dims, self.runner = list(families), dims, runner
         self.rounds, self.epochs, self.seed = rounds, epochs, seed
@@ -298,26 +295,11 @@ class TaskLoop(Schedule):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The ledger's entries go in as pickled chunks, one per checkpoint (``packed``):
-        torch.save of ~10^5 tuples took seconds per task and grew with the run."""
-        entries = self.ledger.entries
-        if len(entries) < self._packed_upto:  # the ledger was replaced: pack it anew
-            self._packed, self._packed_upto = [], 0
-        if len(entries) > self._packed_upto:
-            self._packed.append(pickle.dumps(entries[self._packed_upto :], protocol=5))
-            self._packed_upto = len(entries)
         state = super().state_dict()
-        state["ledger"] = {**state["ledger"], "packed": list(self._packed)}
-        del state["ledger"]["entries"]
         return {**state, "results": self.results, "provisioned": sorted(self.provisioned)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        ledger = dict(state["ledger"])
-        if "packed" in ledger:
-            ledger["entries"] = [e for chunk in ledger.pop("packed") for e in pickle.loads(chunk)]
-            state = {**state, "ledger": ledger}
         super().load_state_dict(state)
-        self._packed, self._packed_upto = [], 0
         self.results = list(state["results"])
         self.provisioned = set(state["provisioned"])
 

@@ -1,7 +1,9 @@
+import pickle
+
 import pytest
 import torch
 
-from fedlightning.federation.ledger import CommLedger
+from fedlightning.federation.ledger import CommLedger, unpacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 
 
@@ -45,3 +47,35 @@ def test_state_roundtrip_and_direction_check():
     assert led2.summary() == led.summary()
     with pytest.raises(ValueError, match="direction"):
         led.record("sideways", 0, _update(0, 1))
+
+
+def test_each_state_dict_packs_only_the_entries_since_the_last():
+    """A checkpoint per round pickles that round's entries once (not the whole run's again);
+    reloading, extending and comparing see the entries, however they were chunked."""
+    led = CommLedger()
+    led.record("up", 0, _update(0, 1))  # 4 entries: model.w, model.b, two scalars
+    first = led.state_dict()
+    assert [len(pickle.loads(c)) for c in first["packed"]] == [4]
+    led.state_dict()  # nothing new: no new chunk
+    for c in (0, 1):
+        led.record("up", c, _update(c, 2))
+    led.reject([])
+    second = led.state_dict()
+    assert [len(pickle.loads(c)) for c in second["packed"]] == [4, 8]
+    assert second["packed"][0] is first["packed"][0]  # round 1 was not pickled again
+    back = CommLedger()
+    back.load_state_dict(second)
+    assert back.entries == led.entries and back.total("up") == led.total("up") == 3 * 18
+    assert unpacked(back.state_dict()) == unpacked(second)  # one chunk against two
+    assert len(back.state_dict()["packed"]) == 1
+    # a state saved before packing: a list of tuples, the oldest without scope
+    old = {"entries": [e[:6] for e in led.entries]}
+    assert unpacked(old)["entries"] == led.entries
+    # another process's records appended after these ones, as recording them here would
+    part = CommLedger()
+    part.record("down", 2, _update(2, 3))
+    both = CommLedger()
+    both.load_state_dict(second)
+    both.extend(part.state_dict())
+    led.record("down", 2, _update(2, 3))
+    assert both.entries == led.entries and both.summary() == led.summary()

@@ -18,6 +18,7 @@ import torch
 from fedlightning.config import build
 from fedlightning.errors import ConfigError
 from fedlightning.experiments.graph import build_clients, build_model, load_graph
+from fedlightning.federation.ledger import unpacked
 from fedlightning.train import train
 from tests.integration.test_learning import learned, learned_margin
 
@@ -96,7 +97,9 @@ def test_ledger_matches_a_hand_count_of_the_message(method, tmp_env, compose):
         missing = deficient_clients(5, ["text", "image"], 0.4, cfg.protocol.seed)
         assert len(missing) == 2 and all(sent[k] == 0 for k in missing)
         ledger = torch.load(tmp_env / "run" / "checkpoint.pt", weights_only=False)["ledger"]
-        senders = {e[2] for e in ledger["entries"] if e[0] == "up" and e[3].startswith(prefix)}
+        senders = {
+            e[2] for e in unpacked(ledger)["entries"] if e[0] == "up" and e[3].startswith(prefix)
+        }
         assert senders.isdisjoint(missing) and senders
 
 

@@ -95,7 +95,7 @@ def test_a_packed_checkpoint_resumes_at_the_next_task(tmp_path):
     plain = loop()
     plain.tasks = plain.tasks[:2]
     plain.run()
-    old = {**plain.state_dict(), "ledger": plain.ledger.state_dict()}
+    old = {**plain.state_dict(), "ledger": {"entries": plain.ledger.entries, "rejections": []}}
     back = loop()
     back.load_state_dict(old)
     same(back.run(), straight)
