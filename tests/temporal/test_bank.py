@@ -105,6 +105,40 @@ def test_pretraining_learns_and_the_frozen_state_is_the_stream_history(small, en
     )
 
 
+@torch.no_grad()
+def test_a_fork_streams_as_a_deep_copy_and_leaves_its_snapshot_alone(small):
+    """``fork`` shares the message stores' entries (immutable tuples) instead of copying
+    them: streaming into a fork gives bitwise what a full deep copy gives, and neither the
+    snapshot's stores nor its states change."""
+    import copy
+
+    from fedlightning.temporal.bank import MSG_STORES, make_encoder
+    from fedlightning.temporal.contexts import fork, stream_contexts
+
+    s, pre, val = small
+    torch.manual_seed(0)
+    enc = make_encoder(s, BankConfig(encoder="tgn", memory_dim=16, time_dim=8, embedding_dim=16))
+    enc.eval()
+    stream_contexts(enc, s, pre[:600], np.full(600, -1))  # a snapshot with pending messages
+    before = copy.deepcopy(enc)
+    twin, full = fork(enc), copy.deepcopy(enc)
+    for name in MSG_STORES:
+        store, own = getattr(enc.memory, name), getattr(twin.memory, name)
+        assert own is not store and own.keys() == store.keys()
+        assert all(own[k] is store[k] for k in store)  # the same entries, not copies
+    later = pre[600:1200]
+    a = stream_contexts(twin, s, later, np.full(600, -1))
+    b = stream_contexts(full, s, later, np.full(600, -1))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    nodes = torch.arange(s.num_nodes)
+    times = torch.zeros(s.num_nodes, dtype=torch.long)
+    assert torch.equal(enc.embed(nodes, times), before.embed(nodes, times))  # untouched
+    for name in MSG_STORES:
+        store, old = getattr(enc.memory, name), getattr(before.memory, name)
+        assert store.keys() == old.keys()
+        assert all(torch.equal(x, y) for k in store for x, y in zip(store[k], old[k], strict=True))
+
+
 def test_bank_runs_from_the_config_and_are_reused(tmp_env, compose):
     over = ["experiment=bank_tgn_synthetic", "bank.epochs=1", "bank.max_events=2000", "logger=none"]
     a = train(compose(over), tmp_env / "a", verbose=False)
