@@ -26,6 +26,7 @@ from fedlightning.temporal.bank import (
     event_tensors,
     make_encoder,
     streaming_threads,
+    unpack_store,
 )
 from fedlightning.utils.io import build_once, content_hash, save_torch
 
@@ -102,7 +103,14 @@ def load_bank(path: str | Path, stream: EventStream):
         enc.eval()  # TGN's memory flushes its (empty) message store here, before the state
     enc.load_state_dict(saved["weights"])  # buffers: TGN's memory, frequency, last time
     loader_state = ("neighbors", "neighbor_e_id", "cur_e_id", "event_ids")
-    set_stream_state(enc, *(saved[k] for k in loader_state), saved)
+    stores = {}
+    if hasattr(enc, "memory"):  # packed columns (a bank of this version) or a dict (older)
+        n = enc.memory.num_nodes
+        stores = {
+            s: unpack_store(saved[s], n) if isinstance(saved[s], tuple) else saved[s]
+            for s in MSG_STORES
+        }
+    set_stream_state(enc, *(saved[k] for k in loader_state), stores)
     return enc
 
 

@@ -139,6 +139,37 @@ def test_a_fork_streams_as_a_deep_copy_and_leaves_its_snapshot_alone(small):
         assert all(torch.equal(x, y) for k in store for x, y in zip(store[k], old[k], strict=True))
 
 
+@torch.no_grad()
+def test_a_message_store_packs_into_four_columns_and_back(small):
+    """The bank saves each TGN message store as four columns: nothing added (the bank's
+    value count stays), every entry back with its values, dtype and shape."""
+    from fedlightning.temporal.bank import MSG_STORES, make_encoder, pack_store, unpack_store
+    from fedlightning.temporal.contexts import stream_contexts
+
+    s, pre, _ = small
+    torch.manual_seed(0)
+    enc = make_encoder(s, BankConfig(encoder="tgn", memory_dim=16, time_dim=8, embedding_dim=16))
+    enc.eval()
+    stream_contexts(enc, s, pre[:600], np.full(600, -1))
+    for name in MSG_STORES:
+        store = getattr(enc.memory, name)
+        assert sum(len(v[0]) > 0 for v in store.values()) > 10  # pending messages to pack
+        cols = pack_store(store, s.num_nodes)
+        assert len(cols) == 4
+        assert sum(c.numel() for c in cols) == sum(x.numel() for v in store.values() for x in v)
+        back = unpack_store(cols, s.num_nodes)
+        assert back.keys() == store.keys()
+        for k, entry in store.items():
+            for x, y in zip(back[k], entry, strict=True):
+                assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    with pytest.raises(ValueError, match="every node"):
+        pack_store({0: store[0]}, s.num_nodes)
+    swapped = {**store, 0: store[1], 1: store[0]}
+    if len(store[0][0]) or len(store[1][0]):
+        with pytest.raises(ValueError, match="another node"):
+            pack_store(swapped, s.num_nodes)
+
+
 def test_bank_runs_from_the_config_and_are_reused(tmp_env, compose):
     over = ["experiment=bank_tgn_synthetic", "bank.epochs=1", "bank.max_events=2000", "logger=none"]
     a = train(compose(over), tmp_env / "a", verbose=False)
@@ -200,7 +231,7 @@ def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
     """Server contexts: the first batch of validation is scored from the bank snapshot itself;
     a client's first support event sees only the snapshot, its later ones its own support."""
     from fedlightning.data.temporal.manifest import DOWN_VAL
-    from fedlightning.temporal.contexts import group_batches, load_bank
+    from fedlightning.temporal.contexts import group_batches, load_bank, stream_contexts
 
     assert [b.tolist() for b in group_batches(np.array([0, 1, 1, 1, 2, 3]), np.arange(6), 2)] == [
         [0, 1, 2, 3],
@@ -227,6 +258,22 @@ def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
             torch.tensor([s.src[e0]]), torch.tensor([s.t[e0] - s.t[0]])
         )
     assert torch.allclose(c["src"][0], h0[0], atol=1e-6)
+    # a bank saved before its message stores were packed (a dict each) loads the same state
+    from fedlightning.temporal.bank import MSG_STORES, unpack_store
+
+    saved = torch.load(summary["bank"]["path"], weights_only=False)
+    assert all(isinstance(saved[k], tuple) for k in MSG_STORES)  # packed: four columns
+    old = {k: unpack_store(saved[k], s.num_nodes) for k in MSG_STORES}
+    old = {k: {n: tuple(x.clone() for x in v) for n, v in d.items()} for k, d in old.items()}
+    torch.save({**saved, **old}, tmp_env / "dict_stores.pt")
+    nodes, times = torch.arange(s.num_nodes), torch.zeros(s.num_nodes, dtype=torch.long)
+    states = []
+    with torch.no_grad():
+        for path in (summary["bank"]["path"], tmp_env / "dict_stores.pt"):
+            bank = load_bank(path, s)
+            stream_contexts(bank, s, val[:400], np.full(400, -1))  # reads pending messages
+            states.append(bank.embed(nodes, times))
+    assert torch.equal(*states)
     # recency at scoring time: the time since the node's last event in the bank's history
     e = int(ctx["down_val"]["events"][0])
     last = s.t[: m.bounds[1]][
