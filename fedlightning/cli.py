@@ -256,26 +256,32 @@ def _refuse_before_hydra(args: list[str]) -> None:
     the run wrapper would refuse anyway: ``resume=DIR`` of a folder that holds no run or a
     finished one, and a fresh run whose ``hydra.run.dir`` already holds a run. Hydra's own
     modes (``--cfg``, ``--info``, ...) and the ranks Lightning starts are left to the run; a
-    multirun (``-m``) into a ``hydra.sweep.dir`` whose job folders hold a run is refused."""
-    from fedlightning.runs import check_resume_dir, refuse_existing_run
-
+    multirun (``-m``) into a ``hydra.sweep.dir`` whose job folders hold a run is refused.
+    :mod:`fedlightning.runs` (and so torch) is imported only where there is a folder to
+    check: a config error of a plain run is told in about a second."""
     flags = {a for a in args if a.startswith("-")}
     if flags - {"-m", "--multirun"} or any(a.startswith(LIGHTNING_RANK_ARG) for a in args):
         return
     if flags:  # a multirun: its jobs' folders <hydra.sweep.dir>/<job number>
         sweep_dir = _override(args, "hydra.sweep.dir")
         if sweep_dir is not None and "${" not in sweep_dir and Path(sweep_dir).is_dir():
+            from fedlightning.runs import refuse_existing_run
+
             for job in sorted(p for p in Path(sweep_dir).iterdir() if p.is_dir()):
                 refuse_existing_run(job)
         return
     resume = _override(args, "resume")
     if resume not in (None, "null", ""):
+        from fedlightning.runs import check_resume_dir
+
         check_resume_dir(Path(resume))
         return
     run_dir = _override(args, "hydra.run.dir")
     if run_dir is not None and "${" in run_dir:
         run_dir = _resolved_run_dir(args)
     if run_dir is not None:  # else outputs/<data>/<experiment>/<time>: a new folder
+        from fedlightning.runs import refuse_existing_run
+
         refuse_existing_run(Path(run_dir))
 
 
