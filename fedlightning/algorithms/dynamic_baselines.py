@@ -26,7 +26,7 @@ from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.dynamic_baselines import StackedNet
 from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.temporal.snapshots import SnapshotView, snapshot_view
-from fedlightning.utils.seeding import derive_seed
+from fedlightning.utils.seeding import derive_seed, manual_seed
 
 SIDES = {"u": "src", "i": "dst", "j": "neg"}
 
@@ -141,7 +141,7 @@ class DynamicBaseline(FedTIP):
             starts = self.starts(broadcast, module, mine)
             module.receive(starts, self.client_extras(context, mine))
             stack = self.client_stack(task, mine)
-            torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, broadcast.round))
+            manual_seed(derive_seed(context.seed, "fit", task.task, family, broadcast.round))
             context.executor.fit(module, stack, context.epochs)
             return self.updates(module, stack, starts, broadcast, mine)
 

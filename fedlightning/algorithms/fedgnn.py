@@ -32,7 +32,7 @@ from fedlightning.models.fedgnn import (
 )
 from fedlightning.server.fedgnn import RowSparseServer, row_upload_problem, unflatten_keys
 from fedlightning.server.validation import Field, MessageSpec, Rule
-from fedlightning.utils.seeding import derive_seed, torch_generator
+from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
 
 def event_rows(graph: HistoryGraph, stream: Any, batch: Batch) -> dict[str, Tensor]:
@@ -131,7 +131,7 @@ class FedGNN(FedTIP):
             k = client.client_id
             module.receive(start)
             batch = event_rows(self.graph, self.stream, task.clients[k])
-            torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, r, k))
+            manual_seed(derive_seed(context.seed, "fit", task.task, family, r, k))
             context.executor.fit(module, batch, context.epochs)
             gen = torch_generator(context.seed, "ldp", task.task, family, r, k)
             return self.upload(module, batch, start, r, k, gen)

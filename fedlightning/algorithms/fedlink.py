@@ -22,7 +22,7 @@ from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.fedlink import FedLinkModel, chronological_buffers, local_adjacency
 from fedlightning.server.fedgnn import RowSparseServer
 from fedlightning.server.validation import Field
-from fedlightning.utils.seeding import derive_seed
+from fedlightning.utils.seeding import derive_seed, manual_seed
 
 
 @dataclass
@@ -120,7 +120,7 @@ class FedLink(FedGNN):
             if k not in kept:
                 kept[k] = self.client_buffers(k, task.clients[k])
             rows, buffers = kept[k]
-            torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, r, k))
+            manual_seed(derive_seed(context.seed, "fit", task.task, family, r, k))
             context.executor.fit(module, {"buffers": buffers}, context.epochs)
             with torch.no_grad():
                 p = dict(model.named_parameters())

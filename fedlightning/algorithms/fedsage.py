@@ -28,7 +28,7 @@ from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.fedsage import NeighGen, SageNet, impair, local_batch, mend, relabel
 from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.server.validation import Field, MessageSpec
-from fedlightning.utils.seeding import derive_seed, torch_generator
+from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
 GENERATOR = "generator"  # the ledger prefix of the generator round
 
@@ -75,7 +75,7 @@ class FedSagePlus(HistoryBaseline):
         """The generator round (module docstring), rounds ``1..gen_rounds`` of the first
         task's scope under the ``generator`` prefix; then the mended graphs."""
         d = self.history.x.size(1)
-        torch.manual_seed(derive_seed(loop.seed, "fedsage", "init"))
+        manual_seed(derive_seed(loop.seed, "fedsage", "init"))
         gen = NeighGen(d, self.latent, self.num_pred)
         module = NeighGenClient(gen, self.gen_lr, self.lambda_feat)
         start = {n: p.detach().clone() for n, p in gen.named_parameters()}
@@ -95,7 +95,7 @@ class FedSagePlus(HistoryBaseline):
             def fit(member: Member) -> ClientUpdate:
                 k = member.client_id
                 module.receive(omega)
-                torch.manual_seed(derive_seed(loop.seed, "fedsage", "gen", r, k))
+                manual_seed(derive_seed(loop.seed, "fedsage", "gen", r, k))
                 loop.runner.executor.fit(module, batches[k], loop.epochs)
                 delta = torch.cat(
                     [(p.detach() - omega[n]).reshape(-1) for n, p in gen.named_parameters()]

@@ -45,7 +45,7 @@ from fedlightning.server.reliability import (
 from fedlightning.server.secure_sum import SecureSum, ShareSpec
 from fedlightning.server.validation import Field, MessageSpec, Rule, close
 from fedlightning.temporal.adapter import TIES, PromptAdapter
-from fedlightning.utils.seeding import derive_seed, torch_generator
+from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
 MODES = ("federated", "central")
 AGGREGATIONS = ("reliability", "fedavg")
@@ -307,7 +307,7 @@ class FedTIP(Algorithm):
         mine = [ids[i] for i in share]
         module.receive(omega, anchors, len(mine), share.start, len(ids))
         stack = stack_batches([task.clients[k] for k in mine], task.longest)
-        torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, round))
+        manual_seed(derive_seed(context.seed, "fit", task.task, family, round))
         context.executor.fit(module, stack, context.epochs)
         gens = [torch_generator(context.seed, "release", task.task, family, round, k) for k in mine]
         return self.make_updates(module, stack, omega, round, mine, gens)

@@ -32,7 +32,7 @@ from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.temporal.contexts import event_batch, fork, stream_contexts
 from fedlightning.temporal.encoders import time_encoder
-from fedlightning.utils.seeding import derive_seed
+from fedlightning.utils.seeding import derive_seed, manual_seed
 
 
 def model_update(
@@ -50,7 +50,7 @@ def model_update(
     delta of every parameter of ``model`` (the weights ``omega`` names), a count per
     observed class and, for node classification, the class means of its support."""
     module.receive(omega)
-    torch.manual_seed(derive_seed(context.seed, "fit", task.task, family, round, client))
+    manual_seed(derive_seed(context.seed, "fit", task.task, family, round, client))
     context.executor.fit(module, task.clients[client], context.epochs)
     q, counts = module.prototypes(task.clients[client])
     delta = torch.cat([(p.detach() - omega[n]).reshape(-1) for n, p in model.named_parameters()])

@@ -22,7 +22,7 @@ from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.federation.stacking import UnionEvaluate, why_not_stacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.utils.io import save_torch
-from fedlightning.utils.seeding import derive_seed, rng_state, set_rng_state
+from fedlightning.utils.seeding import derive_seed, manual_seed, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def local_fit(
     """One client's part of a round: receive the broadcast, fit locally, return the update.
     The same call runs in this process, on another rank or on the client's Flower node;
     seeded by ``(seed, "fit", round, client)``, its result does not depend on where."""
-    torch.manual_seed(derive_seed(seed, "fit", broadcast.round, client.client_id))
+    manual_seed(derive_seed(seed, "fit", broadcast.round, client.client_id))
     return algorithm.local_fit(module, client, broadcast, executor, epochs)
 
 

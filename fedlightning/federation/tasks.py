@@ -28,7 +28,7 @@ from fedlightning.federation.task_pool import task_results
 from fedlightning.messages import ServerBroadcast
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.temporal.adapter import PromptAdapter
-from fedlightning.utils.seeding import derive_seed
+from fedlightning.utils.seeding import derive_seed, manual_seed
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class TaskLoop(Schedule):
     # ------------------------------------------------------------------ one family
     def new_adapter(self, task: TaskBatches, family: str) -> PromptAdapter:
         r"""The task's initial adapter :math:`\Omega^{(0)}`, seeded by (seed, task, family)."""
-        torch.manual_seed(derive_seed(self.seed, "init", task.task, family))
+        manual_seed(derive_seed(self.seed, "init", task.task, family))
         return self.algorithm.adapter(*self.dims)
 
     def federate(self, task: TaskBatches, family: str) -> tuple[PromptAdapter, dict[int, Tensor]]:
@@ -318,7 +318,7 @@ class PooledTaskLoop(TaskLoop):
         supports = list(task.clients.values())
         pooled = stack_batches([{k: torch.cat([b[k] for b in supports]) for k in supports[0]}])
         module.receive(adapter.state_dict(), {}, 1)
-        torch.manual_seed(derive_seed(self.seed, "fit", task.task, family))
+        manual_seed(derive_seed(self.seed, "fit", task.task, family))
         self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
         module.eval()
         with torch.no_grad():

@@ -38,6 +38,7 @@ from fedlightning.models.dropout import (
     nonzeros,
 )
 from fedlightning.models.sparse import _SparseAffine
+from fedlightning.utils.seeding import manual_seed
 
 
 class Segments:
@@ -139,12 +140,14 @@ class Segments:
 def seeded_streams(seeds: Sequence[int], device: torch.device | None = None) -> list[dict]:
     """One stream per seed: the generator states ``torch.manual_seed(seed)`` leaves, on the
     CPU and on ``device`` when it is a CUDA device (``None``: the current CUDA device, when
-    there is one; without its state a stack's CUDA draws come from the global generator)."""
+    there is one; without its state a stack's CUDA draws come from the global generator).
+    Each seed is set on the global generators (:func:`~fedlightning.utils.seeding.manual_seed`),
+    the last one left there."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     out = []
     for s in seeds:
-        torch.manual_seed(s)
+        manual_seed(s)
         state = {"cpu": torch.get_rng_state()}
         if device is not None and device.type == "cuda":
             state["cuda"] = torch.cuda.get_rng_state(device)

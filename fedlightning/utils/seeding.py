@@ -30,6 +30,18 @@ def torch_generator(*keys: Any) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(*keys))
 
 
+def manual_seed(seed: int) -> None:
+    """``torch.manual_seed(seed)`` for the generators a run can draw from: on a machine
+    without CUDA only the CPU generator, whose state is the same. ``torch.manual_seed`` would
+    also queue the seed for a CUDA that cannot start, taking a Python stack trace each time
+    (``torch.cuda._lazy_call``): about 1 ms a call deep in a round, where a seed is set
+    per client and round."""
+    if torch.cuda.is_available():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch global generators (for code we do not control)."""
     random.seed(seed)
