@@ -18,7 +18,7 @@ from fedlightning.clients.replay import class_balanced_sample, stage_batch
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm, FederatedClient, check_bounds
-from fedlightning.federation.stacking import fit_stacked
+from fedlightning.federation.stacking import StackedFit, fit_stacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.models.constant import graphs_identity, unchanged
 from fedlightning.server.aggregate import model_state
@@ -193,9 +193,27 @@ class ContinualFedAvg(Algorithm):
         epochs: int,
         seeds: Sequence[int],
     ) -> list[ClientUpdate]:
-        """:meth:`local_fit` of ``clients`` as one stacked fit, each with its own stage
-        batch, start weights (what :meth:`prepare` loads for it: a personalized client's own
-        model), teacher and dropout stream (``seeds[k]``); their updates, in order."""
+        """:meth:`local_fit` of ``clients`` as one stacked fit (:meth:`fit_share`); their
+        updates, in order."""
+        fitted, batches = self.fit_share(module, clients, broadcast, executor, epochs, seeds)
+        return [
+            self.finish(fitted.load(module, k), c, broadcast, batches[k])
+            for k, c in enumerate(clients)
+        ]
+
+    def fit_share(
+        self,
+        module: ContinualNodeClassifier,
+        clients: Sequence[FederatedClient],
+        broadcast: ServerBroadcast,
+        executor: Any,
+        epochs: int,
+        seeds: Sequence[int],
+    ) -> tuple[StackedFit, list[Any]]:
+        """The fit of :meth:`local_fit_share`: ``clients`` as one stack, each with its own
+        stage batch, start weights (what :meth:`prepare` loads for it: a personalized
+        client's own model), teacher and dropout stream (``seeds[k]``); the fitted stack and
+        the clients' batches."""
         batches, starts = [], []
         for c in clients:
             batches.append(self.prepare(module, c, broadcast))
@@ -204,10 +222,7 @@ class ContinualFedAvg(Algorithm):
         fitted = fit_stacked(
             module, batches, executor, epochs, self.callbacks(), seeds, teachers, starts
         )
-        return [
-            self.finish(fitted.load(module, k), c, broadcast, batches[k])
-            for k, c in enumerate(clients)
-        ]
+        return fitted, batches
 
     def prepare(
         self, module: ContinualNodeClassifier, client: FederatedClient, broadcast: ServerBroadcast

@@ -223,16 +223,31 @@ class FedOGL(ContinualFedAvg):
         seeds: Sequence[int],
     ) -> list[ClientUpdate]:
         """:meth:`local_fit` of ``clients`` as one stacked fit: the projection acts on every
-        client's slice of the stacked weights."""
+        client's slice of the stacked weights, and the descriptors of Eq. (11) of every
+        client come from one pass of the fitted stack over the union of the clients'
+        batches (each client's rows through its own fitted copy)."""
         self.shield(module, broadcast)
-        return super().local_fit_share(module, clients, broadcast, executor, epochs, seeds)
+        fitted, batches = self.fit_share(module, clients, broadcast, executor, epochs, seeds)
+        K = len(clients)
+        banks = fitted.outputs(self.descriptors) if self.use_prototypes else [None] * K
+        return [
+            self.finish(fitted.load(module, k), c, broadcast, batches[k], banks[k])
+            for k, c in enumerate(clients)
+        ]
 
     def finish(
-        self, module: Any, client: FederatedClient, broadcast: ServerBroadcast, batch: Any
+        self,
+        module: Any,
+        client: FederatedClient,
+        broadcast: ServerBroadcast,
+        batch: Any,
+        banks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> ClientUpdate:
+        """The update of :meth:`ContinualFedAvg.finish`, with the prototypes of Eq. (11)
+        (from ``banks``, the client's :meth:`descriptors`, when they are known already)."""
         update = super().finish(module, client, broadcast, batch)
         if self.use_prototypes:
-            self.add_prototypes(module, client, broadcast.round, update)
+            self.add_prototypes(module, client, broadcast.round, update, banks)
         return update
 
     def descriptors(self, net: Any, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -241,15 +256,23 @@ class FedOGL(ContinualFedAvg):
 
     @torch.no_grad()
     def add_prototypes(
-        self, module: Any, client: FederatedClient, round: int, update: ClientUpdate
+        self,
+        module: Any,
+        client: FederatedClient,
+        round: int,
+        update: ClientUpdate,
+        banks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """Eq. (11): prototypes of each bank's descriptors per observed class of this stage,
-        with their support, as fields ``proto.[<bank>.]<c>.<q>`` (and ``proto_count.``)."""
+        with their support, as fields ``proto.[<bank>.]<c>.<q>`` (and ``proto_count.``).
+        ``banks``: the :meth:`descriptors` of the client's stage batch (its training graph;
+        the replay nodes change no descriptor or support mask), else computed here."""
         t = self.stage_of(round)
         batch = self.batch_at(client, t, replay=False)
-        module.net.eval()
-        banks = self.descriptors(module.net, batch)
-        module.net.train()
+        if banks is None:
+            module.net.eval()
+            banks = self.descriptors(module.net, batch)
+            module.net.train()
         for side, (x, m) in banks.items():
             if self.release.on:
                 self.add_released(update, client, round, side, x[m], batch.y[m], t)

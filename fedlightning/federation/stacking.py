@@ -164,14 +164,39 @@ class StackedClients(pl.LightningModule):
         return opt
 
 
+def cut_rows(value: Any, a: int, b: int) -> Any:
+    """Rows ``a:b`` of every tensor in ``value`` (a tensor ``[N, ...]``, or a tuple, list or
+    dict of them)."""
+    if isinstance(value, Tensor):
+        return value[a:b]
+    if isinstance(value, dict):
+        return {k: cut_rows(v, a, b) for k, v in value.items()}
+    return type(value)(cut_rows(v, a, b) for v in value)
+
+
 @dataclass
 class StackedFit:
     """The result of :func:`fit_stacked`: the trained stack, each client's loss and random
-    stream after its fit."""
+    stream after its fit, the stack's rows and the union it was fitted on."""
 
     net: nn.Module
     losses: list[float]
     streams: list[dict[str, Tensor]] = field(default_factory=list)
+    segments: Segments | None = None
+    union: Any = None
+
+    @torch.no_grad()
+    def outputs(self, fn: Callable[[nn.Module, Any], Any]) -> list[Any]:
+        """``fn(net, batch)`` of each client after its fit, in eval mode, as one pass of
+        ``fn`` on the union (its fitted copy on its own rows: the products its own net
+        computes on its batch); each client's rows cut back, in order."""
+        training = self.net.training
+        self.net.eval()
+        try:
+            out = fn(self.net, self.union)
+        finally:
+            self.net.train(training)
+        return [cut_rows(out, a, b) for _, a, b in self.segments.ranges()]
 
     def load(self, module: pl.LightningModule, k: int) -> pl.LightningModule:
         """Put client ``k``'s weights and loss into the client ``module`` and torch's CPU
@@ -215,7 +240,7 @@ def fit_stacked(
         streams, segments.streams = segments.streams, None
         if teacher is not None:
             teacher.cpu()  # as the executor returns the stack to the CPU
-    return StackedFit(net, stacked.losses, streams)
+    return StackedFit(net, stacked.losses, streams, segments, union)
 
 
 @torch.no_grad()
@@ -235,15 +260,7 @@ def outputs_in_one_pass(
     union = segments.bind(graphs)
     stack.eval()
     out = fn(stack, union)
-
-    def cut(value: Any, a: int, b: int) -> Any:
-        if isinstance(value, Tensor):
-            return value[a:b]
-        if isinstance(value, dict):
-            return {k: cut(v, a, b) for k, v in value.items()}
-        return type(value)(cut(v, a, b) for v in value)
-
-    return [cut(out, a, b) for _, a, b in segments.ranges()]
+    return [cut_rows(out, a, b) for _, a, b in segments.ranges()]
 
 
 @dataclass

@@ -285,6 +285,28 @@ def test_union_evaluation_equals_per_client_evaluation():
         assert union(c) == module.evaluate(c.data)
 
 
+@pytest.mark.parametrize("conv", ["gcn", "sage"])
+def test_outputs_after_a_stacked_fit_are_each_clients_own(conv):
+    """``StackedFit.outputs``: one eval-mode pass of the fitted stack gives each client what
+    its own fitted net gives on its own batch (FedOGL's descriptors of Eq. (11))."""
+    clients = clients_of([40, 17, 63])
+    _, module, _ = setup(FedAvg(), conv)
+    batches = [c.data for c in clients]
+    fitted = fit_stacked(module, batches, LeanExecutor(), 2, [], [5, 6, 7])
+    assert fitted.net.training
+    outs = fitted.outputs(lambda net, b: (net.representations(b)["z"], net(b)))
+    assert fitted.net.training  # its mode is given back
+    for k, batch in enumerate(batches):
+        fitted.load(module, k).net.eval()
+        with torch.no_grad():
+            z, logits = module.net.representations(batch)["z"], module.net(batch)
+        assert outs[k][0].shape == z.shape and outs[k][1].shape == logits.shape
+        torch.testing.assert_close(outs[k][0], z, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(outs[k][1], logits, rtol=RTOL, atol=ATOL)
+    head = dict(fitted.net.named_parameters())["head.weight"]
+    assert not torch.equal(head[0], head[1])  # three fitted models, not one
+
+
 def test_an_optimizer_that_is_not_elementwise_is_refused():
     net, module, _ = setup(FedAvg())
     module.optimizer_factory = partial(torch.optim.LBFGS, lr=0.1)
