@@ -193,27 +193,10 @@ class ContinualFedAvg(Algorithm):
         epochs: int,
         seeds: Sequence[int],
     ) -> list[ClientUpdate]:
-        """:meth:`local_fit` of ``clients`` as one stacked fit (:meth:`fit_share`); their
-        updates, in order."""
-        fitted, batches = self.fit_share(module, clients, broadcast, executor, epochs, seeds)
-        return [
-            self.finish(fitted.load(module, k), c, broadcast, batches[k])
-            for k, c in enumerate(clients)
-        ]
-
-    def fit_share(
-        self,
-        module: ContinualNodeClassifier,
-        clients: Sequence[FederatedClient],
-        broadcast: ServerBroadcast,
-        executor: Any,
-        epochs: int,
-        seeds: Sequence[int],
-    ) -> tuple[StackedFit, list[Any]]:
-        """The fit of :meth:`local_fit_share`: ``clients`` as one stack, each with its own
-        stage batch, start weights (what :meth:`prepare` loads for it: a personalized
-        client's own model), teacher and dropout stream (``seeds[k]``); the fitted stack and
-        the clients' batches."""
+        """:meth:`local_fit` of ``clients`` as one stacked fit, each with its own stage
+        batch, start weights (what :meth:`prepare` loads for it: a personalized client's own
+        model), teacher and dropout stream (``seeds[k]``); their updates, in order, each
+        from :meth:`finish` with what :meth:`from_stack` computed for it."""
         batches, starts = [], []
         for c in clients:
             batches.append(self.prepare(module, c, broadcast))
@@ -222,7 +205,16 @@ class ContinualFedAvg(Algorithm):
         fitted = fit_stacked(
             module, batches, executor, epochs, self.callbacks(), seeds, teachers, starts
         )
-        return fitted, batches
+        extra = self.from_stack(fitted)
+        return [
+            self.finish(fitted.load(module, k), c, broadcast, batches[k], **extra[k])
+            for k, c in enumerate(clients)
+        ]
+
+    def from_stack(self, fitted: StackedFit) -> list[dict[str, Any]]:
+        """Per client of a stacked fit, keyword arguments of :meth:`finish` computed from the
+        fitted stack at once (:meth:`StackedFit.outputs`); none here."""
+        return [{} for _ in fitted.losses]
 
     def prepare(
         self, module: ContinualNodeClassifier, client: FederatedClient, broadcast: ServerBroadcast

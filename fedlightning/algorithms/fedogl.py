@@ -223,17 +223,17 @@ class FedOGL(ContinualFedAvg):
         seeds: Sequence[int],
     ) -> list[ClientUpdate]:
         """:meth:`local_fit` of ``clients`` as one stacked fit: the projection acts on every
-        client's slice of the stacked weights, and the descriptors of Eq. (11) of every
-        client come from one pass of the fitted stack over the union of the clients'
-        batches (each client's rows through its own fitted copy)."""
+        client's slice of the stacked weights."""
         self.shield(module, broadcast)
-        fitted, batches = self.fit_share(module, clients, broadcast, executor, epochs, seeds)
-        K = len(clients)
-        banks = fitted.outputs(self.descriptors) if self.use_prototypes else [None] * K
-        return [
-            self.finish(fitted.load(module, k), c, broadcast, batches[k], banks[k])
-            for k, c in enumerate(clients)
-        ]
+        return super().local_fit_share(module, clients, broadcast, executor, epochs, seeds)
+
+    def from_stack(self, fitted: Any) -> list[dict[str, Any]]:
+        """Every client's descriptors of Eq. (11) (:meth:`descriptors`) as ``banks``, from one
+        pass of the fitted stack over the union of the clients' batches (each client's rows
+        through its own fitted copy; the replay nodes change no descriptor or support mask)."""
+        if not self.use_prototypes:
+            return super().from_stack(fitted)
+        return [{"banks": b} for b in fitted.outputs(self.descriptors)]
 
     def finish(
         self,
