@@ -214,7 +214,7 @@ class ContinualFedAvg(Algorithm):
     def from_stack(self, fitted: StackedFit) -> list[dict[str, Any]]:
         """Per client of a stacked fit, keyword arguments of :meth:`finish` computed from the
         fitted stack at once (:meth:`StackedFit.outputs`); none here."""
-        return [{} for _ in fitted.losses]
+        return [{} for _ in range(fitted.segments.copies)]
 
     def prepare(
         self, module: ContinualNodeClassifier, client: FederatedClient, broadcast: ServerBroadcast

@@ -17,6 +17,7 @@ from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.callbacks import GradientProjection
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
+from fedlightning.federation.stacking import StackedFit
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.models.structure import protected_biases, protected_inputs
 from fedlightning.server import Server
@@ -227,7 +228,7 @@ class FedOGL(ContinualFedAvg):
         self.shield(module, broadcast)
         return super().local_fit_share(module, clients, broadcast, executor, epochs, seeds)
 
-    def from_stack(self, fitted: Any) -> list[dict[str, Any]]:
+    def from_stack(self, fitted: StackedFit) -> list[dict[str, Any]]:
         """Every client's descriptors of Eq. (11) (:meth:`descriptors`) as ``banks``, from one
         pass of the fitted stack over the union of the clients' batches (each client's rows
         through its own fitted copy; the replay nodes change no descriptor or support mask)."""
