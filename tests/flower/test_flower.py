@@ -120,20 +120,29 @@ SCHEDULES = {
 }
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory, shared_data):
-    """The in-process sequential run of every schedule, sharing one cache with the Flower
-    runs (the bank is built once)."""
-    from fedlightning.config import compose
+class References(dict):
+    """The in-process sequential run of each schedule, run when first asked for, sharing
+    one cache with the Flower runs (the bank is built once)."""
 
-    root = tmp_path_factory.mktemp("refs")
-    out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FEDLIGHTNING_DATA", str(shared_data))
-        mp.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
-        for name, over in SCHEDULES.items():
-            out[name] = train(compose([*over, "logger=none"]), root / name, verbose=False)
-    return root, out
+    def __init__(self, root: Path, shared_data: Path) -> None:
+        super().__init__()
+        self.root, self.data = root, shared_data
+
+    def __missing__(self, name: str) -> dict:
+        from fedlightning.config import compose
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FEDLIGHTNING_DATA", str(self.data))
+            mp.setenv("FEDLIGHTNING_CACHE", str(self.root / "cache"))
+            over = [*SCHEDULES[name], "logger=none"]
+            self[name] = train(compose(over), self.root / name, verbose=False)
+        return self[name]
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory, shared_data):
+    refs = References(tmp_path_factory.mktemp("refs"), shared_data)
+    return refs.root, refs
 
 
 @pytest.mark.slow
@@ -144,12 +153,13 @@ def test_simulation_runs_every_schedule_equal_to_the_sequential_run(
     from fedlightning.flower.apps import simulate
 
     root, refs = references
+    ref = refs[name]  # first: it builds the bank into the shared cache
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     monkeypatch.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
     summary = simulate([*SCHEDULES[name], "logger=none"], tmp_env / "sim")
-    assert summary["metrics"] == refs[name]["metrics"]  # bitwise: the same floats
-    assert summary["comm"] == refs[name]["comm"]  # every message, the stage-end ones too
-    assert summary["hashes"] == refs[name]["hashes"]
+    assert summary["metrics"] == ref["metrics"]  # bitwise: the same floats
+    assert summary["comm"] == ref["comm"]  # every message, the stage-end ones too
+    assert summary["hashes"] == ref["hashes"]
     if name != "fedtip_synthetic":
         assert any(f.startswith("basis.") for f in summary["comm"]["fields"])
         states = list((tmp_env / "sim" / "nodes").rglob("state_*.pt"))
@@ -157,7 +167,7 @@ def test_simulation_runs_every_schedule_equal_to_the_sequential_run(
 
 
 # ---------------------------------------------------------------------------- end to end
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory, shared_data):
     """The in-process sequential run of CORA (the reference), with this process's threads."""
     from fedlightning.config import compose
@@ -186,22 +196,6 @@ def assert_only_declared_fields(node_root: Path, model_fields: set[str]) -> None
         ("scalars", frozenset(UPDATE_SCALARS)),
     }
     assert sent["evaluate"] == {("counts", frozenset(COUNT_FIELDS))}
-
-
-@pytest.mark.slow
-def test_simulation_equals_the_sequential_run(tmp_env, shared_data, reference, monkeypatch):
-    from fedlightning.flower.apps import simulate
-
-    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-
-    summary = simulate(CORA, tmp_env / "sim")
-    assert summary["metrics"] == reference["metrics"]  # bitwise: the same floats
-    assert summary["comm"] == reference["comm"]  # the ledger counted the decoded records
-    assert summary["hashes"] == reference["hashes"]
-    model_fields = set(reference["comm"]["fields"]) - UPDATE_SCALARS
-    assert_only_declared_fields(tmp_env / "sim" / "nodes", model_fields)
-    states = sorted(p.name for p in (tmp_env / "sim" / "nodes").rglob("state_*.pt"))
-    assert states == ["state_1.pt"] * K + ["state_2.pt"] * K  # client state stays on the nodes
 
 
 # ---------------------------------------------------------------------------- deployment
@@ -306,45 +300,74 @@ def running_in_groups(groups: list[int]) -> list[str]:
     return out
 
 
-@pytest.mark.slow
-def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, reference):
-    env = {
+def node_env(shared_data: Path, cache: Path) -> dict[str, str]:
+    """The environment of a deployment's processes: this checkout, the data, the cache."""
+    return {
         **os.environ,
         "FEDLIGHTNING_DATA": str(shared_data),
+        "FEDLIGHTNING_CACHE": str(cache),
         "FLWR_TELEMETRY_ENABLED": "0",
-        "OMP_NUM_THREADS": str(torch.get_num_threads()),  # the reference's blocking
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),  # the references' blocking
         "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    run_dir = tmp_env / "run"
-    # the wait for the killed node: about ten times a live node's reply on an idle machine
-    overrides = " ".join(
-        [*CORA, "runner.client_timeout_s=120", f"runner.connect_timeout_s={CONNECT_S}"]
+
+
+def run_killing_a_node(fed: Deployment, run_dir: Path, overrides: str) -> str:
+    """Start ``flwr run``, kill the last SuperNode once round 1 is checkpointed, and return
+    the run's output (it ends with the run stopped, resumable)."""
+    first = subprocess.Popen(
+        [str(BIN / "flwr"), "run", str(REPO / "tools" / "flower"), "local", "--stream"]
+        + ["--run-config", f'overrides="{overrides}" run-dir="{run_dir}"'],
+        cwd=fed.root,
+        env=fed.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
-    fed = Deployment(tmp_env, env)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (run_dir / "checkpoint.pt").exists() and time.monotonic() < deadline:
+        assert first.poll() is None, first.communicate()[0][-3000:]
+        time.sleep(0.5)
+    assert (run_dir / "checkpoint.pt").exists(), "round 1 never finished"
+    fed.kill(f"node{K - 1}")  # round 2 waits for it in vain
+    return first.communicate(timeout=HANG_GUARD_S)[0]
+
+
+@pytest.mark.slow
+def test_loopback_deployment_runs_fedtip_and_survives_a_killed_supernode(
+    tmp_env, shared_data, references, reference
+):
+    """One SuperLink and K SuperNodes on loopback, each message a ClientApp process's
+    start-up with the client's state on the node's disk. FedTIP's schedule (stacked task
+    fits) ends bitwise where its sequential run ends. Then CORA's last SuperNode is killed
+    after round 1: the run stops clearly, resumable; the node comes back with its disk and the
+    resumed run ends bitwise where the sequential run ends. The class-incremental and
+    retrieval schedules send the same message types, read by the same node code (their
+    simulation tests above; their evaluation runs on the server, so a lost node only drops
+    its client there)."""
+    root, refs = references
+    tip = refs["fedtip_synthetic"]  # first: it builds the bank into the shared cache
+    fed = Deployment(tmp_env, node_env(shared_data, root / "cache"))
+    run_dir = tmp_env / "run"
     try:
         for k in range(K):
             fed.node(k)
-        first = subprocess.Popen(
-            [str(BIN / "flwr"), "run", str(REPO / "tools" / "flower"), "local", "--stream"]
-            + ["--run-config", f'overrides="{overrides}" run-dir="{run_dir}"'],
-            cwd=tmp_env,
-            env=fed.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        over = " ".join(
+            [*SCHEDULES["fedtip_synthetic"], "logger=none", f"runner.connect_timeout_s={CONNECT_S}"]
         )
-        deadline = time.monotonic() + HANG_GUARD_S
-        while not (run_dir / "checkpoint.pt").exists() and time.monotonic() < deadline:
-            assert first.poll() is None, first.communicate()[0][-3000:]
-            time.sleep(0.5)
-        assert (run_dir / "checkpoint.pt").exists(), "round 1 never finished"
-        fed.kill(f"node{K - 1}")  # round 2 waits for it in vain
-        out, _ = first.communicate(timeout=HANG_GUARD_S)
+        r = fed.flwr_run(f'overrides="{over}" run-dir="{tmp_env / "tip"}"')
+        assert (tmp_env / "tip" / "summary.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+
+        # the wait for the killed node: about ten times a live node's reply on an idle machine
+        over = " ".join(
+            [*CORA, "runner.client_timeout_s=120", f"runner.connect_timeout_s={CONNECT_S}"]
+        )
+        out = run_killing_a_node(fed, run_dir, over)
         # its fit is dropped from round 2 (no reply, or "Node Unavailable"); the global model
         # cannot be measured on its data: the evaluation stops the run, resumable
-        assert f"round 2: client {K - 1} rejected: fit failed" in out
-        assert f"round 2 (evaluate): client {K - 1}: " in out
+        assert f"round 2: client {K - 1} rejected: fit failed" in out, out[-3000:]
+        assert f"round 2 (evaluate): client {K - 1}: " in out, out[-3000:]
         assert f"fedlightning flower-sim resume={run_dir}" in out
         assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["completed_rounds"] == 1
         assert not (run_dir / "summary.json").exists()
@@ -355,49 +378,22 @@ def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, r
     finally:
         alive = fed.stop()
     assert alive == []  # the deployment's processes are all gone
+    summary = json.loads((tmp_env / "tip" / "summary.json").read_text())
+    assert summary["metrics"] == tip["metrics"]  # bitwise: the same floats
+    assert summary["comm"] == tip["comm"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed"] is True
     assert summary["metrics"] == reference["metrics"]
     assert summary["comm"] == reference["comm"]
     model_fields = set(reference["comm"]["fields"]) - UPDATE_SCALARS
-    assert_only_declared_fields(tmp_env / "node0", model_fields)
-
-
-@pytest.mark.slow
-def test_loopback_deployment_runs_a_graph_and_the_temporal_schedule(
-    tmp_env, shared_data, references
-):
-    """One SuperLink and K SuperNodes on loopback run the class-incremental and FedTIP
-    schedules one after another, each bitwise equal to its sequential run. The retrieval
-    schedule's messages are the class-incremental one's kinds, read by the same node code
-    (its simulation test above); here each message costs a ClientApp process's start-up."""
-    root, refs = references
-    env = {
-        **os.environ,
-        "FEDLIGHTNING_DATA": str(shared_data),
-        "FEDLIGHTNING_CACHE": str(root / "cache"),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "OMP_NUM_THREADS": str(torch.get_num_threads()),  # the references' blocking
-        "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    fed = Deployment(tmp_env, env)
-    runs = {}
-    try:
-        for k in range(K):
-            fed.node(k)
-        for name in ("cil_fedogl_cora", "fedtip_synthetic"):
-            run_dir, over = tmp_env / name, SCHEDULES[name]
-            overrides = " ".join([*over, "logger=none", f"runner.connect_timeout_s={CONNECT_S}"])
-            r = fed.flwr_run(f'overrides="{overrides}" run-dir="{run_dir}"')
-            assert (run_dir / "summary.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
-            runs[name] = json.loads((run_dir / "summary.json").read_text())
-    finally:
-        alive = fed.stop()
-    assert alive == []
-    for name, summary in runs.items():
-        assert summary["metrics"] == refs[name]["metrics"], name
-        assert summary["comm"] == refs[name]["comm"], name
+    for k in range(K):  # client state stays on the nodes: the two newest rounds'
+        (cora,) = [
+            d / f"client_{k}"
+            for d in (tmp_env / f"node{k}").iterdir()
+            if "name: fedavg_cora" in (d / f"client_{k}" / "config.yaml").read_text()
+        ]
+        assert sorted(p.name for p in cora.glob("state_*.pt")) == ["state_1.pt", "state_2.pt"]
+        assert_only_declared_fields(cora, model_fields)
 
 
 def test_client_state_on_the_node_follows_the_rounds(tmp_path):
