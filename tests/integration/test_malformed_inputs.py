@@ -187,8 +187,34 @@ CASES: dict[str, Case] = {
     "client fraction two": train(
         "logger=none", "protocol.stream.client_fraction=2", needle="client_fraction"
     ),
-    "continual algorithm without stream": train(
-        *SYN, "algorithm=cil_fedavg", needle="protocol", **SUB
+    "continual algorithm without stream": train(*SYN, "algorithm=cil_fedavg", needle="protocol"),
+    "continual experiment with a plain algorithm": train(
+        "experiment=cil_fedavg_cora", "logger=none", "algorithm=fedavg", needle="algorithm"
+    ),
+    "replay budget negative": train(
+        "experiment=cil_fedavg_replay_cora",
+        "logger=none",
+        "algorithm.replay_budget=-1",
+        needle="replay_budget",
+    ),
+    "client fraction zero": train(
+        "experiment=cil_fedavg_cora",
+        "logger=none",
+        "protocol.stream.client_fraction=0",
+        needle="client_fraction",
+    ),
+    "trainer devices under the distributed runner": train(
+        *SYN,
+        "runner=distributed",
+        "runner.executor._target_=fedlightning.federation.executors.TrainerExecutor",
+        "+runner.executor.devices=2",
+        needle="runner.executor.devices",
+    ),
+    "data root missing": train(
+        "experiment=fedavg_cora",
+        "logger=none",
+        needle="/nonexistent/dir",
+        env={"FEDLIGHTNING_DATA": "/nonexistent/dir"},
     ),
     "env interpolation unset": train(
         *SYN, "data_root=${oc.env:FEDLIGHTNING_UNSET_FOR_TEST}", needle="`data_root`", **SUB
@@ -344,7 +370,6 @@ CASES: dict[str, Case] = {
             "cut", lambda run: shutil.copy(run.parent.parent / "done.pt", run / "checkpoint.pt")
         ),
         untouched="run",
-        **SUB,
     ),
     "resume checkpoint of another model": train(
         "resume=run",
@@ -503,7 +528,7 @@ CASES: dict[str, Case] = {
 
 
 # ----------------------------------------------------------------------------- running
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """A finished ``fedavg_synthetic`` run (one round) and one killed in its second round,
     made once by the real CLI; ``done.pt`` beside them is the finished run's checkpoint."""
