@@ -131,15 +131,19 @@ def test_refuses_runner_flower_before_training(method, tmp_env, compose):
 
 
 LEARN = ["protocol.tasks.num_tasks=3", *TIP_SUPPORT, "families=[lp]", "logger=none"]
+LEARN_ROUNDS = ["federation.rounds=2"]  # of the experiments' R=20: two FedAvg rounds of E=5
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_link_prediction_beats_the_untrained_model(method, tmp_env, compose, monkeypatch):
-    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(tmp_env / "cache"))
-    over = [f"experiment={method}_synthetic", *LEARN]
-    trained = train(compose(over), tmp_env / "trained", verbose=False)
-    untrained = train(compose([*over, *UNTRAINED]), tmp_env / "untrained", verbose=False)
+def test_link_prediction_beats_the_untrained_model(method, env, compose):
+    """auc_tlp over every test event (n: the test events), over the 3 tasks, at R=2 (FedSage+
+    with one generator round, also in its untrained self). Measured (seed 2026): FedGCN
+    0.6294 vs 0.5202, FedSage+ 0.6450 vs 0.5312 (margins 0.0265); at the experiments' R=20
+    (FedSage+'s 10 generator rounds), 0.7031 and 0.6508 in 4x and 8x the time."""
+    over = [f"experiment={method}_synthetic", *LEARN, *(GEN if method == "fedsage_plus" else [])]
+    trained = train(compose([*over, *LEARN_ROUNDS]), env / "trained", verbose=False)
+    untrained = train(compose([*over, *UNTRAINED]), env / "untrained", verbose=False)
     n = trained["table"]["test"]
     a0, a1 = untrained["metrics"]["auc_tlp"], trained["metrics"]["auc_tlp"]
     assert a1 > a0 + margin(a0, n), (a0, a1, n)
