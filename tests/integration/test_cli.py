@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.inprocess import fl_ok
+
 pytestmark = pytest.mark.slow
 
 
@@ -24,23 +26,6 @@ def fl(args: list[str], cwd: Path, env: dict | None = None, module: bool = False
     return subprocess.run(
         [*cmd, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600
     )
-
-
-def fl_here(args: list[str], cwd: Path, env: dict, monkeypatch) -> None:
-    """``fedlightning ARGS`` through :func:`fedlightning.cli.main` in this process (the
-    uninterrupted reference of a kill test: the same threads as the subprocesses,
-    ``OMP_NUM_THREADS`` of tests/conftest.py, without another interpreter's start-up)."""
-    from fedlightning.cli import main
-
-    with monkeypatch.context() as mp:
-        mp.chdir(cwd)
-        mp.setattr(sys, "argv", [str(Path(sys.executable).parent / "fedlightning"), *args])
-        for k, v in env.items():
-            mp.setenv(k, v)
-        try:
-            main(args)
-        except SystemExit as e:
-            assert e.code in (0, None), f"fedlightning {' '.join(args)} exited with {e.code}"
 
 
 def run_dirs(root: Path, name: str) -> list[Path]:
@@ -145,9 +130,9 @@ def test_unknown_experiment_name_fails_cleanly(tmp_path, cli_env):
     assert r.returncode != 0 and "nope" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_killed_run_resumes_to_identical_metrics(tmp_path, cli_env, monkeypatch):
+def test_killed_run_resumes_to_identical_metrics(tmp_path, cli_env):
     base = ["train", "experiment=fedavg_cora", "federation.rounds=4", "federation.local_epochs=2"]
-    fl_here([*base, "hydra.run.dir=full", "logger=none"], tmp_path, cli_env, monkeypatch)
+    fl_ok([*base, "hydra.run.dir=full", "logger=none"], tmp_path, cli_env)
     killed = fl([*base, "hydra.run.dir=killed", "runner.kill_at=3:2"], tmp_path, cli_env)
     assert killed.returncode == -9  # SIGKILL after the second client of round 3
     assert not (tmp_path / "killed" / "summary.json").exists()
@@ -170,11 +155,11 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, cli_env, monkeypatch)
     shutil.rmtree(tmp_path / "full")
 
 
-def test_fedogl_killed_after_a_stage_end_resumes_identically(tmp_path, cli_env, monkeypatch):
+def test_fedogl_killed_after_a_stage_end_resumes_identically(tmp_path, cli_env):
     """The default demo (FedOGL: prototype banks and bases that grow at every stage end)
     killed in stage 2 resumes to the uninterrupted run's metrics and ledger."""
     base = ["train", "federation.rounds=2", "logger=none"]
-    fl_here([*base, "hydra.run.dir=full"], tmp_path, cli_env, monkeypatch)
+    fl_ok([*base, "hydra.run.dir=full"], tmp_path, cli_env)
     killed = fl([*base, "hydra.run.dir=killed", "runner.kill_at=3:2"], tmp_path, cli_env)
     assert killed.returncode == -9
     resumed = fl([*base, "resume=killed"], tmp_path, cli_env)
@@ -186,7 +171,7 @@ def test_fedogl_killed_after_a_stage_end_resumes_identically(tmp_path, cli_env, 
     assert not list((tmp_path / "full").glob("*.png"))
 
 
-def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env, monkeypatch):
+def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env):
     base = [
         "train",
         "experiment=cil_fedavg_replay_cora",
@@ -194,7 +179,7 @@ def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env, monkeypa
         "plots=true",
         "algorithm.lambda_dis=1.0",
     ]
-    fl_here([*base, "hydra.run.dir=full", "logger=none"], tmp_path, cli_env, monkeypatch)
+    fl_ok([*base, "hydra.run.dir=full", "logger=none"], tmp_path, cli_env)
     killed = fl([*base, "hydra.run.dir=killed", "runner.kill_at=3:2"], tmp_path, cli_env)
     assert killed.returncode == -9  # in stage 2, after the teacher was frozen for 2 clients
     resumed = fl(["train", "resume=killed", "plots=true"], tmp_path, cli_env)

@@ -1,5 +1,9 @@
 """A run's identity through the real CLI: ``resume`` refuses another run's checkpoint and a
-broken checkpoint or saved config with one line (exit 2), and still resumes its own run."""
+broken checkpoint or saved config with one line (exit 2), and still resumes its own run.
+
+The interrupted run is killed in a real ``fedlightning`` subprocess, and one refusal is a
+real subprocess too; the other commands run :func:`fedlightning.cli.main` (what the console
+script runs) in this process, without another interpreter's start-up."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.inprocess import fl_here
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +43,12 @@ def assert_one_line_refusal(r: subprocess.CompletedProcess, *words: str) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shared_data) -> tuple[Path, dict[str, str]]:
-    """A finished ``fedavg_cora`` run (``cora``) and an interrupted ``fedavg_synthetic`` run
-    (``synth``, killed in its second round)."""
+    """A finished ``fedavg_cora`` run of one round (``cora``) and an interrupted
+    ``fedavg_synthetic`` run (``synth``, killed in its second round)."""
     root = tmp_path_factory.mktemp("identity")
     env = {"FEDLIGHTNING_DATA": str(shared_data), "FEDLIGHTNING_CACHE": str(root / "cache")}
-    cora = fl(["train", "experiment=fedavg_cora", *SMALL, "hydra.run.dir=cora"], root, env)
+    one_round = [*SMALL, "federation.rounds=1"]
+    cora = fl_here(["train", "experiment=fedavg_cora", *one_round, "hydra.run.dir=cora"], root, env)
     assert cora.returncode == 0, cora.stderr
     synth = ["train", "experiment=fedavg_synthetic", *SMALL, "hydra.run.dir=synth"]
     killed = fl([*synth, "runner.kill_at=2:1"], root, env)
@@ -74,7 +81,7 @@ def test_another_experiments_checkpoint_is_refused(runs):
     mixed = copy_run(root, "mixed")
     shutil.copy(root / "cora" / "checkpoint.pt", mixed / "checkpoint.pt")
     before = (mixed / "checkpoint.pt").read_bytes()
-    r = fl(["train", "resume=mixed", "logger=none"], root, env)
+    r = fl(["train", "resume=mixed", "logger=none"], root, env)  # a real subprocess
     line = assert_one_line_refusal(r, "checkpoint.pt", "experiment", "fedavg_cora")
     assert "fedavg_synthetic" in line
     assert not (mixed / "summary.json").exists()
@@ -86,7 +93,7 @@ def test_truncated_checkpoint_is_refused(runs):
     broken = copy_run(root, "truncated")
     data = (broken / "checkpoint.pt").read_bytes()
     (broken / "checkpoint.pt").write_bytes(data[: len(data) // 2])
-    r = fl(["train", "resume=truncated", "logger=none"], root, env)
+    r = fl_here(["train", "resume=truncated", "logger=none"], root, env)
     assert_one_line_refusal(r, "checkpoint.pt")
     assert not (broken / "summary.json").exists()
 
@@ -95,14 +102,14 @@ def test_garbled_saved_config_is_refused(runs):
     root, env = runs
     broken = copy_run(root, "garbled")
     (broken / "config.yaml").write_text("name: [fedavg_synthetic\n  task: {{fl\n")
-    r = fl(["train", "resume=garbled", "logger=none"], root, env)
+    r = fl_here(["train", "resume=garbled", "logger=none"], root, env)
     assert_one_line_refusal(r, "config.yaml")
     assert not (broken / "summary.json").exists()
 
 
 def test_interrupted_run_resumes(runs):
     root, env = runs
-    r = fl(["train", "resume=synth", "logger=none"], root, env)
+    r = fl_here(["train", "resume=synth", "logger=none"], root, env)
     assert r.returncode == 0, r.stderr
     summary = json.loads((root / "synth" / "summary.json").read_text())
     assert summary["experiment"] == "fedavg_synthetic" and summary["resumed"] is True
@@ -119,7 +126,7 @@ def test_another_models_checkpoint_without_identity_is_refused(runs):
     state["format"] = 2  # written before runs had an identity: no identity to check
     torch.save(state, old / "checkpoint.pt")
     (old / "identity.json").unlink()
-    r = fl(["train", "resume=old_format", "logger=none"], root, env)
+    r = fl_here(["train", "resume=old_format", "logger=none"], root, env)
     assert_one_line_refusal(r, "checkpoint.pt", "another model")
     assert not (old / "summary.json").exists()
 

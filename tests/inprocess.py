@@ -1,0 +1,45 @@
+"""``fedlightning ARGS`` in the test's own process: what the console script runs
+(:func:`fedlightning.cli.main`), without another interpreter's start-up (about 5 s of
+imports for each process that trains). Kill tests keep the killed run a real subprocess;
+the uninterrupted references and the resumes they compare can run here, on the same threads
+as the subprocesses (``OMP_NUM_THREADS`` of tests/conftest.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def fl_here(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``fedlightning ARGS`` in ``cwd`` with ``env`` added to the environment (both restored
+    after): its exit status and what it wrote to stdout and stderr."""
+    from fedlightning.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        mp.setattr(sys, "argv", [str(Path(sys.executable).parent / "fedlightning"), *args])
+        mp.delenv("HYDRA_FULL_ERROR", raising=False)  # main sets it while Hydra runs
+        for k, v in env.items():
+            mp.setenv(k, v)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(args)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def fl_ok(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """:func:`fl_here`, failing the test unless the command exits with 0."""
+    r = fl_here(args, cwd, env)
+    assert r.returncode == 0, (
+        f"fedlightning {' '.join(args)} exited {r.returncode}: {r.stderr[-3000:]}"
+    )
+    return r
