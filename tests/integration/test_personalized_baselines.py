@@ -42,6 +42,37 @@ def net_of(compose, over: list[str]):
     return instantiate(cfg.model.net)(in_dims=dims, num_classes=graph.num_classes), cfg
 
 
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory, compose):
+    """``sequential(over) -> run dir``: the run of ``over`` in this process at one torch
+    thread (the thread count of the subprocess runs below, see :func:`env`; the caller's
+    restored after), run once per module in its own folder and cache and shared by the tests
+    that read it: the ledger's hand counts, FedSSP's checkpoint, and the uninterrupted and
+    sequential runs that the kill-and-resume and two-rank runs must equal bitwise."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(over: list[str]) -> Path:
+        key = tuple(over)
+        if key not in runs:
+            root = tmp_path_factory.mktemp("seq")
+            threads = torch.get_num_threads()
+            try:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.chdir(root)
+                    mp.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
+                    train(compose([*over, "threads=1"]), root / "run", verbose=False)
+            finally:
+                torch.set_num_threads(threads)
+            runs[key] = root / "run"
+        return runs[key]
+
+    return run
+
+
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_a_foreign_backbone_is_refused_with_one_line(method, tmp_env, compose):
     over = [*CIL, *METHODS[method], "model=multimodal_gnn", *RUN]
@@ -58,12 +89,12 @@ def test_secure_sums_are_refused(method, tmp_env, compose):
         train(compose(over), tmp_env / "run", verbose=False)
 
 
-def test_fedssp_ledger_matches_a_hand_count(tmp_env, compose):
+def test_fedssp_ledger_matches_a_hand_count(sequential, compose):
     """Uplink per client and round: the spectral encoders alone (GSKS), ``mean`` (``hidden``
     floats) and ``num_examples``; downlink: the encoder, plus ``mean.global`` once the
     server has means (from round 2)."""
     over = small("fedssp")
-    s = train(compose(over), tmp_env / "run", verbose=False)
+    s = summary_of(sequential(over))
     net, cfg = net_of(compose, over)
     shared = [k for k in net.state_dict() if k.startswith(SHARED_PREFIXES)]
     assert shared and len(shared) < len(net.state_dict())
@@ -76,12 +107,12 @@ def test_fedssp_ledger_matches_a_hand_count(tmp_env, compose):
     assert not any(k.startswith("model.head") or k.startswith("model.convs") for k in fields)
 
 
-def test_fediih_ledger_matches_a_hand_count(tmp_env, compose):
+def test_fediih_ledger_matches_a_hand_count(sequential, compose):
     """Uplink: the whole model, ``posterior.mu`` and ``posterior.logvar`` (``K x d`` each) and
     ``num_examples``; downlink: the model and, from round 2, every client's personalized
     factor blocks (``personal.<i>.*``)."""
     over = small("fediih")
-    s = train(compose(over), tmp_env / "run", verbose=False)
+    s = summary_of(sequential(over))
     net, cfg = net_of(compose, over)
     model = sum(v.numel() for v in net.state_dict().values())
     blocks = sum(net.state_dict()[k].numel() for k in net.factor_axes())
@@ -92,12 +123,10 @@ def test_fediih_ledger_matches_a_hand_count(tmp_env, compose):
     assert s["comm"]["fields"]["posterior.mu"]["up"] == rounds * clients * hidden
 
 
-def test_fedssp_keeps_all_but_the_encoder_on_the_clients(tmp_env, compose):
+def test_fedssp_keeps_all_but_the_encoder_on_the_clients(sequential):
     """GSKS: the server holds the spectral encoders alone; every client's own model carries
     them after loading the broadcast, and its own head and preference vector."""
-    over = small("fedssp")
-    train(compose(over), tmp_env / "run", verbose=False)
-    ckpt = torch.load(tmp_env / "run" / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(sequential(small("fedssp")) / "checkpoint.pt", weights_only=False)
     server = ckpt["server"]["global_state"]
     assert server and all(k.startswith(SHARED_PREFIXES) for k in server)
     heads = [c["local"]["head.weight"] for c in ckpt["clients"].values()]
@@ -164,50 +193,52 @@ def same_run(a: dict, b: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_kill_and_resume_equals_the_uninterrupted_run(method, tmp_path, env, compose):
+def test_kill_and_resume_equals_the_uninterrupted_run(method, tmp_path, env, sequential):
     """Killed after the second client of round 2 (stage 2's first fit: the clients' own
-    models are client state), resumed in another process: bitwise the uninterrupted run
-    of a third process with the same environment (FedIIH's routing sums differ in their
-    last bits between torch's thread counts, and the test process may run with another)."""
+    models are client state), resumed in another process: bitwise the uninterrupted run,
+    made in this process at the subprocesses' one thread (FedIIH's routing sums differ in
+    their last bits between torch's thread counts, and the test process may run with
+    another)."""
     over = small(method)
     killed = cli([*over, "hydra.run.dir=killed", "runner.kill_at=2:2:fit"], tmp_path, env)
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = cli(["resume=killed", "logger=none"], tmp_path, env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    straight = cli([*over, "hydra.run.dir=full", "logger=none"], tmp_path, env)
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    full = json.loads((tmp_path / "full" / "summary.json").read_text())
+    full_dir = sequential(over)
+    full = summary_of(full_dir)
     done = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert done["resumed"] is True
     same_run(done, full)
-    ledger_a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["ledger"]
+    ledger_a = torch.load(full_dir / "checkpoint.pt", weights_only=False)["ledger"]
     ledger_b = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["ledger"]
     assert unpacked(ledger_a) == unpacked(ledger_b)  # the same entries, however chunked
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_two_gloo_ranks_equal_the_sequential_run(method, tmp_path, env, compose):
+def test_two_gloo_ranks_equal_the_sequential_run(method, tmp_path, env, sequential):
     """Partial participation moves clients between ranks: their own models travel as client
-    state."""
+    state. Each rank computes at one thread, as the sequential run."""
     over = [*small(method, rounds=2), "federation.participation=0.6"]
     r = cli([*over, "runner=distributed", "hydra.run.dir=d"], tmp_path, env, ranks=2)
     assert r.returncode == 0, r.stderr[-3000:]
     dist = json.loads((tmp_path / "d" / "summary.json").read_text())
-    seq = cli([*over, "hydra.run.dir=seq"], tmp_path, env)
-    assert seq.returncode == 0, seq.stderr[-2000:]
-    same_run(dist, json.loads((tmp_path / "seq" / "summary.json").read_text()))
+    same_run(dist, summary_of(sequential(over)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
 @pytest.mark.parametrize("dataset", ["citeseer_mm", "cora"])
 def test_experiments_run_end_to_end_on_real_data(
-    method, dataset, tmp_env, shared_data, monkeypatch, compose
+    method, dataset, tmp_env, shared_data, shared_cache, monkeypatch, compose
 ):
+    """The experiment's first two stages (the second learns new classes with replay and the
+    clients' own models), one round each."""
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    over = [f"experiment=cil_{method}_{dataset}", "federation.rounds=1", *RUN]
-    s = train(compose(over), tmp_env / "run", verbose=False)
+    monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))  # each partition made once
+    cfg = compose([f"experiment=cil_{method}_{dataset}", "federation.rounds=1", *RUN])
+    cfg.protocol.stream.stages = list(cfg.protocol.stream.stages)[:2]
+    s = train(cfg, tmp_env / "run", verbose=False)
     assert s["tags"]["method"] == method and s["tags"]["variant"] == "replay"
     assert 0.0 <= s["metrics"]["am"] <= 1.0 and 0.0 <= s["metrics"]["auroc_ood"] <= 1.0
-    assert len(s["acc_matrix"]) == len(s["stream"]["stages"])
+    assert len(s["acc_matrix"]) == len(s["stream"]["stages"]) == 2
