@@ -27,7 +27,7 @@ from fedlightning.data.graphs.citeseer_mm import read_tape_records  # noqa: E402
 from fedlightning.errors import DataError  # noqa: E402
 
 FL = str(Path(sys.executable).parent / "fedlightning")
-N = 80
+N = 48  # papers of the raw folder: enough for two clients and two stages
 NO_TEXT = (3, 17, 40)  # nodes whose text cell is empty
 IMAGED = range(0, 24, 2)  # nodes with a photo
 CORRUPT = 30  # a node whose image file is not an image
@@ -54,7 +54,7 @@ def photos() -> list[np.ndarray]:
 
 
 def raw_graph(root: Path, shared_data: Path) -> tuple[Path, list[str]]:
-    """80 CiteSeer papers (real abstracts and classes) on a ring, some with photos."""
+    """The first N CiteSeer papers (real abstracts and classes) on a ring, some with photos."""
     from PIL import Image
 
     records, ids, _ = tape(shared_data)
@@ -150,7 +150,7 @@ def test_bad_raw_folders_fail_before_encoding(tmp_path, shared_data):
     raw, ids = raw_graph(tmp_path, shared_data)
     with (raw / "edges.csv").open("a") as f:
         f.write(f"{ids[0]},nobody\n")
-    with pytest.raises(DataError, match=r"edges\.csv.*line 82.*nobody"):
+    with pytest.raises(DataError, match=rf"edges\.csv.*line {N + 2}.*nobody"):
         extract(raw, tmp_path / "out")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
@@ -164,11 +164,15 @@ def test_bad_raw_folders_fail_before_encoding(tmp_path, shared_data):
 
 @pytest.mark.slow
 def test_citeseer_texts_rebuild_the_shipped_minilm_features(tmp_path, shared_data):
-    """A seeded sample of 400 of the 3,186 CiteSeer abstracts through the pipeline: cosine
-    >= 0.999 with the shipped features on every row (all of them take minutes on two cores)."""
+    """A seeded sample of 120 of the 3,186 CiteSeer abstracts through the pipeline: cosine
+    >= 0.999 with the shipped features on every row (all of them take many minutes on two
+    cores). The sample spans every class and holds abstracts longer than MiniLM's 256-token
+    window, which the encoder truncates."""
     records, all_ids, all_ref = tape(shared_data)
-    rows = np.sort(np.random.default_rng(0).choice(len(all_ids), size=400, replace=False))
+    rows = np.sort(np.random.default_rng(0).choice(len(all_ids), size=120, replace=False))
     ids, ref = [all_ids[i] for i in rows], all_ref[rows]
+    assert {records[pid][1] for pid in ids} == {label for _, label in records.values()}
+    assert any(len(records[pid][0].split()) > 256 for pid in ids)  # > 256 words: truncated
     raw = tmp_path / "citeseer"
     raw.mkdir()
     with (raw / "nodes.jsonl").open("w", encoding="utf-8") as f:
