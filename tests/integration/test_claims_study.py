@@ -56,10 +56,12 @@ def test_claims_study_runs_the_best_setting_and_the_ablations(shared_data, tmp_e
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     out = tmp_env / "claims"
     cmd = [sys.executable, str(SCRIPT), "--only", "cil_fedogl_cora", "--trials", "2"]
-    # one round per stage, and no MLflow store: the study's tables come from the run folders,
-    # and MLflow's store and runs took about 40% of the study's time (a sweep's MLflow runs
-    # are tests/test_sweeps.py's to check, a run's tests/test_mlflow_layout.py's)
-    cmd += ["--seeds", "1", "--out", str(out), "--set", "federation.rounds=1", "logger=none"]
+    # two stages of one round and one local epoch, and no MLflow store: the study's tables
+    # come from the run folders, and MLflow's store and runs took about 40% of the study's
+    # time (a sweep's MLflow runs are tests/test_sweeps.py's to check, a run's
+    # tests/test_mlflow_layout.py's)
+    small = ["protocol.stream.stages=[2,2]", "federation.rounds=1", "federation.local_epochs=1"]
+    cmd += ["--seeds", "1", "--out", str(out), "--set", *small, "logger=none"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
