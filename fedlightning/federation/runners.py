@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -175,7 +176,7 @@ class SequentialRunner(Runner):
             if self.kill_at in ((round, i + 1, None), (round, i + 1, kind)):
                 self._kill_matches += 1
                 if self._kill_matches == self.kill_times:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    self._kill(round, i + 1, kind)
         if self.world.size == 1:
             return [update for update, _ in mine]
         last_rng = rng_state() if mine else None
@@ -185,6 +186,13 @@ class SequentialRunner(Runner):
             client.state = state  # the fitting rank's state, now on every rank
         set_rng_state(next(rng for _, rng in reversed(parts) if rng is not None))
         return [update for update, _ in results]
+
+    def _kill(self, round: int, n: int, kind: str) -> None:
+        """SIGKILL this process, first saying where on stderr: another rank's log of the
+        same moment may never be written, as ``torchrun`` stops it at once."""
+        where = f"round {round}, client {n}, {kind}, rank {self.world.rank}"
+        print(f"runner.kill_at: SIGKILL after {where}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def contiguous_shares(n: int, size: int) -> list[range]:

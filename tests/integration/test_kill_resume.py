@@ -90,11 +90,12 @@ def assert_same_run(done: Path, reference: Path) -> None:
     assert unpacked(ledger_a) == unpacked(ledger_b)  # every message, entry by entry
 
 
-def assert_killed_in_exchange(r: subprocess.CompletedProcess, run_dir: Path) -> None:
-    """Killed after stage 2's evaluation (logged), inside its exchange: the last checkpoint
-    is round 1's, and nothing claims the run finished."""
+def assert_killed_in_exchange(r: subprocess.CompletedProcess, run_dir: Path, where: str) -> None:
+    """Killed inside stage 2's exchange (the killing rank says so on stderr, at WHERE: round
+    2's stage-end work, client N, rank R), which follows the stage's evaluation: the last
+    checkpoint is round 1's, and nothing claims the run finished."""
     assert r.returncode != 0, r.stderr[-2000:]
-    assert "stage 2/3" in r.stdout + r.stderr  # the exchange follows the stage's evaluation
+    assert f"runner.kill_at: SIGKILL after round 2, {where}" in r.stderr, r.stderr[-3000:]
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["completed_rounds"] == 1
     assert not (run_dir / "summary.json").exists()
 
@@ -102,19 +103,21 @@ def assert_killed_in_exchange(r: subprocess.CompletedProcess, run_dir: Path) -> 
 def test_sequential_kill_in_the_stage_end_exchange_resumes_bitwise(tmp_path, env, demo_full):
     killed = fl([*DEMO, "hydra.run.dir=killed", "runner.kill_at=2:2:stage_end"], tmp_path, env)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    assert_killed_in_exchange(killed, tmp_path / "killed")
+    assert_killed_in_exchange(killed, tmp_path / "killed", "client 2, stage_end, rank 0")
+    assert "stage 2/3" in killed.stdout + killed.stderr  # the evaluation's log came first
     fl_ok(["train", "resume=killed", "logger=none"], tmp_path, env)
     assert_same_run(tmp_path / "killed", demo_full)
 
 
 def test_distributed_kill_in_the_stage_end_exchange_resumes_bitwise(tmp_path, env, demo_full):
     """Rank 1 answers positions 2.. of the exchange and dies after the third client; torchrun
-    stops rank 0; the resumed two-rank run equals the uninterrupted sequential run."""
+    stops rank 0 (perhaps before it logged the stage's evaluation: the ranks evaluate
+    independently); the resumed two-rank run equals the uninterrupted sequential run."""
     dist = ["runner=distributed"]
     args = [*DEMO, *dist, "hydra.run.dir=killed", "runner.kill_at=2:3:stage_end"]
     killed = torchrun(args, tmp_path, env)
     assert "SIGKILL" in killed.stderr and "rank      : 1" in killed.stderr, killed.stderr[-3000:]
-    assert_killed_in_exchange(killed, tmp_path / "killed")
+    assert_killed_in_exchange(killed, tmp_path / "killed", "client 3, stage_end, rank 1")
     resumed = torchrun(["resume=killed", *dist, "logger=none"], tmp_path, env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "killed", demo_full)
