@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fedlightning.report import render
+from tests.inprocess import fl_ok
 
 FL = str(Path(sys.executable).parent / "fedlightning")
 METRICS = ("am", "fm", "fpr95")
@@ -50,15 +50,12 @@ def parse(md: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_report_of_a_three_seed_multirun_equals_the_summaries(tmp_path):
     env = {
-        **os.environ,
         "FEDLIGHTNING_CACHE": str(tmp_path / "cache"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
     }
 
     def fl(*args: str) -> subprocess.CompletedProcess:
-        r = subprocess.run([FL, *args], cwd=tmp_path, env=env, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        return r
+        return fl_ok(list(args), tmp_path, env)  # in this process, as the console script
 
     # the default demo (FedOGL, class-incremental, synthetic) against FedAvg + replay, smaller:
     # two stages of one round, two clients (every cell still varies over the seeds)
