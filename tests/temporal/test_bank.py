@@ -25,6 +25,9 @@ from fedlightning.temporal.bank import (
 from fedlightning.train import train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+# The synthetic stream at a quarter of its events, in two tasks: the bank's runs build a few
+# clients' contexts (each a fork of the snapshot), not the default's 500.
+SHORT = ["dataset.num_events=5000", "protocol.tasks.num_tasks=2"]
 
 
 def test_pretraining_loss_by_hand():
@@ -171,7 +174,8 @@ def test_a_message_store_packs_into_four_columns_and_back(small):
 
 
 def test_bank_runs_from_the_config_and_are_reused(tmp_env, compose):
-    over = ["experiment=bank_tgn_synthetic", "bank.epochs=1", "bank.max_events=2000", "logger=none"]
+    over = ["experiment=bank_tgn_synthetic", *SHORT, "bank.epochs=1", "bank.max_events=2000"]
+    over.append("logger=none")
     a = train(compose(over), tmp_env / "a", verbose=False)
     assert not a["bank"]["reused"] and set(a["hashes"]) == {
         "manifest",
@@ -237,10 +241,10 @@ def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
         [0, 1, 2, 3],
         [4, 5],
     ]  # never splits the three events at t=1
-    over = ["experiment=bank_tgn_synthetic", "bank.epochs=1", "bank.max_events=2000", "logger=none"]
-    summary = train(compose(over), tmp_env / "a", verbose=False)
+    over = ["experiment=bank_tgn_synthetic", *SHORT, "bank.epochs=1", "bank.max_events=2000"]
+    summary = train(compose([*over, "logger=none"]), tmp_env / "a", verbose=False)
     ctx = torch.load(summary["contexts"]["path"], weights_only=False)
-    s = make_synthetic_stream(num_users=200, num_items=50, num_events=20000, seed=2026)
+    s = make_synthetic_stream(num_users=200, num_items=50, num_events=5000, seed=2026)
     m = build_manifest(s, seed=2026)
     val = m.indices(DOWN_VAL)
     assert torch.equal(ctx["down_val"]["events"], torch.from_numpy(val))
@@ -271,7 +275,7 @@ def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
     with torch.no_grad():
         for path in (summary["bank"]["path"], tmp_env / "dict_stores.pt"):
             bank = load_bank(path, s)
-            stream_contexts(bank, s, val[:400], np.full(400, -1))  # reads pending messages
+            stream_contexts(bank, s, val[:400], np.full(len(val[:400]), -1))  # pending messages
             states.append(bank.embed(nodes, times))
     assert torch.equal(*states)
     # recency at scoring time: the time since the node's last event in the bank's history
@@ -287,7 +291,7 @@ def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
 def test_bank_run_logs_metrics_hashes_and_the_bank_to_mlflow(tmp_env, compose):
     from mlflow.tracking import MlflowClient
 
-    over = ["experiment=bank_tgn_synthetic", "bank.epochs=1", "bank.max_events=1500"]
+    over = ["experiment=bank_tgn_synthetic", *SHORT, "bank.epochs=1", "bank.max_events=1500"]
     s = train(compose([*over, "bank.encoder=tgat"]), tmp_env / "run", verbose=False)
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     (run,) = client.search_runs([client.get_experiment_by_name("fedlightning/bank").experiment_id])
