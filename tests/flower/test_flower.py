@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,16 @@ SCHEDULES = {
 }
 
 
+# a deployment starts a process per message: FedTIP's schedule there at one task
+RUNS = {
+    **SCHEDULES,
+    "fedtip_one_task": [
+        *(o for o in SCHEDULES["fedtip_synthetic"] if not o.startswith("protocol.tasks.num_tasks")),
+        "protocol.tasks.num_tasks=1",
+    ],
+}
+
+
 class References(dict):
     """The in-process sequential run of each schedule, run when first asked for, sharing
     one cache with the Flower runs (the bank is built once)."""
@@ -134,7 +145,7 @@ class References(dict):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("FEDLIGHTNING_DATA", str(self.data))
             mp.setenv("FEDLIGHTNING_CACHE", str(self.root / "cache"))
-            over = [*SCHEDULES[name], "logger=none"]
+            over = [*RUNS[name], "logger=none"]
             self[name] = train(compose(over), self.root / name, verbose=False)
         return self[name]
 
@@ -334,31 +345,48 @@ def run_killing_a_node(fed: Deployment, run_dir: Path, overrides: str) -> str:
     return first.communicate(timeout=HANG_GUARD_S)[0]
 
 
-@pytest.mark.slow
-def test_loopback_deployment_runs_fedtip_and_survives_a_killed_supernode(
-    tmp_env, shared_data, references, reference
-):
-    """One SuperLink and K SuperNodes on loopback, each message a ClientApp process's
-    start-up with the client's state on the node's disk. FedTIP's schedule (stacked task
-    fits) ends bitwise where its sequential run ends. Then CORA's last SuperNode is killed
-    after round 1: the run stops clearly, resumable; the node comes back with its disk and the
-    resumed run ends bitwise where the sequential run ends. The class-incremental and
-    retrieval schedules send the same message types, read by the same node code (their
-    simulation tests above; their evaluation runs on the server, so a lost node only drops
-    its client there)."""
-    root, refs = references
-    tip = refs["fedtip_synthetic"]  # first: it builds the bank into the shared cache
-    fed = Deployment(tmp_env, node_env(shared_data, root / "cache"))
-    run_dir = tmp_env / "run"
+@contextlib.contextmanager
+def deployment(root: Path, env: dict[str, str]) -> Iterator[Deployment]:
+    """A SuperLink and K SuperNodes on loopback; afterwards, none of their processes lives."""
+    fed = Deployment(root, env)
     try:
         for k in range(K):
             fed.node(k)
-        over = " ".join(
-            [*SCHEDULES["fedtip_synthetic"], "logger=none", f"runner.connect_timeout_s={CONNECT_S}"]
-        )
-        r = fed.flwr_run(f'overrides="{over}" run-dir="{tmp_env / "tip"}"')
-        assert (tmp_env / "tip" / "summary.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+        yield fed
+    finally:
+        alive = fed.stop()
+    assert alive == []  # the deployment's processes are all gone
 
+
+@pytest.mark.slow
+def test_loopback_deployment_runs_fedtip_bitwise(tmp_env, shared_data, references):
+    """One SuperLink and K SuperNodes on loopback, each message a ClientApp process's
+    start-up with the client's state on the node's disk: FedTIP's schedule (stacked task
+    fits; one task, as every task sends the same messages: the simulation runs two) ends
+    bitwise where its sequential run ends. The class-incremental and retrieval schedules send
+    the messages of the CORA run below, read by the same node code (their simulation tests
+    above)."""
+    root, refs = references
+    tip = refs["fedtip_one_task"]  # first: it builds the bank into the shared cache
+    over = " ".join(
+        [*RUNS["fedtip_one_task"], "logger=none", f"runner.connect_timeout_s={CONNECT_S}"]
+    )
+    with deployment(tmp_env, node_env(shared_data, root / "cache")) as fed:
+        r = fed.flwr_run(f'overrides="{over}" run-dir="{tmp_env / "tip"}"')
+    assert (tmp_env / "tip" / "summary.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((tmp_env / "tip" / "summary.json").read_text())
+    assert summary["metrics"] == tip["metrics"]  # bitwise: the same floats
+    assert summary["comm"] == tip["comm"]
+
+
+@pytest.mark.slow
+def test_loopback_deployment_survives_a_killed_supernode(tmp_env, shared_data, reference):
+    """CORA on a loopback deployment whose last SuperNode is killed after round 1: the run
+    stops clearly, resumable; the node comes back with its disk and the resumed run ends
+    bitwise where the sequential run ends (a lost node only drops its client where the
+    evaluation runs on the server: the class-incremental and retrieval schedules)."""
+    run_dir = tmp_env / "run"
+    with deployment(tmp_env, node_env(shared_data, tmp_env / "cache")) as fed:
         # the wait for the killed node: about ten times a live node's reply on an idle machine
         over = " ".join(
             [*CORA, "runner.client_timeout_s=120", f"runner.connect_timeout_s={CONNECT_S}"]
@@ -375,12 +403,6 @@ def test_loopback_deployment_runs_fedtip_and_survives_a_killed_supernode(
         fed.node(K - 1)  # the SuperNode comes back with its disk: the run resumes
         resumed = fed.flwr_run(f'resume="{run_dir}" overrides="logger=none"')
         assert (run_dir / "summary.json").exists(), resumed.stdout[-3000:]
-    finally:
-        alive = fed.stop()
-    assert alive == []  # the deployment's processes are all gone
-    summary = json.loads((tmp_env / "tip" / "summary.json").read_text())
-    assert summary["metrics"] == tip["metrics"]  # bitwise: the same floats
-    assert summary["comm"] == tip["comm"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed"] is True
     assert summary["metrics"] == reference["metrics"]
