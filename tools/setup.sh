@@ -5,7 +5,7 @@
 # uv (installed into the environment by pip) resolves, downloads and installs in parallel, with
 # pip's find-links; it does not byte-compile, and compileall then compiles the
 # environment on every core, once per set of installed packages (fresh set-ups on two cores:
-# pip 2 min 44 s, uv see README).
+# pip 2 min 44 s, uv 2 min 5 s with an empty uv cache, of which compileall 1.5 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
