@@ -95,6 +95,15 @@ def test_the_bank_is_refused_before_anything_runs(tmp_env):
 
 # Every schedule at a small setting: class-incremental FedOGL (stage-end basis exchange),
 # cross-modal retrieval FedOGL, and FedTIP (stacked task fits, one node per client).
+FEDTIP = [
+    "experiment=fedtip_synthetic",
+    f"protocol.ownership.clients={K}",
+    f"protocol.tasks.active={K}",
+    "federation.rounds=1",  # each round a ClientApp process per node and message
+    "federation.local_epochs=2",
+    "bank.epochs=1",
+    "bank.max_events=2000",
+]
 SCHEDULES = {
     "cil_fedogl_cora": [
         "experiment=cil_fedogl_cora",
@@ -108,27 +117,10 @@ SCHEDULES = {
         f"federation.clients={K}",
         "protocol.stream.stages=[2,2]",
     ],
-    "fedtip_synthetic": [
-        "experiment=fedtip_synthetic",
-        f"protocol.ownership.clients={K}",
-        f"protocol.tasks.active={K}",
-        "protocol.tasks.num_tasks=2",
-        "federation.rounds=1",  # each round a ClientApp process per node and message
-        "federation.local_epochs=2",
-        "bank.epochs=1",
-        "bank.max_events=2000",
-    ],
+    "fedtip_synthetic": [*FEDTIP, "protocol.tasks.num_tasks=2"],
 }
-
-
 # a deployment starts a process per message: FedTIP's schedule there at one task
-RUNS = {
-    **SCHEDULES,
-    "fedtip_one_task": [
-        *(o for o in SCHEDULES["fedtip_synthetic"] if not o.startswith("protocol.tasks.num_tasks")),
-        "protocol.tasks.num_tasks=1",
-    ],
-}
+RUNS = {**SCHEDULES, "fedtip_one_task": [*FEDTIP, "protocol.tasks.num_tasks=1"]}
 
 
 class References(dict):

@@ -25,9 +25,14 @@ from fedlightning.temporal.bank import (
 from fedlightning.train import train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-# The synthetic stream at a quarter of its events, in two tasks: the bank's runs build a few
-# clients' contexts (each a fork of the snapshot), not the default's 500.
-SHORT = ["dataset.num_events=5000", "protocol.tasks.num_tasks=2"]
+# A bank of one epoch on the synthetic stream at a quarter of its events, in two tasks: its
+# runs build a few clients' contexts (each a fork of the snapshot), not the default's 500.
+SHORT_BANK = [
+    "experiment=bank_tgn_synthetic",
+    "dataset.num_events=5000",
+    "protocol.tasks.num_tasks=2",
+    "bank.epochs=1",
+]
 
 
 def test_pretraining_loss_by_hand():
@@ -174,8 +179,7 @@ def test_a_message_store_packs_into_four_columns_and_back(small):
 
 
 def test_bank_runs_from_the_config_and_are_reused(tmp_env, compose):
-    over = ["experiment=bank_tgn_synthetic", *SHORT, "bank.epochs=1", "bank.max_events=2000"]
-    over.append("logger=none")
+    over = [*SHORT_BANK, "bank.max_events=2000", "logger=none"]
     a = train(compose(over), tmp_env / "a", verbose=False)
     assert not a["bank"]["reused"] and set(a["hashes"]) == {
         "manifest",
@@ -241,8 +245,8 @@ def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
         [0, 1, 2, 3],
         [4, 5],
     ]  # never splits the three events at t=1
-    over = ["experiment=bank_tgn_synthetic", *SHORT, "bank.epochs=1", "bank.max_events=2000"]
-    summary = train(compose([*over, "logger=none"]), tmp_env / "a", verbose=False)
+    over = [*SHORT_BANK, "bank.max_events=2000", "logger=none"]
+    summary = train(compose(over), tmp_env / "a", verbose=False)
     ctx = torch.load(summary["contexts"]["path"], weights_only=False)
     s = make_synthetic_stream(num_users=200, num_items=50, num_events=5000, seed=2026)
     m = build_manifest(s, seed=2026)
@@ -291,7 +295,7 @@ def test_contexts_score_each_group_before_ingesting_it(tmp_env, compose):
 def test_bank_run_logs_metrics_hashes_and_the_bank_to_mlflow(tmp_env, compose):
     from mlflow.tracking import MlflowClient
 
-    over = ["experiment=bank_tgn_synthetic", *SHORT, "bank.epochs=1", "bank.max_events=1500"]
+    over = [*SHORT_BANK, "bank.max_events=1500"]
     s = train(compose([*over, "bank.encoder=tgat"]), tmp_env / "run", verbose=False)
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     (run,) = client.search_runs([client.get_experiment_by_name("fedlightning/bank").experiment_id])
