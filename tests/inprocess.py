@@ -10,9 +10,12 @@ import contextlib
 import io
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 
 def fl_here(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -43,3 +46,37 @@ def fl_ok(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Complet
         f"fedlightning {' '.join(args)} exited {r.returncode}: {r.stderr[-3000:]}"
     )
     return r
+
+
+def runs_once(
+    tmp_path_factory: pytest.TempPathFactory,
+    compose: Callable[[list[str]], Any],
+    overrides_of: Callable[[Any], list[str]],
+) -> Callable[[Any], Path]:
+    """``run(key) -> run dir``: the run of ``compose(overrides_of(key))`` in this process, made
+    once per key (a list key counts as its tuple) in its own folder, cache and MLflow store,
+    with torch's thread count restored after (a run sets it from ``threads``). A
+    module-scoped fixture returns it, so that the tests reading one run share it: hand counts
+    of its ledger, and the uninterrupted or sequential reference of a kill-and-resume or a
+    two-rank run."""
+    from fedlightning.train import train
+
+    runs: dict[Any, Path] = {}
+
+    def run(key: Any) -> Path:
+        memo = tuple(key) if isinstance(key, list) else key
+        if memo not in runs:
+            root = tmp_path_factory.mktemp("seq")
+            threads = torch.get_num_threads()
+            try:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.chdir(root)
+                    mp.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
+                    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+                    train(compose(overrides_of(key)), root / "run", verbose=False)
+            finally:
+                torch.set_num_threads(threads)
+            runs[memo] = root / "run"
+        return runs[memo]
+
+    return run

@@ -20,6 +20,7 @@ from fedlightning.errors import ConfigError
 from fedlightning.experiments.graph import build_clients, build_model, load_graph
 from fedlightning.federation.ledger import unpacked
 from fedlightning.train import train
+from tests.inprocess import runs_once
 from tests.integration.test_learning import learned, learned_margin
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -81,22 +82,10 @@ def small(method: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def sequential(tmp_path_factory, compose):
-    """``sequential(method) -> run dir``: the small run of ``method`` in this process, run
-    once per module (in its own folder and cache) and shared by the tests that read it: the
-    ledger's hand count and the runs that the resumed and two-rank runs must equal."""
-    runs: dict[str, Path] = {}
-
-    def run(method: str) -> Path:
-        if method not in runs:
-            root = tmp_path_factory.mktemp(f"seq_{method}")
-            with pytest.MonkeyPatch.context() as mp:
-                mp.chdir(root)
-                mp.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
-                train(compose(small(method)), root / "run", verbose=False)
-            runs[method] = root / "run"
-        return runs[method]
-
-    return run
+    """``sequential(method) -> run dir``: the small run of ``method`` in this process, once
+    per module, shared by the ledger's hand count and the runs that the resumed and two-rank
+    runs must equal."""
+    return runs_once(tmp_path_factory, compose, small)
 
 
 @pytest.mark.parametrize("method", list(METHODS))

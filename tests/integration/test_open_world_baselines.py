@@ -29,6 +29,7 @@ from fedlightning.metrics.topoood import dirichlet_energy
 from fedlightning.models import MultimodalGNN
 from fedlightning.models.cross_modal import CrossModalGNN
 from fedlightning.train import train
+from tests.inprocess import runs_once
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["protocol.stream.stages=[2,1,1]", "federation.rounds=1", "logger=none"]
@@ -231,23 +232,10 @@ def hand_model_values(compose, over) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def sequential(tmp_path_factory, compose):
-    """``sequential(method) -> (summary, run dir)``: the small run of ``method`` in this
-    process, run once per module (in its own folder and cache) and shared by the tests that
-    read it: the uplink's hand count and the kill-and-resume and two-rank comparisons."""
-    runs: dict[str, tuple[dict, Path]] = {}
-
-    def run(method: str) -> tuple[dict, Path]:
-        if method not in runs:
-            root = tmp_path_factory.mktemp(f"seq_{method}")
-            with pytest.MonkeyPatch.context() as mp:
-                mp.chdir(root)
-                mp.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
-                mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-                summary = train(compose(small(method)), root / "run", verbose=False)
-            runs[method] = summary, root / "run"
-        return runs[method]
-
-    return run
+    """``sequential(method) -> run dir``: the small run of ``method`` in this process, once
+    per module, shared by the uplink's hand count and the kill-and-resume and two-rank
+    comparisons."""
+    return runs_once(tmp_path_factory, compose, small)
 
 
 @pytest.mark.parametrize(
@@ -265,7 +253,8 @@ def test_uplink_matches_a_hand_count_and_the_sign_is_calibrated(method, sequenti
     (2 h^2 + 2 h weights of g, and C h offsets, or h for retrieval's one offset); every
     stage's score oriented on validation."""
     over = small(method)
-    s, run_dir = sequential(method)
+    run_dir = sequential(method)
+    s = summary_of(run_dir)
     cfg = OmegaConf.load(run_dir / "config.yaml")
     model, classes = hand_model_values(compose, over)
     h = int(cfg.model.net.hidden)
@@ -333,6 +322,10 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def _same(a: dict, b: dict) -> None:
     assert a["metrics"] == b["metrics"] and a["acc_matrix"] == b["acc_matrix"]
     assert a["comm"] == b["comm"] and a["stages"] == b["stages"]
@@ -359,7 +352,7 @@ def test_killed_run_resumes_bitwise(method, tmp_env, sequential):
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = _run([fl, "train", "resume=killed", "logger=none"], tmp_env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    seq, _ = sequential(method)
+    seq = summary_of(sequential(method))
     done = json.loads((tmp_env / "killed" / "summary.json").read_text())
     assert done["resumed"] is True
     _same(done, seq)
@@ -375,7 +368,7 @@ def test_two_gloo_ranks_equal_the_sequential_run(method, tmp_env, sequential):
     cmd = [*torchrun, "-m", "fedlightning", "train", *over, "runner=distributed", "hydra.run.dir=d"]
     dist = _run(cmd, tmp_env)
     assert dist.returncode == 0, dist.stderr[-3000:]
-    seq, _ = sequential(method)
+    seq = summary_of(sequential(method))
     _same(json.loads((tmp_env / "d" / "summary.json").read_text()), seq)
 
 

@@ -20,6 +20,7 @@ from fedlightning.experiments.graph import load_graph
 from fedlightning.federation.ledger import unpacked
 from fedlightning.models.spectral import SHARED_PREFIXES
 from fedlightning.train import train
+from tests.inprocess import runs_once
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["logger=none", "runner.progress=false"]
@@ -45,28 +46,10 @@ def net_of(compose, over: list[str]):
 @pytest.fixture(scope="module")
 def sequential(tmp_path_factory, compose):
     """``sequential(over) -> run dir``: the run of ``over`` in this process at one torch
-    thread (the thread count of the subprocess runs below, see :func:`env`; the caller's
-    restored after), run once per module in its own folder and cache and shared by the tests
-    that read it: the ledger's hand counts, FedSSP's checkpoint, and the uninterrupted and
+    thread (the thread count of the subprocess runs below, see :func:`env`), once per module,
+    shared by the ledger's hand counts, FedSSP's checkpoint, and the uninterrupted and
     sequential runs that the kill-and-resume and two-rank runs must equal bitwise."""
-    runs: dict[tuple[str, ...], Path] = {}
-
-    def run(over: list[str]) -> Path:
-        key = tuple(over)
-        if key not in runs:
-            root = tmp_path_factory.mktemp("seq")
-            threads = torch.get_num_threads()
-            try:
-                with pytest.MonkeyPatch.context() as mp:
-                    mp.chdir(root)
-                    mp.setenv("FEDLIGHTNING_CACHE", str(root / "cache"))
-                    train(compose([*over, "threads=1"]), root / "run", verbose=False)
-            finally:
-                torch.set_num_threads(threads)
-            runs[key] = root / "run"
-        return runs[key]
-
-    return run
+    return runs_once(tmp_path_factory, compose, lambda over: [*over, "threads=1"])
 
 
 def summary_of(run_dir: Path) -> dict:
