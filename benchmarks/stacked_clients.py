@@ -7,8 +7,13 @@ prints the median ``round_time_s`` (local fits, aggregation and the per-round ev
 each setting's ratio to one-at-a-time dense, and whether the stacked run's final global
 weights equal the one-at-a-time run's (bitwise, else the largest difference).
 
+``--ceiling`` adds one more setting: the same data held by one client (``federation.clients=1``,
+dense, on the stacked path with its cached inputs). Its round is the arithmetic of every
+node with no per-client work, the least a stacked round can cost, so its speed-up bounds any
+stacked run's (docs/scaling.md, "Stacked graph clients").
+
     python benchmarks/stacked_clients.py [--experiment fedavg_cora] [--clients 5]
-        [--rounds 5] [--repeats 3] [--threads 1]
+        [--rounds 5] [--repeats 3] [--threads 1] [--ceiling]
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ SETTINGS = {  # name -> overrides
     "one-at-a-time sparse": ["runner.stack_clients=false", "dataset.sparse_modalities=[bow]"],
     "stacked sparse": ["runner.stack_clients=true", "dataset.sparse_modalities=[bow]"],
 }
+CEILING = {"one client, every node": ["runner.stack_clients=true", "federation.clients=1"]}
 
 
 def run_once(args: argparse.Namespace, overrides: list[str], out: Path) -> tuple[float, dict]:
@@ -66,13 +72,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ceiling", action="store_true", help="also run every node as one client")
     args = ap.parse_args()
-    times: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    settings = {**SETTINGS, **(CEILING if args.ceiling else {})}
+    times: dict[str, list[float]] = {s: [] for s in settings}
     states: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         run_once(args, SETTINGS["stacked dense"], Path(tmp) / "warmup")
         for r in range(args.repeats):
-            for name, overrides in SETTINGS.items():
+            for name, overrides in settings.items():
                 out = Path(tmp) / f"{name.replace(' ', '_')}_{r}"
                 t, states[name] = run_once(args, overrides, out)
                 times[name].append(t)
