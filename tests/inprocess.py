@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -80,3 +81,8 @@ def runs_once(
         return runs[memo]
 
     return run
+
+
+def summary_of(run_dir: Path) -> dict:
+    """The ``summary.json`` a run wrote into ``run_dir``."""
+    return json.loads((run_dir / "summary.json").read_text())

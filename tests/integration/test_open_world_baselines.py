@@ -29,7 +29,7 @@ from fedlightning.metrics.topoood import dirichlet_energy
 from fedlightning.models import MultimodalGNN
 from fedlightning.models.cross_modal import CrossModalGNN
 from fedlightning.train import train
-from tests.inprocess import runs_once
+from tests.inprocess import runs_once, summary_of
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["protocol.stream.stages=[2,1,1]", "federation.rounds=1", "logger=none"]
@@ -320,10 +320,6 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
     )
-
-
-def summary_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def _same(a: dict, b: dict) -> None:

@@ -20,7 +20,7 @@ from fedlightning.experiments.graph import load_graph
 from fedlightning.federation.ledger import unpacked
 from fedlightning.models.spectral import SHARED_PREFIXES
 from fedlightning.train import train
-from tests.inprocess import runs_once
+from tests.inprocess import runs_once, summary_of
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["logger=none", "runner.progress=false"]
@@ -50,10 +50,6 @@ def sequential(tmp_path_factory, compose):
     shared by the ledger's hand counts, FedSSP's checkpoint, and the uninterrupted and
     sequential runs that the kill-and-resume and two-rank runs must equal bitwise."""
     return runs_once(tmp_path_factory, compose, lambda over: [*over, "threads=1"])
-
-
-def summary_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
