@@ -2,7 +2,7 @@
 
 Three implementations of the same math over the same cached contexts (paper 001, Eqs. 13-31):
 
-- ``platform``: :class:`fedlightning.federation.tasks.TaskLoop` (the LightningModule's
+- ``platform``: :class:`fedlightning.federation.task_loop.TaskLoop` (the LightningModule's
   hooks through the lean executor, typed messages, the ledger, the server module), with
   the active clients of a round stacked into one fit;
 - ``torch, per client``: a hand-written loop, one adapter copy and one Adam per client
@@ -29,10 +29,10 @@ from hydra import compose, initialize_config_dir
 
 from fedlightning.clients.temporal_prompt import stack_batches
 from fedlightning.config import build
-from fedlightning.experiments.temporal import check_families, temporal_inputs
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.federation.tasks import TaskLoop, evaluate
+from fedlightning.federation.task_loop import TaskLoop, evaluate
+from fedlightning.programs.temporal_program import check_families, temporal_inputs
 from fedlightning.resources import conf_dir
 from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.utils.seeding import derive_seed

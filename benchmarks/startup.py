@@ -5,7 +5,7 @@ that every repetition sees the same machine load; the figures are medians over t
 repetitions of the wall time and of the CPU time (user + system) of the child process. The
 ratio is against the first statement, ``import torch, torch_geometric``: the least a run of
 this package can import. ``fedlightning.train`` is what ``fedlightning train`` imports before it
-reads the config; a graph run then imports its program, ``fedlightning.experiments.graph``
+reads the config; a graph run then imports its program, ``fedlightning.programs.graph_program``
 (PyG, Lightning, the loop), measured too when the package has it.
 
     python benchmarks/startup.py [--repeats 7] [--path DIR] [--modules]
@@ -34,7 +34,7 @@ STATEMENTS = {
     "fedlightning.cli": "import fedlightning.cli",
 }
 # a run's program, after ``fedlightning.train``: measured when the package has it
-PROGRAMS = {"graph run (program)": "fedlightning.experiments.graph"}
+PROGRAMS = {"graph run (program)": "fedlightning.programs.graph_program"}
 
 # What a lean start-up leaves alone: imported only by the code that uses it.
 HEAVY = (

@@ -496,7 +496,7 @@ def _flower_sim(rest: list[str]) -> int:
 
 
 def _manifest(rest: list[str]) -> int:
-    from fedlightning.experiments.manifest import run_manifest
+    from fedlightning.programs.manifest_program import run_manifest
 
     ap = argparse.ArgumentParser(
         prog="fedlightning data manifest",

@@ -56,3 +56,21 @@ def prefixed(message: Message, prefix: str) -> Message:
     tensors = {f"{prefix}/{k}": v for k, v in message.tensors.items()}
     scalars = {f"{prefix}/{k}": v for k, v in message.scalars.items()}
     return Message(message.round, tensors, scalars)
+
+
+# Class prototypes in a message (FedOGL Eq. 11; secure sums read them too): fields
+# ``proto.<c>.<q>`` (or ``proto.<modality>.<c>.<q>``) with their supports ``proto_count.<...>``.
+PROTO_PREFIX, COUNT_PREFIX = "proto.", "proto_count."
+
+
+def read_prototypes(update: ClientUpdate, side: str = "") -> list[tuple[int, Tensor, int]]:
+    """``(class, prototype, support)`` triples of a message: fields ``proto.<c>.<q>``, or
+    ``proto.<side>.<c>.<q>`` for one modality's prototypes (retrieval)."""
+    prefix = PROTO_PREFIX + (f"{side}." if side else "")
+    out = []
+    for key, p in update.tensors.items():
+        rest = key[len(prefix) :].split(".")
+        if key.startswith(prefix) and rest[0].isdigit():
+            count = update.scalars[COUNT_PREFIX + key[len(PROTO_PREFIX) :]]
+            out.append((int(rest[0]), p, int(count)))
+    return sorted(out, key=lambda x: x[0])

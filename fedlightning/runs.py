@@ -21,9 +21,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError, RunStopped
-from fedlightning.federation.ledger import CHECKPOINT_FORMATS_READ
 from fedlightning.tracking import MlflowTracker, NullTracker, flatten
 from fedlightning.utils.io import content_hash, write_json
+
+# Checkpoint formats: 1 (no ``format`` key, graph runs; ledger entries without scope), 2
+# (entries carry a scope: FedTIP's tasks), 3 (the run's ``identity``, which a resume checks).
+# Schedules write CHECKPOINT_FORMAT; a resume reads any of CHECKPOINT_FORMATS_READ.
+CHECKPOINT_FORMAT = 3
+CHECKPOINT_FORMATS_READ = (1, 2, 3)
 
 CONFIG_FILE, CHECKPOINT_FILE, SUMMARY_FILE = "config.yaml", "checkpoint.pt", "summary.json"
 MLFLOW_RUN_FILE, IDENTITY_FILE = "mlflow_run.json", "identity.json"

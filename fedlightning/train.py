@@ -1,5 +1,5 @@
 """``fedlightning train``'s entry point: the run's ``task`` picks the program
-(:mod:`fedlightning.experiments`): ``fl``/``cil``/``cir``, ``temporal`` or ``bank``."""
+(:mod:`fedlightning.programs`): ``fl``/``cil``/``cir``, ``temporal`` or ``bank``."""
 
 from __future__ import annotations
 
@@ -49,13 +49,13 @@ def train(
             "centrally, in one process; use runner=sequential",
         )
     if task == "bank":  # FedTIP's temporal bank: no federation
-        from fedlightning.experiments.bank import train_bank
+        from fedlightning.programs.bank_program import train_bank
 
         return train_bank(cfg, Path(run_dir), verbose=verbose)
     if task == "temporal":  # FedTIP and its comparators over the task manifest
-        from fedlightning.experiments.temporal import train_temporal
+        from fedlightning.programs.temporal_program import train_temporal
 
         return train_temporal(cfg, Path(run_dir), observe=observe, verbose=verbose, runner=runner)
-    from fedlightning.experiments.graph import train_graph
+    from fedlightning.programs.graph_program import train_graph
 
     return train_graph(cfg, run_dir, observe=observe, verbose=verbose, runner=runner)

@@ -300,7 +300,7 @@ def test_uplink_mib_and_seconds_per_round_columns_from_the_summaries(tmp_path):
 def test_seconds_per_task_from_the_summaries_timing_or_wall_time():
     """`s_per_task` (a default column of `--task temporal`): the mean task time the run
     measured (summary "timing", from TaskLoop.timing), else wall time / tasks done."""
-    from fedlightning.federation.tasks import TaskLoop
+    from fedlightning.federation.task_loop import TaskLoop
     from fedlightning.report import DEFAULT_METRICS, value
 
     assert "s_per_task" in DEFAULT_METRICS["temporal"].split(",")

@@ -35,7 +35,7 @@ def write(path: Path, text: str) -> Path:
 GOOD = """
 experiment: fedavg_synthetic
 space:
-  algorithm._target_: {type: categorical, choices: [fedlightning.algorithms.FedAvg]}
+  algorithm._target_: {type: categorical, choices: [fedlightning.methods.fedavg.fedavg.FedAvg]}
 objective: {metric: val_acc}
 trials: 1
 """
@@ -48,7 +48,13 @@ trials: 1
         (("val_acc}", "acc}"), "objective.metric"),
         (("trials: 1", "trials: 0"), "trials"),
         (("trials: 1", "trails: 1"), "trails"),
-        (("type: categorical, choices: [fedlightning.algorithms.FedAvg]", "type: float"), "low"),
+        (
+            (
+                "type: categorical, choices: [fedlightning.methods.fedavg.fedavg.FedAvg]",
+                "type: float",
+            ),
+            "low",
+        ),
         (("experiment: fedavg_synthetic", "experiment: [1]"), "experiment"),
     ],
 )
@@ -60,7 +66,7 @@ def test_bad_sweep_files_name_file_and_field(tmp_path, change, field):
 
 def test_log_range_and_grid_rules(tmp_path):
     spec = GOOD.replace(
-        "type: categorical, choices: [fedlightning.algorithms.FedAvg]",
+        "type: categorical, choices: [fedlightning.methods.fedavg.fedavg.FedAvg]",
         "type: float, low: 0.0, high: 1.0, log: true",
     )
     with pytest.raises(ConfigError, match="low > 0"):
@@ -383,7 +389,7 @@ MALFORMED = [  # (file text, the key the error line names)
     ("experiment: fedavg_synthetic\n\tspace: 1\n", "line"),  # a tab: not YAML
     ("experiment: [fedavg\n", "line 1"),
     (GOOD.replace("type: categorical,", "type: normal,"), "space.algorithm._target_.type"),
-    (GOOD.replace("choices: [fedlightning.algorithms.FedAvg]", "choices: []"), ".choices"),
+    (GOOD.replace("choices: [fedlightning.methods.fedavg.fedavg.FedAvg]", "choices: []"), ".choices"),
     (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('low: 1.0e-3', 'low: 0.5')}}}\n"
      "objective: {metric: val_acc}\n", "space.model.optimizer.lr"),  # low > high
     (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('1.0e-3', 'small')}}}\n"

@@ -6,11 +6,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fedlightning.algorithms.continual import ContinualFedAvg
 from fedlightning.data.graphs import make_synthetic
 from fedlightning.data.partition import RandomPartitioner
 from fedlightning.errors import ConfigError, FedLightningError
-from fedlightning.experiments.graph import save_protocol
+from fedlightning.methods.continual.continual import ContinualFedAvg
+from fedlightning.programs.graph_program import save_protocol
 from fedlightning.runs import json_safe, prepare_run_dir
 
 
@@ -58,9 +58,8 @@ def test_continual_algorithm_errors_name_the_key(kw, key):
 
 def test_checkpoints_carry_a_format_and_old_or_unknown_ones_get_one_line(tmp_path):
     from fedlightning.errors import FedLightningError
-    from fedlightning.experiments.temporal import saved_state
-    from fedlightning.federation.ledger import CHECKPOINT_FORMAT
-    from fedlightning.runs import load_checkpoint
+    from fedlightning.programs.temporal_program import saved_state
+    from fedlightning.runs import CHECKPOINT_FORMAT, load_checkpoint
 
     graph_v1 = {"completed_rounds": 3, "ledger": {"entries": [("up", 1, 0, "w", 4, 16)]}}
     torch.save(graph_v1, tmp_path / "g.pt")

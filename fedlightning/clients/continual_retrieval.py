@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch_geometric.data import Data
 
-from fedlightning.clients.continual import ContinualNodeClassifier
+from fedlightning.clients.continual_client import ContinualNodeClassifier
 from fedlightning.clients.losses import distillation_kl, retention_objective
 from fedlightning.clients.node_classifier import OptimizerFactory
 from fedlightning.objectives import symmetric_info_nce

@@ -77,6 +77,17 @@ class Algorithm:
         max_update_norm, max_client_weight: the bounds of the FedAvg-family server
             (``algorithm.max_update_norm``, ``algorithm.max_client_weight``; ``None``: off;
             docs/security.md), checked by :func:`check_bounds`.
+        score: the rejection score of the logits (``msp``, ``energy``; ``None`` where the
+            method scores otherwise, e.g. retrieval's similarity).
+        calibrate_direction: the score's sign is set on validation (a score whose
+            direction is not known in advance: TopoOOD, GRASP, CLIPN).
+        release: the differentially private prototype release (``None``: none).
+        flower_nodes: the method's clients can run on Flower nodes.
+        local_fit_share: the stacked form of :meth:`local_fit`, ``(module, clients,
+            broadcast, executor, epochs, seeds) -> updates`` (``None``: none, clients fit
+            one at a time). A subclass that overrides :meth:`local_fit` without it fits one
+            at a time
+            (:func:`~fedlightning.federation.stacking.why_not_stacked`).
     """
 
     name = "base"
@@ -87,6 +98,11 @@ class Algorithm:
     report_train_loss: bool = False
     max_update_norm: float | None = None
     max_client_weight: float | None = None
+    score: str | None = None
+    calibrate_direction: ClassVar[bool] = False
+    release: Any = None
+    flower_nodes: ClassVar[bool] = True
+    local_fit_share: Any = None
 
     def client_module(self, net: nn.Module, optimizer: Any) -> pl.LightningModule:
         raise NotImplementedError
@@ -158,3 +174,22 @@ class Algorithm:
     ) -> ClientUpdate | None:
         """A client's stage-end message (``None``: it sends nothing)."""
         return None
+
+    def node_score(
+        self, logits: Any, known: Any, data: Any, reps: Any, global_state: dict
+    ) -> Any | None:
+        """Every node's rejection score ``[N]`` by the method's own rule (TopoOOD, GRASP,
+        CLIPN), or ``None``: the schedule scores the logits by :attr:`score`."""
+        return None
+
+    def query_scores(
+        self, net: Any, q: Any, k: Any, data: Any, is_known: Any, global_state: dict
+    ) -> Any | None:
+        """Every retrieval query's rejection score ``[N]`` by the method's own rule
+        (``cir_grasp``, ``cir_clipn``), or ``None``: the top-1 similarity."""
+        return None
+
+    def materialize_views(self, cache_dir: Any = None) -> dict[str, str]:
+        """Build the method's derived views of the protocol's data once, before the tasks
+        (the history baselines' graph), and return their hashes (``{}``: none)."""
+        return {}

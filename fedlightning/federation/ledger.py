@@ -10,10 +10,6 @@ from fedlightning.messages import Message
 from fedlightning.server.validation import Rejection
 
 UP, DOWN = "up", "down"
-# Checkpoint formats: 1 (no ``format`` key, graph runs; ledger entries without scope), 2
-# (entries carry a scope: FedTIP's tasks), 3 (the run's ``identity``, which a resume checks).
-CHECKPOINT_FORMAT = 3
-CHECKPOINT_FORMATS_READ = (1, 2, 3)
 MIB = 1024**2
 COLUMNS = ("direction", "round", "client", "field", "values", "bytes", "scope")
 

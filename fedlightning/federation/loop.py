@@ -17,10 +17,11 @@ import torch
 
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm, FederatedClient
-from fedlightning.federation.ledger import CHECKPOINT_FORMAT, DOWN, UP, CommLedger
+from fedlightning.federation.ledger import DOWN, UP, CommLedger
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.federation.stacking import UnionEvaluate, why_not_stacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.runs import CHECKPOINT_FORMAT
 from fedlightning.utils.io import save_torch
 from fedlightning.utils.seeding import derive_seed, manual_seed, rng_state, set_rng_state
 

@@ -45,7 +45,7 @@ class RetrievalLoop(ContinualLoop):
     final_stage_metrics = (*ContinualLoop.final_stage_metrics, "recall_at_1", "val_recall_at_1")
 
     def __init__(self, algorithm: Any, *args: Any, **kw: Any) -> None:
-        if getattr(algorithm, "score", "similarity") != "similarity":
+        if algorithm.score not in (None, "similarity"):
             raise ValueError(f"RetrievalLoop rejects by similarity, not {algorithm.score!r}")
         super().__init__(algorithm, *args, **kw)
 
@@ -68,8 +68,8 @@ class RetrievalLoop(ContinualLoop):
         data, net = c.data, self.module.net
         node_stage = self.class_stage[data.y]
         is_known = (node_stage >= 0) & (node_stage <= t)
-        own = getattr(self.algorithm, "query_scores", None)  # GRASP, CLIPN: their own score
-        score = None if own is None else own(net, q, k, data, is_known, self.server.global_state)
+        # GRASP, CLIPN: their own score
+        score = self.algorithm.query_scores(net, q, k, data, is_known, self.server.global_state)
         out: dict[str, Parts | None] = {}
         for s in splits:
             m = data[f"{s}_mask"]
@@ -83,10 +83,10 @@ class RetrievalLoop(ContinualLoop):
                 "node_stage": node_stage[known],
                 "hit": recall_at_k(q[known], items, 1),
                 "y": data.y[known],
-                "known_score": max_similarity(q[known], items) if own is None else score[known],
+                "known_score": max_similarity(q[known], items) if score is None else score[known],
                 "unknown_score": (
                     score[unknown]
-                    if own is not None
+                    if score is not None
                     else max_similarity(q[unknown], items)
                     if unknown.any()
                     else q[:0, 0]

@@ -2,7 +2,7 @@
 
 Every schedule (:class:`~fedlightning.federation.loop.FederatedLoop`,
 :class:`~fedlightning.federation.stages.ContinualLoop` and its stage-end exchange,
-:class:`~fedlightning.federation.tasks.TaskLoop`) calls :func:`federated_round`; whatever the
+:class:`~fedlightning.federation.task_loop.TaskLoop`) calls :func:`federated_round`; whatever the
 runner, every message is counted here, in client order, once the runner returns the updates.
 """
 

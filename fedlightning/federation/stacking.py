@@ -61,12 +61,21 @@ def cached_stack(net: nn.Module, copies: int, role: str = "fit") -> tuple[nn.Mod
     return stacks[(copies, role)]
 
 
+def defined_by(obj: Any, name: str) -> type:
+    """The class of ``obj``'s type hierarchy that defines attribute ``name`` (the first of
+    its method resolution order)."""
+    return next(c for c in type(obj).__mro__ if name in vars(c))
+
+
 def why_not_stacked(algorithm: Any, module: pl.LightningModule) -> str:
     """Why ``algorithm``'s clients cannot fit as one stack with ``module`` (``""``: they
     can): the method declares no ``local_fit_share``, the module is not ``stackable``, the
     net cannot be stacked exactly, or the optimizer is not :data:`ELEMENTWISE`."""
-    if not hasattr(algorithm, "local_fit_share"):
+    if algorithm.local_fit_share is None:
         return f"{type(algorithm).__name__} has no local_fit_share"
+    fit, share = defined_by(algorithm, "local_fit"), defined_by(algorithm, "local_fit_share")
+    if fit is not share and issubclass(fit, share):  # the share would skip the override
+        return f"{fit.__name__} overrides local_fit but not local_fit_share"
     if not getattr(module, "stackable", False):
         return f"{type(module).__name__} is not stackable"
     try:

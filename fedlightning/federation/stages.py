@@ -241,11 +241,7 @@ class ContinualLoop(FederatedLoop):
             "val_fpr95": fpr_at_tpr(*val),
             "val_auroc_ood": auroc_known_vs_unknown(*val),
             **self.open_metrics(t, cat, delta, forward),
-            **(
-                {"score_sign": sign}
-                if getattr(self.algorithm, "calibrate_direction", False)
-                else {}
-            ),
+            **({"score_sign": sign} if self.algorithm.calibrate_direction else {}),
         }
 
     def stage_parts(
@@ -287,16 +283,14 @@ class ContinualLoop(FederatedLoop):
         (TopoOOD, GRASP, CLIPN), else its ``score`` of the logits (MSP, energy)."""
         logits, reps = outputs
         known = self.stream.known_mask(t, self.num_classes)
-        own = getattr(self.algorithm, "node_score", None)
-        if own is not None:
-            return own(logits, known, c.data, reps, self.server.global_state)
-        return SCORE_FNS[self.algorithm.score](logits, known)
+        own = self.algorithm.node_score(logits, known, c.data, reps, self.server.global_state)
+        return own if own is not None else SCORE_FNS[self.algorithm.score](logits, known)
 
     def orient(self, parts: dict[str, list[Parts]]) -> float:
         """With ``algorithm.calibrate_direction``: the sign that makes the score a
         known-class score on validation (:func:`score_sign`), applied to every score field
         of ``parts`` in place; ``1.0`` otherwise (the scores untouched)."""
-        if not getattr(self.algorithm, "calibrate_direction", False):
+        if not self.algorithm.calibrate_direction:
             return 1.0
         val = [torch.cat([r[f] for r in parts["val"]]) for f in ("known_score", "unknown_score")]
         sign = score_sign(*val) if parts["val"] else 1.0

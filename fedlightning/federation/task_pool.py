@@ -34,7 +34,7 @@ def resolve_workers(workers: Any, tasks: int, runner: Any = None, poolable: bool
     its process, ``runner.kill_at``, which a pool's worker would take with it); ``None`` is
     1. More than one needs a one-process CPU runner (``runner=sequential``) on a system that
     forks, and a schedule whose tasks carry nothing else between them (``poolable``, a task
-    loop's :attr:`~fedlightning.federation.tasks.TaskLoop.pool_tasks`): otherwise one line
+    loop's :attr:`~fedlightning.federation.task_loop.TaskLoop.pool_tasks`): otherwise one line
     naming the key (``auto``: 1)."""
     device = getattr(getattr(runner, "executor", None), "device", None)
     forkable = runner is None or (

@@ -23,7 +23,7 @@ from fedlightning.config import build
 from fedlightning.errors import DataError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.loop import LocalEvaluate, local_fit
-from fedlightning.federation.tasks import Member, TaskBatches, TaskContext
+from fedlightning.federation.task_loop import Member, TaskBatches, TaskContext
 from fedlightning.flower.records import (
     COUNTS,
     TENSORS,
@@ -87,7 +87,7 @@ def _graph_client(
     config_yaml: str, data_root: str | None, client_id: int, hashes: dict[str, str]
 ) -> dict[str, Any]:
     """A graph client's subgraph, model input sizes and (class-incremental runs) stream."""
-    from fedlightning.experiments.graph import build_client
+    from fedlightning.programs.graph_program import build_client
 
     cfg, graph, partition = _protocol(config_yaml, data_root)
     ours = {"partition": partition.hash}
@@ -107,7 +107,7 @@ def _graph_client(
 def _temporal_client(cfg: DictConfig, client_id: int, hashes: dict[str, str]) -> dict[str, Any]:
     """A FedTIP client's support batch in every task it takes part in, from the node's own
     protocol, bank and contexts (built, or reused from the node's cache)."""
-    from fedlightning.experiments.temporal import temporal_inputs
+    from fedlightning.programs.temporal_program import temporal_inputs
 
     inputs = temporal_inputs(cfg)
     check_hashes(cfg, inputs["hashes"], hashes)
@@ -119,7 +119,7 @@ def _temporal_client(cfg: DictConfig, client_id: int, hashes: dict[str, str]) ->
 def _protocol(config_yaml: str, data_root: str | None) -> tuple[DictConfig, Any, Any]:
     """The config, graph and partition of a run (cached: a simulation's process sets up
     several virtual nodes)."""
-    from fedlightning.experiments.graph import load_graph
+    from fedlightning.programs.graph_program import load_graph
 
     cfg = remap_data_root(OmegaConf.create(config_yaml), data_root)
     graph = load_graph(cfg)
@@ -166,7 +166,7 @@ class NodeClient:
         saved = torch.load(folder / CLIENT, weights_only=False)
         self.executor = build(self.cfg.runner.executor, "runner.executor")
         if "tasks" in saved:  # a FedTIP client: its support per task
-            from fedlightning.experiments.temporal import make_algorithm, temporal_inputs
+            from fedlightning.programs.temporal_program import make_algorithm, temporal_inputs
 
             self.tasks, self.dims = saved["tasks"], saved["dims"]
             self.algorithm = make_algorithm(self.cfg)
@@ -174,7 +174,7 @@ class NodeClient:
                 inputs = temporal_inputs(self.cfg)
                 self.algorithm.attach(inputs["encoder"], inputs["protocol"])
             return
-        from fedlightning.experiments.graph import build_model
+        from fedlightning.programs.graph_program import build_model
 
         self.data = saved["data"]
         _, self.algorithm, self.module = build_model(

@@ -1,6 +1,6 @@
 """Metrics: class-incremental accuracy matrix, open-world rejection, retrieval, drift."""
 
-from fedlightning.metrics.continual import (
+from fedlightning.metrics.accuracy_matrix import (
     AccuracyMatrix,
     average_accuracy,
     forgetting,

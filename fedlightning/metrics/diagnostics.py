@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedlightning.server.basis import fix_signs
+from fedlightning.utils.linalg import fix_signs
 
 __all__ = [
     "basis_drift",
@@ -83,7 +83,7 @@ def principal_basis(z: Tensor, r: int, center: bool = True) -> Tensor:
         \mathbf{V}^\top, \qquad \mathbf{U} = \mathbf{V}_{:, :r}
 
     :math:`1 \le r \le \min(N, d)`; ``center=False`` skips the centring. Signs are fixed by
-    :func:`~fedlightning.server.basis.fix_signs`, so the basis is deterministic.
+    :func:`~fedlightning.utils.linalg.fix_signs`, so the basis is deterministic.
 
     Shapes:
         - **input:** :math:`(N, d)`

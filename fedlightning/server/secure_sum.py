@@ -24,9 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.messages import (
+    COUNT_PREFIX,
+    PROTO_PREFIX,
+    ClientUpdate,
+    ServerBroadcast,
+    read_prototypes,
+)
 from fedlightning.server.aggregate import MODEL_PREFIX
-from fedlightning.server.fedogl import COUNT_PREFIX, PROTO_PREFIX, read_prototypes
 from fedlightning.server.reliability import coverage_of, reliability
 from fedlightning.server.validation import Field, MessageSpec
 from fedlightning.utils.seeding import torch_generator
@@ -378,21 +383,18 @@ class SecureSum:
 
 def graph_secure_sum(server: Any, seed: int, max_update_norm: float | None = None) -> SecureSum:
     """The protocol for a graph run's :class:`~fedlightning.server.server.Server`: FedAvg's
-    model sum (FedAvg, FedProx, the continual baselines, FedOGL) and, with FedOGL's
-    :class:`~fedlightning.server.fedogl.PrototypeMemory`, the per-class prototype sums.
-    ``ValueError`` for an aggregation that is not a weighted sum."""
+    model sum (FedAvg, FedProx, the continual baselines, FedOGL) and the per-class prototype
+    sums a server module declares (:meth:`~fedlightning.server.server.ServerModule.summed_prototypes`).
+    ``ValueError`` for an aggregation that is not a weighted sum, or a module that refuses."""
     from fedlightning.server.aggregate import fedavg
-    from fedlightning.server.fedogl import AlignmentMemory, PrototypeMemory
 
     if server.aggregator is not fedavg:
         raise ValueError("secure sums need the FedAvg aggregation (a weighted sum)")
     classes = dim = 0
     for mod in server.modules.values():
-        if isinstance(mod, AlignmentMemory):
-            raise ValueError("retrieval's per-modality prototype banks are not summed securely")
-        if isinstance(mod, PrototypeMemory):
-            head = server.global_state[mod.head_prefix + "weight"]
-            classes, dim = int(head.shape[0]), int(head.shape[1])
+        if mod.secure_sum is not None:
+            raise ValueError(mod.secure_sum)
+        classes, dim = mod.summed_prototypes(server.global_state) or (classes, dim)
     return SecureSum(int(seed), ShareSpec("fedavg", classes, dim, max_update_norm))
 
 

@@ -16,7 +16,18 @@ Aggregator = Callable[[Sequence[ClientUpdate]], dict[str, Tensor]]
 class ServerModule:
     """Method-specific server memory (bases, prototype banks) that plugs into a :class:`Server`.
 
-    A module sees messages only; every verb defaults to doing nothing."""
+    A module sees messages only; every verb defaults to doing nothing.
+
+    ``secure_sum``: whether a secure sum (``federation.secure_sum=true``) can carry what the
+    module reads, ``None`` when it can, else why not (one line, refused before training).
+    """
+
+    secure_sum: str | None = None
+
+    def summed_prototypes(self, global_state: dict[str, Tensor]) -> tuple[int, int] | None:
+        """``(classes, dim)`` of the per-class prototype sums a secure sum must carry for
+        this module (FedOGL's prototype bank), or ``None`` when it reads none."""
+        return None
 
     def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
         """Take in one round's updates (after the model aggregation)."""

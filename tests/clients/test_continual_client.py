@@ -4,7 +4,7 @@ from functools import partial
 import pytest
 import torch
 
-from fedlightning.clients.continual import ContinualNodeClassifier
+from fedlightning.clients.continual_client import ContinualNodeClassifier
 from fedlightning.clients.losses import distillation_kl, retention_objective
 from fedlightning.clients.replay import class_balanced_sample, stage_batch
 from fedlightning.data.graphs import make_synthetic
@@ -95,8 +95,8 @@ def test_a_stage_batch_is_built_once_per_stage_and_again_when_its_inputs_change(
     graph tensor carries over), and a new one for another stage, replay memory or graph."""
     from types import SimpleNamespace
 
-    from fedlightning.algorithms.continual import ContinualFedAvg
     from fedlightning.federation.algorithm import FederatedClient
+    from fedlightning.methods.continual.continual import ContinualFedAvg
 
     algo = ContinualFedAvg(replay_budget=2)
     algo.stream = SimpleNamespace(

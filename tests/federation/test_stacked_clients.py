@@ -16,11 +16,8 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from fedlightning.algorithms.fedavg import FedAvg
-from fedlightning.algorithms.fedprox import FedProx
-from fedlightning.callbacks import GradientProjection
 from fedlightning.errors import ConfigError
-from fedlightning.federation.algorithm import FederatedClient
+from fedlightning.federation.algorithm import Algorithm, FederatedClient
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.ledger import unpacked
 from fedlightning.federation.loop import local_fit, local_fit_share
@@ -31,10 +28,13 @@ from fedlightning.federation.stacking import (
     why_not_stacked,
 )
 from fedlightning.messages import ServerBroadcast
+from fedlightning.methods.fedavg.fedavg import FedAvg
+from fedlightning.methods.fedogl.basis import project_out
+from fedlightning.methods.fedogl.projection import GradientProjection
+from fedlightning.methods.fedprox.fedprox import FedProx
 from fedlightning.models import MultimodalGNN, nonzero_dropout
 from fedlightning.models.stacked import disjoint_union, load_copies, stack_net
 from fedlightning.server.aggregate import as_model_fields
-from fedlightning.server.basis import project_out
 from fedlightning.train import train
 
 # The tolerance of docs/scaling.md ("Stacked graph clients"): float32 weights after a few
@@ -316,19 +316,42 @@ def test_an_optimizer_that_is_not_elementwise_is_refused():
 
 def test_what_cannot_stack_fits_one_at_a_time():
     """The loop stacks only what stacks exactly; anything else says why and fits one by one."""
-    from fedlightning.algorithms.retrieval import ContinualRetrieval
     from fedlightning.clients.continual_retrieval import ContinualRetrievalClient
+    from fedlightning.methods.continual.retrieval_baselines import ContinualRetrieval
 
     algorithm = FedAvg()
     net, module, _ = setup(algorithm)
     assert why_not_stacked(algorithm, module) == ""
     assert ContinualRetrievalClient.stackable is False  # its own training_step
-    assert "no local_fit_share" in why_not_stacked(object(), module)
+    assert "no local_fit_share" in why_not_stacked(Algorithm(), module)
     lbfgs = algorithm.client_module(net, partial(torch.optim.LBFGS, lr=0.1))
     assert "LBFGS is not an elementwise" in why_not_stacked(algorithm, lbfgs)
     bn = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     assert "buffers" in why_not_stacked(algorithm, algorithm.client_module(bn, torch.optim.SGD))
-    assert hasattr(ContinualRetrieval, "local_fit_share")  # inherited, but its client says no
+    assert ContinualRetrieval.local_fit_share is not None  # inherited, but its client says no
+
+
+def test_overriding_local_fit_alone_never_runs_the_inherited_share():
+    """A method that changes one client's fit but not its stacked form fits one at a time
+    (the inherited share would silently run FedAvg's fit); one that changes the message
+    only (``make_update``, which the share calls too) still stacks."""
+
+    class OwnFit(FedAvg):
+        def local_fit(self, module, client, broadcast, executor, epochs):
+            return super().local_fit(module, client, broadcast, executor, epochs)
+
+    class OwnMessage(FedAvg):
+        def make_update(self, module, client, round):
+            return super().make_update(module, client, round)
+
+    class OwnBoth(OwnFit):
+        def local_fit_share(self, *args):
+            return super().local_fit_share(*args)
+
+    _, module, _ = setup(FedAvg())
+    assert why_not_stacked(OwnFit(), module) == "OwnFit overrides local_fit but not local_fit_share"
+    assert why_not_stacked(OwnMessage(), module) == ""
+    assert why_not_stacked(OwnBoth(), module) == ""
 
 
 @pytest.fixture

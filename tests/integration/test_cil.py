@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from fedlightning.data.partition import Partition
 from fedlightning.data.streams import ClassStream
-from fedlightning.experiments.graph import build_clients, load_graph
+from fedlightning.programs.graph_program import build_clients, load_graph
 from fedlightning.train import train
 
 pytestmark = pytest.mark.slow

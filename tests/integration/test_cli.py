@@ -73,7 +73,7 @@ def test_default_demo_logs_everything_to_mlflow(tmp_path, cli_env):
         assert tags[key] == value
     assert mrun.data.params["federation.rounds"] == "2"
     assert mrun.data.params["dataset.missing_rate"] == "0.2"  # some nodes lack a modality
-    assert mrun.data.params["algorithm._target_"] == "fedlightning.algorithms.fedogl.FedOGL"
+    assert mrun.data.params["algorithm._target_"] == "fedlightning.methods.fedogl.fedogl.FedOGL"
     assert mrun.data.params["threads"] == "auto"  # the setting, and the number it gave
     assert int(mrun.data.params["threads_used"]) == summary["threads"] >= 1
     hist = client.get_metric_history(run_id, "test_acc")

@@ -17,8 +17,8 @@ import torch
 
 from fedlightning.config import build
 from fedlightning.errors import ConfigError
-from fedlightning.experiments.graph import build_clients, build_model, load_graph
 from fedlightning.federation.ledger import unpacked
+from fedlightning.programs.graph_program import build_clients, build_model, load_graph
 from fedlightning.train import train
 from tests.inprocess import runs_once
 from tests.integration.test_learning import learned, learned_margin
@@ -105,7 +105,7 @@ def test_ledger_matches_a_hand_count_of_the_message(method, sequential, compose)
     row = 64 if method == "fedmvp" else 2 * 64  # hidden; PRISM: one row per modality
     assert protos == counts * row
     if method == "prism":  # the deficient clients send no paired prototype
-        from fedlightning.algorithms.prism import deficient_clients
+        from fedlightning.methods.prism.prism import deficient_clients
 
         cfg = compose(over)
         missing = deficient_clients(5, ["text", "image"], 0.4, cfg.protocol.seed)

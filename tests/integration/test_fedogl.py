@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fedlightning.messages import ClientUpdate
-from fedlightning.server.fedogl import PrototypeMemory
+from fedlightning.methods.fedogl.fedogl_server import PrototypeMemory
 from fedlightning.train import train
 
 pytestmark = pytest.mark.slow

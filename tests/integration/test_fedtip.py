@@ -175,7 +175,7 @@ def test_fulltune_fedavg_sends_the_whole_model_and_tunes_the_encoder(env, compos
     assert torch.equal(twin.state.loader.e_id, enc.state.loader.e_id)
     # a local fit streams in evaluation mode (the kind of states the server scores) and
     # still sends gradients into the encoder
-    from fedlightning.clients.fulltune import FullTuneClient
+    from fedlightning.methods.fulltune.fulltune_client import FullTuneClient
 
     client = FullTuneClient(fork(enc), enc, PromptAdapter(64, 64, 8), stream, "lp")
     client.train()

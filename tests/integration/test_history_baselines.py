@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from fedlightning.errors import ConfigError, FedLightningError, RunStopped
-from fedlightning.models.fedgcn import FedGCNNet
-from fedlightning.models.fedsage import NeighGen, SageNet
+from fedlightning.methods.fedgcn.fedgcn_model import FedGCNNet
+from fedlightning.methods.fedsage.fedsage_model import NeighGen, SageNet
 from fedlightning.train import train
 from tests.conftest import compose_cfg
 from tests.integration.test_learning import TIP_SUPPORT, margin
@@ -111,7 +111,7 @@ def test_resumes_at_the_next_task_bitwise(runs):
 
 
 def test_refuses_a_changed_history_on_resume(runs, shared_cache, monkeypatch):
-    import fedlightning.temporal.history as history
+    import fedlightning.methods.history.history as history
 
     base = runs["base"]
     monkeypatch.chdir(base)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fedlightning.federation.loop as loop_module
-from fedlightning.algorithms.fedtip import FedTIP
+from fedlightning.methods.fedtip.fedtip import FedTIP
 from fedlightning.server.aggregate import model_state
 from fedlightning.train import train
 

@@ -22,7 +22,7 @@ import torch
 
 from fedlightning.config import build
 from fedlightning.data.partition import TEST
-from fedlightning.experiments.graph import build_clients, build_model, load_graph
+from fedlightning.programs.graph_program import build_clients, build_model, load_graph
 from fedlightning.train import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -18,14 +18,14 @@ import torch
 from omegaconf import OmegaConf
 from torch_geometric.data import Data
 
-from fedlightning.algorithms.clipn import CLIPN, RetrievalCLIPN
-from fedlightning.algorithms.grasp import GRASP, RetrievalGRASP
-from fedlightning.algorithms.topoood import TopoOOD
-from fedlightning.clients.clipn import NoBranch
 from fedlightning.data.graphs import make_synthetic
 from fedlightning.federation.executors import LeanExecutor
+from fedlightning.methods.clipn.clipn import CLIPN, RetrievalCLIPN
+from fedlightning.methods.clipn.clipn_client import NoBranch
+from fedlightning.methods.grasp.grasp import GRASP, RetrievalGRASP
+from fedlightning.methods.topoood.topoood import TopoOOD
+from fedlightning.methods.topoood.topoood_score import dirichlet_energy
 from fedlightning.metrics.open_set import msp_score
-from fedlightning.metrics.topoood import dirichlet_energy
 from fedlightning.models import MultimodalGNN
 from fedlightning.models.cross_modal import CrossModalGNN
 from fedlightning.train import train
@@ -212,7 +212,7 @@ def test_cir_clipn_fit_teaches_the_no_branch_over_the_items():
 def hand_model_values(compose, over) -> tuple[int, int]:
     """Values of one model upload, counted from a freshly built MultimodalGNN (or, for
     retrieval, CrossModalGNN), and the graph's classes."""
-    from fedlightning.experiments.graph import load_graph
+    from fedlightning.programs.graph_program import load_graph
 
     cfg = compose(over)
     graph = load_graph(cfg)

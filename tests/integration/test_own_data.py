@@ -86,7 +86,7 @@ BEFORE_DATA = [
 def test_config_only_rules_fail_before_any_data_is_read(
     overrides, key, text, tmp_env, compose, monkeypatch
 ):
-    import fedlightning.experiments.graph as graph_program
+    import fedlightning.programs.graph_program as graph_program
     from fedlightning.train import train
 
     def no_data(cfg):
@@ -145,7 +145,7 @@ def test_a_label_free_stream_runs_link_prediction_only(tmp_env, compose, caplog)
     path = write_label_free(tmp_env / "ratings.txt")
     over = ["experiment=fedtip_synthetic", "dataset=interactions", f"dataset.path={path}",
             "dataset.bipartite=false", *FEDTIP_SMALL]  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="fedlightning.experiments.temporal"):
+    with caplog.at_level(logging.INFO, logger="fedlightning.programs.temporal_program"):
         s = train(compose(over), tmp_env / "run", verbose=False)
     assert "families=auto: lp on ratings (no usable state labels)" in caplog.messages
     assert s["families"] == ["lp"] and s["tags"]["families"] == "lp"
@@ -297,7 +297,7 @@ def test_a_sparse_folder_with_named_classes_trains_like_its_dense_twin(tmp_path)
 def test_cora_bag_of_words_can_be_kept_sparse(compose, shared_data):
     """`dataset.sparse_modalities=[bow]`: Cora's words become a sparse COO modality with the
     same entries; an unknown modality is one ConfigError naming the key."""
-    from fedlightning.experiments.graph import load_graph
+    from fedlightning.programs.graph_program import load_graph
 
     dense = load_graph(compose(["experiment=fedavg_cora", f"data_root={shared_data}"]))
     sparse = load_graph(compose(["experiment=fedavg_cora", f"data_root={shared_data}",

@@ -16,9 +16,9 @@ import torch
 from hydra.utils import instantiate
 
 from fedlightning.errors import ConfigError
-from fedlightning.experiments.graph import load_graph
 from fedlightning.federation.ledger import unpacked
-from fedlightning.models.spectral import SHARED_PREFIXES
+from fedlightning.methods.fedssp.spectral import SHARED_PREFIXES
+from fedlightning.programs.graph_program import load_graph
 from fedlightning.train import train
 from tests.inprocess import runs_once, summary_of
 

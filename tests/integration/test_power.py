@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 from fedlightning.data.partition import Partition
 from fedlightning.data.streams import ClassStream
-from fedlightning.experiments.graph import build_clients, load_graph
 from fedlightning.federation.ledger import unpacked
+from fedlightning.programs.graph_program import build_clients, load_graph
 from fedlightning.train import train
 from tests.federation.test_distributed import dist_env, sequential, torchrun  # noqa: F401
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fedlightning.metrics.clipn import (
+from fedlightning.methods.clipn.clipn_score import (
     atd_known_score,
     itbo_losses,
     no_probability,
@@ -16,9 +16,9 @@ from fedlightning.metrics.clipn import (
     tso_loss,
     yes_probability,
 )
-from fedlightning.metrics.grasp import grasp_propagate, grasp_selection
+from fedlightning.methods.grasp.grasp_score import grasp_propagate, grasp_selection
+from fedlightning.methods.topoood.topoood_score import dirichlet_energy, mean_propagation
 from fedlightning.metrics.open_set import score_sign
-from fedlightning.metrics.topoood import dirichlet_energy, mean_propagation
 
 
 def undirected(*pairs):

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch_geometric.data import Data
 
-from fedlightning.models import disentangled
-from fedlightning.models.disentangled import (
+from fedlightning.methods.fediih import disentangled
+from fedlightning.methods.fediih.disentangled import (
     DisentangledGNN,
     factor_moments,
     neighbourhood_routing,

@@ -11,12 +11,17 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from fedlightning.algorithms.prism import deficient_clients, drop_modality
-from fedlightning.clients.fedmvp import FedMVPClassifier, consistency_loss
 from fedlightning.messages import ClientUpdate
-from fedlightning.models.fedmvp import FedMVPNet, cosine_logits, geglu, shared_key_attention
-from fedlightning.models.multimodal import masked_fusion
-from fedlightning.models.prism import (
+from fedlightning.methods.class_bank.class_bank_server import ClassBank, class_mean, class_means
+from fedlightning.methods.fedmvp.fedmvp_client import FedMVPClassifier, consistency_loss
+from fedlightning.methods.fedmvp.fedmvp_model import (
+    FedMVPNet,
+    cosine_logits,
+    geglu,
+    shared_key_attention,
+)
+from fedlightning.methods.prism.prism import deficient_clients, drop_modality
+from fedlightning.methods.prism.prism_model import (
     PrismNet,
     gate_features,
     gated_fusion,
@@ -25,7 +30,7 @@ from fedlightning.models.prism import (
     retrieval_similarity,
     retrieval_weights,
 )
-from fedlightning.server.class_bank import ClassBank, class_mean, class_means
+from fedlightning.models.multimodal import masked_fusion
 
 
 def gelu(x: float) -> float:

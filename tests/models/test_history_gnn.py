@@ -9,21 +9,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedlightning.algorithms.fedgcn import FedGCN
-from fedlightning.algorithms.fedsage import FedSagePlus
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.ownership import Ownership
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.ledger import UP, CommLedger
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.models.fedgcn import (
+from fedlightning.methods.fedgcn.fedgcn import FedGCN
+from fedlightning.methods.fedgcn.fedgcn_model import (
     FedGCNNet,
     exchange_total,
     first_layer_input,
     mean_aggregate,
     neighbour_sums,
 )
-from fedlightning.models.fedsage import (
+from fedlightning.methods.fedsage.fedsage import FedSagePlus
+from fedlightning.methods.fedsage.fedsage_model import (
     NeighGen,
     SageNet,
     degree_loss,
@@ -33,7 +33,7 @@ from fedlightning.models.fedsage import (
     mend,
     sage_mean,
 )
-from fedlightning.temporal.history import HistoryGraph
+from fedlightning.methods.history.history import HistoryGraph
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -211,7 +211,7 @@ def test_fedsage_mended_graph_has_the_generated_neighbours():
 def test_neighgen_local_batch_gives_the_whole_graph_loss():
     """The generator's batch on the kept nodes only (fGen on those with a hidden neighbour)
     has the loss of the whole graph."""
-    from fedlightning.clients.fedsage import generator_loss
+    from fedlightning.methods.fedsage.fedsage_client import generator_loss
 
     torch.manual_seed(0)
     n, d = 12, 3
@@ -233,7 +233,7 @@ def test_neighgen_local_batch_gives_the_whole_graph_loss():
 
 def test_link_loss_reads_the_gnn_states():
     """The client's views are z of the event's nodes (the GNN, not the bank's contexts)."""
-    from fedlightning.clients.graph_task import ClientGraph, GraphTaskClient
+    from fedlightning.methods.history.graph_task import ClientGraph, GraphTaskClient
 
     proto, graph = toy_world()
     net = FedGCNNet(4, 3, 2)
@@ -255,7 +255,7 @@ def test_link_loss_reads_the_gnn_states():
 @pytest.mark.parametrize("net", [FedGCNNet(4, 3, 2), SageNet(4, 5, 3)])
 def test_the_support_subgraph_gives_the_whole_graphs_states(net):
     """The client runs the GNN on its support's receptive field only: the same states."""
-    from fedlightning.clients.graph_task import ClientGraph, GraphTaskClient, event_nodes
+    from fedlightning.methods.history.graph_task import ClientGraph, GraphTaskClient, event_nodes
 
     proto, _ = toy_world()
     g = torch.Generator().manual_seed(1)

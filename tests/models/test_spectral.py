@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from fedlightning.models.spectral import (
+from fedlightning.methods.fedssp.spectral import (
     SpectralGNN,
     edge_bases,
     laplacian_eigenpairs,
@@ -92,7 +92,7 @@ def test_the_spectral_encoders_shape_the_logits():
 
 
 def test_large_graphs_take_seeded_lobpcg_and_agree_with_dense(monkeypatch):
-    import fedlightning.models.spectral as spectral
+    import fedlightning.methods.fedssp.spectral as spectral
 
     g = torch.Generator().manual_seed(0)
     n, k = 120, 4
@@ -110,7 +110,7 @@ def test_spectral_conv_gradient_is_the_same_on_every_run_on_two_threads(grads_on
     """Messages gathered with ``index_select`` (not ``x[src]``, whose backward accumulated
     in any order on several CPU threads): FedSSP's gradient, and so its runs with
     ``threads: auto``, the same on every run."""
-    from fedlightning.models.spectral import SpectralConv
+    from fedlightning.methods.fedssp.spectral import SpectralConv
 
     torch.manual_seed(0)
     conv = SpectralConv(16, dropout=0.0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedlightning.config import build
-from fedlightning.experiments.graph import build_clients, load_graph
+from fedlightning.programs.graph_program import build_clients, load_graph
 from fedlightning.train import train
 
 

@@ -16,7 +16,7 @@ import torch
 from fedlightning.config import build
 from fedlightning.data.partition import Partition
 from fedlightning.data.streams import ClassStream
-from fedlightning.experiments.graph import build_clients, load_graph
+from fedlightning.programs.graph_program import build_clients, load_graph
 from fedlightning.train import train
 
 OVERRIDES = [

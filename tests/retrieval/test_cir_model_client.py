@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from fedlightning.algorithms.retrieval import ContinualRetrieval
 from fedlightning.clients.continual_retrieval import (
     ContinualRetrievalClient,
     similarity_distillation_kl,
@@ -16,6 +15,7 @@ from fedlightning.clients.continual_retrieval import (
 from fedlightning.errors import ConfigError
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.retrieval_stages import RetrievalLoop
+from fedlightning.methods.continual.retrieval_baselines import ContinualRetrieval
 from fedlightning.models import MultimodalGNN
 from fedlightning.models.cross_modal import CrossModalGNN
 from fedlightning.objectives import symmetric_info_nce

@@ -7,15 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from fedlightning.messages import ClientUpdate
-from fedlightning.objectives import symmetric_info_nce
-from fedlightning.server.alignment import (
+from fedlightning.messages import ClientUpdate, read_prototypes
+from fedlightning.methods.fedogl.alignment import (
     alignment_loss,
     class_descriptors,
     refine_heads,
     similarity_consensus,
 )
-from fedlightning.server.fedogl import AlignmentMemory, read_prototypes
+from fedlightning.methods.fedogl.fedogl_server import AlignmentMemory
+from fedlightning.objectives import symmetric_info_nce
 
 E = math.e
 EYE = torch.eye(2)

@@ -4,13 +4,13 @@ import pytest
 import torch
 from torch_geometric.nn import GCNConv, SAGEConv
 
-from fedlightning.models.structure import protected_input
-from fedlightning.server.basis import (
+from fedlightning.methods.fedogl.basis import (
     aggregate_bases,
     class_balanced_weights,
     project_out,
     residual_basis,
 )
+from fedlightning.methods.fedogl.structure import protected_input
 
 E = torch.eye(3)
 EX, EY, EZ = E[:, 0:1], E[:, 1:2], E[:, 2:3]

@@ -9,7 +9,7 @@ import torch
 from torch.distributions import Normal, kl_divergence
 
 from fedlightning.messages import ClientUpdate
-from fedlightning.server.fediih import (
+from fedlightning.methods.fediih.fediih_server import (
     FactorMixing,
     gaussian_js,
     gaussian_kl,

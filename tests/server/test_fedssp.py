@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from fedlightning.clients.fedssp import (
+from fedlightning.messages import ClientUpdate
+from fedlightning.methods.fedssp.fedssp_client import (
     FedSSPClassifier,
     mean_representation,
     momentum_mean,
     pgpa_penalty,
 )
-from fedlightning.messages import ClientUpdate
-from fedlightning.server.fedssp import GlobalMean, global_mean, uniform_average
+from fedlightning.methods.fedssp.fedssp_server import GlobalMean, global_mean, uniform_average
 
 
 def test_uniform_average_ignores_num_examples():
@@ -48,7 +48,7 @@ def test_pgpa_terms_by_hand():
 def test_the_clients_loss_carries_the_alignment_term():
     from torch_geometric.data import Data
 
-    from fedlightning.models.spectral import SpectralGNN
+    from fedlightning.methods.fedssp.spectral import SpectralGNN
 
     torch.manual_seed(0)
     net = SpectralGNN({"a": 4}, 3, hidden=8, eigs=4, heads=2, dropout=0.0)

@@ -21,15 +21,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fedlightning.algorithms.fedavg import FedAvg
-from fedlightning.algorithms.fedogl import FedOGL
-from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.errors import ConfigError, TooFewClients
 from fedlightning.federation.ledger import UP, CommLedger
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.federation.tasks import TaskBatches
+from fedlightning.federation.task_loop import TaskBatches
 from fedlightning.messages import ClientUpdate
+from fedlightning.methods.fedavg.fedavg import FedAvg
+from fedlightning.methods.fedogl.fedogl import FedOGL
+from fedlightning.methods.fedtip.fedtip import FedTIP
 from fedlightning.server import Server
 from fedlightning.server.aggregate import as_model_fields
 from fedlightning.server.reliability import FedTIPServer, label_coverage

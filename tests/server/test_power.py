@@ -10,9 +10,14 @@ import torch
 from torch import nn
 from torch_geometric.data import Data
 
-from fedlightning.clients.power import coverage_max, fused_input, power_objective, pseudo_graph
 from fedlightning.messages import ClientUpdate
-from fedlightning.server.power import (
+from fedlightning.methods.power.power_client import (
+    coverage_max,
+    fused_input,
+    power_objective,
+    pseudo_graph,
+)
+from fedlightning.methods.power.power_server import (
     COUNT_PREFIX,
     GRAD_PREFIX,
     PowerMemory,
@@ -242,8 +247,8 @@ def power_message(alg, round: int, slots: int = 1, count: bool = True) -> Client
 
 
 def test_the_server_refuses_class_gradients_outside_a_stages_first_round_and_without_count():
-    from fedlightning.algorithms.power import POWER
     from fedlightning.messages import ServerBroadcast
+    from fedlightning.methods.power.power import POWER
     from fedlightning.server.validation import validate
 
     alg = POWER()

@@ -5,9 +5,9 @@ directly."""
 import pytest
 import torch
 
-from fedlightning.algorithms.fedogl import FedOGL
-from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.errors import ConfigError
+from fedlightning.methods.fedogl.fedogl import FedOGL
+from fedlightning.methods.fedtip.fedtip import FedTIP
 from fedlightning.server.privacy import (
     PrototypeRelease,
     epsilon,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedlightning.server.prototypes import (
+from fedlightning.methods.fedogl.prototypes import (
     PrototypeBank,
     client_consensus,
     local_prototypes,

@@ -233,7 +233,7 @@ def test_a_hostile_client_under_secure_sums_is_dropped_and_its_masks_recovered(h
     elements or carries an undeclared field breaks the share's declaration; each is dropped
     and recorded, the survivors' masks with it are recovered, and the global model equals
     plain FedAvg over the honest clients."""
-    from fedlightning.algorithms.fedavg import FedAvg
+    from fedlightning.methods.fedavg.fedavg import FedAvg
 
     ups = {u.client_id: u for u in _updates()}
     bad = PEERS[1]

@@ -35,7 +35,7 @@ def test_adapter_size_and_message_count_by_hand():
     # d_z = 15: phi_f, phi_t 15*2+2 each; W_f 2*8+8; W_t 2*3+3; psi (8+3+2)*2 + 2*4+4
     assert a.num_values() == 32 + 32 + 24 + 9 + 26 + 12
     # + a 4-d prototype and a count per class (2 classes), coverage and norm
-    from fedlightning.algorithms.fedtip import FedTIP
+    from fedlightning.methods.fedtip.fedtip import FedTIP
 
     assert FedTIP().message_size(a, "nc", classes=2) == 135 + 2 * 5 + 2
     # without reliability weights no coverage or norm; the FedAvg prompt sends no

@@ -9,13 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedlightning.algorithms.feddgl import FedDGL
-from fedlightning.algorithms.feddy import trajectory_samples
-from fedlightning.algorithms.stfl import neighbour_inputs
-from fedlightning.clients.dynamic_baselines import DynamicBaselineClient, prototype_gap
 from fedlightning.data.temporal.manifest import DOWN_VAL, PRETRAIN, PREVAL, SUP_POOL, TEST
 from fedlightning.messages import ClientUpdate, ServerBroadcast
-from fedlightning.models.dynamic_baselines import (
+from fedlightning.methods.dynamic.dynamic_client import DynamicBaselineClient, prototype_gap
+from fedlightning.methods.dynamic.dynamic_model import (
     FedDGLNet,
     FeddyNet,
     StackedGRU,
@@ -29,21 +26,24 @@ from fedlightning.models.dynamic_baselines import (
     sage_mean,
     trajectory_loss,
 )
-from fedlightning.server.feddgl import (
-    FedDGLServer,
-    adaptive_margin,
-    generator_loss,
-    mixing_weights,
-    personalise,
-)
-from fedlightning.temporal.adapter import StackedLinear
-from fedlightning.temporal.snapshots import (
+from fedlightning.methods.dynamic.snapshots import (
     SnapshotView,
     history_events,
     neighbour_means,
     recent_neighbours,
     snapshot_view,
 )
+from fedlightning.methods.feddgl.feddgl import FedDGL
+from fedlightning.methods.feddgl.feddgl_server import (
+    FedDGLServer,
+    adaptive_margin,
+    generator_loss,
+    mixing_weights,
+    personalise,
+)
+from fedlightning.methods.feddy.feddy import trajectory_samples
+from fedlightning.methods.stfl.stfl import neighbour_inputs
+from fedlightning.temporal.adapter import StackedLinear
 
 # ------------------------------------------------------------------------- snapshot view
 

@@ -9,14 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedlightning.algorithms.fedgnn import FedGNN
-from fedlightning.algorithms.fedlink import FedLink
-from fedlightning.clients.fedgnn import FedGNNClient
 from fedlightning.errors import FedLightningError, RunStopped
-from fedlightning.federation.tasks import evaluate
+from fedlightning.federation.task_loop import evaluate
 from fedlightning.messages import ClientUpdate
-from fedlightning.metrics.temporal import auroc
-from fedlightning.models.fedgnn import (
+from fedlightning.methods.fedgnn.fedgnn import FedGNN
+from fedlightning.methods.fedgnn.fedgnn_client import FedGNNClient
+from fedlightning.methods.fedgnn.fedgnn_model import (
     FedGNNModel,
     HistoryGraph,
     RowMean,
@@ -29,8 +27,14 @@ from fedlightning.models.fedgnn import (
     pseudo_items,
     scored_segment,
 )
-from fedlightning.models.fedlink import FedLinkModel, bce_link_loss, chronological_buffers
-from fedlightning.server.fedgnn import row_mean_update, row_upload_problem
+from fedlightning.methods.fedgnn.fedgnn_server import row_mean_update, row_upload_problem
+from fedlightning.methods.fedlink.fedlink import FedLink
+from fedlightning.methods.fedlink.fedlink_model import (
+    FedLinkModel,
+    bce_link_loss,
+    chronological_buffers,
+)
+from fedlightning.metrics.temporal import auroc
 from fedlightning.train import train
 from tests.integration.test_learning import TIP_SUPPORT, margin
 from tests.integration.test_learning import UNTRAINED_FEDTIP as UNTRAINED

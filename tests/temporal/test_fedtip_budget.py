@@ -4,11 +4,11 @@ of Eq. (17) and the message's float32 values, counted by hand against the ledger
 import pytest
 import torch
 
-from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.config import build
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.federation.tasks import TaskBatches, TaskLoop, as_single
+from fedlightning.federation.task_loop import TaskBatches, TaskLoop, as_single
+from fedlightning.methods.fedtip.fedtip import FedTIP
 from fedlightning.temporal.adapter import PromptAdapter
 
 D_H, D_T, D_E = 64, 64, 0  # the bank's widths; Bitcoin-Alpha and Wikipedia carry no x here

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.clients.temporal_prompt import family_views, stack_batches
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.federation.tasks import PooledTaskLoop, TaskBatches, as_single, evaluate
+from fedlightning.federation.task_loop import PooledTaskLoop, TaskBatches, as_single, evaluate
+from fedlightning.methods.fedtip.fedtip import FedTIP
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.server.reliability import read_update
 

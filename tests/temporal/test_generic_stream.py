@@ -201,10 +201,10 @@ def _tiny(label):
 
 
 def test_families_auto_is_every_family_the_stream_supports(caplog):
-    from fedlightning.experiments.temporal import check_families
+    from fedlightning.programs.temporal_program import check_families
 
     labelled = _tiny(np.array([0, 1, 0, 0]))
-    with caplog.at_level(logging.INFO, logger="fedlightning.experiments.temporal"):
+    with caplog.at_level(logging.INFO, logger="fedlightning.programs.temporal_program"):
         assert check_families("auto", labelled) == ["nc", "lp"]
         assert check_families("auto", _tiny(None)) == ["lp"]
         assert check_families("auto", _tiny(np.zeros(4, dtype=np.int64))) == ["lp"]  # all 0

@@ -10,14 +10,14 @@ import torch
 from fedlightning.data.temporal import make_synthetic_stream
 from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
 from fedlightning.data.temporal.protocol import build_temporal_protocol
-from fedlightning.temporal.bank import BankConfig, build_snapshot, pretrain
-from fedlightning.temporal.history import (
+from fedlightning.methods.history.history import (
     HistoryGraph,
     build_history,
     cached_history,
     history_events,
     raw_features,
 )
+from fedlightning.temporal.bank import BankConfig, build_snapshot, pretrain
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -23,7 +23,7 @@ from fedlightning.data.temporal.protocol import (
 )
 from fedlightning.data.temporal.tasks import Task, TaskSet, build_tasks
 from fedlightning.errors import ConfigError
-from fedlightning.experiments.temporal import check_noise, eval_batches, task_batches
+from fedlightning.programs.temporal_program import check_noise, eval_batches, task_batches
 from fedlightning.utils.io import content_hash
 from tests.temporal.test_protocol import labelled_stream, stream
 

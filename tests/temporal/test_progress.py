@@ -11,10 +11,10 @@ import torch
 
 from fedlightning.data.temporal import make_synthetic_stream
 from fedlightning.data.temporal.protocol import build_temporal_protocol
+from fedlightning.programs.temporal_setup import ensure_bank
 from fedlightning.temporal import bank as bank_module
 from fedlightning.temporal.bank import BankConfig, streaming_threads
 from fedlightning.temporal.contexts import compute_contexts
-from fedlightning.temporal.setup import ensure_bank
 from fedlightning.tracking.mlflow_tracker import NullTracker
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from fedlightning.algorithms.fedtip import FedTIP
 from fedlightning.errors import ConfigError
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
+from fedlightning.federation.task_loop import TaskBatches, TaskLoop, as_single
 from fedlightning.federation.task_pool import resolve_workers
-from fedlightning.federation.tasks import TaskBatches, TaskLoop, as_single
+from fedlightning.methods.fedtip.fedtip import FedTIP
 
 D_H, D_T, D_E = 4, 3, 2
 

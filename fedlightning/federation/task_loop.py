@@ -1,0 +1,340 @@
+"""FedTIP's per-task protocol loop (paper 001, Sec. 3.2-3.3, 4.4 and 5.1; docs/fedtip.md): per
+task and family, a fresh adapter federated over the task's active clients, then scored by the
+server on its validation and test segments; checkpointed after each task. One ledger covers
+the run (scope ``task=<id>``, fields ``<family>/<field>``, Eq. 32), with the downlink of Eq.
+(33): the bank once per newly provisioned client, the adapter and anchors every round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
+from fedlightning.federation.ledger import DOWN, MIB, UP
+from fedlightning.federation.loop import Schedule, check_min_clients
+from fedlightning.federation.round import ClientWork, federated_round
+from fedlightning.federation.task_pool import task_results
+from fedlightning.messages import ServerBroadcast
+from fedlightning.metrics.temporal import auroc, class_score, link_auroc
+from fedlightning.temporal.adapter import PromptAdapter
+from fedlightning.utils.seeding import derive_seed, manual_seed
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, Tensor]
+
+
+@dataclass
+class TaskBatches:
+    """One task: its id and each active client's support batch (client order).
+
+    A Flower node holds only its own client's batch; ``ids`` and ``length`` then give every
+    active client, in order, and the longest support (a round's stack is padded to it).
+    """
+
+    task: int
+    clients: dict[int, Batch]
+    ids: list[int] | None = None
+    length: int | None = None
+
+    @property
+    def active(self) -> list[int]:
+        return list(self.clients) if self.ids is None else list(self.ids)
+
+    @property
+    def longest(self) -> int:
+        if self.length is not None:
+            return self.length
+        return max(len(b["h_u"]) for b in self.clients.values())
+
+
+@dataclass
+class TaskContext:
+    """A task fit's seed, local steps ``E`` and executor (a :class:`TaskLoop`'s, or a
+    Flower node's own)."""
+
+    seed: int
+    epochs: int
+    executor: Any
+
+
+def as_single(batch: Batch) -> Batch:
+    """One segment as a one-client stack (the server's evaluation batches)."""
+    return stack_batches([batch])
+
+
+@torch.no_grad()
+def evaluate(
+    adapter: PromptAdapter, prototypes: dict[int, Tensor], batch: Batch, family: str
+) -> dict[str, float]:
+    """Server-side AUC-ROC of one segment (a one-client stack): ``auc_nc`` against the
+    class prototypes, or ``auc_tlp`` and ``auc_ilp`` (the events flagged inductive). A model
+    with a ``views(batch, family)`` method (the published baselines) gives the family's
+    representations itself."""
+    adapter.eval()
+    own = getattr(adapter, "views", None)  # a baseline's model reads its own inputs
+    views = own(batch, family) if own is not None else family_views(adapter, batch, family)
+    if family == "nc":
+        h, y, mask = views
+        if not {0, 1} <= set(prototypes):
+            return {"auc_nc": math.nan}
+        return {"auc_nc": auroc(class_score(h[mask], prototypes), y[mask])}
+    h_pos, h_i, h_neg, h_j, mask = views
+    out = {"auc_tlp": link_auroc(h_pos[mask], h_i[mask], h_neg[mask], h_j[mask])}
+    ind = mask & batch["inductive"]
+    out["auc_ilp"] = link_auroc(h_pos[ind], h_i[ind], h_neg[ind], h_j[ind])
+    return out
+
+
+class TaskLoop(Schedule):
+    """Runs the task manifest (module docstring).
+
+    Args:
+        algorithm: the :class:`~fedlightning.methods.fedtip.fedtip.FedTIP` configuration.
+        tasks: every task's client batches, in task order.
+        eval_batches: ``{"val": batch, "test": batch}``, the server's segments.
+        families: task families to run (``nc`` needs state labels).
+        dims: ``(d_h, d_t, d_e)`` of the adapter.
+        runner: runs a round's clients (its ``executor`` runs the local fits).
+        rounds, epochs, seed: R, E, and the seed every draw is keyed by (with task, family,
+            round, client).
+        bank_values: :math:`|\\mathcal{B}_0|`, float32 values of the bank (Eq. 33).
+        checkpoint_path, on_task_end: as :class:`~fedlightning.federation.loop.FederatedLoop`'s,
+            per task (``on_task_end(task_index, metrics)``).
+        progress: the bar over tasks.
+        workers: processes that run tasks at once (:mod:`~fedlightning.federation.task_pool`;
+            the same results as one).
+        min_clients: ``federation.min_clients`` (docs/security.md).
+    """
+
+    pooled = False  # the clients' supports are pooled: no messages, no bank sent
+    #: tasks may run on forked processes (task_workers): nothing carries from one task to
+    #: the next but the ledger and the clients already sent the bank
+    pool_tasks = True
+
+    def __init__(
+        self,
+        algorithm: Any,
+        tasks: Sequence[TaskBatches],
+        eval_batches: dict[str, Batch],
+        families: Sequence[str],
+        dims: tuple[int, int, int],
+        runner: Any,
+        *,
+        rounds: int,
+        epochs: int,
+        seed: int,
+        bank_values: int = 0,
+        checkpoint_path: str | Path | None = None,
+        on_task_end: Callable[[int, dict[str, float]], None] | None = None,
+        progress: bool = True,
+        workers: int = 1,
+        min_clients: int = 1,
+    ) -> None:
+        super().__init__(checkpoint_path)
+        self.workers = workers
+        self.min_clients = check_min_clients(min_clients)
+        self.algorithm, self.tasks, self.eval_batches = algorithm, list(tasks), eval_batches
+        self.families, self.dims, self.runner = list(families), dims, runner
+        self.rounds, self.epochs, self.seed = rounds, epochs, seed
+        self.bank_values = bank_values
+        self.on_task_end, self.progress = on_task_end, progress
+        self.results: list[dict[str, float]] = []
+        self.provisioned: set[int] = set()
+
+    # ------------------------------------------------------------------ one family
+    def new_adapter(self, task: TaskBatches, family: str) -> PromptAdapter:
+        r"""The task's initial adapter :math:`\Omega^{(0)}`, seeded by (seed, task, family)."""
+        manual_seed(derive_seed(self.seed, "init", task.task, family))
+        return self.algorithm.adapter(*self.dims)
+
+    def federate(self, task: TaskBatches, family: str) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        """The task's global adapter after ``rounds`` rounds, and its class prototypes."""
+        alg = self.algorithm
+        adapter = self.new_adapter(task, family)
+        module = alg.task_module(adapter, family)
+        server = alg.task_server(module)
+        context = TaskContext(self.seed, self.epochs, self.runner.executor)
+        params = {"task": task.task, "family": family, "ids": task.active, "length": task.longest}
+
+        def work(broadcast: ServerBroadcast) -> ClientWork:
+            todo = alg.task_work(context, task, family, module, broadcast)
+            return replace(todo, kind="task_fit", params={**params, "epochs": self.epochs})
+
+        for r in range(1, self.rounds + 1):
+            federated_round(
+                r,
+                server,
+                self.runner,
+                [Member(k) for k in task.clients],
+                work,
+                self.ledger,
+                prefix=family,
+                scope=task_scope(task.task),
+                min_clients=self.min_clients,
+            )
+        return alg.task_result(module, adapter, server)
+
+    # ------------------------------------------------------------------ one task
+    def run_task(self, task: TaskBatches) -> dict[str, float]:
+        t0 = time.perf_counter()
+        scope = task_scope(task.task)
+        for k in task.clients:
+            if k not in self.provisioned and not self.pooled:
+                self.provisioned.add(k)
+                self.ledger.record_values(DOWN, k, "bank", self.bank_values, scope)
+        metrics: dict[str, float] = {"task": task.task}
+        for family in self.families:
+            adapter, protos = self.federate(task, family)
+            if family == "nc" and (missing := sorted({0, 1} - set(protos))):
+                log.warning(
+                    "task %s nc: no prototype for class %s (no kept message observed it): "
+                    "auc_nc not scored (null)",
+                    task.task,
+                    ", ".join(map(str, missing)),
+                )
+            segments = self.algorithm.task_segments(self, self.eval_batches)
+            for split, batch in segments.items():
+                prefix = "val_" if split == "val" else ""
+                for k, v in evaluate(adapter, protos, batch, family).items():
+                    if not (split == "val" and k == "auc_ilp"):  # inductive flags: test only
+                        metrics[prefix + k] = v
+        metrics["rejected"] = float(self.ledger.rejected(scope=scope))
+        metrics["uplink_mib"] = self.ledger.mib(UP, scope=scope)
+        metrics["downlink_mib"] = self.ledger.mib(DOWN, scope=scope)
+        metrics["task_time_s"] = time.perf_counter() - t0
+        return metrics
+
+    def run(self) -> list[dict[str, float]]:
+        """Every task not done yet; returns the per-task metrics."""
+        todo = self.tasks[len(self.results) :]
+        bar = tqdm(todo, desc="tasks", unit="task", disable=None if self.progress else True)
+        t0 = time.perf_counter()
+        done = task_results(self, todo, self.workers)
+        for i, (task, metrics) in enumerate(zip(bar, done, strict=True), start=1):
+            self.results.append(metrics)
+            n = len(self.results)
+            self.checkpoint()
+            running = {k: v for k, v in self.final_metrics().items() if k.startswith("auc")}
+            bar.set_postfix({k: f"{v:.3f}" for k, v in running.items() if not k.endswith("std")})
+            elapsed = time.perf_counter() - t0
+            log.info(
+                "task %d/%d (%s): %s  up %.3f MiB  (%.1fs; %.0fs elapsed, eta %.0fs)",
+                n,
+                len(self.tasks),
+                task.task,
+                "  ".join(f"{k} {metrics[k]:.3f}" for k in sorted(metrics) if k.startswith("auc")),
+                metrics["uplink_mib"],
+                metrics["task_time_s"],
+                elapsed,
+                elapsed / i * (len(todo) - i),
+            )
+            if self.on_task_end:
+                self.on_task_end(n, metrics)
+        return self.results
+
+    def timing(self) -> dict[str, float]:
+        """``summary.json["timing"]``: the mean wall time of a task (``task_time_s``, bank
+        and contexts excluded) over the tasks this process ran or a resumed run reloaded."""
+        times = [r["task_time_s"] for r in self.results if "task_time_s" in r]
+        return {
+            "s_per_task": sum(times) / len(times) if times else float("nan"),
+            "tasks_timed": len(times),
+        }
+
+    def final_metrics(self) -> dict[str, float]:
+        """Mean and std over the tasks of every AUC, and the uplink/downlink per task (not
+        for pooled training, whose support moves raw to the server)."""
+        out: dict[str, float] = {}
+        keys = [k for k in self.results[0] if k not in ("task", "task_time_s", "rejected")]
+        if self.pooled:  # raw support pooled: no federated uplink
+            keys = [k for k in keys if not k.endswith("_mib")]
+        for k in keys:
+            vals = np.array([r[k] for r in self.results], dtype=np.float64)
+            ok = vals[~np.isnan(vals)]
+            name = f"{k}_per_task" if k.endswith("_mib") else k
+            out[name] = float(ok.mean()) if len(ok) else math.nan
+            if not k.endswith("_mib"):
+                out[f"{k}_std"] = float(ok.std()) if len(ok) else math.nan
+        out["rejected"] = float(self.ledger.rejected())
+        return out
+
+    def comm(self) -> dict[str, Any]:
+        """The ``comm`` block of ``summary.json``: the ledger's, per task, and every
+        client's latest message size per family (``message_values``)."""
+        out = self.ledger.summary()
+        out["uplink_mib_per_task"] = out["uplink_mib"] / max(1, len(self.results))
+        sizes = {f: self.ledger.message_values(f"{f}/") for f in self.families}
+        out["message_values"] = {f: max(v.values()) for f, v in sizes.items() if v}
+        out["message_values_per_client"] = {
+            f: {str(k): n for k, n in v.items()} for f, v in sizes.items() if v
+        }
+        scopes = self.ledger.by("scope")
+        out["per_task"] = {
+            str(r["task"]): scopes.get(task_scope(r["task"]), {UP: 0, DOWN: 0})
+            for r in self.results
+        }
+        out["bank_values"] = self.bank_values
+        bank = out["fields"].get("bank", {DOWN: 0})[DOWN]  # Eq. (33)'s one-off term
+        out["recurrent_downlink_mib_per_task"] = (
+            4.0 * (out["downlink_values"] - bank) / MIB / max(1, len(self.results))
+        )
+        out["clients_provisioned"] = len(self.provisioned)
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        return {**state, "results": self.results, "provisioned": sorted(self.provisioned)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.results = list(state["results"])
+        self.provisioned = set(state["provisioned"])
+
+
+class PooledTaskLoop(TaskLoop):
+    """Pooled ("central") training as a schedule: per task and family, one client that
+    holds the union of the task's supports fits ``rounds x epochs`` steps; its support
+    moves raw, so no message is counted and no client is sent the bank."""
+
+    pooled = True
+
+    def federate(self, task: TaskBatches, family: str) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        """The adapter after the pooled fit, and the pooled support's class prototypes."""
+        adapter = self.new_adapter(task, family)
+        module = self.algorithm.task_module(adapter, family)
+        supports = list(task.clients.values())
+        pooled = stack_batches([{k: torch.cat([b[k] for b in supports]) for k in supports[0]}])
+        module.receive(adapter.state_dict(), {}, 1)
+        manual_seed(derive_seed(self.seed, "fit", task.task, family))
+        self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
+        module.eval()
+        with torch.no_grad():
+            q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
+        adapter.load_state_dict(module.adapter.state_dict())
+        return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
+
+
+def task_scope(task: int) -> str:
+    """The ledger scope of a task's messages."""
+    return f"task={task}"
+
+
+@dataclass
+class Member:
+    """A task's client as a runner sees it: its id, and no state kept between rounds."""
+
+    client_id: int
+    state: None = None

@@ -1,0 +1,1 @@
+"""CLIPN, a FedOGL baseline: FedAvg + replay with a "no" branch and the ATD score."""

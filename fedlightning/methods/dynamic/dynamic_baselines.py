@@ -1,0 +1,239 @@
+"""What the dynamic-graph baselines of FedTIP's Table 2 share (Feddy, STFL, FedDGL;
+docs/fedtip.md, "Published baselines"): the history's snapshot view, materialized once per
+run from the bank and hashed (:mod:`~fedlightning.methods.dynamic.snapshots`); the per-event inputs
+read from it; the stacked local fit of the task's clients; FedAvg of the whole model
+(support-weighted, :class:`~fedlightning.server.reliability.FedTIPServer` without
+reliability or anchors) with the model's delta, the class counts and, for node
+classification, the prototypes as the message; the server's segments scored with the
+task's global model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedlightning.clients.temporal_prompt import stack_batches
+from fedlightning.federation.round import ClientWork
+from fedlightning.federation.task_loop import Batch, TaskBatches, TaskContext, TaskLoop
+from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.methods.dynamic.dynamic_client import DynamicBaselineClient
+from fedlightning.methods.dynamic.dynamic_model import StackedNet
+from fedlightning.methods.dynamic.snapshots import SnapshotView, snapshot_view
+from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.server.reliability import FedTIPServer, unflatten
+from fedlightning.utils.seeding import derive_seed, manual_seed
+
+SIDES = {"u": "src", "i": "dst", "j": "neg"}
+
+
+def event_nodes(batch: Batch, stream: Any) -> dict[str, Tensor]:
+    """The node ids of each event's source ``u``, destination ``i`` and negative ``j`` (a
+    failed negative, ``-1``, reads node 0; its events are masked out by ``neg_ok``)."""
+    idx = batch["events"].numpy()
+    return {
+        "u": torch.from_numpy(stream.src[idx]),
+        "i": torch.from_numpy(stream.dst[idx]),
+        "j": batch["neg_id"].clamp(min=0),
+    }
+
+
+@dataclass
+class DynamicBaseline(FedTIP):
+    """The shared part (module docstring). ``windows``, ``recent``: the snapshot view's;
+    ``hidden``: the net's width; ``tau``, ``lr``, ``weight_decay``: the family loss's and
+    Adam's."""
+
+    name: str = "dynamic_baseline"
+    aggregation: str = "fedavg"
+    anchors: bool = False
+    lambda_p: float = 0.0
+    windows: int = 10
+    recent: int = 5
+    hidden: int = 128
+    lr: float = 1e-3
+    modes = ("federated",)
+    flower_nodes = False  # a Flower node does not build the history view: refused up front
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.protocol: Any = None
+        self.snapshot: Any = None
+        self.view: SnapshotView | None = None
+        self._segments: dict[str, Batch] | None = None
+        self._stacks: dict[tuple[int, ...], Batch] = {}
+        self._stacks_task: int | None = None
+
+    # ------------------------------------------------------------------ the history view
+    def attach(self, snapshot: Any, protocol: Any) -> None:
+        """The bank's encoder and the protocol (the view is built by :meth:`materialize_views`)."""
+        self.snapshot, self.protocol, self._segments = snapshot, protocol, None
+        self._stacks, self._stacks_task = {}, None
+
+    def materialize_views(self, cache_dir: Any = None) -> dict[str, str]:
+        """Build the snapshot view of the history from the bank's encoder; its hash joins
+        the protocol's (a changed view refuses a resume). Built per run (seconds), not cached."""
+        self.view = snapshot_view(
+            self.snapshot, self.protocol.stream, self.protocol.manifest, self.windows, self.recent
+        )
+        return {"history_view": self.view.hash}
+
+    def event_inputs(self, nodes: dict[str, Tensor]) -> Batch:
+        """The method's per-event inputs from the view, keyed by side (``u``, ``i``, ``j``)."""
+        raise NotImplementedError
+
+    def augmented(self, batch: Batch) -> Batch:
+        """``batch`` with :meth:`event_inputs` of its events."""
+        return {**batch, **self.event_inputs(event_nodes(batch, self.protocol.stream))}
+
+    # ------------------------------------------------------------------ task verbs
+    def net(self, d_h: int) -> StackedNet:
+        raise NotImplementedError
+
+    def adapter(self, d_h: int, d_t: int, d_e: int) -> StackedNet:
+        """The task's initial model (one copy), in place of FedTIP's adapter."""
+        return self.net(d_h)
+
+    def task_module(self, adapter: StackedNet, family: str) -> DynamicBaselineClient:
+        return DynamicBaselineClient(
+            adapter, family, tau=self.tau, lr=self.lr, weight_decay=self.weight_decay,
+            **self.client_terms(),
+        )  # fmt: skip
+
+    def client_terms(self) -> dict[str, float]:
+        """The method's own loss weights (:class:`DynamicBaselineClient`'s)."""
+        return {}
+
+    def task_server(self, module: DynamicBaselineClient) -> FedTIPServer:
+        start = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+        return FedTIPServer(
+            start, eta_s=1.0, reliability_weights=False, anchors=False, field="model"
+        )
+
+    def client_extras(self, context: TaskContext, clients: list[int]) -> Batch:
+        """The method's per-client inputs for a stack of ``clients`` (none by default)."""
+        return {}
+
+    def starts(
+        self, broadcast: ServerBroadcast, module: DynamicBaselineClient, clients: list[int]
+    ) -> list[dict[str, Tensor]]:
+        """Each client's starting model: the broadcast global one (FedAvg)."""
+        shapes = {n: p.shape[1:] for n, p in module.net.named_parameters()}
+        omega = unflatten(broadcast.tensors["model"], {n: (1, *s) for n, s in shapes.items()})
+        return [omega] * len(clients)
+
+    def task_work(
+        self,
+        context: TaskContext,
+        task: TaskBatches,
+        family: str,
+        module: DynamicBaselineClient,
+        broadcast: ServerBroadcast,
+    ) -> ClientWork:
+        """The round's clients fitted as one stack."""
+
+        def fit(share: range) -> list[ClientUpdate]:
+            mine = [task.active[i] for i in share]
+            starts = self.starts(broadcast, module, mine)
+            module.receive(starts, self.client_extras(context, mine))
+            stack = self.client_stack(task, mine)
+            manual_seed(derive_seed(context.seed, "fit", task.task, family, broadcast.round))
+            context.executor.fit(module, stack, context.epochs)
+            return self.updates(module, stack, starts, broadcast, mine)
+
+        uplink = self.task_uplink(task, family, broadcast, module.net.d_h, field="model")
+        return ClientWork(share=fit, uplink=uplink)
+
+    def client_stack(self, task: TaskBatches, clients: list[int]) -> Batch:
+        """The stacked supports of ``clients`` with the method's inputs, built once per task
+        (every round of a task fits the same supports)."""
+        if self._stacks_task != task.task:
+            self._stacks, self._stacks_task = {}, task.task
+        key = tuple(clients)
+        if key not in self._stacks:
+            rows = [self.augmented(task.clients[k]) for k in clients]
+            self._stacks[key] = stack_batches(rows, task.longest)
+        return self._stacks[key]
+
+    def updates(
+        self,
+        module: DynamicBaselineClient,
+        stack: Batch,
+        starts: list[dict[str, Tensor]],
+        broadcast: ServerBroadcast,
+        clients: list[int],
+    ) -> list[ClientUpdate]:
+        """Each client's message: the delta from the global model, the class counts and
+        (:meth:`message_fields`) the prototypes."""
+        q, counts = module.prototypes(stack)
+        omega = broadcast.tensors["model"]
+        fields = self.message_fields(module.family)
+        out = []
+        for k, client in enumerate(clients):
+            theta = torch.cat([p.reshape(-1) for p in module.net.copy_state(k).values()])
+            observed = {c: int(n) for c, n in enumerate(counts[k].tolist()) if n > 0}
+            tensors = {"delta": theta - omega}
+            if "prototypes" in fields:
+                tensors.update({f"proto.{c}": q[k, c].clone() for c in observed})
+            scalars = {f"count.{c}": float(n) for c, n in observed.items()}
+            out.append(
+                ClientUpdate(
+                    round=broadcast.round, client_id=client, tensors=tensors, scalars=scalars
+                )
+            )
+        self.after_fit(module, clients)
+        return out
+
+    def after_fit(self, module: DynamicBaselineClient, clients: list[int]) -> None:
+        """Client-side state kept after a fit (none by default; copy ``k`` is ``clients[k]``)."""
+
+    def task_result(
+        self, module: DynamicBaselineClient, adapter: StackedNet, server: Any
+    ) -> tuple[StackedNet, dict[int, Tensor]]:
+        """The task's global model and the prototypes node classification is scored by."""
+        adapter.load_copies([server.state()])
+        return adapter, server.class_prototypes()
+
+    def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
+        """The server's segments with the method's inputs (computed once per run)."""
+        if self._segments is None:
+            self._segments = {k: self.augmented(b) for k, b in segments.items()}
+        return self._segments
+
+    def message_size(self, adapter: StackedNet, family: str, classes: int = 2) -> int:
+        """Float32 values of one message: the model, a count and (if sent) a ``d_h``-wide
+        prototype per observed class."""
+        n = adapter.num_values() + classes
+        return n + (classes * adapter.d_h if "prototypes" in self.message_fields(family) else 0)
+
+    # ------------------------------------------------------------------ view lookups
+    def snapshot_means(self, nodes: dict[str, Tensor], back: int) -> dict[str, Tensor]:
+        """``m_<side>``-style lookups: the neighbour means of the window ``back`` from the
+        last (0: the last)."""
+        w = self.view.windows - 1 - back
+        return {s: self.view.means[w][v] for s, v in nodes.items()}
+
+
+def stack_rows(rows: list[Batch]) -> Batch:
+    """Per-client sample tables ``[M_k, ...]`` stacked to ``[K, M, ...]`` (zero-padded) with
+    their ``mask``."""
+    m = max(1, *(len(next(iter(r.values()))) for r in rows))
+    out = {}
+    for key in rows[0]:
+        v = rows[0][key]
+        out[key] = torch.zeros((len(rows), m, *v.shape[1:]), dtype=v.dtype)
+        for k, r in enumerate(rows):
+            out[key][k, : len(r[key])] = r[key]
+    out["mask"] = torch.zeros(len(rows), m)
+    for k, r in enumerate(rows):
+        out["mask"][k, : len(next(iter(r.values())))] = 1.0
+    return out
+
+
+def client_nodes(owner: np.ndarray, client: int) -> np.ndarray:
+    """The users client ``client`` owns."""
+    return np.flatnonzero(owner == client)

@@ -1,0 +1,2 @@
+"""FedDGL, a FedTIP Table 2 baseline: prototype generator and mixing weights on the server
+(docs/fedtip.md)."""

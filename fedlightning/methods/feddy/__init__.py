@@ -1,0 +1,1 @@
+"""Feddy, a FedTIP Table 2 baseline (docs/fedtip.md)."""

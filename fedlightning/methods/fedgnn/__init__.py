@@ -1,0 +1,2 @@
+"""FedGNN, a FedTIP Table 2 baseline: LDP-perturbed embedding rows, pseudo-items, row-sparse
+FedAvg (docs/fedtip.md)."""

@@ -1,0 +1,315 @@
+r"""FedGNN (Wu et al., arXiv 2102.04925) over FedTIP's protocol, and the graph view of the
+pre-training history it (and FedLink) reads (docs/fedtip.md, "FedGNN").
+
+* :func:`history_graph`: the user-item graph of the pre-training history :math:`H_{pre}`
+  (pre-training and pre-validation segments) with every node's frozen bank state at its end,
+  materialized once per run and hashed like a protocol object. (A private copy until the
+  shared history view lands; :class:`HistoryGraph` is the API to swap.)
+* :class:`FedGNNModel`: item embeddings (initialised from the bank) and a one-layer GNN on
+  each side of the bipartite graph; the score is a dot product.
+* :func:`clip_norm`, :func:`laplace`, :func:`ldp_update`: the local differential privacy of
+  the uploads (gradient norm clip :math:`\delta`, Laplace noise of scale
+  :math:`2\delta \cdot lr / \epsilon`).
+* :func:`pseudo_items`, :func:`fake_gradients`: the pseudo-interacted items whose rows are
+  uploaded with fake Gaussian gradients so the server cannot tell which items a user touched.
+* :class:`ScoreView`: how the task loop's server-side AUC reads a baseline's own scores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
+
+
+@dataclass
+class HistoryGraph:
+    """The bipartite user-item graph of :math:`H_{pre}` (a non-bipartite stream: a node's
+    source role is its user row, its destination role its item row).
+
+    Attributes:
+        user_ids, item_ids: the node id of each user / item row (every source / destination
+            node of the stream: ids are public, interactions are not).
+        user_row, item_row: ``[num_nodes]`` node id -> row (``-1``: not of that role).
+        edge_u, edge_i: ``[E]`` the user and item rows of every :math:`H_{pre}` event.
+        owner: ``[E]`` the client owning each edge's user (``-1``: nobody).
+        user_state, item_state: ``[rows, d]`` each node's bank state at the end of
+            :math:`H_{pre}`.
+        hash: content hash of all of the above.
+    """
+
+    user_ids: np.ndarray
+    item_ids: np.ndarray
+    user_row: np.ndarray
+    item_row: np.ndarray
+    edge_u: np.ndarray
+    edge_i: np.ndarray
+    owner: np.ndarray
+    user_state: Tensor
+    item_state: Tensor
+    hash: str
+
+    @property
+    def num_users(self) -> int:
+        return len(self.user_ids)
+
+    @property
+    def num_items(self) -> int:
+        return len(self.item_ids)
+
+    def rows(self, src: np.ndarray, dst: np.ndarray) -> tuple[Tensor, Tensor]:
+        """The user rows of ``src`` and item rows of ``dst`` (node ids)."""
+        return torch.from_numpy(self.user_row[src]), torch.from_numpy(self.item_row[dst])
+
+    def adjacency(self, keep: np.ndarray | None = None, items_to_users: bool = False) -> RowMean:
+        r"""The row-normalised adjacency (users x items, or items x users) of the edges ``keep``
+        (a boolean mask; default all) as a :class:`RowMean`."""
+        u, i = self.edge_u, self.edge_i
+        if keep is not None:
+            u, i = u[keep], i[keep]
+        if items_to_users:
+            return RowMean(i, u, (self.num_items, self.num_users))
+        return RowMean(u, i, (self.num_users, self.num_items))
+
+
+class RowMean:
+    r"""A row-normalised adjacency :math:`\hat{A}_{vw} = c_{vw}/\deg(v)` (``c``: the edge's
+    multiplicity; an isolated row stays zero), stored by rows: ``A @ X`` is each row's
+    neighbour mean; :meth:`rows` the sparse rows of a selection."""
+
+    def __init__(self, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> None:
+        order = np.argsort(rows, kind="stable")
+        self.cols = np.asarray(cols, np.int64)[order]
+        deg = np.bincount(rows, minlength=shape[0])
+        self.indptr = np.concatenate([[0], np.cumsum(deg)])
+        self.inv = (1.0 / np.maximum(deg, 1)).astype(np.float32)
+        self.shape = shape
+
+    def rows(self, sel: Tensor) -> Tensor:
+        """Rows ``sel`` as a sparse COO ``[len(sel), cols]``."""
+        sel = sel.numpy()
+        starts, ends = self.indptr[sel], self.indptr[sel + 1]
+        lens = ends - starts
+        r = np.repeat(np.arange(len(sel)), lens)
+        first = np.cumsum(lens) - lens
+        take = np.arange(int(lens.sum())) - np.repeat(first - starts, lens)
+        c = self.cols[take]
+        v = np.repeat(self.inv[sel], lens)
+        idx = torch.from_numpy(np.stack([r, c]).astype(np.int64))
+        shape = (len(sel), self.shape[1])
+        return torch.sparse_coo_tensor(idx, torch.from_numpy(v), shape, check_invariants=False)
+
+    def all(self) -> Tensor:
+        """The whole matrix, sparse COO."""
+        return self.rows(torch.arange(self.shape[0]))
+
+    def neighbours(self, sel: Tensor) -> Tensor:
+        """The distinct columns of rows ``sel``."""
+        sel = sel.numpy()
+        parts = [self.cols[self.indptr[v] : self.indptr[v + 1]] for v in sel]
+        return torch.from_numpy(
+            np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        )
+
+
+def _digest(*parts: np.ndarray | Tensor) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        arr = np.ascontiguousarray(p.numpy() if isinstance(p, Tensor) else p)
+        h.update(str(arr.dtype).encode() + str(arr.shape).encode() + arr.tobytes())
+    return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def history_graph(protocol, snapshot, chunk: int = 1024) -> HistoryGraph:
+    """:class:`HistoryGraph` of a temporal protocol (stream, manifest, ownership) and the
+    bank's snapshot encoder (a fork of it embeds every node at the last time of
+    :math:`H_{pre}`)."""
+    from fedlightning.temporal.contexts import fork
+
+    stream, manifest = protocol.stream, protocol.manifest
+    hist = np.flatnonzero((manifest.outcome == PRETRAIN) | (manifest.outcome == PREVAL))
+    user_ids, item_ids = np.unique(stream.src), np.unique(stream.dst)
+    user_row = np.full(stream.num_nodes, -1, np.int64)
+    item_row = np.full(stream.num_nodes, -1, np.int64)
+    user_row[user_ids], item_row[item_ids] = np.arange(len(user_ids)), np.arange(len(item_ids))
+    src, dst = stream.src[hist], stream.dst[hist]
+    owner = np.asarray(protocol.ownership.owner)[src].astype(np.int64)
+    enc = fork(snapshot)
+    t_end = float(stream.t[hist[-1]]) if len(hist) else 0.0
+
+    def states(ids: np.ndarray) -> Tensor:
+        out = []
+        for s in range(0, len(ids), chunk):
+            n = torch.from_numpy(ids[s : s + chunk].astype(np.int64))
+            out.append(enc.embed(n, torch.full((len(n),), t_end)).float())
+        return torch.cat(out) if out else torch.zeros(0, enc.out_dim)
+
+    us, its = states(user_ids), states(item_ids)
+    eu, ei = user_row[src], item_row[dst]
+    digest = _digest(user_ids, item_ids, eu, ei, owner, us, its)
+    return HistoryGraph(user_ids, item_ids, user_row, item_row, eu, ei, owner, us, its, digest)
+
+
+# ---------------------------------------------------------------------- evaluation
+class ScoreView(nn.Module):
+    r"""A baseline's scores as the task loop's server-side evaluation reads an adapter
+    (:func:`fedlightning.federation.task_loop.evaluate`): the segments carry each event's score
+    in the recency slots (``r_i`` positive / node logit, ``r_j`` negative, float64) and unit
+    reference vectors in ``h_i``, ``h_j``; the view maps a score ``s`` to ``[s, 1]``
+    (link prediction: cosine with ``[1, 0]`` is :math:`s/\sqrt{1+s^2}`) or ``[s, -s, 1]``
+    (node classification: cosine with the prototypes ``e_1``, ``e_2`` differs by
+    :math:`2s/\sqrt{2s^2+1}`), both strictly increasing in ``s``: the AUC is the score's."""
+
+    def forward(self, h_u, h_side, te, x, r_u, r_side) -> Tensor:  # noqa: ANN001
+        s = r_side.to(torch.float64)
+        if h_side.size(-1) == 3:  # node classification
+            return torch.stack([s, -s, torch.ones_like(s)], -1)
+        return torch.stack([s, torch.ones_like(s)], -1)
+
+    @staticmethod
+    def prototypes() -> dict[int, Tensor]:
+        """The node classification prototypes: class 1 ``e_1``, class 0 ``e_2``."""
+        return {1: torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64),
+                0: torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)}  # fmt: skip
+
+
+def scored_segment(batch: dict[str, Tensor], pos: Tensor, neg: Tensor | None) -> dict[str, Tensor]:
+    """A one-client segment with its scores in place for :class:`ScoreView`: ``pos`` the
+    positives' (or node logits, ``neg=None``), ``neg`` their negatives'."""
+    out = dict(batch)
+    n = batch["mask"].size(1)
+    width = 3 if neg is None else 2
+    ref = torch.zeros(1, n, width, dtype=torch.float64)
+    ref[..., 0] = 1.0
+    out["h_i"], out["h_j"] = ref, ref
+    out["r_i"] = pos.to(torch.float64).view(1, n)
+    out["r_j"] = (neg if neg is not None else pos).to(torch.float64).view(1, n)
+    return out
+
+
+# ---------------------------------------------------------------------- privacy
+def clip_norm(grad: Tensor, delta: float) -> Tensor:
+    r"""A gradient tensor clipped to L2 norm :math:`\delta` (Keras' ``clipnorm``, FedGNN's
+    :math:`\mathrm{clip}(g, \delta)`)."""
+    norm = float(grad.norm())
+    return grad * (delta / norm) if norm > delta else grad
+
+
+def laplace(shape: tuple[int, ...], scale: float, generator: torch.Generator | None) -> Tensor:
+    r"""Laplace(0, ``scale``) noise by the inverse CDF:
+    :math:`-b\,\mathrm{sign}(u)\log(1 - 2|u|)`, :math:`u \sim U(-\frac12, \frac12)`."""
+    u = torch.rand(shape, generator=generator, dtype=torch.float64) - 0.5
+    return (-scale * u.sign() * torch.log1p(-2 * u.abs())).float()
+
+
+def ldp_scale(lr: float, delta: float, epsilon: float) -> float:
+    r"""FedGNN's Laplace scale on an uploaded update: :math:`\lambda = 2\delta \cdot lr/\epsilon`
+    (a gradient clipped to :math:`\delta` moves a value by at most :math:`lr\,\delta`, so two
+    uploads differ by at most :math:`2\,lr\,\delta`; budget :math:`\epsilon`)."""
+    return 2.0 * delta * lr / epsilon
+
+
+def ldp_update(
+    delta: Tensor, lr: float, clip: float, epsilon: float, generator: torch.Generator | None
+) -> Tensor:
+    """An uploaded update with :func:`laplace` noise of :func:`ldp_scale` added to every value
+    (the local steps already clipped each gradient, :func:`clip_norm`); ``epsilon <= 0``:
+    no noise."""
+    if epsilon <= 0:
+        return delta
+    return delta + laplace(tuple(delta.shape), ldp_scale(lr, clip, epsilon), generator)
+
+
+def pseudo_items(
+    touched: Tensor, num_items: int, count: int, generator: torch.Generator | None
+) -> Tensor:
+    """``count`` item rows (at most every untouched one) drawn uniformly without replacement
+    from those not in ``touched``: FedGNN's pseudo-interacted items."""
+    free = torch.ones(num_items, dtype=torch.bool)
+    free[touched] = False
+    pool = torch.nonzero(free).flatten()
+    pick = torch.randperm(len(pool), generator=generator)[: min(count, len(pool))]
+    return pool[pick].sort().values
+
+
+def fake_gradients(real: Tensor, rows: int, generator: torch.Generator | None) -> Tensor:
+    """Fake item-embedding updates ``[rows, d]`` ~ N(0, sigma^2), sigma the standard deviation
+    of the ``real`` rows' values (FedGNN: drawn like real gradients)."""
+    sigma = float(real.std()) if real.numel() > 1 else 0.0
+    return torch.randn((rows, real.size(-1)), generator=generator) * sigma
+
+
+# ---------------------------------------------------------------------- model
+class FedGNNModel(nn.Module):
+    r"""FedGNN's model at FedTIP's widths (hidden = ``d`` = the bank's 64):
+
+    .. math::
+        \mathbf{z}_u = \tanh(W_u[\mathbf{h}_u \| \textstyle\mathrm{mean}_{i \in N(u)} E_i]),
+        \quad \mathbf{z}_i = \tanh(W_i[E_i \| \mathbf{n}_i]), \quad s(u, i) = \mathbf{z}_u^\top
+        \mathbf{z}_i
+
+    :math:`\mathbf{h}_u` the user's frozen bank state at the event, :math:`N(u)` its
+    :math:`H_{pre}` items, :math:`E` the item embedding table (initialised from the bank's
+    item states, ``init="bank"``, or N(0, 0.1^2), ``init="random"``), :math:`\mathbf{n}_i`
+    the mean bank state of the item's :math:`H_{pre}` users (FedGNN's graph expansion,
+    fixed). Node classification: a logistic head on :math:`\mathbf{z}_u`.
+    """
+
+    def __init__(self, graph: HistoryGraph, init: str = "bank") -> None:
+        super().__init__()
+        if init not in ("bank", "random"):
+            raise ValueError(f"init must be bank or random, got {init!r}")
+        d = graph.item_state.size(1)
+        table = (
+            graph.item_state.clone() if init == "bank" else torch.randn(graph.num_items, d) * 0.1
+        )
+        self.items = nn.Parameter(table)
+        self.gnn_u = nn.Linear(2 * d, d)
+        self.gnn_i = nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, 1)
+        object.__setattr__(self, "graph", graph)
+        self.register_buffer(
+            "expansion",
+            torch.sparse.mm(graph.adjacency(items_to_users=True).all(), graph.user_state),
+        )
+        self.user_items = graph.adjacency()  # [users, items], constant
+
+    def num_values(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def users(self, h_u: Tensor, agg: Tensor) -> Tensor:
+        r""":math:`\mathbf{z}_u` from the event-time states and the rows of
+        :math:`\hat{A}E` (``agg``)."""
+        return torch.tanh(self.gnn_u(torch.cat([h_u, agg], -1)))
+
+    def item_side(self, rows: Tensor) -> Tensor:
+        r""":math:`\mathbf{z}_i` of item ``rows``."""
+        return torch.tanh(self.gnn_i(torch.cat([self.items[rows], self.expansion[rows]], -1)))
+
+    def aggregate(self, user_rows: Tensor) -> Tensor:
+        r"""Rows ``user_rows`` of :math:`\hat{A}E` (the neighbour mean of each user's items)."""
+        return torch.sparse.mm(self.user_items.rows(user_rows), self.items)
+
+
+def dot_scores(z_u: Tensor, z_v: Tensor) -> Tensor:
+    r""":math:`s = \mathbf{z}_u^\top \mathbf{z}_v`, row-wise."""
+    return (z_u * z_v).sum(-1)
+
+
+def mse_link_loss(pos: Tensor, neg: Tensor, ok: Tensor) -> Tensor:
+    r"""FedGNN's rating loss read as link prediction: the mean of :math:`(s^+ - 1)^2` and
+    :math:`(s^-)^2` over the events whose negative exists."""
+    err = torch.cat([(pos - 1) ** 2, neg**2])[torch.cat([ok, ok])]
+    return err.mean() if err.numel() else pos.sum() * 0
+
+
+def bce_node_loss(logit: Tensor, y: Tensor) -> Tensor:
+    """The added node classification head's loss: binary cross-entropy on the state label."""
+    return F.binary_cross_entropy_with_logits(logit, y.float())

@@ -1,0 +1,1 @@
+"""FedSSP, a FedOGL baseline: spectral GNN, GSKS uniform mean, PGPA (docs/fedogl.md)."""

@@ -1,0 +1,387 @@
+"""FedTIP (paper 001) and its comparators and ablations, each one config of :class:`FedTIP`
+(``prompt_fedavg``, ``prompt_central``, the switches of Table 4: docs/fedtip.md).
+
+The uplink message (Eq. 2) carries only the fields a configuration uses
+(:meth:`FedTIP.message_fields`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedlightning.clients.temporal_prompt import (
+    FedTIPClient,
+    class_members,
+    family_prototypes,
+    family_views,
+    stack_batches,
+)
+from fedlightning.errors import ConfigError
+from fedlightning.federation.algorithm import Algorithm
+from fedlightning.federation.round import ClientWork
+from fedlightning.federation.task_loop import (
+    Batch,
+    PooledTaskLoop,
+    TaskBatches,
+    TaskContext,
+    TaskLoop,
+)
+from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.server.privacy import PrototypeRelease, private_prototype
+from fedlightning.server.reliability import (
+    FedTIPServer,
+    coverage_of,
+    label_coverage,
+    read_broadcast,
+    update_norm,
+)
+from fedlightning.server.secure_sum import SecureSum, ShareSpec
+from fedlightning.server.validation import Field, MessageSpec, Rule, close
+from fedlightning.temporal.adapter import TIES, PromptAdapter
+from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
+
+MODES = ("federated", "central")
+AGGREGATIONS = ("reliability", "fedavg")
+PROMPTS = ("interaction", "static")
+NEGATIVES = ("protocol", "unfiltered")
+CLASSES = (0, 1)  # the label set of Eq. (27): node states, or negative/positive links
+
+
+@dataclass
+class FedTIP(Algorithm):
+    """One FedTIP configuration (defaults: paper Sec. 5.1.4; docs/fedtip.md), run on the task
+    schedule (:class:`~fedlightning.federation.task_loop.TaskLoop`) through its task verbs.
+
+    Args:
+        name: the method's name in reports (``fedtip``, ``prompt_fedavg``, ``prompt_central``).
+        mode: ``federated`` or ``central`` (pooled support, no messages); ``fulltune`` is
+            :class:`~fedlightning.methods.fulltune.fulltune.FullTuneFedAvg`'s.
+        aggregation: ``reliability`` (Eqs. 27-30) or ``fedavg`` (:math:`r_k = 1`).
+        anchors: server anchor prototypes and the anchor term (Eqs. 22-24).
+        prompt: ``interaction`` (Eqs. 14-15) or ``static`` gates.
+        negatives: the support's training negatives: ``protocol`` (the protocol's
+            stage-valid mode, Eq. 25) or ``unfiltered`` (only the positive excluded; FTN).
+        tau, lambda_p, lambda_a, beta, eta_s: Eqs. (19)-(31).
+        bottleneck, rank, dropout: the adapter (``d_p = d_h``). residual: the template
+            adds the gated source state (the pre-training similarity, Sec. 4.3). tie: the
+            reading of Eq. (17)'s bottlenecks, ``none`` or ``phi`` (one shared; the
+            paper-budget setting ``algorithm=fedtip_budget``, docs/fedtip.md).
+        lr, weight_decay: Adam's. encoder_lr: the encoder's (``fulltune`` only).
+        dp: the prototype release of Eq. (7): ``{clip, sigma, delta}``
+            (:class:`~fedlightning.server.privacy.PrototypeRelease`; ``clip=None``: off).
+        clip, sigma: the old names of ``dp.clip`` and ``dp.sigma`` (still read).
+    """
+
+    name: str = "fedtip"
+    mode: str = "federated"
+    aggregation: str = "reliability"
+    anchors: bool = True
+    prompt: str = "interaction"
+    negatives: str = "protocol"
+    tau: float = 0.1
+    lambda_p: float = 1e-2
+    lambda_a: float = 1e-1
+    beta: float = 0.1
+    eta_s: float = 1.0
+    bottleneck: int = 2
+    rank: int = 2
+    residual: bool = True
+    tie: str = "none"
+    dropout: float = 0.1
+    lr: float = 1e-3
+    encoder_lr: float = 1e-4
+    weight_decay: float = 1e-5
+    dp: Any = None
+    clip: float | None = None
+    sigma: float = 0.0
+    loop_class = TaskLoop
+    modes = MODES
+    secure_seed = None  # federation.secure_sum: the run's seed (set by the program)
+    max_update_norm = None  # under secure sums, each client's clip of its delta
+
+    def __post_init__(self) -> None:
+        for key, value, allowed in (
+            ("mode", self.mode, self.modes),
+            ("aggregation", self.aggregation, AGGREGATIONS),
+            ("prompt", self.prompt, PROMPTS),
+            ("negatives", self.negatives, NEGATIVES),
+            ("tie", self.tie, TIES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"algorithm.{key} must be one of {allowed}, got {value!r}")
+        dp = dict(self.dp or {})
+        if self.clip is not None or self.sigma:
+            if dp.get("clip") is not None or dp.get("sigma"):
+                raise ConfigError(
+                    "algorithm.clip",
+                    "set algorithm.dp.clip and algorithm.dp.sigma only "
+                    "(algorithm.clip and algorithm.sigma are their old names)",
+                )
+            dp.update(clip=self.clip, sigma=self.sigma)
+        self.release = PrototypeRelease.from_settings(dp)
+        if self.mode == "central":  # pooled training: its own schedule, one client per task
+            self.loop_class = PooledTaskLoop
+
+    def variant(self, pretrained_bank: bool = True, filtered_bank: bool = True) -> str:
+        """The Table 4 ablation: ``no_`` and the removed components in the paper's order
+        (``tkb``, ``icp``, ``pa``, ``rwa``, ``ftn``; FTN when either the bank's or the
+        supports' negatives are unfiltered), or ``full``."""
+        on = {
+            "tkb": pretrained_bank,
+            "icp": self.prompt == "interaction",
+            "pa": self.anchors or not self.name.startswith("fedtip"),
+            "rwa": self.aggregation == "reliability" or not self.name.startswith("fedtip"),
+            "ftn": filtered_bank and self.negatives == "protocol",
+        }
+        off = [k for k, v in on.items() if not v]
+        return "no_" + "_".join(off) if off else "full"
+
+    def adapter(self, d_h: int, d_t: int, d_e: int) -> PromptAdapter:
+        return PromptAdapter(
+            d_h,
+            d_t,
+            d_e,
+            self.bottleneck,
+            self.rank,
+            self.prompt == "static",
+            self.dropout,
+            residual=self.residual,
+            tie=self.tie,
+        )
+
+    # ------------------------------------------------------------------ task verbs
+    def task_module(self, adapter: PromptAdapter, family: str) -> FedTIPClient:
+        central = self.mode == "central"
+        return FedTIPClient(
+            adapter,
+            family,
+            tau=self.tau,
+            lambda_p=0.0 if central else self.lambda_p,
+            lambda_a=self.lambda_a if self.anchors and not central else 0.0,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+        )
+
+    def attach(self, snapshot: Any, protocol: Any) -> None:
+        """The bank's snapshot encoder and the temporal protocol, before the first task (for
+        a comparator that tunes the encoder)."""
+
+    def task_server(self, module: FedTIPClient) -> FedTIPServer:
+        """The task's server, starting from the module's initial adapter."""
+        omega = module.adapter.state_dict()
+        server = FedTIPServer(
+            omega, self.eta_s, self.beta, self.aggregation == "reliability", self.anchors
+        )
+        if self.secure_seed is not None:
+            protos = "prototypes" in self.message_fields(module.family)
+            spec = ShareSpec("fedtip", 2 if protos else 0, module.adapter.d_h, self.max_update_norm)
+            server.secure = SecureSum(int(self.secure_seed), spec)
+        return server
+
+    def use_secure_sum(self, seed: int, max_update_norm: float | None = None) -> None:
+        """``federation.secure_sum=true``: every task's server sums masked shares of Eq. (6);
+        with reliability weights a round has two phases (the clear scalars of Eq. 2, then
+        the shares weighted by the :math:`r_k` the server computed from them)."""
+        self.secure_seed, self.max_update_norm = int(seed), max_update_norm
+
+    def privacy_budget(self, tasks: int, rounds: int, families: Sequence[str]) -> dict[str, Any]:
+        """The run's budget over all its prototype releases: one per task, family (that sends
+        prototypes) and round, each client's release of a class counted once (a record
+        belongs to one client and one class)."""
+        sending = [f for f in families if "prototypes" in self.message_fields(f)]
+        released = self.release.on and self.mode == "federated"
+        return self.release.budget(tasks * rounds * len(sending) if released else 0)
+
+    def task_work(
+        self,
+        context: TaskContext,
+        task: TaskBatches,
+        family: str,
+        module: FedTIPClient,
+        broadcast: ServerBroadcast,
+    ) -> ClientWork:
+        """The round's clients fitted at once (:meth:`fit_clients`)."""
+        shapes = {n: (1, *v.shape[1:]) for n, v in module.adapter.state_dict().items()}
+        omega, anchors = read_broadcast(broadcast, shapes)
+        fit = partial(self.fit_clients, context, task, family, module, broadcast.round)
+        uplink = self.task_uplink(task, family, broadcast, module.adapter.d_h)
+        return ClientWork(share=partial(fit, omega, anchors), uplink=uplink)
+
+    def task_uplink(
+        self,
+        task: TaskBatches,
+        family: str,
+        broadcast: ServerBroadcast,
+        width: int,
+        field: str = "adapter",
+    ) -> MessageSpec:
+        r"""The declared message of Eq. (2) (:meth:`message_fields`): ``delta`` as the
+        broadcast's ``field``; ``count.<c>`` for a class of :attr:`CLASSES`, a whole number
+        from 1 to the client's support size (the server knows each client's support from
+        the task manifest; ``lp`` counts both the positives and the negatives, so the counts
+        sum to at most twice the support); ``proto.<c>`` (``width`` wide) with its count;
+        ``coverage`` in [0, 1] and ``norm`` >= 0, each equal to what the server recomputes
+        from the counts (Eq. 27) and the delta."""
+        fields = self.message_fields(family)
+        classes = frozenset(CLASSES)
+
+        def support(k: int) -> float:
+            batch = task.clients.get(k)
+            return float(len(batch["h_u"])) if batch is not None else math.inf
+
+        declared = [
+            Field("delta", dtype="like", like=lambda m: field),
+            Field(r"count\.(?P<c>\d+)", tensor=False, low=1.0, high=support, integral=True,
+                  classes=classes, required=False),
+        ]  # fmt: skip
+        if "prototypes" in fields:
+            declared.append(Field(r"proto\.(?P<c>\d+)", shape=(width,), classes=classes,
+                                  required=False))  # fmt: skip
+        if "coverage" in fields:
+            declared += [
+                Field("coverage", tensor=False, low=0.0, high=1.0),
+                Field("norm", tensor=False, low=0.0),
+            ]
+        per_event = 1 if family == "nc" else 2
+
+        def counts_fit(u: ClientUpdate) -> str | None:
+            total = sum(v for k, v in u.scalars.items() if k.startswith("count."))
+            cap = per_event * support(u.client_id)
+            return (
+                f"count.*: counts sum to {total:g}, the support holds {cap:g}"
+                if total > cap
+                else None
+            )
+
+        def paired(u: ClientUpdate) -> str | None:
+            if "prototypes" not in fields:
+                return None
+            protos = {k.split(".")[1] for k in u.tensors if k.startswith("proto.")}
+            counts = {k.split(".")[1] for k in u.scalars if k.startswith("count.")}
+            for c in sorted(protos ^ counts):
+                name = f"proto.{c}" if c in protos else f"count.{c}"
+                return f"{name}: a prototype and its count travel together"
+            return None
+
+        def reported(u: ClientUpdate) -> str | None:
+            if "coverage" not in fields:
+                return None
+            counts = {int(k[6:]): int(v) for k, v in u.scalars.items() if k.startswith("count.")}
+            for name, mine in (
+                ("coverage", coverage_of(counts, CLASSES)),
+                ("norm", update_norm(u.tensors["delta"])),
+            ):
+                if not close(float(u.scalars[name]), mine):
+                    return f"{name}: reports {u.scalars[name]:g}, the server recomputes {mine:g}"
+            return None
+
+        rules = (
+            Rule(counts_fit, reads=(r"count\..+",)),
+            Rule(paired),
+            Rule(reported, reads=("coverage", "norm", "delta", r"count\..+")),
+        )
+        return MessageSpec(tuple(declared), rules=rules, reference=broadcast)
+
+    def fit_clients(
+        self,
+        context: TaskContext,
+        task: TaskBatches,
+        family: str,
+        module: FedTIPClient,
+        round: int,
+        omega: dict[str, Tensor],
+        anchors: dict[int, Tensor],
+        share: range,
+    ) -> list[ClientUpdate]:
+        """The updates of the task's clients at positions ``share`` after one local fit of
+        them as one stack, padded as the whole round's and with its dropout draws: each
+        client's update is bitwise the one it gets in the whole round's stack (on CPU)."""
+        ids = task.active
+        mine = [ids[i] for i in share]
+        module.receive(omega, anchors, len(mine), share.start, len(ids))
+        stack = stack_batches([task.clients[k] for k in mine], task.longest)
+        manual_seed(derive_seed(context.seed, "fit", task.task, family, round))
+        context.executor.fit(module, stack, context.epochs)
+        gens = [torch_generator(context.seed, "release", task.task, family, round, k) for k in mine]
+        return self.make_updates(module, stack, omega, round, mine, gens)
+
+    def task_result(
+        self, module: FedTIPClient, adapter: PromptAdapter, server: FedTIPServer
+    ) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        """The task's global adapter and the prototypes node classification is scored by."""
+        adapter.load_state_dict(server.state())
+        return adapter, server.class_prototypes()
+
+    def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
+        """The server's validation and test batches for the task just federated."""
+        return segments
+
+    def message_fields(self, family: str) -> tuple[str, ...]:
+        """The uplink fields: delta and class counts; prototypes for anchors or node
+        classification; coverage and norm for reliability weights."""
+        fields = ["delta", "counts"]
+        if self.anchors or family == "nc":
+            fields.append("prototypes")
+        if self.aggregation == "reliability":
+            fields += ["coverage", "norm"]
+        return tuple(fields)
+
+    def message_size(self, adapter: PromptAdapter, family: str, classes: int = 2) -> int:
+        r"""Float32 values of one uplink message (Eq. 2) with :meth:`message_fields`:
+        :math:`|\Delta\Omega|`, a count and (if sent) a :math:`d_p`-wide prototype per
+        observed class, and (if sent) :math:`b_k` and the update norm."""
+        fields = self.message_fields(family)
+        n = adapter.num_values() + classes
+        n += classes * adapter.d_h if "prototypes" in fields else 0
+        return n + (2 if "coverage" in fields else 0)
+
+    def make_updates(
+        self,
+        module: FedTIPClient,
+        batch: dict[str, Tensor],
+        start: dict[str, Tensor],
+        round: int,
+        client_ids: Sequence[int],
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> list[ClientUpdate]:
+        """The stacked clients' messages of Eq. (2) (:meth:`message_fields` only), from the
+        trained adapter in eval mode."""
+        module.eval()
+        family, fields = module.family, self.message_fields(module.family)
+        with torch.no_grad():
+            views = family_views(module.adapter, batch, family)
+            q, counts = family_prototypes(views, family)
+            deltas = torch.cat(
+                [(p - start[n]).flatten(1) for n, p in module.adapter.named_parameters()], 1
+            )
+        out = []
+        for k, client in enumerate(client_ids):
+            observed = {c: int(n) for c, n in enumerate(counts[k].tolist()) if n > 0}
+            tensors = {"delta": deltas[k].clone()}
+            scalars = {f"count.{c}": float(n) for c, n in observed.items()}
+            if "prototypes" in fields:
+                for c in observed:
+                    tensors[f"proto.{c}"] = (
+                        q[k, c].clone()
+                        if not self.release.on
+                        else private_prototype(
+                            class_members(views, family, k, c),
+                            self.release.clip,
+                            self.release.sigma,
+                            generators[k] if generators else None,
+                        )
+                    )
+            if "coverage" in fields:
+                scalars["coverage"] = label_coverage(observed, CLASSES) if observed else 0.0
+                scalars["norm"] = float(deltas[k].norm())
+            out.append(
+                ClientUpdate(round=round, client_id=client, tensors=tensors, scalars=scalars)
+            )
+        return out

@@ -1,0 +1,1 @@
+"""Full-model FedAvg of the bank and a head: FedTIP's uplink comparator."""

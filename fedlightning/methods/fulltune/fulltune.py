@@ -1,0 +1,142 @@
+"""Full-model FedAvg, FedTIP's uplink comparator (paper 001, Table 3 and Sec. 5.4).
+
+Every client fine-tunes the bank's encoder with the adapter; the server averages the whole
+model weighted by support size, and re-streams its validation and test segments with the
+task's final encoder before scoring them. The message is the whole model's delta with the
+class counts (and, for node classification, the prototypes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
+from fedlightning.federation.round import ClientWork
+from fedlightning.federation.task_loop import (
+    Batch,
+    Member,
+    TaskBatches,
+    TaskContext,
+    TaskLoop,
+    as_single,
+)
+from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.methods.fulltune.fulltune_client import FullTuneClient
+from fedlightning.server.reliability import FedTIPServer, unflatten
+from fedlightning.temporal.adapter import PromptAdapter
+from fedlightning.temporal.contexts import event_batch, fork, stream_contexts
+from fedlightning.temporal.encoders import time_encoder
+from fedlightning.utils.seeding import derive_seed, manual_seed
+
+
+def model_update(
+    context: TaskContext,
+    task: TaskBatches,
+    family: str,
+    module: Any,
+    model: nn.Module,
+    omega: dict[str, Tensor],
+    round: int,
+    client: int,
+) -> ClientUpdate:
+    """One client's whole-model FedAvg message (Eq. 2 with the whole model for the adapter):
+    ``module`` fitted on the client's support from the global weights ``omega``, then the
+    delta of every parameter of ``model`` (the weights ``omega`` names), a count per
+    observed class and, for node classification, the class means of its support."""
+    module.receive(omega)
+    manual_seed(derive_seed(context.seed, "fit", task.task, family, round, client))
+    context.executor.fit(module, task.clients[client], context.epochs)
+    q, counts = module.prototypes(task.clients[client])
+    delta = torch.cat([(p.detach() - omega[n]).reshape(-1) for n, p in model.named_parameters()])
+    observed = {c: int(n) for c, n in enumerate(counts.tolist()) if n > 0}
+    tensors = {"delta": delta}
+    if family == "nc":
+        tensors.update({f"proto.{c}": q[c].clone() for c in observed})
+    return ClientUpdate(
+        round=round, client_id=client, tensors=tensors,
+        scalars={f"count.{c}": float(n) for c, n in observed.items()},
+    )  # fmt: skip
+
+
+@dataclass
+class FullTuneFedAvg(FedTIP):
+    """``fulltune_fedavg`` (module docstring); :meth:`attach` hands it the bank's snapshot
+    encoder and the temporal protocol before the first task."""
+
+    name: str = "fulltune_fedavg"
+    mode: str = "fulltune"
+    aggregation: str = "fedavg"
+    anchors: bool = False
+    lambda_p: float = 0.0
+    modes = ("fulltune",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.snapshot: Any = None
+        self.protocol: Any = None
+        self.tuned: Any = None
+
+    def attach(self, snapshot: Any, protocol: Any) -> None:
+        """The bank's frozen snapshot encoder and the temporal protocol."""
+        self.snapshot, self.protocol = snapshot, protocol
+
+    def task_module(self, adapter: PromptAdapter, family: str) -> FullTuneClient:
+        return FullTuneClient(
+            fork(self.snapshot), self.snapshot, adapter, self.protocol.stream, family,
+            tau=self.tau, lr=self.lr, encoder_lr=self.encoder_lr, weight_decay=self.weight_decay,
+        )  # fmt: skip
+
+    def task_server(self, module: FullTuneClient) -> FedTIPServer:
+        start = {n: p.detach().clone() for n, p in module.named_parameters()}
+        return FedTIPServer(
+            start, eta_s=1.0, reliability_weights=False, anchors=False, field="model"
+        )
+
+    def task_work(
+        self,
+        context: TaskContext,
+        task: TaskBatches,
+        family: str,
+        module: FullTuneClient,
+        broadcast: ServerBroadcast,
+    ) -> ClientWork:
+        """Each client's fit on its own (the encoder is not stacked)."""
+        shapes = {n: p.shape for n, p in module.named_parameters()}
+        omega = unflatten(broadcast.tensors["model"], shapes)
+        r = broadcast.round
+
+        def fit(client: Member) -> ClientUpdate:
+            return model_update(context, task, family, module, module, omega, r, client.client_id)
+
+        uplink = self.task_uplink(task, family, broadcast, module.adapter.d_h, field="model")
+        return ClientWork(one=fit, uplink=uplink)
+
+    def task_result(
+        self, module: FullTuneClient, adapter: PromptAdapter, server: FedTIPServer
+    ) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        module.receive(server.state())
+        self.tuned = module.encoder
+        return module.adapter, server.class_prototypes()
+
+    def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
+        """The validation and test segments streamed with the task's fine-tuned encoder."""
+        enc = fork(self.snapshot)
+        enc.load_state_dict(
+            {k: v for k, v in self.tuned.state_dict().items() if k in dict(enc.named_parameters())},
+            strict=False,
+        )
+        enc.eval()
+        te, neg, stream = time_encoder(enc), self.protocol.negatives["eval"], self.protocol.stream
+        out = {}
+        for split, name, outcome in (("val", "down_val", DOWN_VAL), ("test", "test", TEST)):
+            events = self.protocol.manifest.indices(outcome)
+            ctx = stream_contexts(enc, stream, events, np.asarray(neg[name]))
+            inductive = self.protocol.manifest.inductive if split == "test" else None
+            out[split] = as_single(event_batch(ctx, stream, te, np.asarray(neg[name]), inductive))
+        return out

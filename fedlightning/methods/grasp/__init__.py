@@ -1,0 +1,1 @@
+"""GRASP, a FedOGL baseline: FedAvg + replay with a propagated (post hoc) score."""

@@ -1,0 +1,218 @@
+"""What FedGCN and FedSage+ share (paper 001, Sec. 5.1.2: "history-aggregated graph views";
+docs/fedtip.md): the graph view of the pre-training history
+(:mod:`fedlightning.methods.history.history`, materialized and hashed before the first task), each
+client's part of it (the history edges of the users it owns), a one-off exchange before the
+first task (:meth:`HistoryBaseline.prepare`, counted in the ledger in that task's scope), then
+per task and family a GNN trained with support-weighted FedAvg on the task's supports and
+scored by the server on the whole history graph with FedTIP's scoring rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fedlightning.federation.ledger import CommLedger
+from fedlightning.federation.round import ClientWork
+from fedlightning.federation.task_loop import (
+    Batch,
+    Member,
+    TaskBatches,
+    TaskContext,
+    TaskLoop,
+    task_scope,
+)
+from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.methods.fulltune.fulltune import model_update
+from fedlightning.methods.history.graph_task import (
+    ClientGraph,
+    GraphTaskClient,
+    SourceState,
+    event_nodes,
+)
+from fedlightning.methods.history.history import FEATURES, HistoryGraph, cached_history
+from fedlightning.server.reliability import FedTIPServer, unflatten
+from fedlightning.temporal.bank import streaming_threads
+
+
+class GraphTaskLoop(TaskLoop):
+    """:class:`~fedlightning.federation.task_loop.TaskLoop` with the method's one-off exchange
+    before the first task it runs: counted in the ledger (in the first task's scope) on a
+    fresh run, redone without counting on a resumed one (its result is deterministic)."""
+
+    prepared = False
+    pool_tasks = False  # the one-off exchange is in the first task's scope of this ledger
+
+    @streaming_threads()
+    def run(self) -> list[dict[str, float]]:
+        """The exchange, then every task not done yet, on one torch thread (a small graph's
+        scatter on two threads of a busy machine took 20x longer)."""
+        todo = self.tasks[len(self.results) :]
+        if todo and not self.prepared:
+            ledger = self.ledger if not self.results else CommLedger()
+            self.algorithm.prepare(self, ledger, task_scope(todo[0].task))
+            self.prepared = True
+        return super().run()
+
+
+def both_ways(edge_index: Tensor) -> Tensor:
+    """Distinct undirected pairs of ``edge_index`` in both directions, no self loop."""
+    ei = torch.cat([edge_index, edge_index.flip(0)], 1)
+    return torch.unique(ei[:, ei[0] != ei[1]], dim=1)
+
+
+@dataclass
+class HistoryBaseline(FedTIP):
+    """The shared composition (module docstring). ``features``: the history's node inputs,
+    ``bank`` (frozen bank states, reported) or ``raw`` (degree and mean event features);
+    ``segments``: the history's segments; ``hidden``, ``out``: the GNN's widths; ``lr``,
+    ``weight_decay``, ``optimizer``: the local fit's."""
+
+    flower_nodes = False  # a Flower node holds neither the history view nor the exchange
+    name: str = "history_gnn"
+    mode: str = "graph"
+    aggregation: str = "fedavg"
+    anchors: bool = False
+    lambda_p: float = 0.0
+    features: str = "bank"
+    segments: list[str] = field(default_factory=lambda: ["pretrain"])
+    hidden: int = 32
+    out: int = 32
+    optimizer: str = "adam"
+    modes = ("graph",)
+    loop_class = GraphTaskLoop
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.features not in FEATURES:
+            raise ValueError(f"algorithm.features must be one of {FEATURES}, got {self.features!r}")
+        self.snapshot: Any = None
+        self.protocol: Any = None
+        self.history: HistoryGraph | None = None
+        self.trained: nn.Module | None = None
+        self.local: dict[int, Tensor] = {}
+
+    # ------------------------------------------------------------------ the history view
+    def attach(self, snapshot: Any, protocol: Any) -> None:
+        """The bank's frozen snapshot encoder and the temporal protocol."""
+        self.snapshot, self.protocol = snapshot, protocol
+
+    def materialize_views(self, cache_dir: Any) -> dict[str, str]:
+        """The history graph (cached under ``cache_dir``) and each client's edges; returns
+        ``{"history": hash}`` for the run's hashes (a resume refuses a changed one)."""
+        graph, _, _ = cached_history(
+            self.protocol, self.snapshot, cache_dir, tuple(self.segments), self.features
+        )
+        self.use_history(graph)
+        return {"history": graph.hash}
+
+    def use_history(self, graph: HistoryGraph) -> None:
+        """Set the history graph and split its edges by the owner of their source user."""
+        self.history = graph
+        owner = torch.from_numpy(self.protocol.ownership.owner)
+        src_owner = owner[graph.edge_index[0]]
+        self.local = {
+            k: both_ways(graph.edge_index[:, src_owner == k])
+            for k in range(self.protocol.ownership.clients)
+        }
+        self.everything = both_ways(graph.edge_index)
+
+    @property
+    def clients(self) -> list[int]:
+        return list(range(self.protocol.ownership.clients))
+
+    def d_in(self, d_h: int) -> int:
+        return self.history.x.size(1) if self.history is not None else d_h
+
+    # ------------------------------------------------------------------ per method
+    def prepare(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
+        """The one-off exchange before the first task (none here)."""
+
+    def client_graph(self, k: int) -> ClientGraph:
+        """Client ``k``'s GNN input."""
+        return ClientGraph(self.history.x, self.local[k])
+
+    def server_graph(self) -> ClientGraph:
+        """The server scorer's GNN input: the whole history."""
+        return ClientGraph(self.history.x, self.everything)
+
+    def model(self, d_in: int) -> nn.Module:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ task verbs
+    def adapter(self, d_h: int, d_t: int, d_e: int) -> nn.Module:
+        """The task's GNN (its initial weights drawn by the loop's seed)."""
+        return self.model(self.d_in(d_h))
+
+    def task_module(self, adapter: nn.Module, family: str) -> GraphTaskClient:
+        return GraphTaskClient(
+            adapter, self.protocol.stream, family, tau=self.tau, lr=self.lr,
+            weight_decay=self.weight_decay, optimizer=self.optimizer,
+        )  # fmt: skip
+
+    def task_server(self, module: GraphTaskClient) -> FedTIPServer:
+        start = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+        return FedTIPServer(start, 1.0, reliability_weights=False, anchors=False, field="model")
+
+    def task_work(
+        self,
+        context: TaskContext,
+        task: TaskBatches,
+        family: str,
+        module: GraphTaskClient,
+        broadcast: ServerBroadcast,
+    ) -> ClientWork:
+        """Each client's fit on its own graph: the GNN's delta, class counts and (node
+        classification) the class means of its support."""
+        shapes = {n: p.shape for n, p in module.model.named_parameters()}
+        omega = unflatten(broadcast.tensors["model"], shapes)
+        r = broadcast.round
+
+        def fit(client: Member) -> ClientUpdate:
+            k = client.client_id
+            module.use_graph(self.client_graph(k))
+            return model_update(context, task, family, module, module.model, omega, r, k)
+
+        uplink = self.task_uplink(task, family, broadcast, module.model.d_out, field="model")
+        return ClientWork(one=fit, uplink=uplink)
+
+    def task_result(
+        self, module: GraphTaskClient, adapter: nn.Module, server: FedTIPServer
+    ) -> tuple[nn.Module, dict[int, Tensor]]:
+        module.model.load_state_dict(server.state())
+        self.trained = module.model
+        return SourceState(), server.class_prototypes()
+
+    @torch.no_grad()
+    def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
+        """The server's segments with the task's GNN representations of each event's
+        source, destination and negative in ``h_u``, ``h_i``, ``h_j``."""
+        self.trained.eval()
+        g = self.server_graph()
+        z = self.trained(g.x, g.edge_index)
+        stream = self.protocol.stream
+        out = {}
+        for split, batch in segments.items():
+            u, i, j = event_nodes(stream.src, stream.dst, batch)
+            out[split] = {**batch, "h_u": z[u], "h_i": z[i], "h_j": z[j]}
+        return out
+
+    def message_size(self, adapter: nn.Module, family: str, classes: int = 2) -> int:
+        """Float32 values of one round's message: the GNN's delta, a count per class and,
+        for node classification, a class mean per class."""
+        n = adapter.num_values() + classes
+        return n + (classes * adapter.d_out if family == "nc" else 0)
+
+
+def client_nodes(edge_index: Tensor) -> Tensor:
+    """The nodes with an edge in ``edge_index`` (sorted)."""
+    return torch.unique(edge_index.flatten()) if edge_index.numel() else torch.zeros(0).long()
+
+
+def owned_users(protocol: Any, k: int) -> np.ndarray:
+    return np.flatnonzero(protocol.ownership.owner == k)

@@ -1,0 +1,139 @@
+"""PRISM (Chen et al., modality-deficient federated graph learning) in FedOGL's
+class-incremental setting, as a composition (docs/fedogl.md, "PRISM"): whole clients miss
+one modality (:func:`deficient_clients`), the server keeps paired class prototypes of the
+clients that have every modality (:class:`~fedlightning.methods.class_bank.class_bank_server.ClassBank`), a
+node missing a modality retrieves it from them under a topology-aware gate with a
+structural prompt (:class:`~fedlightning.methods.prism.prism_model.PrismNet`); FedAvg of the whole net,
+the shared replay budget and MSP rejection (Eq. (6)).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from fedlightning.data.graphs.base import zero_missing
+from fedlightning.errors import ConfigError
+from fedlightning.federation.algorithm import FederatedClient
+from fedlightning.federation.stages import ContinualLoop
+from fedlightning.methods.class_bank.class_bank import ClassBankFedAvg
+from fedlightning.methods.class_bank.class_bank_server import class_means
+from fedlightning.methods.prism.prism_model import PAIRED_BUFFER, PAIRED_SEEN_BUFFER, PrismNet
+from fedlightning.utils.seeding import torch_generator
+
+log = logging.getLogger("fedlightning")
+PAIRED_PREFIX, PAIRED_COUNT_PREFIX = "paired_proto.", "paired_count."
+
+
+def deficient_clients(
+    num_clients: int, modalities: list[str], fraction: float, seed: int
+) -> dict[int, str]:
+    """Which client misses which modality: the first ``round(fraction * K)`` clients of a
+    permutation drawn from ``(seed, "prism", "deficient")`` (a hash of the keys, so the
+    same in every process), the ``j``-th of them missing ``modalities[j % M]``."""
+    order = torch.randperm(num_clients, generator=torch_generator(seed, "prism", "deficient"))
+    n = int(round(fraction * num_clients))
+    return {int(k): modalities[j % len(modalities)] for j, k in enumerate(order[:n].tolist())}
+
+
+def drop_modality(data: Any, modalities: list[str], missing: str) -> None:
+    """Make ``missing`` unavailable on every node of a client's ``data`` (rows zeroed, mask
+    False; in place, idempotent)."""
+    j = modalities.index(missing)
+    mask = data.modality_mask.clone()
+    mask[:, j] = False
+    feats = zero_missing({m: data[f"x_{m}"] for m in modalities}, mask)
+    data[f"x_{missing}"] = feats[missing]
+    data.modality_mask = mask
+
+
+class Prism(ClassBankFedAvg):
+    """PRISM + the adaptation rule.
+
+    Args:
+        deficient_fraction: the fraction of clients that miss a whole modality (ours: 0.4,
+            2 of 5 clients, one per modality).
+        num_clients: ``federation.clients`` (the deficient clients are drawn among them).
+        deficiency_seed: the seed of the draw (``protocol.seed``: the deficiency is part of
+            the data protocol, like the partition).
+        replay_budget, score, ...: as :class:`~fedlightning.methods.continual.continual.ContinualFedAvg`.
+    """
+
+    bank_buffer, seen_buffer = PAIRED_BUFFER, PAIRED_SEEN_BUFFER
+    bank_prefix, count_prefix = PAIRED_PREFIX, PAIRED_COUNT_PREFIX
+    net_class, model_name = PrismNet, "prism_gnn"
+
+    def __init__(
+        self,
+        deficient_fraction: float = 0.4,
+        num_clients: int = 5,
+        deficiency_seed: int = 0,
+        replay_budget: int = 20,
+        **kw: Any,
+    ) -> None:
+        if not 0.0 <= deficient_fraction <= 1.0:
+            raise ConfigError(
+                "algorithm.deficient_fraction", f"must lie in [0, 1], got {deficient_fraction}"
+            )
+        if num_clients < 1:
+            raise ConfigError("algorithm.num_clients", f"must be >= 1, got {num_clients}")
+        kw.setdefault("name", "prism")
+        kw.setdefault("variant", "full" if replay_budget else "no_replay")
+        super().__init__(replay_budget=replay_budget, **kw)
+        self.deficient_fraction, self.num_clients = float(deficient_fraction), int(num_clients)
+        self.deficiency_seed = int(deficiency_seed)
+        self.modalities: list[str] = []
+        self.missing: dict[int, str] = {}
+
+    def make_module(self, net: PrismNet, optimizer: Any) -> Any:
+        if len(net.modalities) < 2:
+            raise ConfigError(
+                "dataset",
+                f"{self.name} imputes a missing modality from the others: it needs a graph with "
+                f"at least two modalities, got {net.modalities} (docs/fedogl.md, PRISM)",
+            )
+        self.modalities = list(net.modalities)
+        self.missing = deficient_clients(
+            self.num_clients, self.modalities, self.deficient_fraction, self.deficiency_seed
+        )
+        log.info("PRISM deficient clients (client: missing modality): %s", self.missing)
+        return super().make_module(net, optimizer)
+
+    def make_deficient(self, client: FederatedClient) -> None:
+        """Hide the client's missing modality, if it has one (idempotent)."""
+        missing = self.missing.get(client.client_id)
+        if missing is not None and not getattr(client.data, "prism_deficient", False):
+            drop_modality(client.data, self.modalities, missing)
+            client.data.prism_deficient = True
+
+    def prepare(self, module: Any, client: FederatedClient, broadcast: Any) -> Any:
+        self.make_deficient(client)  # on a node that builds its own clients, too
+        return super().prepare(module, client, broadcast)
+
+    def class_rows(self, net: PrismNet, batch: Any) -> dict[int, tuple[torch.Tensor, int]]:
+        """Per class the means ``[M, hidden]`` of every modality's embedding over the
+        training nodes (current and replayed) that have all modalities: none on a client
+        that misses one."""
+        h = torch.stack(net.modality_embeddings(batch), dim=1)  # [N, M, hidden]
+        mask = (batch.sup_mask | batch.replay_mask) & batch.modality_mask.all(dim=1)
+        return class_means(h, batch.y, mask)
+
+
+class PrismLoop(ContinualLoop):
+    """The class-incremental schedule on PRISM's clients: the deficient clients miss their
+    modality in training and in every evaluation."""
+
+    def __init__(self, algorithm: Prism, *args: Any, **kw: Any) -> None:
+        super().__init__(algorithm, *args, **kw)
+        if len(self.clients) != algorithm.num_clients:
+            raise ConfigError(
+                "algorithm.num_clients",
+                f"must equal federation.clients ({len(self.clients)}), got {algorithm.num_clients}",
+            )
+        for client in self.clients:
+            algorithm.make_deficient(client)
+
+
+Prism.loop_class = PrismLoop

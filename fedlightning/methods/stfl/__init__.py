@@ -1,0 +1,1 @@
+"""STFL, a FedTIP Table 2 baseline (docs/fedtip.md)."""

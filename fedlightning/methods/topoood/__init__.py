@@ -1,0 +1,1 @@
+"""TopoOOD, a FedOGL baseline: FedAvg + replay with a topology-energy score."""

@@ -1,0 +1,290 @@
+"""A graph federation (``task=fl``, ``cil``, ``cir``), from a composed config to ``summary.json``
+and an MLflow run."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch_geometric.data import Data
+
+from fedlightning.config import build, dataset_node, plots_on, validate
+from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
+from fedlightning.data.partition import TEST, TRAIN, VAL, Partition, check_trainable
+from fedlightning.data.streams import ClassStream
+from fedlightning.errors import ConfigError
+from fedlightning.federation.algorithm import FederatedClient
+from fedlightning.federation.executors import with_foreach
+from fedlightning.federation.loop import FederatedLoop
+from fedlightning.federation.stages import ContinualLoop
+from fedlightning.runs import (
+    CHECKPOINT_FILE,
+    Observer,
+    Run,
+    check_protocol,
+    prepare_run_dir,
+    resume_loop,
+    run_tags,
+    summary_table,
+)
+from fedlightning.server.secure_sum import enabled, graph_secure_sum
+from fedlightning.utils.io import write_json
+from fedlightning.utils.seeding import derive_seed, seed_everything
+
+log = logging.getLogger("fedlightning")
+CLASS_NAMES_FILE = "class_names.json"
+
+
+def build_client(graph: MultimodalGraph, partition: Partition, k: int) -> FederatedClient:
+    """Client ``k``: its induced subgraph with its train/val/test masks."""
+    nodes = partition.client_nodes(k)
+    data: Data = graph.subgraph(nodes).to_data()
+    split = partition.split[nodes]
+    data.train_mask, data.val_mask, data.test_mask = split == TRAIN, split == VAL, split == TEST
+    data.node_id = nodes  # index in the whole graph, for per-node artifacts
+    return FederatedClient(k, data)
+
+
+def build_clients(graph: MultimodalGraph, partition: Partition) -> list[FederatedClient]:
+    """Every client's induced subgraph with its train/val/test masks."""
+    return [build_client(graph, partition, k) for k in range(partition.num_clients)]
+
+
+def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> tuple[Any, Any, Any]:
+    """``(net, algorithm, client module)``; the net's initial weights are seeded by
+    ``(seed, "init")``, so every process that builds them gets the same."""
+    torch.manual_seed(derive_seed(cfg.seed, "init"))
+    net = build(cfg.model.net, "model.net")(in_dims=in_dims, num_classes=num_classes)
+    optimizer = with_foreach(build(cfg.model.optimizer, "model.optimizer"))
+    algorithm = build(cfg.algorithm, "algorithm")
+    algorithm.report_train_loss = bool(cfg.federation.get("report_train_loss", False))
+    return net, algorithm, algorithm.client_module(net, optimizer)
+
+
+def load_graph(cfg: DictConfig) -> MultimodalGraph:
+    """Build the dataset; ``dataset.sparse_modalities`` (names) are stored sparse, and
+    ``dataset.missing_rate`` (if set) hides modalities, seeded by ``protocol.seed``. The mask
+    reaches the model, whose fusion ignores what is missing."""
+    node, taken = dataset_node(cfg)
+    rate = taken.get("missing_rate") or 0.0
+    graph = build(node, "dataset")
+    sparse = list(taken.get("sparse_modalities") or [])
+    unknown = sorted(set(sparse) - set(graph.modalities))
+    if unknown:
+        raise ConfigError(
+            "dataset.sparse_modalities",
+            f"unknown modalities {unknown}; {graph.name!r} has {graph.modalities}",
+        )
+    for m in sparse:
+        graph.features[m] = graph.features[m].to_sparse_coo().coalesce()
+    if rate:
+        if isinstance(rate, dict):
+            unknown = set(rate) - set(graph.modalities)
+            if unknown:
+                raise ConfigError(
+                    "dataset.missing_rate",
+                    f"unknown modalities {sorted(unknown)}; {graph.name!r} has {graph.modalities}",
+                )
+        bad = [r for r in (rate.values() if isinstance(rate, dict) else [rate]) if not 0 <= r < 1]
+        if bad:
+            raise ConfigError("dataset.missing_rate", f"rates must lie in [0, 1), got {rate}")
+        graph = apply_missing(graph, rate, derive_seed(cfg.protocol.seed, "missing"))
+    return graph
+
+
+def save_protocol(obj: Any, path: Path, resuming: bool) -> None:
+    """Save a protocol object; on resume, refuse if it no longer matches the saved one."""
+    if resuming and path.exists():
+        check_protocol(path, "hash", obj.hash)
+        return
+    obj.save(path)
+
+
+def check_algorithm_fits_protocol(algorithm: Any, stream: Any) -> None:
+    """A class-incremental algorithm needs ``protocol=cil`` and the others refuse it;
+    ``stream`` is the class stream or its config (only whether there is one matters)."""
+    continual = algorithm.continual
+    if stream is not None and not continual:
+        raise ConfigError(
+            "algorithm",
+            f"{algorithm.name!r} is not a class-incremental algorithm; "
+            "with protocol=cil use algorithm=cil_* (e.g. cil_fedavg_replay)",
+        )
+    if stream is None and continual:
+        raise ConfigError(
+            "protocol",
+            f"algorithm {algorithm.name!r} needs the class-incremental stream: add protocol=cil",
+        )
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The short table printed at the end of a run."""
+    m, c = summary["metrics"], summary["comm"]
+    rows = [("experiment", summary["experiment"]), ("rounds", summary["rounds"])]
+    rows += [(k, f"{m[k]:.4f}") for k in ("test_acc", "val_acc") if m.get(k) is not None]
+    if m.get("test_acc_at_best_val") is not None:
+        best = f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"
+        rows.append(("test_acc_at_best_val", best))
+    keys = ("recall_at_1", "am", "fm", "fm_diag", "fpr95", "auroc_ood", "open_acc")
+    rows += [(k, f"{m[k]:.4f}") for k in keys if m.get(k) is not None]
+    rows += [("uplink", f"{c['uplink_mib']:.3f} MiB"), ("downlink", f"{c['downlink_mib']:.3f} MiB")]
+    return summary_table(rows, summary)
+
+
+def build_protocol(
+    cfg: DictConfig, graph: MultimodalGraph, run_dir: Path, resuming: bool
+) -> tuple[Partition, ClassStream | None, dict[str, str]]:
+    """The protocol objects (partition; class stream under ``protocol=cil``), saved, hashed;
+    beside them ``class_names.json``, the name of class ``0``, ``1``, ... (the folder
+    format's file), so that a run's label ids read back as the data's own classes."""
+    partition = build(cfg.partition, "partition")(graph, cfg.federation.clients, cfg.protocol.seed)
+    check_trainable(partition, graph.y, graph.name)
+    save_protocol(partition, run_dir / "partition.json", resuming)
+    write_json(run_dir / CLASS_NAMES_FILE, list(graph.class_names), indent=None)
+    hashes = {"partition": partition.hash}
+    if cfg.protocol.get("stream") is None:
+        return partition, None, hashes
+    if partition.meta["split_fractions"][1] <= 0:
+        raise ConfigError(
+            "partition.split",
+            "the class-incremental protocol calibrates its rejection threshold on validation "
+            "nodes: the validation fraction must be > 0",
+        )
+    stream = build(cfg.protocol.stream, "protocol.stream")(graph, partition, cfg.protocol.seed)
+    save_protocol(stream, run_dir / "stream.json", resuming)
+    hashes["stream"] = stream.hash
+    log.info(
+        "class stream %s, never introduced %s (stream %s)", stream.stages, stream.never, stream.hash
+    )
+    return partition, stream, hashes
+
+
+def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
+    """``federation.secure_sum=true``: the server's protocol (docs/security.md), refused with
+    one line for a runner or an aggregation it does not cover."""
+    if getattr(runner, "name", "") == "flower":
+        raise ConfigError(
+            "federation.secure_sum",
+            "runner=flower does not mask on its nodes: use runner=sequential or runner=distributed",
+        )
+    bound = cfg.algorithm.get("max_update_norm")
+    try:
+        return graph_secure_sum(server, cfg.seed, None if bound is None else float(bound))
+    except ValueError as e:
+        raise ConfigError("federation.secure_sum", str(e)) from None
+
+
+def _report(
+    tracker: Any, observe: Observer | None, kind: str, step: int, m: dict, at: int | None = None
+) -> None:
+    """Log a round's metrics (or a stage's, as ``stage/<name>`` at round ``at``, where the
+    stage ends), then show them to ``observe``."""
+    logged = {f"stage/{k}": v for k, v in m.items() if k != "stage"} if kind == "stage" else m
+    tracker.log_metrics(logged, step=step if at is None else at)
+    if observe is not None:
+        observe(kind, step, m)
+
+
+def train_graph(
+    cfg: DictConfig,
+    run_dir: str | Path,
+    observe: Observer | None = None,
+    verbose: bool = True,
+    runner: Any = None,
+) -> dict[str, Any]:
+    """:func:`fedlightning.train.train` for ``task=fl``, ``cil``, ``cir``; ``observe`` sees
+    ``"round"`` and ``"stage"`` metrics."""
+    t0 = time.perf_counter()
+    if cfg.get("resume"):  # a fresh run's config was checked by train(), before any import
+        validate(cfg)  # every rule the config alone decides, before any data is read
+    if not cfg.get("resume"):
+        check_algorithm_fits_protocol(build(cfg.algorithm, "algorithm"), cfg.protocol.get("stream"))
+    if runner is None:  # first: a distributed runner joins its ranks here
+        runner = build(cfg.runner, "runner")
+    world = runner.world  # only rank 0 writes files; the others get its results
+    cfg, run_dir, resuming = world.on_main(prepare_run_dir, cfg, Path(run_dir))
+    world.run_dir = run_dir
+    seed_everything(cfg.seed)
+
+    graph = load_graph(cfg)
+    partition, stream, hashes = world.on_main(build_protocol, cfg, graph, run_dir, resuming)
+    clients = build_clients(graph, partition)
+    log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
+
+    in_dims = {m: x.size(1) for m, x in graph.features.items()}
+    net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
+    check_algorithm_fits_protocol(algorithm, stream)
+    runner.begin(cfg, run_dir, hashes)
+    server = algorithm.server(net.state_dict())
+    if enabled(cfg.federation.get("secure_sum", False)):
+        server.secure = secure_sum_of(cfg, server, runner)
+    run = Run(cfg, run_dir, world.is_main, resuming)
+
+    common = dict(
+        participation=cfg.federation.participation,
+        local_epochs=cfg.federation.local_epochs,
+        seed=cfg.seed,
+        checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
+        on_round_end=lambda r, m: _report(run.tracker, observe, "round", r, m),
+        min_clients=cfg.federation.get("min_clients", 1),
+    )
+    if stream is None:
+        schedule, kwargs = algorithm.loop_class or FederatedLoop, {"rounds": cfg.federation.rounds}
+    else:
+        algorithm.setup(stream, cfg.federation.rounds, cfg.seed, graph.num_classes)
+        schedule = algorithm.loop_class or ContinualLoop
+        kwargs = dict(
+            stream=stream,
+            rounds_per_stage=cfg.federation.rounds,
+            num_classes=graph.num_classes,
+            on_stage_end=lambda t, m: _report(
+                run.tracker, observe, "stage", t, m, at=t * cfg.federation.rounds
+            ),
+        )
+    loop = schedule(algorithm, module, server, clients, runner, **kwargs, **common)
+    if resume_loop(loop, world, cfg, run_dir, hashes, resuming):
+        log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
+    tags = run_tags(
+        cfg,
+        hashes,
+        method=algorithm.name,
+        dataset=graph.name,
+        task=str(cfg.task),
+        variant=str(algorithm.variant),
+        backbone=str(cfg.model.net.get("conv", "custom")),
+    )
+    with run.start(tags):
+        history = loop.run()
+    extras = loop.summary_extras()
+    metrics = loop.final_metrics()
+    release = algorithm.release
+    if release is not None:  # FedOGL's prototype release and its budget (docs/security.md)
+        extras["privacy"] = algorithm.privacy_budget(loop.completed_rounds)
+        if release.on:
+            metrics["dp_epsilon"] = extras["privacy"]["epsilon"]
+    summary = run.summary(
+        t0,
+        rounds=loop.completed_rounds,
+        metrics=metrics,
+        comm=loop.ledger.summary(),
+        timing=loop.timing(),
+        hashes=hashes,
+        resumed=resuming,
+        **extras,
+    )
+    artifacts = []
+    if world.is_main:
+        title = f"{cfg.name} ({algorithm.name}, {graph.name})"
+        artifacts = loop.write_artifacts(run_dir, title, plots_on(cfg))
+    protocol_files = [run_dir / f for f in ("partition.json", "stream.json", CLASS_NAMES_FILE)]
+    return run.finish(
+        summary,
+        step=loop.completed_rounds,
+        files=[*protocol_files, *artifacts],
+        table=format_summary if verbose else None,
+        extra={"history.json": history},
+    )
