@@ -32,7 +32,14 @@ def run_once(procs: int, clients: int, rounds: int, epochs: int, out: Path) -> l
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
         f"--nproc_per_node={procs}",
-        *("-m", "fedlightning", "train", "experiment=fedavg_cora", "runner=distributed"),
+        *(
+            "-m",
+            "fedlightning",
+            "train",
+            "experiment=fl_cora",
+            "algorithm=fedavg",
+            "runner=distributed",
+        ),
         *(f"federation.clients={clients}", f"federation.rounds={rounds}"),
         *(f"federation.local_epochs={epochs}", "logger=none", f"hydra.run.dir={out}"),
     ]

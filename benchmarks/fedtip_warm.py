@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedlightning.recipes import recipe_overrides
+
 REPO = Path(__file__).resolve().parents[1]
 TIMING = ("task_time_s", "wall_time_s", "time_s")
 
@@ -87,10 +89,11 @@ def main() -> None:
         "FEDLIGHTNING_DATA": args.data,
         "OMP_NUM_THREADS": "1",
     }
-    base = [f"experiment={args.experiment}", f"max_tasks={args.tasks}", "threads=1", "logger=none"]
-    sides = {"ref": (ref_tree, base)}
+    base = [f"max_tasks={args.tasks}", "threads=1", "logger=none"]
+    sides = {"ref": (ref_tree, [f"experiment={args.experiment}", *base])}
+    head = [*recipe_overrides(args.experiment, REPO / "conf"), *base]  # recipes: protocol x data
     for w in args.workers:
-        sides[f"head w={w}"] = (REPO, [*base, f"task_workers={w}"])
+        sides[f"head w={w}"] = (REPO, [*head, f"task_workers={w}"])
     times: dict[str, list[float]] = {s: [] for s in sides}
     summaries: dict[str, str] = {}
     try:

@@ -14,7 +14,7 @@ time from history.json / task_metrics.json, i.e. fits, server step and evaluatio
 Methods: ``fedavg`` (fedavg_cora), ``fedprox`` (fedprox_cora), ``fedogl`` (cil_fedogl_cora,
 3 stages), ``cir_fedogl`` (cir_fedogl_citeseer_mm: cross-modal retrieval, 4 stages) and
 ``fedtip`` (fedtip_synthetic, after the bank is pre-trained once with task=bank,
-experiment=bank_tgn_synthetic, on the same small settings; the bank pre-training has no
+experiment=bank_synthetic bank=tgn, on the same small settings; the bank pre-training has no
 device switch and runs on the CPU). ``--rounds`` is per stage (CIL/CIR) and per task
 (FedTIP); ``rounds`` in the table counts every round run. A device's first run pays CUDA's
 start-up, so a one-round fedavg warm-up precedes the timed runs. A method that fails is
@@ -92,7 +92,10 @@ def time_method(
 ) -> dict[str, Any]:
     experiment, overrides, metric = METHODS[method]
     row: dict[str, Any] = {"method": method, "experiment": experiment, "device": device}
-    args = [f"experiment={experiment}", f"federation.rounds={rounds}", *overrides, *extra]
+    from fedlightning.recipes import recipe_overrides
+
+    recipe = recipe_overrides(experiment, REPO / "conf")
+    args = [*recipe, f"federation.rounds={rounds}", *overrides, *extra]
     if device == "cuda":
         args.append("+runner.executor.device=cuda")
     try:
@@ -184,13 +187,20 @@ def main() -> None:
         os.environ["FEDLIGHTNING_CACHE"] = str(Path(tmp) / "cache")  # protocol, bank, contexts
         if "fedtip" in args.methods:  # the bank, then the contexts (cached), untimed
             extra["fedtip"] = fedtip_small(args.fedtip_tasks, args.bank_events)
-            bank = run(["experiment=bank_tgn_synthetic", *extra["fedtip"]], Path(tmp) / "bank")
+            bank = run(
+                ["experiment=bank_synthetic", "bank=tgn", *extra["fedtip"]], Path(tmp) / "bank"
+            )
             print(f"bank pre-trained (task=bank, CPU) in {bank['wall_s']:.1f} s", flush=True)
             rows.append({"method": "bank_tgn", "device": "cpu", "wall_s": bank["wall_s"]})
-            contexts = ["experiment=fedtip_synthetic", "federation.rounds=1", *extra["fedtip"]]
+            contexts = [
+                "experiment=temporal_synthetic",
+                "algorithm=fedtip",
+                "federation.rounds=1",
+                *extra["fedtip"],
+            ]
             run(contexts, Path(tmp) / "contexts")
         for device in devices:
-            warmup = ["experiment=fedavg_cora", "federation.rounds=1"]
+            warmup = ["experiment=fl_cora", "algorithm=fedavg", "federation.rounds=1"]
             if device == "cuda":
                 warmup.append("+runner.executor.device=cuda")
             run(warmup, Path(tmp) / f"warmup_{device}")  # CUDA's start-up, first imports

@@ -8,8 +8,8 @@ arm once, so machine noise hits them alike); the table gives the median ``round_
 (clients' fits, aggregation, server modules, the round's evaluation) over the rounds of every
 repeat, and the dense/sparse ratio:
 
-- FedAvg: ``experiment=fedavg_cora``, 5 clients x 2 local epochs;
-- FedOGL: ``experiment=cil_fedogl_cora``, stages ``[2, 1]`` (class 1 never introduced).
+- FedAvg: ``experiment=fl_cora algorithm=fedavg``, 5 clients x 2 local epochs;
+- FedOGL: ``experiment=cil_cora algorithm=fedogl``, stages ``[2, 1]`` (class 1 never introduced).
 
 Clients come from ``partition=random``: Louvain finds the generator's 4 class blocks, fewer
 communities than the 5 clients. ``--full`` also times the whole ``cil_fedogl`` protocol (2
@@ -36,8 +36,8 @@ from fedlightning.train import train
 CONF = str(conf_dir())
 DATA = ["dataset=synthetic_20k", "partition=random", "logger=none"]
 METHODS = {
-    "fedavg": ["experiment=fedavg_cora", "federation.local_epochs=2"],
-    "fedogl": ["experiment=cil_fedogl_cora", "protocol.stream.stages=[2,1]"],
+    "fedavg": ["experiment=fl_cora", "algorithm=fedavg", "federation.local_epochs=2"],
+    "fedogl": ["experiment=cil_cora", "algorithm=fedogl", "protocol.stream.stages=[2,1]"],
 }
 
 

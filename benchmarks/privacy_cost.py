@@ -17,8 +17,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-FEDOGL = ["experiment=cil_fedogl_cora", "federation.rounds=3"]
-FEDTIP = ["experiment=fedtip_bitcoin_alpha", "protocol.tasks.num_tasks=20", "federation.rounds=5"]
+FEDOGL = ["experiment=cil_cora", "algorithm=fedogl", "federation.rounds=3"]
+FEDTIP = [
+    "experiment=temporal_bitcoin_alpha",
+    "algorithm=fedtip",
+    "protocol.tasks.num_tasks=20",
+    "federation.rounds=5",
+]
 
 
 def run(overrides: list[str], out: Path) -> dict[str, Any]:

@@ -33,8 +33,11 @@ from pathlib import Path
 
 import yaml
 
+from fedlightning.recipes import recipe_overrides
+
 REPO = Path(__file__).resolve().parents[1]
 SIDES = ("ref", "head")
+CONF = REPO / "conf"
 
 
 def git(*args: str) -> str:
@@ -88,7 +91,9 @@ def measure(args: argparse.Namespace, trees: dict[str, Path]) -> tuple[dict, dic
             cfgs = {}
             for side, tree in trees.items():
                 key = (exp, side)
-                ov = [f"experiment={exp}", f"federation.rounds={args.rounds}", "logger=none"]
+                # the head's recipes are protocol x dataset: an older name in its composed form
+                named = [f"experiment={exp}"] if side == "ref" else recipe_overrides(exp, CONF)
+                ov = [*named, f"federation.rounds={args.rounds}", "logger=none"]
                 r = fedlightning(tree, envs[side], [*ov, "--cfg", "job", "--resolve"])
                 if r.returncode != 0:
                     failed[key] = f"config rejected: {r.stderr.strip()[-1500:]}"

@@ -19,11 +19,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from fedlightning.config import CONF_DIR, compose, run_label
 from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.recipes import composed_form
 
 USAGE = """usage: fedlightning COMMAND [hydra overrides]
 
 commands:
-  train     run an experiment: fedlightning train experiment=fedavg_cora federation.rounds=20
+  train     run an experiment: fedlightning train experiment=fl_cora algorithm=fedavg federation.rounds=20
             multirun:          fedlightning train -m seed=0,1,2
             resume:            fedlightning train resume=outputs/<data>/<experiment>/<run>
             show the config:   fedlightning train --cfg job
@@ -33,7 +34,7 @@ commands:
   report    tables and plots from MLflow runs: fedlightning report --task cil --out reports/
             (fedlightning report --help for the layouts and filters)
   flower-sim  the experiment as a Flower app in Flower's simulation engine (runner=flower):
-            fedlightning flower-sim experiment=fedavg_cora [--run-dir DIR]
+            fedlightning flower-sim experiment=fl_cora algorithm=fedavg [--run-dir DIR]
             resume:  fedlightning flower-sim resume=outputs/<data>/<experiment>/<run>
             a real deployment: flwr run tools/flower (docs/scaling.md)
   data features RAW --out DIR
@@ -293,6 +294,12 @@ def _missing_option_line(e: Exception) -> str:
     options = [str(o) for o in (getattr(e, "options", None) or [])]
     if not group or not options:
         return _compact(e)
+    renamed = composed_form(option, CONF_DIR) if group == "experiment" else None
+    if renamed:
+        return (
+            f"config `experiment`: {option!r} is now an experiment per protocol and dataset, "
+            f"the method chosen apart: {' '.join(renamed)}"
+        )
     close = difflib.get_close_matches(option, options, n=3, cutoff=0.6)
     if close:
         hint = f"did you mean {' or '.join(close)}?"

@@ -1,6 +1,6 @@
 """Shell completion of ``fedlightning``: its commands, and the Hydra overrides of
 ``fedlightning train``, ``flower-sim`` and ``data manifest`` (config groups and their
-options, e.g. ``experiment=cil_fedogl_cora``, and keys of the composed config, e.g.
+options, e.g. ``experiment=cil_cora algorithm=fedogl``, and keys of the composed config, e.g.
 ``federation.rounds=``).
 
 Installed with ``eval "$(fedlightning completion bash)"`` (or ``zsh``; docs/experiments.md).
@@ -89,7 +89,7 @@ def _overrides(words: list[str]) -> list[str]:
 
 def override_candidates(done: list[str], word: str) -> list[str]:
     """Hydra's completions of the override ``word`` after the overrides ``done``: config
-    groups (``algorithm=``), their options (``experiment=cil_fedogl_cora``) and keys of the
+    groups (``algorithm=``), their options (``experiment=cil_cora algorithm=fedogl``) and keys of the
     config composed with ``done`` (``federation.rounds=``)."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

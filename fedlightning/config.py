@@ -222,9 +222,17 @@ def build_stream(cfg: DictConfig) -> EventStream:
     return stream
 
 
+# A key of every algorithm config that is not its class's argument: the name the recipes
+# give its runs (``cil_${algorithm.method}_<data>``; docs/experiments.md).
+METHOD_KEY = "method"
+
+
 def build(node: Any, key: str, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate``: our own errors come through unwrapped, anything else
-    becomes a :class:`ConfigError` naming ``key``."""
+    becomes a :class:`ConfigError` naming ``key``. An algorithm's :data:`METHOD_KEY` is not
+    passed to its class."""
+    if key == "algorithm" and isinstance(node, DictConfig) and METHOD_KEY in node:
+        node = OmegaConf.masked_copy(node, [k for k in node if k != METHOD_KEY])
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as e:

@@ -67,21 +67,21 @@ def options(group: str, prefix: str) -> list[str]:
 def test_experiment_names_whole_word(shell_env):
     """A shell that keeps ``key=value`` one word (bash without '=' in COMP_WORDBREAKS, zsh's
     bashcompinit): the replies are whole overrides."""
-    line = "fedlightning train experiment=cil_fedogl_c"
+    line = "fedlightning train experiment=cil_c"
     reply = complete(shell_env, line, line.split())
-    expected = [f"experiment={name}" for name in options("experiment", "cil_fedogl_c")]
-    assert expected == ["experiment=cil_fedogl_citeseer_mm", "experiment=cil_fedogl_cora"]
+    expected = [f"experiment={name}" for name in options("experiment", "cil_c")]
+    assert expected == ["experiment=cil_citeseer_mm", "experiment=cil_cora"]
     assert sorted(reply) == expected
 
 
 def test_experiment_names_split_at_equals(shell_env):
-    """Bash's default COMP_WORDBREAKS splits ``experiment=cil_fedogl_c`` into three words:
+    """Bash's default COMP_WORDBREAKS splits ``experiment=cil_c`` into three words:
     the replies replace the last one and complete the line to the whole override."""
-    line = "fedlightning train experiment=cil_fedogl_c"
-    words = ["fedlightning", "train", "experiment", "=", "cil_fedogl_c"]
+    line = "fedlightning train experiment=cil_c"
+    words = ["fedlightning", "train", "experiment", "=", "cil_c"]
     reply = complete(shell_env, line, words)
-    assert sorted(reply) == ["cil_fedogl_citeseer_mm", "cil_fedogl_cora"]
-    assert line[: -len(words[-1])] + reply[-1] == "fedlightning train experiment=cil_fedogl_cora"
+    assert sorted(reply) == ["cil_citeseer_mm", "cil_cora"]
+    assert line[: -len(words[-1])] + reply[-1] == "fedlightning train experiment=cil_cora"
 
     # right after '=', bash's current word is "=" itself
     line = "fedlightning train -m seed=0,1 experiment="
@@ -187,7 +187,7 @@ def test_real_bash_readline(shell_env):
         completed = {}
         for line in (
             "fedlightning train federation.ro",
-            "fedlightning train experiment=cil_fedogl_co",
+            "fedlightning train experiment=cil_co",
             "fedlightning tr",
             "fedlightning train algo",
         ):
@@ -198,7 +198,7 @@ def test_real_bash_readline(shell_env):
         term.close()
     assert completed == {
         "fedlightning train federation.ro": "fedlightning train federation.rounds=",
-        "fedlightning train experiment=cil_fedogl_co": "fedlightning train experiment=cil_fedogl_cora ",
+        "fedlightning train experiment=cil_co": "fedlightning train experiment=cil_cora ",
         "fedlightning tr": "fedlightning train ",
         "fedlightning train algo": "fedlightning train algorithm",
     }
@@ -224,9 +224,9 @@ def test_zsh_function(shell_env):
         assert r.returncode == 0, r.stderr
         return r.stdout.splitlines()
 
-    first, *added = run("fedlightning", "train", "experiment=cil_fedogl_c")
+    first, *added = run("fedlightning", "train", "experiment=cil_c")
     assert first == "compdef _fedlightning fedlightning"
-    assert added == ["compadd -Q -- experiment=cil_fedogl_citeseer_mm experiment=cil_fedogl_cora"]
+    assert added == ["compadd -Q -- experiment=cil_citeseer_mm experiment=cil_cora"]
     assert run("fedlightning", "train", "federation.ro")[1:] == [
         "compadd -Q -S  -- federation.rounds="
     ]

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),
     ("metrics",),
     ("tracking",),
-    ("config",),
+    ("config", "recipes"),
     ("data",),
     ("resources",),
     ("messages", "objectives"),

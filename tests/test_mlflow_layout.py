@@ -18,7 +18,7 @@ SMALL = ["federation.rounds=2", "federation.local_epochs=1", "dataset.num_nodes=
 def test_layout_through_the_mlflow_client(tmp_env, compose, capsys):
     uri = f"sqlite:///{tmp_env / 'mlflow.db'}"
     cil = train(compose(["experiment=demo", "seed=3", *SMALL]), tmp_env / "job_0", verbose=False)
-    fl = train(compose(["experiment=fedavg_synthetic", "seed=1", *SMALL]), tmp_env / "job_1", verbose=False)  # fmt: skip
+    fl = train(compose(["experiment=fl_synthetic", "algorithm=fedavg", "seed=1", *SMALL]), tmp_env / "job_1", verbose=False)  # fmt: skip
 
     from mlflow.tracking import MlflowClient
 

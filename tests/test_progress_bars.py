@@ -57,7 +57,8 @@ def test_bank_pretraining_shows_events_per_epoch_with_the_rate(caplog):
 def test_fedtip_tasks_show_their_bar_when_the_client_bars_are_off(tmp_env, compose):
     cfg = compose(
         [
-            "experiment=fedtip_synthetic",  # sets runner.progress=false (no per-round bars)
+            "experiment=temporal_synthetic",
+            "algorithm=fedtip",  # sets runner.progress=false (no per-round bars)
             "protocol.tasks.num_tasks=2",
             "federation.rounds=1",
             "federation.local_epochs=1",

@@ -33,7 +33,7 @@ def write(path: Path, text: str) -> Path:
 
 
 GOOD = """
-experiment: fedavg_synthetic
+experiment: fl_synthetic
 space:
   algorithm._target_: {type: categorical, choices: [fedlightning.methods.fedavg.fedavg.FedAvg]}
 objective: {metric: val_acc}
@@ -55,7 +55,7 @@ trials: 1
             ),
             "low",
         ),
-        (("experiment: fedavg_synthetic", "experiment: [1]"), "experiment"),
+        (("experiment: fl_synthetic", "experiment: [1]"), "experiment"),
     ],
 )
 def test_bad_sweep_files_name_file_and_field(tmp_path, change, field):
@@ -270,7 +270,7 @@ SMALL = ["federation.rounds=2", "federation.local_epochs=1", "dataset.num_nodes=
 def test_killed_sweep_resumes_without_repeats_and_closes_the_dead_trial(tmp_path):
     spec_file = write(
         tmp_path / "lr.yaml",
-        "experiment: fedavg_synthetic\n"
+        "experiment: fl_synthetic\n"
         "space:\n  model.optimizer.lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n"
         "objective: {metric: val_acc}\ntrials: 3\nseeds: [0, 1]\n"
         "sampler: {name: tpe, seed: 0, startup: 3}\n"
@@ -350,7 +350,7 @@ def test_duplicate_draws_are_drawn_again(tmp_path, monkeypatch, capsys):
     spec = load_spec(
         write(
             tmp_path / "c.yaml",
-            "experiment: fedavg_synthetic\n"
+            "experiment: fl_synthetic\n"
             "space:\n  model.net.conv: {type: categorical, choices: [gcn, sage, gat]}\n"
             "objective: {metric: val_acc}\ntrials: 3\nsampler: {name: random, seed: 0}\n",
         )
@@ -385,23 +385,23 @@ def test_duplicate_draws_are_drawn_again(tmp_path, monkeypatch, capsys):
 
 LR = "model.optimizer.lr: {type: float, low: 1.0e-3, high: 0.1, log: true}"
 MALFORMED = [  # (file text, the key the error line names)
-    ("experiment: fedavg_synthetic\nspace: {a: [unclosed\n", "line 2"),
-    ("experiment: fedavg_synthetic\n\tspace: 1\n", "line"),  # a tab: not YAML
+    ("experiment: fl_synthetic\nspace: {a: [unclosed\n", "line 2"),
+    ("experiment: fl_synthetic\n\tspace: 1\n", "line"),  # a tab: not YAML
     ("experiment: [fedavg\n", "line 1"),
     (GOOD.replace("type: categorical,", "type: normal,"), "space.algorithm._target_.type"),
     (GOOD.replace("choices: [fedlightning.methods.fedavg.fedavg.FedAvg]", "choices: []"), ".choices"),
-    (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('low: 1.0e-3', 'low: 0.5')}}}\n"
+    (f"experiment: fl_synthetic\nspace: {{{LR.replace('low: 1.0e-3', 'low: 0.5')}}}\n"
      "objective: {metric: val_acc}\n", "space.model.optimizer.lr"),  # low > high
-    (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('1.0e-3', 'small')}}}\n"
+    (f"experiment: fl_synthetic\nspace: {{{LR.replace('1.0e-3', 'small')}}}\n"
      "objective: {metric: val_acc}\n", "space.model.optimizer.lr.low"),
-    (f"experiment: fedavg_synthetic\nspace: {{{LR.replace('log: true', 'lgo: true')}}}\n"
+    (f"experiment: fl_synthetic\nspace: {{{LR.replace('log: true', 'lgo: true')}}}\n"
      "objective: {metric: val_acc}\n", "space.model.optimizer.lr.lgo"),
-    ("experiment: fedavg_synthetic\nspace: {a: {type: int, low: 1.5, high: 4}}\n"
+    ("experiment: fl_synthetic\nspace: {a: {type: int, low: 1.5, high: 4}}\n"
      "objective: {metric: val_acc}\n", "space.a.low"),
-    (GOOD.replace("experiment: fedavg_synthetic\n", ""), "experiment"),
+    (GOOD.replace("experiment: fl_synthetic\n", ""), "experiment"),
     (GOOD.replace("objective: {metric: val_acc}\n", ""), "objective"),
     (GOOD.replace("objective: {metric: val_acc}", "objective: val_acc"), "objective"),
-    ("experiment: fedavg_synthetic\nobjective: {metric: val_acc}\n", "space"),
+    ("experiment: fl_synthetic\nobjective: {metric: val_acc}\n", "space"),
     (GOOD + "sampler: tpe\n", "sampler"),
     (GOOD + "sampler: {name: tpe, startup: -1}\n", "sampler.startup"),
     (GOOD + "sampler: {name: random, startup: 3}\n", "sampler.startup"),
@@ -439,7 +439,7 @@ def test_start_from_defaults_runs_the_experiments_own_setting_first(tmp_path, mo
     sampled; a default outside its range is one error naming the key."""
     monkeypatch.chdir(tmp_path)
     text = (
-        "experiment: fedavg_synthetic\nspace:\n"
+        "experiment: fl_synthetic\nspace:\n"
         "  model.optimizer.lr: {type: float, low: 1.0e-3, high: 0.1, log: true}\n"
         "  model.net.conv: {type: categorical, choices: [sage, gcn]}\n"
         "  federation.local_epochs: {type: int, low: 1, high: 9}\n"
@@ -448,7 +448,7 @@ def test_start_from_defaults_runs_the_experiments_own_setting_first(tmp_path, mo
     )
     spec = load_spec(write(tmp_path / "d.yaml", text))
     spec.storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    base = compose(["experiment=fedavg_synthetic"])
+    base = compose(["experiment=fl_synthetic", "algorithm=fedavg"])
     ran = []
 
     def fake_train(cfg, run_dir, observe):

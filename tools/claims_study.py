@@ -101,7 +101,7 @@ def one_study(sweep: Path, args: argparse.Namespace) -> float:
     )
     print(f"[{name}] {len(args.seeds)} seeds at the best setting done ({spent:.0f} s)", flush=True)
     if "_fedogl_" in f"_{name}_":
-        spent += ablations(experiment, name, params, args, common)
+        spent += ablations(experiment, name, params, args, [*spec.get("overrides", []), *common])
     return spent
 
 

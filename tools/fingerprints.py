@@ -29,38 +29,53 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 GRAPH = ["federation.rounds=1"]
 TEMPORAL = ["federation.rounds=1", "max_tasks=2"]
-# one run per method: the reference experiments of the redesigns and one per baseline family
+CIL = ["experiment=cil_cora", *GRAPH]
+CIL_MM = ["experiment=cil_citeseer_mm", *GRAPH]
+CIR = ["experiment=cir_citeseer_mm", *GRAPH]
+SYNTHETIC = ["experiment=temporal_synthetic", *TEMPORAL]
+# one run per method (named as its recipe names it): the reference experiments of the
+# redesigns and one per baseline family
 RUNS: dict[str, list[str]] = {
     "demo": GRAPH,
-    "fedavg_cora": GRAPH,
-    "fedavg_cora_one_at_a_time": ["experiment=fedavg_cora", *GRAPH, "runner.stack_clients=false"],
-    "fedprox_cora": GRAPH,
-    "cil_fedavg_replay_cora": GRAPH,
-    "cil_fedlwf_cora": GRAPH,
-    "cil_energy_replay_cora": GRAPH,
-    "cil_fedogl_cora": GRAPH,
-    "cil_fedogl_citeseer_mm": GRAPH,
-    "cir_fedogl_citeseer_mm": GRAPH,
-    "cir_fedavg_replay_citeseer_mm": GRAPH,
-    "cil_power_cora": GRAPH,
-    "cil_fediih_cora": GRAPH,
-    "cil_fedssp_cora": GRAPH,
-    "cil_fedmvp_citeseer_mm": GRAPH,
-    "cil_prism_citeseer_mm": GRAPH,
-    "cil_clipn_cora": GRAPH,
-    "cir_clipn_citeseer_mm": GRAPH,
-    "cil_grasp_cora": GRAPH,
-    "cil_topoood_cora": GRAPH,
-    "fedtip_synthetic": TEMPORAL,
-    "prompt_fedavg_synthetic": TEMPORAL,
-    "fulltune_fedavg_synthetic": TEMPORAL,
-    "fedgnn_synthetic": TEMPORAL,
-    "fedlink_synthetic": TEMPORAL,
-    "feddy_synthetic": TEMPORAL,
-    "stfl_synthetic": TEMPORAL,
-    "feddgl_synthetic": TEMPORAL,
-    "fedgcn_synthetic": TEMPORAL,
-    "fedsage_plus_synthetic": TEMPORAL,
+    "fedavg_cora": ["experiment=fl_cora", "algorithm=fedavg", *GRAPH],
+    "fedavg_cora_one_at_a_time": [
+        "experiment=fl_cora",
+        "algorithm=fedavg",
+        *GRAPH,
+        "runner.stack_clients=false",
+    ],
+    "fedprox_cora": ["experiment=fl_cora", "algorithm=fedprox", *GRAPH],
+    "cil_fedavg_replay_cora": [*CIL, "algorithm=cil_fedavg_replay"],
+    "cil_fedlwf_cora": [*CIL, "algorithm=cil_fedlwf"],
+    "cil_energy_replay_cora": [*CIL, "algorithm=cil_energy_replay"],
+    "cil_fedogl_cora": [*CIL, "algorithm=fedogl"],
+    "cil_fedogl_citeseer_mm": [*CIL_MM, "algorithm=fedogl"],
+    "cir_fedogl_citeseer_mm": [*CIR, "algorithm=cir_fedogl"],
+    "cir_fedavg_replay_citeseer_mm": [*CIR, "algorithm=cir_fedavg_replay"],
+    "cil_power_cora": [*CIL, "algorithm=cil_power"],
+    "cil_fediih_cora": [*CIL, "algorithm=cil_fediih"],
+    "cil_fedssp_cora": [*CIL, "algorithm=cil_fedssp"],
+    "cil_fedmvp_citeseer_mm": [*CIL_MM, "algorithm=cil_fedmvp"],
+    "cil_prism_citeseer_mm": [*CIL_MM, "algorithm=cil_prism"],
+    "cil_clipn_cora": [*CIL, "algorithm=cil_clipn"],
+    "cir_clipn_citeseer_mm": [*CIR, "algorithm=cir_clipn"],
+    "cil_grasp_cora": [*CIL, "algorithm=cil_grasp"],
+    "cil_topoood_cora": [*CIL, "algorithm=cil_topoood"],
+    **{
+        f"{m}_synthetic": [*SYNTHETIC, f"algorithm={m}"]
+        for m in (
+            "fedtip",
+            "prompt_fedavg",
+            "fulltune_fedavg",
+            "fedgnn",
+            "fedlink",
+            "feddy",
+            "stfl",
+            "feddgl",
+            "fedgcn",
+            "fedsage_plus",
+        )
+    },
 }
 VOLATILE = ("time", "timing", "run_dir", "seconds", "elapsed", "s_per", "per_s", "reused", "path")
 

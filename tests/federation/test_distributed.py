@@ -29,16 +29,18 @@ from fedlightning.models import MultimodalGNN
 from fedlightning.train import train
 
 REPO = Path(__file__).resolve().parents[2]
-CORA = ["experiment=fedavg_cora", "federation.rounds=2"]
+CORA = ["experiment=fl_cora", "algorithm=fedavg", "federation.rounds=2"]
 CIL = [  # partial participation moves clients between ranks; the teacher is client state
-    "experiment=cil_fedavg_replay_cora",
+    "experiment=cil_cora",
+    "algorithm=cil_fedavg_replay",
     "federation.rounds=2",
     "federation.participation=0.6",
     "federation.local_epochs=1",
     "algorithm.lambda_dis=1.0",
 ]
 FEDTIP = [  # 2 tasks of 5 clients: rank 0 fits 2 of a round's clients as one stack, rank 1 3
-    "experiment=fedtip_synthetic",
+    "experiment=temporal_synthetic",
+    "algorithm=fedtip",
     "dataset.num_events=5000",
     "protocol.tasks.num_tasks=2",
     "federation.rounds=2",
@@ -144,14 +146,14 @@ def test_executor_device_path_moves_a_copy_and_comes_back(monkeypatch):
 
 @pytest.mark.slow
 def test_world_of_one_equals_sequential_in_process(tmp_env, compose, no_torchrun):
-    base = ["experiment=fedavg_synthetic", "federation.rounds=2", "logger=none"]
+    base = ["experiment=fl_synthetic", "algorithm=fedavg", "federation.rounds=2", "logger=none"]
     seq = train(compose(base), tmp_env / "seq")
     dist = train(compose([*base, "runner=distributed"]), tmp_env / "dist")
     assert dist["metrics"] == seq["metrics"] and dist["comm"] == seq["comm"]
 
 
 def test_unsupported_task_is_refused(tmp_env, compose):
-    cfg = compose(["experiment=bank_tgn_synthetic", "runner=distributed", "logger=none"])
+    cfg = compose(["experiment=bank_synthetic", "bank=tgn", "runner=distributed", "logger=none"])
     with pytest.raises(ConfigError, match="runner=distributed does not support task=bank"):
         train(cfg, tmp_env / "bank")
 
@@ -273,7 +275,8 @@ FEDOGL_RUNS = {
     # server bases and prototype memory, stage-end basis exchange, replay and teacher on
     # the clients; 2 stages of 2 rounds, 3 of 5 clients a round (all 5 answer the exchange)
     "cil": [
-        "experiment=cil_fedogl_cora",
+        "experiment=cil_cora",
+        "algorithm=fedogl",
         "protocol.stream.stages=[2,2]",
         "federation.rounds=2",
         "federation.participation=0.6",
@@ -282,7 +285,8 @@ FEDOGL_RUNS = {
     # cross-modal retrieval: 2 stages, 3 clients, each rank answering the stage-end exchange
     # for its share of the stage's clients
     "cir": [
-        "experiment=cir_fedogl_citeseer_mm",
+        "experiment=cir_citeseer_mm",
+        "algorithm=cir_fedogl",
         "federation.rounds=1",
         "federation.clients=3",
         "federation.local_epochs=1",
@@ -311,7 +315,8 @@ def test_fedogl_two_gloo_ranks_equal_the_sequential_run(kind, tmp_env, dist_env,
 @pytest.mark.slow
 def test_killed_rank_fails_fast_and_the_run_resumes(tmp_env, dist_env, compose):
     base = [
-        "experiment=fedavg_cora",
+        "experiment=fl_cora",
+        "algorithm=fedavg",
         "federation.rounds=2",
         "federation.local_epochs=1",
         "logger=none",

@@ -21,7 +21,7 @@ from fedlightning.errors import ConfigError
 from fedlightning.train import train
 
 TRAINER = "fedlightning.federation.executors.TrainerExecutor"
-RUN = ["experiment=fedavg_cora", "federation.rounds=1", "federation.local_epochs=2"]
+RUN = ["experiment=fl_cora", "algorithm=fedavg", "federation.rounds=1", "federation.local_epochs=2"]
 DDP = ["runner=sequential_trainer", "runner.executor.devices=2", "runner.executor.strategy=ddp"]
 # Only against a hang: far above the normal time (about 20 s idle), so that a loaded machine
 # never fails the test; the time taken is printed, not asserted (benchmarks/ hold timings).

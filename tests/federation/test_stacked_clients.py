@@ -402,9 +402,10 @@ def assert_same_run(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["experiment=fedavg_synthetic", "federation.rounds=2"],
+        ["experiment=fl_synthetic", "algorithm=fedavg", "federation.rounds=2"],
         [
-            "experiment=fedavg_synthetic",
+            "experiment=fl_synthetic",
+            "algorithm=fedavg",
             "algorithm=fedprox",
             "federation.rounds=2",
             "federation.participation=0.6",
@@ -441,7 +442,12 @@ def test_stacked_cora_equals_one_at_a_time(
     tmp_env, compose, shared_data, monkeypatch, stacked_steps
 ):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    overrides = ["experiment=fedavg_cora", "federation.rounds=2", "federation.local_epochs=2"]
+    overrides = [
+        "experiment=fl_cora",
+        "algorithm=fedavg",
+        "federation.rounds=2",
+        "federation.local_epochs=2",
+    ]
     one = run(compose, tmp_env, "one", [*overrides, "runner.stack_clients=false"])
     stacked = run(compose, tmp_env, "stacked", [*overrides, "runner.stack_clients=true"])
     assert stacked_steps == [5] * 4  # 2 rounds x 2 epochs, the 5 clients at once

@@ -36,7 +36,13 @@ from fedlightning.train import train  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 K = 2  # clients: one SuperNode each
-CORA = ["experiment=fedavg_cora", "federation.rounds=2", f"federation.clients={K}", "logger=none"]
+CORA = [
+    "experiment=fl_cora",
+    "algorithm=fedavg",
+    "federation.rounds=2",
+    f"federation.clients={K}",
+    "logger=none",
+]
 UPDATE_SCALARS = {"num_examples"}  # the loss stays on the client (federation.report_train_loss)
 # Waits on other processes: hang guards far above the normal time (a deployment's run takes
 # about a minute on an idle machine), so a loaded machine never fails a test by its clock;
@@ -82,21 +88,27 @@ def test_runner_flower_alone_says_how_to_start_it(tmp_env, compose):
     with pytest.raises(ConfigError, match="fedlightning flower-sim"):
         FlowerRunner(LeanExecutor())
     with pytest.raises(ConfigError, match="runner=flower runs inside a Flower ServerApp"):
-        train(compose(["experiment=fedavg_synthetic", "runner=flower", "logger=none"]), "r")
+        train(
+            compose(
+                ["experiment=fl_synthetic", "algorithm=fedavg", "runner=flower", "logger=none"]
+            ),
+            "r",
+        )
 
 
 def test_the_bank_is_refused_before_anything_runs(tmp_env):
     from fedlightning.flower.apps import simulate
 
     with pytest.raises(ConfigError, match="task=bank .* pre-trains the bank centrally"):
-        simulate(["experiment=bank_tgn_synthetic"], tmp_env / "bank")
+        simulate(["experiment=bank_synthetic", "bank=tgn"], tmp_env / "bank")
     assert not (tmp_env / "bank").exists()
 
 
 # Every schedule at a small setting: class-incremental FedOGL (stage-end basis exchange),
 # cross-modal retrieval FedOGL, and FedTIP (stacked task fits, one node per client).
 FEDTIP = [
-    "experiment=fedtip_synthetic",
+    "experiment=temporal_synthetic",
+    "algorithm=fedtip",
     f"protocol.ownership.clients={K}",
     f"protocol.tasks.active={K}",
     "federation.rounds=1",  # each round a ClientApp process per node and message
@@ -106,13 +118,15 @@ FEDTIP = [
 ]
 SCHEDULES = {
     "cil_fedogl_cora": [
-        "experiment=cil_fedogl_cora",
+        "experiment=cil_cora",
+        "algorithm=fedogl",
         "federation.rounds=1",
         f"federation.clients={K}",
         "protocol.stream.stages=[2,2]",
     ],
     "cir_fedogl_citeseer_mm": [
-        "experiment=cir_fedogl_citeseer_mm",
+        "experiment=cir_citeseer_mm",
+        "algorithm=cir_fedogl",
         "federation.rounds=1",
         f"federation.clients={K}",
         "protocol.stream.stages=[2,2]",
@@ -516,7 +530,12 @@ def test_simulation_drops_a_failing_client_mid_run_as_the_sequential_run(
     from fedlightning.flower.apps import simulate
 
     bad, round = 1, 2
-    over = ["experiment=fedavg_cora", "federation.rounds=3", f"federation.clients={K}"]
+    over = [
+        "experiment=fl_cora",
+        "algorithm=fedavg",
+        "federation.rounds=3",
+        f"federation.clients={K}",
+    ]
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     real = loop_module.local_fit
 

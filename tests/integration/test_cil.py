@@ -120,8 +120,12 @@ def test_stage_metrics_match_a_recomputation_from_the_final_model(tmp_env, compo
 def test_replay_reduces_forgetting_on_cora(tmp_env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     short = ["logger=none", "federation.rounds=5"]  # per stage; 3 rounds do not learn enough
-    no_replay = train(compose(["experiment=cil_fedavg_cora", *short]), tmp_env / "a")
-    replay = train(compose(["experiment=cil_fedavg_replay_cora", *short]), tmp_env / "b")
+    no_replay = train(
+        compose(["experiment=cil_cora", "algorithm=cil_fedavg", *short]), tmp_env / "a"
+    )
+    replay = train(
+        compose(["experiment=cil_cora", "algorithm=cil_fedavg_replay", *short]), tmp_env / "b"
+    )
     assert no_replay["hashes"] == replay["hashes"]  # same protocol, different method
     assert no_replay["metrics"]["fm"] > 0.3  # catastrophic forgetting without replay
     assert replay["metrics"]["fm"] < no_replay["metrics"]["fm"] - 0.1
@@ -132,7 +136,7 @@ def test_replay_reduces_forgetting_on_cora(tmp_env, compose, shared_data, monkey
 
 def test_same_seed_same_stream_and_metrics(tmp_env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    over = ["experiment=cil_fedlwf_cora", "federation.rounds=2", "logger=none"]
+    over = ["experiment=cil_cora", "algorithm=cil_fedlwf", "federation.rounds=2", "logger=none"]
     a = train(compose(over), tmp_env / "a")
     b = train(compose(over), tmp_env / "b")
     assert a["hashes"] == b["hashes"] and a["metrics"] == b["metrics"]
@@ -142,7 +146,9 @@ def test_same_seed_same_stream_and_metrics(tmp_env, compose, shared_data, monkey
 
 def test_missing_modalities_reach_the_model(tmp_env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    cfg = compose(["experiment=cil_fedavg_citeseer_mm", "+dataset.missing_rate=0.3"])
+    cfg = compose(
+        ["experiment=cil_citeseer_mm", "algorithm=cil_fedavg", "+dataset.missing_rate=0.3"]
+    )
     g = load_graph(cfg)
     hidden = (~g.mask).float().mean(0)
     # each modality hidden for r - r^2/2 = 0.255 of nodes (a node keeps at least one)

@@ -116,7 +116,7 @@ def test_truncated_npz_is_named(tmp_path, cli_env, shared_data):
         (shared_data / "gnn_benchmark" / "cora.npz").read_bytes()[:5000]
     )
     r = fl(
-        ["train", "experiment=fedavg_cora", "dataset.source=npz", "logger=none"],
+        ["train", "experiment=fl_cora", "algorithm=fedavg", "dataset.source=npz", "logger=none"],
         tmp_path,
         {**cli_env, "FEDLIGHTNING_DATA": str(tmp_path / "data")},
     )
@@ -131,7 +131,13 @@ def test_unknown_experiment_name_fails_cleanly(tmp_path, cli_env):
 
 
 def test_killed_run_resumes_to_identical_metrics(tmp_path, cli_env):
-    base = ["train", "experiment=fedavg_cora", "federation.rounds=4", "federation.local_epochs=2"]
+    base = [
+        "train",
+        "experiment=fl_cora",
+        "algorithm=fedavg",
+        "federation.rounds=4",
+        "federation.local_epochs=2",
+    ]
     fl_ok([*base, "hydra.run.dir=full", "logger=none"], tmp_path, cli_env)
     killed = fl([*base, "hydra.run.dir=killed", "runner.kill_at=3:2"], tmp_path, cli_env)
     assert killed.returncode == -9  # SIGKILL after the second client of round 3
@@ -174,7 +180,8 @@ def test_fedogl_killed_after_a_stage_end_resumes_identically(tmp_path, cli_env):
 def test_cil_run_logs_stages_and_resumes_identically(tmp_path, cli_env):
     base = [
         "train",
-        "experiment=cil_fedavg_replay_cora",
+        "experiment=cil_cora",
+        "algorithm=cil_fedavg_replay",
         "federation.rounds=2",
         "plots=true",
         "algorithm.lambda_dis=1.0",

@@ -41,7 +41,7 @@ def test_runs_end_to_end_with_the_hand_counted_uplink(method, env, compose):
     from fedlightning.config import build
     from fedlightning.data.temporal import make_synthetic_stream
 
-    cfg = compose([f"experiment={method}_synthetic", *SMALL, "max_tasks=1"])
+    cfg = compose(["experiment=temporal_synthetic", f"algorithm={method}", *SMALL, "max_tasks=1"])
     s = train(cfg, env / "a", verbose=False)
     assert s["tasks_done"] == 1 and s["tags"]["method"] == method
     assert len(s["hashes"]["history_view"]) == 16
@@ -65,18 +65,20 @@ def test_runner_flower_is_refused_before_anything_runs(method, tmp_env, compose)
     pytest.importorskip("flwr")
     from fedlightning.flower.apps import flower_nodes, simulate
 
-    assert flower_nodes(compose(["experiment=fedtip_synthetic"]).algorithm)
-    assert not flower_nodes(compose([f"experiment={method}_synthetic"]).algorithm)
+    assert flower_nodes(compose(["experiment=temporal_synthetic", "algorithm=fedtip"]).algorithm)
+    assert not flower_nodes(
+        compose(["experiment=temporal_synthetic", f"algorithm={method}"]).algorithm
+    )
 
     with pytest.raises(ConfigError, match=f"runner=flower cannot run {method}"):
-        simulate([f"experiment={method}_synthetic"], tmp_env / "r")
+        simulate(["experiment=temporal_synthetic", f"algorithm={method}"], tmp_env / "r")
     assert not (tmp_env / "r").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_resumes_at_the_next_task_and_refuses_a_changed_protocol(method, env, compose):
-    cfg = compose([f"experiment={method}_synthetic", *SMALL])
+    cfg = compose(["experiment=temporal_synthetic", f"algorithm={method}", *SMALL])
     straight = train(cfg, env / "straight", verbose=False)
 
     def stop_after_first(kind, step, metrics):
@@ -93,7 +95,7 @@ def test_resumes_at_the_next_task_and_refuses_a_changed_protocol(method, env, co
     saved["hashes"]["tasks"] = "0" * 16
     (env / "again" / "protocol.json").write_text(json.dumps(saved))
     with pytest.raises(FedLightningError, match="refusing to resume"):
-        train(compose([f"experiment={method}_synthetic", *SMALL, f"resume={env / 'again'}"]), env / "y")  # fmt: skip
+        train(compose(["experiment=temporal_synthetic", f"algorithm={method}", *SMALL, f"resume={env / 'again'}"]), env / "y")  # fmt: skip
 
 
 LEARN = [  # the first task of FedTIP's learning setting, E=5, link prediction
@@ -113,7 +115,7 @@ ROUNDS = {"feddy": 20, "stfl": 5, "feddgl": 5}
 @pytest.mark.parametrize("method", METHODS)
 def test_link_prediction_beats_the_untrained_model(method, env, compose):
     """The untrained self: one round of one step at lr 1e-12 (the seeded initial model)."""
-    over = [f"experiment={method}_synthetic", *LEARN]
+    over = ["experiment=temporal_synthetic", f"algorithm={method}", *LEARN]
     trained = train(
         compose([*over, f"federation.rounds={ROUNDS[method]}", "federation.local_epochs=5"]),
         env / "trained",
@@ -141,7 +143,13 @@ def test_runs_on_real_data(method, data, env, compose, shared_data, monkeypatch)
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     # the experiment's own manifest, as the history, FedGNN and FedLink real-data tests: the
     # stream's bank and contexts (about a minute on Wikipedia) are built once for them all
-    over = [f"experiment={method}_{data}", *SMALL[1:-2], "bank.max_events=3000", "logger=none"]
+    over = [
+        f"experiment=temporal_{data}",
+        f"algorithm={method}",
+        *SMALL[1:-2],
+        "bank.max_events=3000",
+        "logger=none",
+    ]
     s = train(compose([*over, "max_tasks=1"]), env / "r", verbose=False)
     events, families = REAL[data]
     assert s["table"]["events"] == events and s["families"] == families

@@ -186,7 +186,10 @@ def test_runs_from_its_experiment_name(experiment, env, compose, shared_data, mo
     """The experiment's first two stages (the second learns new classes with replay and the
     bank), one round each; ``env``: each dataset's partition made once."""
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    cfg = compose([f"experiment={experiment}", "federation.rounds=1", *RUN])
+    method, data = experiment.split("_", 2)[1:]  # the recipe cil_<data>, the method apart
+    cfg = compose(
+        [f"experiment=cil_{data}", f"algorithm=cil_{method}", "federation.rounds=1", *RUN]
+    )
     cfg.protocol.stream.stages = list(cfg.protocol.stream.stages)[:2]
     s = train(cfg, env / "r")
     assert s["experiment"] == experiment
@@ -198,7 +201,13 @@ def test_runs_from_its_experiment_name(experiment, env, compose, shared_data, mo
 
 def test_prism_refuses_a_graph_with_one_modality(tmp_env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    over = ["experiment=cil_fedmvp_cora", "algorithm=cil_prism", "model=prism_gnn", *RUN]
+    over = [
+        "experiment=cil_cora",
+        "algorithm=cil_fedmvp",
+        "algorithm=cil_prism",
+        "model=prism_gnn",
+        *RUN,
+    ]
     with pytest.raises(ConfigError, match="at least two modalities"):
         train(compose(over), tmp_env / "r")
     assert not (tmp_env / "r" / "summary.json").exists()

@@ -95,7 +95,8 @@ def test_retrieval_switches_turn_off_exactly_their_module(
 ):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     over = [
-        "experiment=cir_fedogl_citeseer_mm",
+        "experiment=cir_citeseer_mm",
+        "algorithm=cir_fedogl",
         "protocol.stream.stages=[2,1,1]",
         "federation.rounds=1",
         "logger=none",
@@ -125,7 +126,7 @@ def test_fedogl_with_its_own_modules_off_is_fedavg_with_replay(
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     common = ["protocol.stream.stages=[2,1,1]", "federation.rounds=1", "logger=none"]
     if task == "cir":
-        common.append("experiment=cir_fedogl_citeseer_mm")
+        common += ["experiment=cir_citeseer_mm", "algorithm=cir_fedogl"]
     off = ["algorithm.distill=false", "algorithm.projection=false", "algorithm.prototypes=false"]
     a = train(compose([*common, *off]), tmp_env / "a")
     b = train(compose([*common, f"algorithm={task}_fedavg_replay"]), tmp_env / "b")

@@ -36,7 +36,11 @@ def hand_uplink(run_dir, rounds, d_h, p, families, labels):
 
 
 def test_fedtip_synthetic_end_to_end_with_the_hand_counted_uplink(env, compose):
-    s = train(compose(["experiment=fedtip_synthetic", *SMALL]), env / "a", verbose=False)
+    s = train(
+        compose(["experiment=temporal_synthetic", "algorithm=fedtip", *SMALL]),
+        env / "a",
+        verbose=False,
+    )
     m = s["metrics"]
     assert s["tasks_done"] == 3 and s["tags"]["task"] == "temporal"
     assert s["tags"]["method"] == "fedtip" and s["tags"]["variant"] == "full"
@@ -60,7 +64,7 @@ def test_fedtip_synthetic_end_to_end_with_the_hand_counted_uplink(env, compose):
 
 
 def test_a_stopped_protocol_resumes_at_the_next_task(env, compose):
-    cfg = compose(["experiment=fedtip_synthetic", *SMALL])
+    cfg = compose(["experiment=temporal_synthetic", "algorithm=fedtip", *SMALL])
     straight = train(cfg, env / "straight", verbose=False)
 
     def stop_after_first(kind, step, metrics):
@@ -84,22 +88,33 @@ def test_a_stopped_protocol_resumes_at_the_next_task(env, compose):
     saved["hashes"]["tasks"] = "0" * 16
     (again / "protocol.json").write_text(json.dumps(saved))
     with pytest.raises(FedLightningError, match="refusing to resume"):
-        train(compose(["experiment=fedtip_synthetic", *SMALL, f"resume={again}"]), env / "y")
+        train(
+            compose(
+                ["experiment=temporal_synthetic", "algorithm=fedtip", *SMALL, f"resume={again}"]
+            ),
+            env / "y",
+        )
     assert resumed["comm"]["uplink_values"] == straight["comm"]["uplink_values"]
 
 
 def test_comparators_and_ablation_switches_run(env, compose):
     one = [*SMALL, "protocol.tasks.num_tasks=1"]
     central = train(
-        compose(["experiment=prompt_central_synthetic", *one]), env / "c", verbose=False
+        compose(["experiment=temporal_synthetic", "algorithm=prompt_central", *one]),
+        env / "c",
+        verbose=False,
     )
     assert central["tags"]["method"] == "prompt_central" and central["comm"]["uplink_values"] == 0
     assert "uplink_mib_per_task" not in central["metrics"]  # raw support, not a federation
-    fedavg = train(compose(["experiment=prompt_fedavg_synthetic", *one]), env / "f", verbose=False)
+    fedavg = train(
+        compose(["experiment=temporal_synthetic", "algorithm=prompt_fedavg", *one]),
+        env / "f",
+        verbose=False,
+    )
     fields = fedavg["comm"]["fields"]
     assert "lp/proto.1" not in fields and "lp/coverage" not in fields and "nc/proto.1" in fields
     ab = train(
-        compose(["experiment=fedtip_synthetic", *one, "+ablation=no_pa_rwa"]),
+        compose(["experiment=temporal_synthetic", "algorithm=fedtip", *one, "+ablation=no_pa_rwa"]),
         env / "a",
         verbose=False,
     )
@@ -109,10 +124,22 @@ def test_comparators_and_ablation_switches_run(env, compose):
 
 def test_bad_fedtip_input_fails_before_training(env, compose):
     with pytest.raises(ConfigError, match="families"):
-        train(compose(["experiment=fedtip_synthetic", *SMALL, "families=[nc,xx]"]), env / "a")
+        train(
+            compose(
+                ["experiment=temporal_synthetic", "algorithm=fedtip", *SMALL, "families=[nc,xx]"]
+            ),
+            env / "a",
+        )
     with pytest.raises(ConfigError, match="algorithm.aggregation"):
         train(
-            compose(["experiment=fedtip_synthetic", *SMALL, "algorithm.aggregation=mean"]),
+            compose(
+                [
+                    "experiment=temporal_synthetic",
+                    "algorithm=fedtip",
+                    *SMALL,
+                    "algorithm.aggregation=mean",
+                ]
+            ),
             env / "b",
         )
     assert not (env / "a" / "config.yaml").exists() and not (env / "b").exists()  # no run began
@@ -122,7 +149,7 @@ def test_fedtip_logs_every_task_to_mlflow(env, compose):
     from mlflow.tracking import MlflowClient
 
     over = [o for o in SMALL if o != "logger=none"]
-    cfg = compose(["experiment=fedtip_synthetic", *over, "plots=true"])
+    cfg = compose(["experiment=temporal_synthetic", "algorithm=fedtip", *over, "plots=true"])
     s = train(cfg, env / "a", verbose=False)
     client = MlflowClient(cfg.logger.tracking_uri)
     run_id = json.loads((env / "a" / "mlflow_run.json").read_text())["run_id"]
@@ -138,7 +165,13 @@ def test_fedtip_logs_every_task_to_mlflow(env, compose):
 @pytest.mark.slow
 def test_fedtip_on_bitcoin_alpha(env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    over = ["experiment=fedtip_bitcoin_alpha", *SMALL[:-2], "bank.max_events=3000", "logger=none"]
+    over = [
+        "experiment=temporal_bitcoin_alpha",
+        "algorithm=fedtip",
+        *SMALL[:-2],
+        "bank.max_events=3000",
+        "logger=none",
+    ]
     s = train(compose(over), env / "btc", verbose=False)
     assert s["table"]["events"] == 24_186 and s["families"] == ["nc", "lp"]
     m = s["metrics"]
@@ -153,7 +186,13 @@ def test_fedtip_on_bitcoin_alpha(env, compose, shared_data, monkeypatch):
 def test_fulltune_fedavg_sends_the_whole_model_and_tunes_the_encoder(env, compose):
     from fedlightning.temporal.contexts import fork, load_bank, restore_state
 
-    over = ["experiment=fulltune_fedavg_synthetic", *SMALL, "protocol.tasks.num_tasks=1"]
+    over = [
+        "experiment=temporal_synthetic",
+        "algorithm=fulltune_fedavg",
+        "max_tasks=3",
+        *SMALL,
+        "protocol.tasks.num_tasks=1",
+    ]
     s = train(compose([*over, "families=[lp]"]), env / "f", verbose=False)
     stream = make_synthetic_stream(num_events=20000, seed=2026)
     enc = load_bank(s["bank"]["path"], stream)
@@ -201,7 +240,7 @@ def test_a_fedtip_grid_sweep_reads_the_task_mean(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_CACHE", str(tmp_path / "cache"))
     spec_file = tmp_path / "s.yaml"
     spec_file.write_text(
-        "experiment: fedtip_synthetic\n"
+        "experiment: temporal_synthetic\n"
         "space:\n  algorithm.lambda_a: {type: categorical, choices: [0.0, 1.0]}\n"
         "objective: {metric: val_auc_tlp, direction: maximize}\n"
         "seeds: [2026]\nsampler: {name: grid, seed: 0}\n"

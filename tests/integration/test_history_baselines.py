@@ -34,7 +34,12 @@ GEN = ["algorithm.gen_rounds=1"]  # FedSage+'s generator round, shortened
 
 
 def small(method: str) -> list[str]:
-    return [f"experiment={method}_synthetic", *SMALL, *(GEN if method == "fedsage_plus" else [])]
+    return [
+        "experiment=temporal_synthetic",
+        f"algorithm={method}",
+        *SMALL,
+        *(GEN if method == "fedsage_plus" else []),
+    ]
 
 
 def stop_after_first(kind, step, metrics):
@@ -125,7 +130,10 @@ def test_refuses_a_changed_history_on_resume(runs, shared_cache, monkeypatch):
 def test_refuses_runner_flower_before_training(method, tmp_env, compose):
     """Flower nodes hold no history graph nor its one-off exchange: refused in one line."""
     with pytest.raises(ConfigError, match=r"runner=flower cannot run") as e:
-        train(compose([f"experiment={method}_synthetic", "runner=flower"]), tmp_env / "f")
+        train(
+            compose(["experiment=temporal_synthetic", f"algorithm={method}", "runner=flower"]),
+            tmp_env / "f",
+        )
     assert "\n" not in str(e.value) and not (tmp_env / "f").exists()
     assert not (tmp_env / "cache").exists()  # nothing built: no bank, no history
 
@@ -141,7 +149,12 @@ def test_link_prediction_beats_the_untrained_model(method, env, compose):
     with one generator round, also in its untrained self). Measured (seed 2026): FedGCN
     0.6294 vs 0.5202, FedSage+ 0.6450 vs 0.5312 (margins 0.0265); at the experiments' R=20
     (FedSage+'s 10 generator rounds), 0.7031 and 0.6508 in 4x and 8x the time."""
-    over = [f"experiment={method}_synthetic", *LEARN, *(GEN if method == "fedsage_plus" else [])]
+    over = [
+        "experiment=temporal_synthetic",
+        f"algorithm={method}",
+        *LEARN,
+        *(GEN if method == "fedsage_plus" else []),
+    ]
     trained = train(compose([*over, *LEARN_ROUNDS]), env / "trained", verbose=False)
     untrained = train(compose([*over, *UNTRAINED]), env / "untrained", verbose=False)
     n = trained["table"]["test"]
@@ -156,7 +169,13 @@ def test_link_prediction_beats_the_untrained_model(method, env, compose):
 @pytest.mark.parametrize("method", METHODS)
 def test_runs_on_the_real_streams(method, dataset, env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    over = [f"experiment={method}_{dataset}", "max_tasks=1", *SMALL[1:], "bank.max_events=3000"]
+    over = [
+        f"experiment=temporal_{dataset}",
+        f"algorithm={method}",
+        "max_tasks=1",
+        *SMALL[1:],
+        "bank.max_events=3000",
+    ]
     s = train(
         compose([*over, *(GEN if method == "fedsage_plus" else [])]), env / "r", verbose=False
     )

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 # one client at a time: the hostile client is injected by wrapping the one-client fit
 # (``local_fit``), which a stacked round (``local_fit_share``) does not call
 CORA = [
-    "experiment=fedavg_cora",
+    "experiment=fl_cora",
+    "algorithm=fedavg",
     "federation.rounds=5",
     "logger=none",
     "runner.stack_clients=false",
@@ -95,7 +96,8 @@ def test_fedavg_cora_with_one_1000x_client_and_a_norm_bound(cora, monkeypatch):
 
 
 SMALL = [
-    "experiment=fedtip_synthetic",
+    "experiment=temporal_synthetic",
+    "algorithm=fedtip",
     "protocol.tasks.num_tasks=3",
     "federation.rounds=2",
     "federation.local_epochs=2",

@@ -125,7 +125,8 @@ def test_distributed_kill_in_the_stage_end_exchange_resumes_bitwise(tmp_path, en
 
 # FedTIP on a shorter synthetic stream: 2 tasks, each with families nc and lp of 2 rounds
 FEDTIP = [
-    "experiment=fedtip_synthetic",
+    "experiment=temporal_synthetic",
+    "algorithm=fedtip",
     "dataset.num_events=5000",
     "protocol.tasks.num_tasks=2",
     "federation.rounds=2",

@@ -31,8 +31,13 @@ RUN = ["logger=none", "runner.progress=false"]
 UNTRAINED = ["federation.rounds=1", "model.optimizer.lr=1e-12"]
 CIL = ["protocol=cil", "protocol.stream.stages=[2,1,1]", "task=cil"]
 FL = {
-    "fedavg": ["experiment=fedavg_synthetic", "federation.rounds=3"],
-    "fedprox": ["experiment=fedavg_synthetic", "algorithm=fedprox", "federation.rounds=3"],
+    "fedavg": ["experiment=fl_synthetic", "algorithm=fedavg", "federation.rounds=3"],
+    "fedprox": [
+        "experiment=fl_synthetic",
+        "algorithm=fedavg",
+        "algorithm=fedprox",
+        "federation.rounds=3",
+    ],
 }
 CIL_BASELINES = [
     "cil_fedavg",
@@ -143,7 +148,12 @@ TIP_SUPPORT = [  # FedTIP's learning setting: 120 support events a task over 10 
     "bank.epochs=1",
     "bank.max_events=2000",
 ]
-FEDTIP = ["experiment=fedtip_synthetic", "protocol.tasks.num_tasks=3", *TIP_SUPPORT]  # R=20, E=5
+FEDTIP = [
+    "experiment=temporal_synthetic",
+    "algorithm=fedtip",
+    "protocol.tasks.num_tasks=3",
+    *TIP_SUPPORT,
+]  # R=20, E=5
 
 UNTRAINED_FEDTIP = ["federation.rounds=1", "federation.local_epochs=1", "algorithm.lr=1e-12"]
 

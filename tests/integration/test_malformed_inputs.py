@@ -29,7 +29,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 HANG_GUARD_S = 600  # a subprocess case takes seconds; this only stops a hang
-SYN = ["experiment=fedavg_synthetic", "logger=none"]
+SYN = ["experiment=fl_synthetic", "algorithm=fedavg", "logger=none"]
 FOLDER = [*SYN, "dataset=folder", "dataset.path=g", "federation.clients=2", "partition=random"]
 N = 60  # nodes of the hand-written folder graph: 2 clients of 30
 
@@ -151,7 +151,10 @@ SUB = {"sub": True}
 CASES: dict[str, Case] = {
     # --- configs: Hydra composition (unknown experiment, group option, key; a bad override)
     "unknown experiment": train("experiment=nope", needle="config `experiment`", **SUB),
-    "experiment close name": train("experiment=fedavg_cra", needle="did you mean fedavg_cora"),
+    "experiment close name": train("experiment=fl_cra", needle="did you mean fl_cora"),
+    "experiment of the older form": train(
+        "experiment=cil_fedogl_cora", needle="experiment=cil_cora algorithm=fedogl"
+    ),
     "dataset close name": train("dataset=cor", needle="did you mean cora"),
     "unknown algorithm": train("algorithm=fedavgg", needle="config `algorithm`", **SUB),
     "unknown key": train("foo.bar=1", needle="config `foo.bar`"),
@@ -189,16 +192,22 @@ CASES: dict[str, Case] = {
     ),
     "continual algorithm without stream": train(*SYN, "algorithm=cil_fedavg", needle="protocol"),
     "continual experiment with a plain algorithm": train(
-        "experiment=cil_fedavg_cora", "logger=none", "algorithm=fedavg", needle="algorithm"
+        "experiment=cil_cora",
+        "algorithm=cil_fedavg",
+        "logger=none",
+        "algorithm=fedavg",
+        needle="algorithm",
     ),
     "replay budget negative": train(
-        "experiment=cil_fedavg_replay_cora",
+        "experiment=cil_cora",
+        "algorithm=cil_fedavg_replay",
         "logger=none",
         "algorithm.replay_budget=-1",
         needle="replay_budget",
     ),
     "client fraction zero": train(
-        "experiment=cil_fedavg_cora",
+        "experiment=cil_cora",
+        "algorithm=cil_fedavg",
         "logger=none",
         "protocol.stream.client_fraction=0",
         needle="client_fraction",
@@ -211,7 +220,8 @@ CASES: dict[str, Case] = {
         needle="runner.executor.devices",
     ),
     "data root missing": train(
-        "experiment=fedavg_cora",
+        "experiment=fl_cora",
+        "algorithm=fedavg",
         "logger=none",
         needle="/nonexistent/dir",
         env={"FEDLIGHTNING_DATA": "/nonexistent/dir"},
@@ -520,7 +530,7 @@ CASES: dict[str, Case] = {
     "sweep space not a mapping": Case(
         ["sweep", "bad.yaml", "--out", "s"],
         "bad.yaml",
-        setup=lambda c, r: (c / "bad.yaml").write_text("experiment: fedavg_synthetic\nspace: 3\n"),
+        setup=lambda c, r: (c / "bad.yaml").write_text("experiment: fl_synthetic\nspace: 3\n"),
     ),
     # --- commands
     "unknown command": Case(["tran", "seed=0"], "did you mean train?"),

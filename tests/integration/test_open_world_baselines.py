@@ -383,7 +383,14 @@ def test_end_to_end_on_the_real_data(method, dataset, shared_data, env, compose,
     round each, in the shared cache (each dataset's partition is made once)."""
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     cfg = first_stages(
-        compose([f"experiment=cil_{method}_{dataset}", "federation.rounds=1", "logger=none"])
+        compose(
+            [
+                f"experiment=cil_{dataset}",
+                f"algorithm=cil_{method}",
+                "federation.rounds=1",
+                "logger=none",
+            ]
+        )
     )
     s = train(cfg, env / "run", verbose=False)
     assert len(s["stages"]) == 2
@@ -397,7 +404,14 @@ def test_retrieval_end_to_end_on_the_real_data(method, shared_data, env, compose
     """As :func:`test_end_to_end_on_the_real_data`, for retrieval."""
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     cfg = first_stages(
-        compose([f"experiment=cir_{method}_citeseer_mm", "federation.rounds=1", "logger=none"])
+        compose(
+            [
+                "experiment=cir_citeseer_mm",
+                f"algorithm=cir_{method}",
+                "federation.rounds=1",
+                "logger=none",
+            ]
+        )
     )
     s = train(cfg, env / "run", verbose=False)
     assert len(s["stages"]) == 2

@@ -93,7 +93,12 @@ def test_config_only_rules_fail_before_any_data_is_read(
         raise AssertionError("data was read before the config was checked")
 
     monkeypatch.setattr(graph_program, "load_graph", no_data)
-    base = ["experiment=cil_fedavg_cora", f"data_root={tmp_env / 'nowhere'}", "logger=none"]
+    base = [
+        "experiment=cil_cora",
+        "algorithm=cil_fedavg",
+        f"data_root={tmp_env / 'nowhere'}",
+        "logger=none",
+    ]
     with pytest.raises(ConfigError) as err:
         train(compose([*base, *overrides]), tmp_env / "run", verbose=False)
     assert err.value.key == key and text in str(err.value) and "\n" not in str(err.value)
@@ -105,7 +110,12 @@ def test_bad_stages_of_a_folder_not_yet_written_name_the_stages(tmp_env, compose
     hold for any dataset: the stages error comes first, before the folder is looked at."""
     from fedlightning.config import validate
 
-    over = ["experiment=cil_fedavg_cora", "dataset=folder", f"dataset.path={tmp_env / 'later'}"]
+    over = [
+        "experiment=cil_cora",
+        "algorithm=cil_fedavg",
+        "dataset=folder",
+        f"dataset.path={tmp_env / 'later'}",
+    ]
     with pytest.raises(ConfigError, match="protocol.stream.stages"):
         validate(compose([*over, "protocol.stream.stages=[1,1,1]"]))
     # C unknown: any good layout passes, and then the missing folder is named
@@ -114,7 +124,7 @@ def test_bad_stages_of_a_folder_not_yet_written_name_the_stages(tmp_env, compose
 
 
 def test_bad_stages_from_the_command_line_is_one_line(tmp_path):
-    r = fl(["train", "experiment=cil_fedavg_cora", "protocol.stream.stages=[1,1,1]",
+    r = fl(["train", "experiment=cil_cora", "algorithm=cil_fedavg", "protocol.stream.stages=[1,1,1]",
             f"data_root={tmp_path / 'nowhere'}", "logger=none"], tmp_path)  # fmt: skip
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
@@ -143,7 +153,7 @@ def test_a_label_free_stream_runs_link_prediction_only(tmp_env, compose, caplog)
     from fedlightning.train import train
 
     path = write_label_free(tmp_env / "ratings.txt")
-    over = ["experiment=fedtip_synthetic", "dataset=interactions", f"dataset.path={path}",
+    over = ["experiment=temporal_synthetic", "algorithm=fedtip", "dataset=interactions", f"dataset.path={path}",
             "dataset.bipartite=false", *FEDTIP_SMALL]  # fmt: skip
     with caplog.at_level(logging.INFO, logger="fedlightning.programs.temporal_program"):
         s = train(compose(over), tmp_env / "run", verbose=False)
@@ -176,16 +186,16 @@ def run_dir_of(overrides: list[str]) -> str:
 @pytest.mark.parametrize(
     "overrides, data, experiment",
     [
-        (["experiment=cil_fedavg_cora"], "cora", "cil_fedavg_cora"),
-        (["experiment=cil_fedavg_cora", "dataset=folder", "dataset.path=/d/my graph/"],
+        (["experiment=cil_cora", "algorithm=cil_fedavg"], "cora", "cil_fedavg_cora"),
+        (["experiment=cil_cora", "algorithm=cil_fedavg", "dataset=folder", "dataset.path=/d/my graph/"],
          "my_graph", "cil_fedavg_cora"),  # the folder's name, made one folder name
-        (["experiment=cil_fedavg_cora", "dataset=folder", "dataset.path=/d/g",
+        (["experiment=cil_cora", "algorithm=cil_fedavg", "dataset=folder", "dataset.path=/d/g",
           "dataset.name=mine"], "mine", "cil_fedavg_cora"),
-        (["experiment=fedtip_synthetic", "dataset=interactions", "dataset.path=/d/ratings.txt"],
+        (["experiment=temporal_synthetic", "algorithm=fedtip", "dataset=interactions", "dataset.path=/d/ratings.txt"],
          "ratings", "fedtip_synthetic"),  # the file's stem
-        (["experiment=fedtip_bitcoin_alpha", "dataset.name=bitcoin_otc"], "bitcoin_otc",
+        (["experiment=temporal_bitcoin_alpha", "algorithm=fedtip", "dataset.name=bitcoin_otc"], "bitcoin_otc",
          "fedtip_bitcoin_alpha"),
-        (["experiment=fedtip_wikipedia", "dataset=jodie", "dataset.path=/d/reddit.csv"],
+        (["experiment=temporal_wikipedia", "algorithm=fedtip", "dataset=jodie", "dataset.path=/d/reddit.csv"],
          "reddit", "fedtip_wikipedia"),
         ([], "synthetic", "demo"),
     ],
@@ -238,7 +248,7 @@ def test_a_folder_run_is_named_after_the_folder_and_keeps_its_class_names(tmp_pa
         (folder / f).unlink()
     names = ["ML", "AI", "IR", "DB"]  # named labels: ids in sorted order AI, DB, IR, ML
     (folder / "labels.csv").write_text("".join(f"{names[y]}\n" for y in g.y.tolist()))
-    r = fl(["train", "experiment=cil_fedavg_cora", "dataset=folder", f"dataset.path={folder}",
+    r = fl(["train", "experiment=cil_cora", "algorithm=cil_fedavg", "dataset=folder", f"dataset.path={folder}",
             "protocol.stream.stages=[2,1]", "federation.rounds=1", "federation.clients=2"],
            tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -281,7 +291,7 @@ def test_a_sparse_folder_with_named_classes_trains_like_its_dense_twin(tmp_path)
         for f in ("labels.npy", "class_names.json", "meta.json"):  # named by its folder
             (folder / f).unlink()
         (folder / "labels.csv").write_text("".join(f"{names[y]}\n" for y in g.y.tolist()))
-        r = fl(["train", "experiment=cil_fedogl_cora", "dataset=folder", f"dataset.path={folder}",
+        r = fl(["train", "experiment=cil_cora", "algorithm=fedogl", "dataset=folder", f"dataset.path={folder}",
                 "protocol.stream.stages=[2,1]", "federation.rounds=2", "federation.clients=2",
                 "logger=none"], tmp_path / kind)  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
@@ -299,11 +309,13 @@ def test_cora_bag_of_words_can_be_kept_sparse(compose, shared_data):
     same entries; an unknown modality is one ConfigError naming the key."""
     from fedlightning.programs.graph_program import load_graph
 
-    dense = load_graph(compose(["experiment=fedavg_cora", f"data_root={shared_data}"]))
-    sparse = load_graph(compose(["experiment=fedavg_cora", f"data_root={shared_data}",
+    dense = load_graph(
+        compose(["experiment=fl_cora", "algorithm=fedavg", f"data_root={shared_data}"])
+    )
+    sparse = load_graph(compose(["experiment=fl_cora", "algorithm=fedavg", f"data_root={shared_data}",
                                  "dataset.sparse_modalities=[bow]"]))  # fmt: skip
     assert sparse.features["bow"].layout == torch.sparse_coo
     assert torch.equal(sparse.features["bow"].to_dense(), dense.features["bow"])
     with pytest.raises(ConfigError, match="dataset.sparse_modalities.*unknown modalities"):
-        load_graph(compose(["experiment=fedavg_cora", f"data_root={shared_data}",
+        load_graph(compose(["experiment=fl_cora", "algorithm=fedavg", f"data_root={shared_data}",
                             "dataset.sparse_modalities=[text]"]))  # fmt: skip

@@ -215,7 +215,9 @@ def test_experiments_run_end_to_end_on_real_data(
     clients' own models), one round each."""
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     monkeypatch.setenv("FEDLIGHTNING_CACHE", str(shared_cache))  # each partition made once
-    cfg = compose([f"experiment=cil_{method}_{dataset}", "federation.rounds=1", *RUN])
+    cfg = compose(
+        [f"experiment=cil_{dataset}", f"algorithm=cil_{method}", "federation.rounds=1", *RUN]
+    )
     cfg.protocol.stream.stages = list(cfg.protocol.stream.stages)[:2]
     s = train(cfg, tmp_env / "run", verbose=False)
     assert s["tags"]["method"] == method and s["tags"]["variant"] == "replay"

@@ -138,7 +138,9 @@ def test_killed_mid_round_resumes_bitwise(tmp_path, compose, monkeypatch):
 def test_runs_from_its_experiment_name(experiment, tmp_env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     s = train(
-        compose([f"experiment={experiment}", *SMALL, "logger=none"]),
+        compose(
+            [f"experiment=cil_{experiment[10:]}", "algorithm=cil_power", *SMALL, "logger=none"]
+        ),
         tmp_env / "r",
         verbose=False,
     )
@@ -153,7 +155,8 @@ def test_two_gloo_ranks_equal_the_sequential_run(tmp_env, dist_env, compose):  #
     class gradients, server reconstruction and distillation under two ranks equal the
     sequential run, bitwise."""
     over = [
-        "experiment=cil_power_cora",
+        "experiment=cil_cora",
+        "algorithm=cil_power",
         "protocol.stream.stages=[2,2]",
         *SMALL[:2],
         *SHORT_RECON,

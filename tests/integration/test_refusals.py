@@ -36,10 +36,10 @@ def test_hydra_composition_errors_are_one_line_with_close_names(compose):
     from hydra.errors import HydraException
 
     with pytest.raises(HydraException) as e:
-        compose(["experiment=fedavg_cra"])
+        compose(["experiment=fl_cra"])
     line = hydra_error_line(e.value)
-    assert line.startswith("config `experiment`: no option 'fedavg_cra'")
-    assert "did you mean fedavg_cora" in line and "\n" not in line
+    assert line.startswith("config `experiment`: no option 'fl_cra'")
+    assert "did you mean fl_cora" in line and "\n" not in line
     with pytest.raises(HydraException) as e:
         compose(["federation.rounds=["])
     line = hydra_error_line(e.value)

@@ -48,9 +48,13 @@ def runs(tmp_path_factory, shared_data) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("identity")
     env = {"FEDLIGHTNING_DATA": str(shared_data), "FEDLIGHTNING_CACHE": str(root / "cache")}
     one_round = [*SMALL, "federation.rounds=1"]
-    cora = fl_here(["train", "experiment=fedavg_cora", *one_round, "hydra.run.dir=cora"], root, env)
+    cora = fl_here(
+        ["train", "experiment=fl_cora", "algorithm=fedavg", *one_round, "hydra.run.dir=cora"],
+        root,
+        env,
+    )
     assert cora.returncode == 0, cora.stderr
-    synth = ["train", "experiment=fedavg_synthetic", *SMALL, "hydra.run.dir=synth"]
+    synth = ["train", "experiment=fl_synthetic", "algorithm=fedavg", *SMALL, "hydra.run.dir=synth"]
     killed = fl([*synth, "runner.kill_at=2:1"], root, env)
     assert killed.returncode == -9, killed.stderr
     assert (root / "synth" / "checkpoint.pt").exists()

@@ -19,7 +19,7 @@ def _close(a, b):
 
 
 def test_fedavg_with_secure_sums_equals_the_plain_run(tmp_env, compose):
-    base = ["experiment=fedavg_synthetic", "federation.rounds=2", "logger=none"]
+    base = ["experiment=fl_synthetic", "algorithm=fedavg", "federation.rounds=2", "logger=none"]
     plain = train(compose(base), tmp_env / "plain", verbose=False)
     secure = train(compose([*base, "federation.secure_sum=true"]), tmp_env / "s", verbose=False)
     _close(plain["metrics"], secure["metrics"])
@@ -56,7 +56,8 @@ def test_fedogl_sums_models_and_prototypes_securely(tmp_env, compose):
 
 
 FEDTIP = [
-    "experiment=fedtip_synthetic",
+    "experiment=temporal_synthetic",
+    "algorithm=fedtip",
     "protocol.tasks.num_tasks=1",
     "federation.rounds=2",
     "federation.local_epochs=1",

@@ -8,7 +8,10 @@ import torch
 from fedlightning.train import train
 
 pytestmark = pytest.mark.slow
-SYN = "experiment=fedavg_synthetic"  # the smallest FedAvg run (the default is FedOGL)
+SYN = (
+    "experiment=fl_synthetic",
+    "algorithm=fedavg",
+)  # the smallest FedAvg run (the default is FedOGL)
 
 
 def cora_model_values(classes=7, bow=1433, h=64, modalities=1):
@@ -22,7 +25,7 @@ def cora_model_values(classes=7, bow=1433, h=64, modalities=1):
 
 def test_fedavg_cora_accuracy_uplink_and_repeatability(tmp_env, shared_data, monkeypatch, compose):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    cfg = compose(["experiment=fedavg_cora", "federation.rounds=20", "logger=none"])
+    cfg = compose(["experiment=fl_cora", "algorithm=fedavg", "federation.rounds=20", "logger=none"])
     s1 = train(cfg, tmp_env / "run1")
     # federated 2-layer GCN on Cora, 5 Louvain clients, 60/20/20: about 0.75 or more
     assert s1["metrics"]["test_acc"] >= 0.75
@@ -32,7 +35,8 @@ def test_fedavg_cora_accuracy_uplink_and_repeatability(tmp_env, shared_data, mon
     assert s1["comm"]["fields"]["num_examples"] == {"up": 100, "down": 0}
     assert "train_loss" not in s1["comm"]["fields"] and "train_loss" not in s1["metrics"]
     s2 = train(
-        compose(["experiment=fedavg_cora", "federation.rounds=20", "logger=none"]), tmp_env / "run2"
+        compose(["experiment=fl_cora", "algorithm=fedavg", "federation.rounds=20", "logger=none"]),
+        tmp_env / "run2",
     )
     assert s1["metrics"] == s2["metrics"] and s1["hashes"] == s2["hashes"]
     on_disk = json.loads((tmp_env / "run1" / "summary.json").read_text())
@@ -45,7 +49,9 @@ def test_fedavg_cora_accuracy_uplink_and_repeatability(tmp_env, shared_data, mon
 def test_fedprox_citeseer_mm_two_modalities(tmp_env, shared_data, monkeypatch, compose):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     s = train(
-        compose(["experiment=fedprox_citeseer_mm", "federation.rounds=3", "logger=none"]),
+        compose(
+            ["experiment=fl_citeseer_mm", "algorithm=fedprox", "federation.rounds=3", "logger=none"]
+        ),
         tmp_env / "run",
     )
     assert s["tags"]["dataset"] == "citeseer_mm" and s["tags"]["method"] == "fedprox"

@@ -31,7 +31,12 @@ def queries_per_client(cfg) -> list[int]:
 def test_cir_fedavg_replay_citeseer_mm_end_to_end(tmp_env, shared_data, monkeypatch, compose):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     cfg = compose(
-        ["experiment=cir_fedavg_replay_citeseer_mm", "federation.rounds=2", "logger=none"]
+        [
+            "experiment=cir_citeseer_mm",
+            "algorithm=cir_fedavg_replay",
+            "federation.rounds=2",
+            "logger=none",
+        ]
     )
     s = train(cfg, tmp_env / "run")
     m = s["metrics"]

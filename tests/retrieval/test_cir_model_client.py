@@ -193,7 +193,7 @@ def test_algorithm_wiring_and_validation():
 def test_experiment_configs_compose(compose, method, expect):
     from fedlightning.config import build
 
-    cfg = compose([f"experiment=cir_{method}_citeseer_mm"])
+    cfg = compose(["experiment=cir_citeseer_mm", f"algorithm=cir_{method}"])
     assert cfg.task == "cir" and cfg.name == f"cir_{method}_citeseer_mm"
     assert cfg.model.net._target_ == "fedlightning.models.cross_modal.CrossModalGNN"
     assert cfg.model.net.conv == "gcn"

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 # A bank of one epoch on the synthetic stream at a quarter of its events, in two tasks: its
 # runs build a few clients' contexts (each a fork of the snapshot), not the default's 500.
 SHORT_BANK = [
-    "experiment=bank_tgn_synthetic",
+    "experiment=bank_synthetic",
+    "bank=tgn",
     "dataset.num_events=5000",
     "protocol.tasks.num_tasks=2",
     "bank.epochs=1",
@@ -207,7 +208,8 @@ def test_bank_runs_from_the_config_and_are_reused(tmp_env, compose):
 def test_bitcoin_prefix_bank_from_real_data(tmp_env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
     over = [
-        "experiment=bank_tgat_bitcoin_alpha",
+        "experiment=bank_bitcoin_alpha",
+        "bank=tgat",
         "bank.epochs=1",
         "bank.max_events=3000",
         "logger=none",

@@ -221,7 +221,7 @@ def touched_items(stream, manifest, events, negs, family):
 def test_fedgnn_synthetic_uplink_by_hand_and_pseudo_items_in_the_ledger(env, compose):
     from fedlightning.data.temporal import make_synthetic_stream
 
-    over = ["experiment=fedgnn_synthetic", *SMALL, "algorithm.pseudo_items=5"]
+    over = ["experiment=temporal_synthetic", "algorithm=fedgnn", *SMALL, "algorithm.pseudo_items=5"]
     s = train(compose(over), env / "a", verbose=False)
     assert s["tags"]["method"] == "fedgnn" and s["hashes"]["history_graph"]
     assert not np.isnan(s["metrics"]["auc_tlp"]) and not np.isnan(s["metrics"]["auc_nc"])
@@ -247,7 +247,11 @@ def test_fedgnn_synthetic_uplink_by_hand_and_pseudo_items_in_the_ledger(env, com
 
 
 def test_fedlink_synthetic_uplink_by_hand(env, compose):
-    s = train(compose(["experiment=fedlink_synthetic", *SMALL]), env / "b", verbose=False)
+    s = train(
+        compose(["experiment=temporal_synthetic", "algorithm=fedlink", *SMALL]),
+        env / "b",
+        verbose=False,
+    )
     assert s["tags"]["method"] == "fedlink"
     assert not np.isnan(s["metrics"]["auc_tlp"])
     owner = np.asarray(json.loads((env / "b" / "ownership.json").read_text())["owner"])
@@ -265,7 +269,13 @@ def test_fedlink_synthetic_uplink_by_hand(env, compose):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fedgnn_synthetic", "fedlink_synthetic"])
 def test_baseline_resumes_at_the_next_task_and_refuses_a_changed_protocol(name, env, compose):
-    over = [f"experiment={name}", *SMALL, "federation.rounds=1", "federation.local_epochs=1"]
+    over = [
+        "experiment=temporal_synthetic",
+        f"algorithm={name.removesuffix('_synthetic')}",
+        *SMALL,
+        "federation.rounds=1",
+        "federation.local_epochs=1",
+    ]
     straight = train(compose(over), env / "straight", verbose=False)
 
     def stop(kind, step, metrics):
@@ -290,7 +300,14 @@ def test_flower_is_refused_before_any_training(tmp_env, compose):
     from fedlightning.errors import ConfigError
 
     for name in ("fedgnn_synthetic", "fedlink_synthetic"):
-        cfg = compose([f"experiment={name}", "runner=flower", "logger=none"])
+        cfg = compose(
+            [
+                "experiment=temporal_synthetic",
+                f"algorithm={name.removesuffix('_synthetic')}",
+                "runner=flower",
+                "logger=none",
+            ]
+        )
         with pytest.raises(ConfigError, match="runner=flower cannot run"):
             train(cfg, tmp_env / name, verbose=False)
         assert not (tmp_env / name).exists()  # refused before a run directory exists
@@ -319,7 +336,12 @@ def pairs(tmp_path_factory, shared_cache):
     def get(name: str) -> tuple[dict, dict]:
         if name not in done:
             root = tmp_path_factory.mktemp(name)
-            over = [f"experiment={name}", *LEARN, FIRST_TASK]
+            over = [
+                "experiment=temporal_synthetic",
+                f"algorithm={name.removesuffix('_synthetic')}",
+                *LEARN,
+                FIRST_TASK,
+            ]
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("FEDLIGHTNING_CACHE", str(shared_cache))
                 trained = train(
@@ -388,7 +410,11 @@ REAL = [
 @pytest.mark.parametrize("data, families", [("bitcoin_alpha", ["nc", "lp"]), ("wikipedia", ["lp"])])
 def test_baseline_on_real_data(method, data, families, env, compose, shared_data, monkeypatch):
     monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
-    s = train(compose([f"experiment={method}_{data}", *REAL]), env / "r", verbose=False)
+    s = train(
+        compose([f"experiment=temporal_{data}", f"algorithm={method}", *REAL]),
+        env / "r",
+        verbose=False,
+    )
     assert s["families"] == families and s["tasks_done"] == 1
     assert s["tags"]["method"] == method and s["hashes"]["history_graph"]
     keys = ["auc_tlp", "auc_ilp"] + (["auc_nc"] if "nc" in families else [])
@@ -422,7 +448,7 @@ def test_two_gloo_ranks_equal_the_sequential_run(name, tmp_env, monkeypatch):
     from tests.conftest import compose_cfg
 
     repo = Path(__file__).resolve().parents[2]
-    over = [f"experiment={name}", *DIST]
+    over = ["experiment=temporal_synthetic", f"algorithm={name.removesuffix('_synthetic')}", *DIST]
     env = {**os.environ, "FEDLIGHTNING_CACHE": str(tmp_env / "cache"),
            "OMP_NUM_THREADS": str(torch.get_num_threads()),
            "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}  # fmt: skip

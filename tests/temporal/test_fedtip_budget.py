@@ -30,7 +30,10 @@ def batch(n, seed):
 
 
 def budget(compose) -> FedTIP:
-    return build(compose(["experiment=fedtip_budget_bitcoin_alpha"]).algorithm, "algorithm")
+    return build(
+        compose(["experiment=temporal_bitcoin_alpha", "algorithm=fedtip_budget"]).algorithm,
+        "algorithm",
+    )
 
 
 def test_the_budget_message_is_counted_by_hand_in_the_ledger(compose):

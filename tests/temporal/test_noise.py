@@ -212,7 +212,8 @@ def test_clients_train_on_noisy_labels_and_evaluation_labels_are_clean():
 
 # --- end to end -----------------------------------------------------------------------------
 SMALL = [
-    "experiment=fedtip_synthetic",
+    "experiment=temporal_synthetic",
+    "algorithm=fedtip",
     "protocol.tasks.num_tasks=2",
     "max_tasks=1",
     "federation.rounds=1",
