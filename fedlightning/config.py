@@ -232,7 +232,11 @@ def build(node: Any, key: str, **kwargs: Any) -> Any:
     becomes a :class:`ConfigError` naming ``key``. An algorithm's :data:`METHOD_KEY` is not
     passed to its class."""
     if key == "algorithm" and isinstance(node, DictConfig) and METHOD_KEY in node:
-        node = OmegaConf.masked_copy(node, [k for k in node if k != METHOD_KEY])
+        try:  # resolved where it stands (its interpolations may point outside it)
+            node = OmegaConf.to_container(node, resolve=True)
+        except Exception as e:
+            raise ConfigError(key, f"{e.__class__.__name__}: {e}") from None
+        node.pop(METHOD_KEY)
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as e:
