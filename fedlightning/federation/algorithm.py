@@ -175,6 +175,11 @@ class Algorithm:
         """A client's stage-end message (``None``: it sends nothing)."""
         return None
 
+    def check_optimizer(self, optimizer: Any) -> str | None:
+        """Why the local optimizer ``optimizer`` (the ``model.optimizer`` config) does not suit
+        the method, or ``None`` (default: any). Asked with the config, before data loads."""
+        return None
+
     def node_score(
         self, logits: Any, known: Any, data: Any, reps: Any, global_state: dict
     ) -> Any | None:

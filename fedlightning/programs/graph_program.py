@@ -202,7 +202,11 @@ def train_graph(
     if cfg.get("resume"):  # a fresh run's config was checked by train(), before any import
         validate(cfg)  # every rule the config alone decides, before any data is read
     if not cfg.get("resume"):
-        check_algorithm_fits_protocol(build(cfg.algorithm, "algorithm"), cfg.protocol.get("stream"))
+        method = build(cfg.algorithm, "algorithm")
+        check_algorithm_fits_protocol(method, cfg.protocol.get("stream"))
+        why = method.check_optimizer(cfg.model.optimizer)
+        if why:
+            raise ConfigError("model.optimizer", why)
     if runner is None:  # first: a distributed runner joins its ranks here
         runner = build(cfg.runner, "runner")
     world = runner.world  # only rank 0 writes files; the others get its results
@@ -220,6 +224,7 @@ def train_graph(
     check_algorithm_fits_protocol(algorithm, stream)
     runner.begin(cfg, run_dir, hashes)
     server = algorithm.server(net.state_dict())
+    server.setup(len(clients))
     if enabled(cfg.federation.get("secure_sum", False)):
         server.secure = secure_sum_of(cfg, server, runner)
     run = Run(cfg, run_dir, world.is_main, resuming)

@@ -24,6 +24,10 @@ class ServerModule:
 
     secure_sum: str | None = None
 
+    def setup(self, global_state: dict[str, Tensor], num_clients: int) -> None:
+        """Before the first round (and before a resume loads its state): the initial global
+        model and the number of clients ``N`` of the federation (SCAFFOLD's ``1/N``)."""
+
     def summed_prototypes(self, global_state: dict[str, Tensor]) -> tuple[int, int] | None:
         """``(classes, dim)`` of the per-class prototype sums a secure sum must carry for
         this module (FedOGL's prototype bank), or ``None`` when it reads none."""
@@ -73,6 +77,11 @@ class Server:
         self.aggregator = aggregator
         self.modules = dict(modules or {})
         self.max_update_norm, self.max_client_weight = max_update_norm, max_client_weight
+
+    def setup(self, num_clients: int) -> None:
+        """Tell every module the initial global model and the number of clients."""
+        for mod in self.modules.values():
+            mod.setup(self.global_state, num_clients)
 
     def broadcast(self, round: int) -> ServerBroadcast:
         """The message every sampled client receives at the start of ``round``."""
