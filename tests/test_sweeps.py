@@ -408,7 +408,7 @@ MALFORMED = [  # (file text, the key the error line names)
     (GOOD + "pruner: {name: median, warmup: 3}\n", "pruner"),
     (GOOD + "overrides: federation.rounds=2\n", "overrides"),
     (GOOD.replace("trials: 1", "trials: 2"), "trials"),  # one categorical point
-    (GOOD.replace("fedavg_synthetic", "no_such_experiment"), "experiment"),
+    (GOOD.replace("fl_synthetic", "no_such_experiment"), "experiment"),
     (GOOD.replace("algorithm._target_:", "algorithm.no_such_key:"), "space.algorithm.no_such_key"),
     (GOOD + "storage: nosuchdb://x\n", "storage"),
 ]  # fmt: skip

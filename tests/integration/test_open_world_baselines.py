@@ -302,7 +302,7 @@ def test_the_loop_negates_a_score_that_ranks_validation_unknowns_higher():
     assert ContinualLoop.orient(calibrated, p) == -1.0
     assert p["test"][0]["score"].tolist() == pytest.approx([-0.3, -0.8])
     assert p["val"][0]["unknown_score"].tolist() == pytest.approx([-0.9])
-    plain = SimpleNamespace(algorithm=SimpleNamespace())
+    plain = SimpleNamespace(algorithm=SimpleNamespace(calibrate_direction=False))
     p = parts()
     assert ContinualLoop.orient(plain, p) == 1.0 and p["test"][0][
         "score"

@@ -188,19 +188,19 @@ def run_dir_of(overrides: list[str]) -> str:
     [
         (["experiment=cil_cora", "algorithm=cil_fedavg"], "cora", "cil_fedavg_cora"),
         (["experiment=cil_cora", "algorithm=cil_fedavg", "dataset=folder", "dataset.path=/d/my graph/"],
-         "my_graph", "cil_fedavg_cora"),  # the folder's name, made one folder name
+         "my_graph", "cil_fedavg_my_graph"),  # the folder's name, made one folder name
         (["experiment=cil_cora", "algorithm=cil_fedavg", "dataset=folder", "dataset.path=/d/g",
-          "dataset.name=mine"], "mine", "cil_fedavg_cora"),
+          "dataset.name=mine"], "mine", "cil_fedavg_mine"),
         (["experiment=temporal_synthetic", "algorithm=fedtip", "dataset=interactions", "dataset.path=/d/ratings.txt"],
-         "ratings", "fedtip_synthetic"),  # the file's stem
+         "ratings", "fedtip_ratings"),  # the file's stem
         (["experiment=temporal_bitcoin_alpha", "algorithm=fedtip", "dataset.name=bitcoin_otc"], "bitcoin_otc",
-         "fedtip_bitcoin_alpha"),
+         "fedtip_bitcoin_otc"),
         (["experiment=temporal_wikipedia", "algorithm=fedtip", "dataset=jodie", "dataset.path=/d/reddit.csv"],
-         "reddit", "fedtip_wikipedia"),
+         "reddit", "fedtip_reddit"),
         ([], "synthetic", "demo"),
     ],
 )  # fmt: skip
-def test_the_run_folder_takes_the_data_name_and_the_experiment_stays_the_recipe(
+def test_the_run_folder_and_the_experiment_take_the_method_and_the_data_name(
     overrides, data, experiment, compose
 ):
     prefix, stamp = run_dir_of(overrides).rsplit("/", 1)
@@ -235,8 +235,8 @@ def test_data_name_reads_files_folders_and_names(tmp_path):
 
 def test_a_folder_run_is_named_after_the_folder_and_keeps_its_class_names(tmp_path):
     """From the command line: `dataset=folder` with class-name labels under a recipe of
-    another dataset. The run folder and MLflow run name take the folder's name, the
-    experiment stays the recipe's, and class_names.json (next to partition.json, and an
+    another dataset. The run folder, MLflow run name and experiment take the folder's name
+    beside the method's, and class_names.json (next to partition.json, and an
     artifact) maps the label ids back to the names."""
     from fedlightning.data.graphs import make_synthetic, save_folder
 
@@ -252,18 +252,20 @@ def test_a_folder_run_is_named_after_the_folder_and_keeps_its_class_names(tmp_pa
             "protocol.stream.stages=[2,1]", "federation.rounds=1", "federation.clients=2"],
            tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    (run,) = (tmp_path / "outputs" / "my_graph" / "cil_fedavg_cora").iterdir()
+    (run,) = (tmp_path / "outputs" / "my_graph" / "cil_fedavg_my_graph").iterdir()
     assert json.loads((run / "class_names.json").read_text()) == ["AI", "DB", "IR", "ML"]
     assert (run / "partition.json").exists()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["experiment"] == "cil_fedavg_cora" and summary["tags"]["dataset"] == "my_graph"
+    assert (
+        summary["experiment"] == "cil_fedavg_my_graph" and summary["tags"]["dataset"] == "my_graph"
+    )
 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     mrun = client.get_run(json.loads((run / "mlflow_run.json").read_text())["run_id"])
-    assert mrun.info.run_name == "my_graph-cil_fedavg_cora-seed0"
-    assert mrun.data.tags["experiment"] == "cil_fedavg_cora"
+    assert mrun.info.run_name == "my_graph-cil_fedavg_my_graph-seed0"
+    assert mrun.data.tags["experiment"] == "cil_fedavg_my_graph"
     assert "class_names.json" in {a.path for a in client.list_artifacts(mrun.info.run_id)}
 
 
@@ -295,7 +297,7 @@ def test_a_sparse_folder_with_named_classes_trains_like_its_dense_twin(tmp_path)
                 "protocol.stream.stages=[2,1]", "federation.rounds=2", "federation.clients=2",
                 "logger=none"], tmp_path / kind)  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
-        (run,) = (tmp_path / kind / "outputs" / "pages" / "cil_fedogl_cora").iterdir()
+        (run,) = (tmp_path / kind / "outputs" / "pages" / "cil_fedogl_pages").iterdir()
         summaries[kind] = json.loads((run / "summary.json").read_text())
     sparse, dense = summaries["sparse"]["metrics"], summaries["dense"]["metrics"]
     assert sparse.keys() == dense.keys() and "am" in sparse

@@ -65,7 +65,7 @@ def test_cold_path_logs_progress_and_computes_the_same_bank_and_contexts(
     tmp_path, caplog, monkeypatch, threads
 ):
     monkeypatch.setattr(bank_module, "PROGRESS_LOG_EVERY_S", 0.0)  # a line after every batch
-    with caplog.at_level(logging.INFO, logger="fedlightning.temporal"):
+    with caplog.at_level(logging.INFO, logger="fedlightning"):
         loud, loud_ctx, proto = build(tmp_path / "loud", caller_threads=2)
     lines = [r.getMessage() for r in caplog.records]
     for stage in ("bank epoch 1/2", "bank epoch 2/2", "bank snapshot", "contexts (2 tasks)"):
