@@ -22,6 +22,7 @@ from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.noise import noise_settings
 from fedlightning.data.temporal.protocol import TemporalProtocol, materialize
 from fedlightning.errors import ConfigError, FedLightningError
+from fedlightning.experiments import metric_text
 from fedlightning.federation.task_pool import resolve_workers
 from fedlightning.federation.tasks import TaskBatches, as_single
 from fedlightning.federation.world import World
@@ -175,7 +176,7 @@ def format_temporal_summary(summary: dict[str, Any]) -> str:
     rows.append(("tasks", f"{summary['tasks_done']} x {summary['rounds']} rounds"))
     for k in ("auc_nc", "auc_tlp", "auc_ilp", "val_auc_nc", "val_auc_tlp"):
         if k in m:
-            rows.append((k, f"{m[k]:.4f} +- {m[k + '_std']:.4f}"))
+            rows.append((k, f"{metric_text(m[k])} +- {metric_text(m.get(k + '_std'))}"))
     if "uplink_mib_per_task" in m:
         rows.append(("uplink per task", f"{m['uplink_mib_per_task']:.4f} MiB"))
     if "recurrent_downlink_mib_per_task" in c and "uplink_mib_per_task" in m:
