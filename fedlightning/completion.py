@@ -33,6 +33,8 @@ BASH = r"""# fedlightning shell completion (bash): eval "$(fedlightning completi
 _fedlightning_complete() {
     local line="${COMP_LINE:0:COMP_POINT}"
     local cur="${COMP_WORDS[COMP_CWORD]}"
+    # a lone '=' or ':' is a word to bash but not to readline, which inserts after it
+    [[ "$cur" == [=:] ]] && cur=""
     local token="${line##*[[:space:]]}"  # the word under completion, '=' and ':' included
     local prefix=""  # what bash splits off before $cur at COMP_WORDBREAKS ('=' and ':')
     [[ "$token" == *"$cur" ]] && prefix="${token%"$cur"}"
