@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from fedlightning.config import CONF_DIR, compose, run_label
 from fedlightning.errors import ConfigError, FedLightningError
 
-USAGE = """usage: fedlightning COMMAND [hydra overrides]
+USAGE = """usage: fedlightning COMMAND [hydra overrides]   (fedlightning --version)
 
 commands:
   train     run an experiment: fedlightning train experiment=fedavg_cora federation.rounds=20
@@ -509,8 +509,26 @@ def _manifest(rest: list[str]) -> int:
     return 0
 
 
+DATA_USAGE = """usage: fedlightning data SUBCOMMAND ...
+
+subcommands:
+  features RAW --out DIR     encode raw node texts and images into a dataset folder
+                             (dataset=folder; fedlightning data features --help)
+  manifest [--out DIR] [hydra overrides]
+                             materialize FedTIP's protocol objects and print the manifest
+                             table (fedlightning data manifest --help)
+"""
+
+
 def _data(rest: list[str]) -> int:
-    if rest[:1] == ["manifest"]:
+    if not rest or rest[0] in ("-h", "--help", "help"):
+        print(DATA_USAGE, end="", file=sys.stdout if rest else sys.stderr)
+        return 0 if rest else 2
+    if rest[0] not in ("features", "manifest"):
+        raise FedLightningError(
+            f"fedlightning data: unknown subcommand {rest[0]!r} (features or manifest)"
+        )
+    if rest[0] == "manifest":
         return _manifest(rest[1:])
     from fedlightning.data.features import extract
 
@@ -599,10 +617,40 @@ def yaml_error_line(e: Exception) -> str:
     )
 
 
+def version() -> str:
+    """The installed distribution's version (the package's own in a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("fedlightning")
+    except PackageNotFoundError:
+        from fedlightning import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> None:
+    """The ``fedlightning`` command; a reader that closes the pipe early (``| head``) ends
+    it quietly, as the Python docs advise (``signal-handling`` / ``SIGPIPE``)."""
+    try:
+        try:
+            _main(argv)
+        finally:  # also on sys.exit: a closed pipe shows here, not at the interpreter's exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # stdout is gone: point it at devnull so that the interpreter's final flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+def _main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return
+    if args[0] in ("-V", "--version"):
+        print(f"fedlightning {version()}")
         return
     command, rest = args[0], args[1:]
     if command == "completion" or _wants_shell_completion(args):

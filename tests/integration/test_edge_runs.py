@@ -4,6 +4,7 @@ metric that cannot be computed prints as ``-`` while the log says why."""
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ def test_one_stage_class_incremental_run_is_plain_fl_with_open_set_metrics(tmp_p
     env = {"FEDLIGHTNING_CACHE": str(tmp_path / "cache")}
     over = ["protocol.stream.stages=[3]", "federation.rounds=1", "logger=none"]
     r = fl_ok(["train", *over], tmp_path, env)
-    s = json.loads((only_run(tmp_path) / "summary.json").read_text())
+    run = only_run(tmp_path)
+    s = json.loads((run / "summary.json").read_text())
     m = s["metrics"]
     (classes,) = s["stream"]["stages"]
     assert len(classes) == 3 and s["acc_matrix"] == [[m["am"]]]
@@ -34,6 +36,12 @@ def test_one_stage_class_incremental_run_is_plain_fl_with_open_set_metrics(tmp_p
     assert m["am"] == pytest.approx(m["test_acc"], abs=1e-12)
     assert m["fm"] == 0.0 and 0.0 <= m["fpr95"] <= 1.0 and 0.0 <= m["auroc_ood"] <= 1.0
     assert f"fpr95            {m['fpr95']:.4f}" in r.stdout
+    # the files a run writes atomically get the modes of those written in place
+    mode = stat.S_IMODE((run / "config.yaml").stat().st_mode)
+    assert {stat.S_IMODE((run / f).stat().st_mode) for f in ("summary.json", "stream.json")} == {
+        mode
+    }
+    assert mode & 0o044  # readable by group and others under the usual umask
 
 
 @pytest.mark.slow
