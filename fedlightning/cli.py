@@ -184,11 +184,12 @@ def _resume_run_dir(args: list[str]) -> list[str]:
     resume = next((a for a in args if a.startswith("resume=") and a != "resume=null"), None)
     if resume is None:
         return args
-    ignored = [a for a in args if not a.startswith(("resume=", "runner", "logger", "hydra"))]
+    kept = ("resume=", "runner", "trainer", "logger", "hydra")
+    ignored = [a for a in args if not a.startswith(kept)]
     if ignored:
         print(
             f"warning: a resumed run keeps its saved config; ignoring {' '.join(ignored)} "
-            "(only runner.* and logger.* may change)",
+            "(only runner.*, trainer.* and logger.* may change)",
             file=sys.stderr,
         )
     if any(a.startswith("hydra.run.dir=") for a in args):

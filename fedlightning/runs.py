@@ -30,7 +30,16 @@ MLFLOW_RUN_FILE, IDENTITY_FILE = "mlflow_run.json", "identity.json"
 # observe(kind, step, metrics): see fedlightning.train.train
 Observer = Callable[[str, int, dict[str, float]], None]
 # What a resume may change without changing the run (how and where it runs, not what).
-RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra", "threads", "task_workers", "plots")
+RESUMABLE_KEYS = (
+    "runner",
+    "trainer",
+    "logger",
+    "resume",
+    "hydra",
+    "threads",
+    "task_workers",
+    "plots",
+)
 # Any failure to unpickle a file that is not a torch checkpoint.
 _UNREADABLE = (
     pickle.UnpicklingError,
@@ -180,6 +189,8 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
         check_resume_dir(old)
         saved = load_saved_config(old / CONFIG_FILE)
         saved.runner, saved.logger = cfg.runner, cfg.logger
+        if "trainer" in cfg:  # where the local fits run: the resuming invocation's, as runner
+            saved.trainer = cfg.trainer
         saved.threads = cfg.get("threads", "auto")
         saved.plots = cfg.get("plots", True)
         saved.resume = str(old)
