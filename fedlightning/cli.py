@@ -30,6 +30,7 @@ commands:
   sweep     run (or resume) an Optuna study: fedlightning sweep sweeps/fedprox_mu_cora.yaml
             options: --trials N --storage URI --study NAME --out DIR, then Hydra overrides
             for every run (e.g. federation.rounds=5)
+            dashboard: fedlightning sweep dashboard sweeps/fedprox_mu_cora.yaml
   report    tables and plots from MLflow runs: fedlightning report --task cil --out reports/
             (fedlightning report --help for the layouts and filters)
   flower-sim  the experiment as a Flower app in Flower's simulation engine (runner=flower):
@@ -441,7 +442,25 @@ def _run_train(multirun: bool) -> None:
         _show_user_errors_as_set()
 
 
+def _sweep_log(path: Path) -> None:
+    """Optuna's log lines and the warnings raised while a sweep runs (Optuna's experimental
+    features, ...) go to ``path``, not to the terminal."""
+    import optuna
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    optuna.logging.disable_default_handler()
+    logging.captureWarnings(True)
+    for name in ("optuna", "py.warnings"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 def _sweep(rest: list[str]) -> int:
+    if rest[:1] == ["dashboard"]:
+        return _sweep_dashboard(rest[1:])
     from fedlightning.sweeps import Sweep, load_spec
     from fedlightning.train import train
 
@@ -463,15 +482,47 @@ def _sweep(rest: list[str]) -> int:
         check_lightning_ddp(cfg, "fedlightning sweep")
         return train(cfg, run_dir, observe, verbose=False)
 
-    study = Sweep(spec, args.out, overrides, compose, quiet_train).run()
+    sweep = Sweep(spec, args.out, overrides, compose, quiet_train)
+    _sweep_log(args.out / spec.study_name / "sweep.log")
+    study = sweep.run()
     states = Counter(t.state.name for t in study.trials)
     print("-" * 55)
     print(f"study            {study.study_name} ({spec.storage})")
+    print(f"output           {args.out / study.study_name} (trials, trials.csv, sweep.log)")
+    if sweep.parent is not None:
+        print(f"mlflow run       {sweep.parent.run_id} ({sweep.parent.tracking_uri})")
     print(f"trials           {', '.join(f'{n} {k.lower()}' for k, n in sorted(states.items()))}")
     if states["COMPLETE"]:
         print(f"best {spec.metric:<11} {study.best_value:.4f} (trial {study.best_trial.number})")
         for k, v in study.best_params.items():
             print(f"  {k} = {v}")
+    return 0
+
+
+def _sweep_dashboard(rest: list[str]) -> int:
+    """``fedlightning sweep dashboard STUDY``: optuna-dashboard (the ``dashboard`` extra) on
+    the storage of a sweep file, or on a storage URL."""
+    from fedlightning.sweeps import load_spec
+
+    ap = argparse.ArgumentParser(
+        prog="fedlightning sweep dashboard",
+        description="Open optuna-dashboard on a sweep's study storage.",
+    )
+    ap.add_argument("study", help="a sweep file (its storage) or an Optuna storage URL")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8080)
+    args = ap.parse_args(rest)
+    looks_like_file = args.study.endswith((".yaml", ".yml")) or Path(args.study).is_file()
+    storage = load_spec(args.study).storage if looks_like_file else args.study
+    try:
+        from optuna_dashboard import run_server
+    except ImportError:
+        raise FedLightningError(
+            "fedlightning sweep dashboard needs optuna-dashboard: "
+            "pip install 'fedlightning[dashboard]' (or optuna-dashboard)"
+        ) from None
+    print(f"optuna-dashboard on {storage}: http://{args.host}:{args.port}/", flush=True)
+    run_server(storage, host=args.host, port=args.port)
     return 0
 
 
@@ -620,15 +671,9 @@ def yaml_error_line(e: Exception) -> str:
 
 def version() -> str:
     """The installed distribution's version (the package's own in a bare checkout)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
+    from fedlightning.tracking.mlflow_tracker import package_version
 
-    try:
-        return dist_version("fedlightning")
-    except PackageNotFoundError:
-        from fedlightning import __version__
-
-        return __version__
+    return package_version()
 
 
 def main(argv: list[str] | None = None) -> None:

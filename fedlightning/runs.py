@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedlightning.errors import ConfigError, FedLightningError, RunStopped
 from fedlightning.federation.ledger import CHECKPOINT_FORMATS_READ
 from fedlightning.tracking import MlflowTracker, NullTracker, flatten
+from fedlightning.tracking.mlflow_tracker import run_name
 from fedlightning.utils.io import content_hash, write_json
 
 CONFIG_FILE, CHECKPOINT_FILE, SUMMARY_FILE = "config.yaml", "checkpoint.pt", "summary.json"
@@ -332,8 +333,9 @@ class Run:
     ) -> Run:
         """Start (or, on resume, continue) the MLflow run with ``tags`` and ``params``
         (default: the resolved config); record its id in the run directory (``record_id``).
-        Its name (default): ``<data>-<experiment>-seed<seed>``, the data's
-        ``dataset.display_name`` first; its folder is the tag ``run_dir``."""
+        Its name (default): ``<method>-<data>-s<seed>`` within the runs table's width
+        (:func:`~fedlightning.tracking.mlflow_tracker.run_name`); its folder is the tag
+        ``run_dir``."""
         self.tags = dict(tags)
         run_id = None
         saved = self.run_dir / MLFLOW_RUN_FILE
@@ -348,7 +350,8 @@ class Run:
         params = {**params, "threads_used": torch.get_num_threads()}
         from fedlightning.config import run_label  # (Hydra only when a run starts)
 
-        name = name or f"{run_label(self.cfg)}-{self.cfg.name}-seed{self.cfg.seed}"
+        method = self.tags.get("method") or str(self.cfg.name)
+        name = name or run_name(method, run_label(self.cfg), self.cfg.seed)
         try:
             run_id = self.tracker.start(name, mlflow_tags, params, run_id=run_id)
         except FedLightningError:
