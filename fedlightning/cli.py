@@ -62,6 +62,7 @@ _relaunch_argv: list[str] = []  # the command line that starts `fedlightning tra
 def _train(cfg: DictConfig) -> float:
     from hydra.types import RunMode
     from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from fedlightning.train import train
 
@@ -77,7 +78,8 @@ def _train(cfg: DictConfig) -> float:
                 sys.argv = list(_relaunch_argv)
             started = time.monotonic()
             try:
-                summary = train(cfg, hydra_cfg.runtime.output_dir)
+                with logging_redirect_tqdm():  # log lines above a progress bar, never into it
+                    summary = train(cfg, hydra_cfg.runtime.output_dir)
             finally:
                 if ranks > 1:  # they do this run's work: as long as it took, at least
                     _wait_for_lightning_ranks(max(60.0, time.monotonic() - started))

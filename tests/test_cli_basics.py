@@ -60,3 +60,23 @@ def test_data_manifest_touches_no_tracking_store(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "proto" / "protocol.json").exists()
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
+
+
+def test_log_lines_go_through_tqdm_while_a_run_trains(tmp_path, monkeypatch):
+    """While ``train`` runs, the console's log handler writes with ``tqdm.write``, so a line
+    never lands inside a progress bar (``logging_redirect_tqdm``)."""
+    import logging
+
+    import fedlightning.train
+    from tests.inprocess import fl_ok
+
+    seen = []
+
+    def train(cfg, run_dir):
+        seen.extend(type(h).__name__ for h in logging.getLogger().handlers)
+        return {"metrics": {}}
+
+    monkeypatch.setattr(fedlightning.train, "train", train)
+    fl_ok(["train", "logger=none", "hydra.run.dir=run"], tmp_path, {})
+    assert "_TqdmLoggingHandler" in seen
+    assert "_TqdmLoggingHandler" not in [type(h).__name__ for h in logging.getLogger().handlers]
