@@ -237,7 +237,9 @@ def best_rows(table: dict, datasets: list[str], metrics: list[str]) -> dict[tupl
 
 
 def render(table: dict, metrics: list[str], digits: int, fmt: str) -> str:
-    """The table as Markdown (``fmt="md"``) or a LaTeX ``tabular`` (``fmt="tex"``)."""
+    """The table as Markdown (``fmt="md"``) or a LaTeX ``tabular`` (``fmt="tex"``).
+    Written out rather than with pandas: ``to_markdown`` needs ``tabulate`` (not installed)
+    and neither writer bolds each column's best cell or adds ``n`` and the spread."""
     datasets = sorted({d for cells in table.values() for d in cells})
     best = best_rows(table, datasets, metrics)
     names = [LABELS.get(m, m) for m in metrics]
