@@ -201,8 +201,9 @@ def contexts_of(
     cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]
     train_mode = "unfiltered" if algorithm.negatives == "unfiltered" else None
     ctx_path, ctx_hash, _ = world.on_main(
-        cached_contexts, bank["path"], bank["hash"], proto, cache_dir, train_mode
-    )
+        cached_contexts, bank["path"], bank["hash"], proto, cache_dir, train_mode,
+        cfg.get("max_tasks"),
+    )  # fmt: skip
     contexts = torch.load(ctx_path, weights_only=False)
     enc = load_bank(bank["path"], stream)
     te = time_encoder(enc)
