@@ -444,13 +444,21 @@ def _run_train(multirun: bool) -> None:
         _show_user_errors_as_set()
 
 
+class _FileOnFirstLine(logging.FileHandler):
+    """A log file (and its folder) made at its first line: a sweep refused before its study
+    opens leaves nothing behind."""
+
+    def _open(self):  # noqa: ANN202 (logging's own signature)
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
 def _sweep_log(path: Path) -> None:
     """Optuna's log lines and the warnings raised while a sweep runs (Optuna's experimental
     features, ...) go to ``path``, not to the terminal."""
     import optuna
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    handler = _FileOnFirstLine(path, delay=True)
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
     optuna.logging.disable_default_handler()
     logging.captureWarnings(True)
@@ -490,7 +498,9 @@ def _sweep(rest: list[str]) -> int:
     states = Counter(t.state.name for t in study.trials)
     print("-" * 55)
     print(f"study            {study.study_name} ({spec.storage})")
-    print(f"output           {args.out / study.study_name} (trials, trials.csv, sweep.log)")
+    print(
+        f"output           {args.out / study.study_name} (trials, trials.csv; Optuna's log: sweep.log)"
+    )
     if sweep.parent is not None:
         print(f"mlflow run       {sweep.parent.run_id} ({sweep.parent.tracking_uri})")
     print(f"trials           {', '.join(f'{n} {k.lower()}' for k, n in sorted(states.items()))}")
