@@ -21,7 +21,7 @@ from fedlightning.config import CONF_DIR, compose, run_label
 from fedlightning.errors import ConfigError, FedLightningError
 from fedlightning.recipes import composed_form
 
-USAGE = """usage: fedlightning COMMAND [hydra overrides]
+USAGE = """usage: fedlightning COMMAND [hydra overrides]   (fedlightning --version)
 
 commands:
   train     run an experiment: fedlightning train experiment=fl_cora algorithm=fedavg federation.rounds=20
@@ -31,6 +31,7 @@ commands:
   sweep     run (or resume) an Optuna study: fedlightning sweep sweeps/fedprox_mu_cora.yaml
             options: --trials N --storage URI --study NAME --out DIR, then Hydra overrides
             for every run (e.g. federation.rounds=5)
+            dashboard: fedlightning sweep dashboard sweeps/fedprox_mu_cora.yaml
   report    tables and plots from MLflow runs: fedlightning report --task cil --out reports/
             (fedlightning report --help for the layouts and filters)
   flower-sim  the experiment as a Flower app in Flower's simulation engine (runner=flower):
@@ -62,6 +63,7 @@ _relaunch_argv: list[str] = []  # the command line that starts `fedlightning tra
 def _train(cfg: DictConfig) -> float:
     from hydra.types import RunMode
     from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from fedlightning.train import train
 
@@ -77,7 +79,8 @@ def _train(cfg: DictConfig) -> float:
                 sys.argv = list(_relaunch_argv)
             started = time.monotonic()
             try:
-                summary = train(cfg, hydra_cfg.runtime.output_dir)
+                with logging_redirect_tqdm():  # log lines above a progress bar, never into it
+                    summary = train(cfg, hydra_cfg.runtime.output_dir)
             finally:
                 if ranks > 1:  # they do this run's work: as long as it took, at least
                     _wait_for_lightning_ranks(max(60.0, time.monotonic() - started))
@@ -185,11 +188,12 @@ def _resume_run_dir(args: list[str]) -> list[str]:
     resume = next((a for a in args if a.startswith("resume=") and a != "resume=null"), None)
     if resume is None:
         return args
-    ignored = [a for a in args if not a.startswith(("resume=", "runner", "logger", "hydra"))]
+    kept = ("resume=", "runner", "trainer", "logger", "hydra")
+    ignored = [a for a in args if not a.startswith(kept)]
     if ignored:
         print(
             f"warning: a resumed run keeps its saved config; ignoring {' '.join(ignored)} "
-            "(only runner.* and logger.* may change)",
+            "(only runner.*, trainer.* and logger.* may change)",
             file=sys.stderr,
         )
     if any(a.startswith("hydra.run.dir=") for a in args):
@@ -447,7 +451,33 @@ def _run_train(multirun: bool) -> None:
         _show_user_errors_as_set()
 
 
+class _FileOnFirstLine(logging.FileHandler):
+    """A log file (and its folder) made at its first line: a sweep refused before its study
+    opens leaves nothing behind."""
+
+    def _open(self):  # noqa: ANN202 (logging's own signature)
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+def _sweep_log(path: Path) -> None:
+    """Optuna's log lines and the warnings raised while a sweep runs (Optuna's experimental
+    features, ...) go to ``path``, not to the terminal."""
+    import optuna
+
+    handler = _FileOnFirstLine(path, delay=True)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    optuna.logging.disable_default_handler()
+    logging.captureWarnings(True)
+    for name in ("optuna", "py.warnings"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 def _sweep(rest: list[str]) -> int:
+    if rest[:1] == ["dashboard"]:
+        return _sweep_dashboard(rest[1:])
     from fedlightning.sweeps import Sweep, load_spec
     from fedlightning.train import train
 
@@ -469,15 +499,49 @@ def _sweep(rest: list[str]) -> int:
         check_lightning_ddp(cfg, "fedlightning sweep")
         return train(cfg, run_dir, observe, verbose=False)
 
-    study = Sweep(spec, args.out, overrides, compose, quiet_train).run()
+    sweep = Sweep(spec, args.out, overrides, compose, quiet_train)
+    _sweep_log(args.out / spec.study_name / "sweep.log")
+    study = sweep.run()
     states = Counter(t.state.name for t in study.trials)
     print("-" * 55)
     print(f"study            {study.study_name} ({spec.storage})")
+    print(
+        f"output           {args.out / study.study_name} (trials, trials.csv; Optuna's log: sweep.log)"
+    )
+    if sweep.parent is not None:
+        print(f"mlflow run       {sweep.parent.run_id} ({sweep.parent.tracking_uri})")
     print(f"trials           {', '.join(f'{n} {k.lower()}' for k, n in sorted(states.items()))}")
     if states["COMPLETE"]:
         print(f"best {spec.metric:<11} {study.best_value:.4f} (trial {study.best_trial.number})")
         for k, v in study.best_params.items():
             print(f"  {k} = {v}")
+    return 0
+
+
+def _sweep_dashboard(rest: list[str]) -> int:
+    """``fedlightning sweep dashboard STUDY``: optuna-dashboard (the ``dashboard`` extra) on
+    the storage of a sweep file, or on a storage URL."""
+    from fedlightning.sweeps import load_spec
+
+    ap = argparse.ArgumentParser(
+        prog="fedlightning sweep dashboard",
+        description="Open optuna-dashboard on a sweep's study storage.",
+    )
+    ap.add_argument("study", help="a sweep file (its storage) or an Optuna storage URL")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8080)
+    args = ap.parse_args(rest)
+    looks_like_file = args.study.endswith((".yaml", ".yml")) or Path(args.study).is_file()
+    storage = load_spec(args.study).storage if looks_like_file else args.study
+    try:
+        from optuna_dashboard import run_server
+    except ImportError:
+        raise FedLightningError(
+            "fedlightning sweep dashboard needs optuna-dashboard: "
+            "pip install 'fedlightning[dashboard]' (or optuna-dashboard)"
+        ) from None
+    print(f"optuna-dashboard on {storage}: http://{args.host}:{args.port}/", flush=True)
+    run_server(storage, host=args.host, port=args.port)
     return 0
 
 
@@ -516,8 +580,26 @@ def _manifest(rest: list[str]) -> int:
     return 0
 
 
+DATA_USAGE = """usage: fedlightning data SUBCOMMAND ...
+
+subcommands:
+  features RAW --out DIR     encode raw node texts and images into a dataset folder
+                             (dataset=folder; fedlightning data features --help)
+  manifest [--out DIR] [hydra overrides]
+                             materialize FedTIP's protocol objects and print the manifest
+                             table (fedlightning data manifest --help)
+"""
+
+
 def _data(rest: list[str]) -> int:
-    if rest[:1] == ["manifest"]:
+    if not rest or rest[0] in ("-h", "--help", "help"):
+        print(DATA_USAGE, end="", file=sys.stdout if rest else sys.stderr)
+        return 0 if rest else 2
+    if rest[0] not in ("features", "manifest"):
+        raise FedLightningError(
+            f"fedlightning data: unknown subcommand {rest[0]!r} (features or manifest)"
+        )
+    if rest[0] == "manifest":
         return _manifest(rest[1:])
     from fedlightning.data.features import extract
 
@@ -606,10 +688,34 @@ def yaml_error_line(e: Exception) -> str:
     )
 
 
+def version() -> str:
+    """The installed distribution's version (the package's own in a bare checkout)."""
+    from fedlightning.tracking.mlflow_tracker import package_version
+
+    return package_version()
+
+
 def main(argv: list[str] | None = None) -> None:
+    """The ``fedlightning`` command; a reader that closes the pipe early (``| head``) ends
+    it quietly, as the Python docs advise (``signal-handling`` / ``SIGPIPE``)."""
+    try:
+        try:
+            _main(argv)
+        finally:  # also on sys.exit: a closed pipe shows here, not at the interpreter's exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # stdout is gone: point it at devnull so that the interpreter's final flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+def _main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return
+    if args[0] in ("-V", "--version"):
+        print(f"fedlightning {version()}")
         return
     command, rest = args[0], args[1:]
     if command == "completion" or _wants_shell_completion(args):

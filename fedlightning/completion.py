@@ -29,10 +29,14 @@ VALUE_OPTIONS = ("--run-dir", "--out", "--cfg", "-c", "--package", "-p", "--info
 SHELL_FLAGS = ("-sc", "--shell-completion")
 SHELLS = ("bash", "zsh")
 
+# Our own script, not Hydra's: Hydra's registers one program and completes only overrides;
+# this one completes the commands too and asks Hydra's completer (candidates) for the rest.
 BASH = r"""# fedlightning shell completion (bash): eval "$(fedlightning completion bash)"
 _fedlightning_complete() {
     local line="${COMP_LINE:0:COMP_POINT}"
     local cur="${COMP_WORDS[COMP_CWORD]}"
+    # a lone '=' or ':' is a word to bash but not to readline, which inserts after it
+    [[ "$cur" == [=:] ]] && cur=""
     local token="${line##*[[:space:]]}"  # the word under completion, '=' and ':' included
     local prefix=""  # what bash splits off before $cur at COMP_WORDBREAKS ('=' and ':')
     [[ "$token" == *"$cur" ]] && prefix="${token%"$cur"}"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import re
@@ -150,6 +151,100 @@ def check_resolves(cfg: DictConfig) -> None:
     except InterpolationResolutionError as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(str(e.full_key or "?"), f"does not resolve ({reason})") from None
+
+
+# Trainer arguments the executor sets for every local fit: not the trainer group's.
+EXECUTOR_SET = (
+    "max_epochs", "min_epochs", "max_steps", "logger", "callbacks", "enable_checkpointing",
+    "enable_progress_bar", "enable_model_summary", "num_sanity_val_steps", "limit_val_batches",
+)  # fmt: skip
+EXECUTOR_KEYS = ("accelerator", "devices", "precision", "strategy")  # runner.executor's own
+TRAINER_GROUP_KEYS = (
+    *EXECUTOR_KEYS, "deterministic", "gradient_clip_val", "gradient_clip_algorithm",
+)  # fmt: skip
+GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+def trainer_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The Trainer arguments of a run's local fits: the ``trainer`` group, with what
+    ``runner.executor`` sets itself (``runner.executor.accelerator=gpu``) on top."""
+    settings = dict(OmegaConf.to_container(_get(cfg, "trainer"), resolve=True))
+    executor = OmegaConf.select(cfg, "runner.executor", default=None) or {}
+    settings.update({k: _get(cfg, f"runner.executor.{k}") for k in EXECUTOR_KEYS if k in executor})
+    return settings
+
+
+def lean_refusal(settings: dict[str, Any]) -> tuple[str, str] | None:
+    """``(key, why)`` for the first Trainer setting that the lean executor cannot honour
+    (it honours cpu, auto or one GPU, 32-bit precision, ``deterministic`` and gradient
+    clipping); ``None`` when it honours them all."""
+    hint = "; use runner=sequential_trainer, whose lightning.Trainer takes it"
+    rules = {
+        "accelerator": lambda v: v in ("cpu", "auto", *GPU_ACCELERATORS),
+        "devices": lambda v: v in (1, "1", "auto", [0]),
+        "precision": lambda v: str(v) in ("32", "32-true"),
+        "strategy": lambda v: v in ("auto", "single_device"),
+        "deterministic": lambda v: v in (True, False, "warn"),
+        "gradient_clip_val": lambda v: v is None or (isinstance(v, (int, float)) and v >= 0),
+        "gradient_clip_algorithm": lambda v: v in ("norm", "value"),
+    }
+    for key, value in settings.items():
+        if key not in rules:
+            return key, f"is no setting of the lean executor (runner=sequential){hint}"
+        if not rules[key](value):
+            return key, f"{value!r}: the lean executor (runner=sequential) cannot honour it{hint}"
+    return None
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    """The ``trainer`` group against the runner's executor, before any data is read: keys
+    the executor sets itself, what the lean executor cannot honour, and an accelerator this
+    machine lacks; a :class:`ConfigError` naming the key."""
+    if OmegaConf.select(cfg, "trainer", default=None) is None:
+        return  # a run saved before the trainer group existed
+    settings = trainer_settings(cfg)
+    for key in settings:
+        if key in EXECUTOR_SET:
+            raise ConfigError(
+                f"trainer.{key}", "is set by the executor for every local fit "
+                "(the epochs: federation.local_epochs); remove it",
+            )  # fmt: skip
+    target = str(OmegaConf.select(cfg, "runner.executor._target_", default=""))
+    if target.endswith(".LeanExecutor") and (refused := lean_refusal(settings)):
+        raise ConfigError(f"trainer.{refused[0]}", refused[1])
+    if target.endswith(".TrainerExecutor"):
+        _check_trainer_arguments(settings)
+    accelerator = str(settings.get("accelerator", "cpu"))
+    if accelerator in GPU_ACCELERATORS and not _cuda_available():
+        raise ConfigError(
+            "trainer.accelerator",
+            f"{accelerator}: this machine has no CUDA GPU that torch can use "
+            "(torch.cuda.is_available() is False); use trainer.accelerator=cpu",
+        )
+
+
+def _check_trainer_arguments(settings: dict[str, Any]) -> None:
+    """Every key is an argument of ``lightning.Trainer`` (imported only for a key that is
+    not one of the trainer group's own)."""
+    unknown = [k for k in settings if k not in TRAINER_GROUP_KEYS]
+    if not unknown:
+        return
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    known = inspect.signature(Trainer.__init__).parameters
+    for key in unknown:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"; did you mean trainer.{close[0]}?" if close else ""
+            raise ConfigError(f"trainer.{key}", f"is no argument of lightning.Trainer{hint}")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def validate(cfg: DictConfig) -> None:

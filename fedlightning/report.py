@@ -16,6 +16,7 @@ import math
 import os
 import re
 import statistics
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -40,7 +41,14 @@ LOWER_IS_BETTER |= {"uplink_mib_per_task", "downlink_mib_per_task"}
 #: the memory the paper wants kept
 LOWER_IS_BETTER |= {"d_sem", "d_str", "d_fed", "d_fed_local"}
 LOWER_IS_BETTER |= {f"d_fed_local_{s}" for s in ("std", "class_std", "client_std")}
-DEFAULT_METRICS = {"temporal": "auc_nc,auc_tlp,auc_ilp,uplink_mib_per_task,s_per_task"}
+#: each task family's own metrics, the default columns of its table
+DEFAULT_METRICS = {
+    "fl": "test_acc,val_acc,uplink_mib",
+    "cil": "am,fm,fpr95",
+    "cir": "recall_at_1,am,fm",
+    "temporal": "auc_nc,auc_tlp,auc_ilp,uplink_mib_per_task,s_per_task",
+    "bank": "bank_val_auc,bank_val_ap",
+}
 LABELS = {"am": "AM", "fm": "FM", "fpr95": "FPR95", "auroc_ood": "AUROC", "open_acc": "OpenAcc"}
 LABELS.update(s_per_round="s/round", uplink_mib="uplink MiB", downlink_mib="downlink MiB")
 LOWER_IS_BETTER |= {"uplink_mib", "downlink_mib", "recurrent_downlink_mib_per_task"}
@@ -229,7 +237,9 @@ def best_rows(table: dict, datasets: list[str], metrics: list[str]) -> dict[tupl
 
 
 def render(table: dict, metrics: list[str], digits: int, fmt: str) -> str:
-    """The table as Markdown (``fmt="md"``) or a LaTeX ``tabular`` (``fmt="tex"``)."""
+    """The table as Markdown (``fmt="md"``) or a LaTeX ``tabular`` (``fmt="tex"``).
+    Written out rather than with pandas: ``to_markdown`` needs ``tabulate`` (not installed)
+    and neither writer bolds each column's best cell or adds ``n`` and the spread."""
     datasets = sorted({d for cells in table.values() for d in cells})
     best = best_rows(table, datasets, metrics)
     names = [LABELS.get(m, m) for m in metrics]
@@ -345,6 +355,8 @@ def _mean_or_nan(values: list) -> float:
 
 
 def main(argv: list[str]) -> int:
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # piped or captured: no bars
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     ap = argparse.ArgumentParser(prog="fedlightning report", description=__doc__.splitlines()[0])
     ap.add_argument("--dirs", nargs="+", type=Path, help="read summary.json below these")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: as train)")
@@ -366,7 +378,13 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--layout", choices=["main", "ablation"], default="main")
     ap.add_argument("--method", default=None, help="the ablated method (ablation layout)")
-    ap.add_argument("--metrics", default=None, help="default: am,fm,fpr95 (temporal: AUCs)")
+    ap.add_argument(
+        "--metrics",
+        default=None,
+        help="default: the task's own ("
+        + "; ".join(f"{k}: {v}" for k, v in DEFAULT_METRICS.items())
+        + ")",
+    )
     ap.add_argument("--digits", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("reports"))
     ap.add_argument("--name", default=None, help="file stem (default: <task>_<layout>)")

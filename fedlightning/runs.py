@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.errors import ConfigError, FedLightningError, RunStopped
 from fedlightning.tracking import MlflowTracker, NullTracker, flatten
+from fedlightning.tracking.mlflow_tracker import run_name
 from fedlightning.utils.io import content_hash, write_json
 
 # Checkpoint formats: 1 (no ``format`` key, graph runs; ledger entries without scope), 2
@@ -35,7 +36,16 @@ MLFLOW_RUN_FILE, IDENTITY_FILE = "mlflow_run.json", "identity.json"
 # observe(kind, step, metrics): see fedlightning.train.train
 Observer = Callable[[str, int, dict[str, float]], None]
 # What a resume may change without changing the run (how and where it runs, not what).
-RESUMABLE_KEYS = ("runner", "logger", "resume", "hydra", "threads", "task_workers", "plots")
+RESUMABLE_KEYS = (
+    "runner",
+    "trainer",
+    "logger",
+    "resume",
+    "hydra",
+    "threads",
+    "task_workers",
+    "plots",
+)
 # Any failure to unpickle a file that is not a torch checkpoint.
 _UNREADABLE = (
     pickle.UnpicklingError,
@@ -185,6 +195,8 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
         check_resume_dir(old)
         saved = load_saved_config(old / CONFIG_FILE)
         saved.runner, saved.logger = cfg.runner, cfg.logger
+        if "trainer" in cfg:  # where the local fits run: the resuming invocation's, as runner
+            saved.trainer = cfg.trainer
         saved.threads = cfg.get("threads", "auto")
         saved.plots = cfg.get("plots", True)
         saved.resume = str(old)
@@ -326,8 +338,9 @@ class Run:
     ) -> Run:
         """Start (or, on resume, continue) the MLflow run with ``tags`` and ``params``
         (default: the resolved config); record its id in the run directory (``record_id``).
-        Its name (default): ``<data>-<experiment>-seed<seed>``, the data's
-        ``dataset.display_name`` first; its folder is the tag ``run_dir``."""
+        Its name (default): ``<method>-<data>-s<seed>`` within the runs table's width
+        (:func:`~fedlightning.tracking.mlflow_tracker.run_name`); its folder is the tag
+        ``run_dir``."""
         self.tags = dict(tags)
         run_id = None
         saved = self.run_dir / MLFLOW_RUN_FILE
@@ -342,7 +355,8 @@ class Run:
         params = {**params, "threads_used": torch.get_num_threads()}
         from fedlightning.config import run_label  # (Hydra only when a run starts)
 
-        name = name or f"{run_label(self.cfg)}-{self.cfg.name}-seed{self.cfg.seed}"
+        method = self.tags.get("method") or str(self.cfg.name)
+        name = name or run_name(method, run_label(self.cfg), self.cfg.seed)
         try:
             run_id = self.tracker.start(name, mlflow_tags, params, run_id=run_id)
         except FedLightningError:

@@ -405,6 +405,18 @@ class Sweep:
             study.set_user_attr(key, value)
         if self.parent:
             self.start_parent(study)
+        try:
+            self.run_trials(study)
+        except BaseException:  # a failure (or Ctrl-C) ends the study's run: not RUNNING forever
+            if self.parent:
+                self.parent.end("FAILED")
+            raise
+        if self.parent:
+            self.finish_parent(study)
+        return study
+
+    def run_trials(self, study: optuna.Study) -> None:
+        """Trials until ``spec.trials`` have finished (a dead process's trials first)."""
         retried = retry_dead_trials(study, self.parent.client if self.parent else None)
         for dead, retry in retried.items():
             self.say(f"trial {dead} died with its process; trial {retry} runs its parameters")
@@ -436,13 +448,11 @@ class Sweep:
             state, value = self.run_trial(study, trial, params)
             study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
             self.progress(study, trial, state, value)
-        if self.parent:
-            self.finish_parent(study)
-        return study
 
     def start_parent(self, study: optuna.Study) -> None:
         """The study's MLflow run: created once, found again through the study on resume;
-        its parameters hold the file's fields and this command's overrides."""
+        its parameters hold the file's fields and this command's overrides; the number of
+        trials wanted, which a resume may change (``--trials``), is the tag ``trials``."""
         spec = self.spec
         tags = {
             "task": "sweep",
@@ -453,11 +463,12 @@ class Sweep:
             "storage": spec.storage,
             "sweep_file": str(spec.path),
         }
-        keys = ("trials", "seeds", "sampler", "pruner", "overrides")
+        keys = ("seeds", "sampler", "pruner", "overrides")
         params = {k: json.dumps(getattr(spec, k)) for k in keys}
         params |= {f"space.{k}": json.dumps(v) for k, v in spec.space.items()}
         params["cli_overrides"] = json.dumps(self.overrides)
         resumed = study.user_attrs.get(PARENT_ATTR)
+        tags["trials"] = str(spec.trials)  # a tag, not a parameter: a resume updates it
         run_id = self.parent.start(f"sweep-{study.study_name}", tags, params, resumed)
         if resumed:  # a resuming command's own overrides (the parameters keep the first's)
             self.parent.set_tags({"cli_overrides.resumed": json.dumps(self.overrides)})

@@ -32,6 +32,9 @@ def train(
     summary table on stdout. ``runner``, when given, replaces the one ``cfg.runner`` builds
     (a Flower ServerApp passes its own).
     """
+    from fedlightning.config import check_trainer
+
+    check_trainer(cfg)  # the Trainer settings against the runner, an absent GPU: at once
     if not cfg.get("resume") and str(cfg.get("task")) in GRAPH_TASKS:
         from fedlightning.config import validate
 

@@ -83,11 +83,53 @@ def test_experiment_names_split_at_equals(shell_env):
     assert sorted(reply) == ["cil_citeseer_mm", "cil_cora"]
     assert line[: -len(words[-1])] + reply[-1] == "fedlightning train experiment=cil_cora"
 
-    # right after '=', bash's current word is "=" itself
+    # right after '=', bash's current word is "=" itself, but readline inserts after it
     line = "fedlightning train -m seed=0,1 experiment="
     words = ["fedlightning", "train", "-m", "seed", "=", "0,1", "experiment", "="]
     reply = complete(shell_env, line, words)
-    assert sorted(reply) == [f"={name}" for name in options("experiment", "")]
+    assert sorted(reply) == options("experiment", "")
+
+
+def bash_words(line: str) -> list[str]:
+    """``line`` split as bash splits it for ``COMP_WORDS`` with its default
+    ``COMP_WORDBREAKS``: spaces separate, and each '=' or ':' is a word of its own."""
+    words = re.findall(r"[=:]|[^\s=:]+", line)
+    return [*words, ""] if line.endswith(" ") else words
+
+
+def readline_lines(env: dict[str, str], line: str) -> list[str]:
+    """The command lines readline makes of ``line`` with each reply: it replaces the text
+    after the last space, '=' or ':' (its word-break characters) by the reply."""
+    start = max(line.rfind(c) for c in " =:") + 1
+    replies = [r for r in complete(env, line, bash_words(line)) if r]  # none: one empty line
+    return sorted(line[:start] + reply for reply in replies)
+
+
+@pytest.mark.parametrize(
+    ("typed", "group"),
+    [("experiment=", "experiment"), ("algorithm=", "algorithm"), ("dataset=", "dataset")],
+)
+@pytest.mark.parametrize("partial", ["", "c", "fedp"])
+def test_group_values_empty_and_partial(shell_env, typed, group, partial):
+    """``fedlightning train experiment=<TAB>`` (and ``algorithm=``, ``dataset=``), with
+    nothing or the start of a name typed: every option of the group that starts with it,
+    as whole overrides on the line (``experiment==`` before)."""
+    line = f"fedlightning train {typed}{partial}"
+    expected = [f"fedlightning train {group}={name}" for name in options(group, partial)]
+    assert readline_lines(shell_env, line) == expected
+
+
+def test_nested_keys_empty_and_partial(shell_env):
+    """Keys of a nested config, after the dot or part of a name, and a key's value (its
+    current one is offered)."""
+    keys = readline_lines(shell_env, "fedlightning train federation.")
+    assert "fedlightning train federation.rounds=" in keys and len(keys) > 3
+    assert readline_lines(shell_env, "fedlightning train federation.ro") == [
+        "fedlightning train federation.rounds="
+    ]
+    assert readline_lines(shell_env, "fedlightning train model.net.hidden=") == [
+        "fedlightning train model.net.hidden=64"
+    ]
 
 
 def test_groups_and_keys(shell_env):
@@ -190,6 +232,7 @@ def test_real_bash_readline(shell_env):
             "fedlightning train experiment=cil_co",
             "fedlightning tr",
             "fedlightning train algo",
+            "fedlightning train bank=",
         ):
             term.read_until(rb"\$ ")
             term.type(f'{line}\t\x01echo "LINE:\x05|"\n')  # TAB, then echo the line
@@ -201,6 +244,7 @@ def test_real_bash_readline(shell_env):
         "fedlightning train experiment=cil_co": "fedlightning train experiment=cil_cora ",
         "fedlightning tr": "fedlightning train ",
         "fedlightning train algo": "fedlightning train algorithm",
+        "fedlightning train bank=": "fedlightning train bank=tg",  # tgat, tgn
     }
 
 

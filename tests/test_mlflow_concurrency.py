@@ -127,7 +127,11 @@ def test_processes_on_a_fresh_store_all_log_their_runs(tmp_path, monkeypatch, ki
     assert sorted(r.info.run_name for r in runs) == sorted(f"run-seed{i}" for i in range(n))
     assert {r.info.status for r in runs} == {"FINISHED"}
     for r in runs:
-        assert [m.step for m in client.get_metric_history(r.info.run_id, "val_acc")] == [1, 2, 3]
+        assert [m.step for m in client.get_metric_history(r.info.run_id, "curves/val_acc")] == [
+            1,
+            2,
+            3,
+        ]
         assert r.data.params["federation.rounds"] == "3"
         assert [a.path for a in client.list_artifacts(r.info.run_id)] == [
             f"summary_{r.data.tags['seed']}.json"

@@ -336,7 +336,7 @@ def test_killed_sweep_resumes_without_repeats_and_closes_the_dead_trial(tmp_path
     for trial, seed_runs in children.items():
         assert sorted(x.data.tags["seed"] for x in seed_runs) == ["0", "1"], trial
         assert {x.info.status for x in seed_runs} == {"FINISHED"}
-        assert {x.info.run_name.rsplit("-", 1)[1] for x in seed_runs} == {"seed0", "seed1"}
+        assert {x.info.run_name.rsplit("-", 1)[1] for x in seed_runs} == {"s0", "s1"}
     (parent,) = [x for x in runs if x.data.tags["task"] == "sweep"]
     assert json.loads(parent.data.params["cli_overrides"]) == SMALL
     best = study.best_trial

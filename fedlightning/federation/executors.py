@@ -22,6 +22,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from fedlightning.config import EXECUTOR_KEYS, GPU_ACCELERATORS, lean_refusal
+from fedlightning.errors import ConfigError
+
 for _name in (
     "lightning.pytorch.utilities.rank_zero",
     "lightning.pytorch.accelerators.cuda",
@@ -116,19 +119,39 @@ class LeanExecutor:
     What has no counterpart without a Trainer: the batch is moved to ``device`` once per fit,
     so ``transfer_batch_to_device`` is called (every epoch) only where the module overrides
     it, the default's move being a no-op on a batch already there; there is no
-    Trainer-level ``gradient_clip_val``, so ``configure_gradient_clipping`` is called only
-    where the module overrides it, and ``self.clip_gradients`` (which reads the Trainer) is
-    unavailable in it (clip with ``torch.nn.utils`` there); ``training_step`` must return the
+    Trainer, so ``configure_gradient_clipping`` is called only where the module overrides
+    it (with the ``trainer`` group's ``gradient_clip_val`` and algorithm), and
+    ``self.clip_gradients`` (which reads the Trainer) is unavailable in it (clip with
+    ``torch.nn.utils`` there); without an override a ``gradient_clip_val`` clips as
+    Lightning's default does (:func:`clip_gradients`); ``training_step`` must return the
     loss (or ``{"loss": ...}``); no logger, checkpoint or validation hooks.
 
     Args:
-        device: where the fit runs (default ``None``: where the module is).
+        device: where the fit runs (default ``None``: where the module is, or the CUDA GPU
+            that ``trainer``'s ``accelerator`` asks for).
+        trainer: the ``trainer`` group's Trainer settings (conf/trainer); it honours cpu,
+            auto or one GPU, 32-bit precision, ``deterministic`` and gradient clipping, and
+            refuses any other in one line (:func:`fedlightning.config.lean_refusal`).
     """
 
     name = "lean"
 
-    def __init__(self, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self, device: str | torch.device | None = None, trainer: Mapping[str, Any] | None = None
+    ) -> None:
+        settings = dict(trainer or {})
+        if refused := lean_refusal(settings):
+            raise ConfigError(f"trainer.{refused[0]}", refused[1])
+        accelerator = settings.get("accelerator", "cpu")
+        if device is None and (
+            accelerator in GPU_ACCELERATORS or (accelerator == "auto" and torch.cuda.is_available())
+        ):
+            device = "cuda"
         self.device = None if device is None else torch.device(device)
+        self.clip_val = settings.get("gradient_clip_val")
+        self.clip_algorithm = settings.get("gradient_clip_algorithm") or "norm"
+        if settings.get("deterministic"):  # what Lightning's Trainer(deterministic=...) sets
+            torch.use_deterministic_algorithms(True, warn_only=settings["deterministic"] == "warn")
 
     def fit(
         self,
@@ -167,7 +190,7 @@ class LeanExecutor:
         module.configure_model()
         opt = _single_optimizer(module.configure_optimizers())
         state.optimizers = [opt]
-        clip = is_overridden("configure_gradient_clipping", module)
+        clip = self._clipper(module)
         transfer = is_overridden("transfer_batch_to_device", module)
         device = self.device if self.device is not None else module.device
         module.train()
@@ -190,6 +213,16 @@ class LeanExecutor:
         hook("on_fit_end")
         hook("teardown", stage="fit")
 
+    def _clipper(self, module: pl.LightningModule) -> Callable[[Any], None] | None:
+        """What clips a step's gradients: the module's ``configure_gradient_clipping`` where it
+        overrides it, else :func:`clip_gradients` with ``gradient_clip_val`` (``None``: none)."""
+        if is_overridden("configure_gradient_clipping", module):
+            val, algorithm = self.clip_val, (self.clip_algorithm if self.clip_val else None)
+            return lambda opt: module.configure_gradient_clipping(opt, val, algorithm)
+        if self.clip_val:
+            return lambda opt: clip_gradients(opt, self.clip_val, self.clip_algorithm)
+        return None
+
     @staticmethod
     def _step(
         module: pl.LightningModule,
@@ -197,7 +230,7 @@ class LeanExecutor:
         epoch: int,
         opt: torch.optim.Optimizer,
         hook: Callable[..., Any],
-        clip: bool,
+        clip: Callable[[Any], None] | None,
     ) -> dict[str, Any]:
         """``optimizer_step`` with Lightning's closure; the outputs ``on_train_batch_end``
         gets (the detached loss and the step's other keys)."""
@@ -217,8 +250,8 @@ class LeanExecutor:
             module.backward(loss)
             hook("on_after_backward")
             hook("on_before_optimizer_step", opt)
-            if clip:
-                module.configure_gradient_clipping(opt, None, None)
+            if clip is not None:
+                clip(opt)
             outputs["loss"] = loss.detach().clone()  # what Lightning passes on
             if isinstance(out, Mapping):
                 outputs.update((k, v) for k, v in out.items() if k != "loss")
@@ -243,6 +276,17 @@ class LeanExecutor:
         return getattr(module, name)(*args, **kw)
 
 
+def clip_gradients(opt: torch.optim.Optimizer, value: float, algorithm: str = "norm") -> None:
+    """Clip the gradients of ``opt``'s parameters as ``Trainer(gradient_clip_val=value,
+    gradient_clip_algorithm=algorithm)`` does at 32-bit precision: their total L2 norm to at
+    most ``value`` (``norm``), or each element to ``[-value, value]`` (``value``)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if algorithm == "value":
+        torch.nn.utils.clip_grad_value_(params, value)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, value)
+
+
 def _copy_first(items: list[Any]) -> Any:
     return copy.copy(items[0])  # Lightning moves a PyG Data in place: move a copy
 
@@ -257,6 +301,8 @@ class TrainerExecutor:
         device: one device for the fit (default ``None``: ``accelerator`` and ``devices``
             decide); a CUDA device overrides them with that one GPU (set by
             ``runner=distributed``).
+        trainer: the ``trainer`` group (conf/trainer): every other ``lightning.Trainer``
+            argument (``deterministic``, ``gradient_clip_val``, ...); the four above win.
     """
 
     name = "trainer"
@@ -268,9 +314,11 @@ class TrainerExecutor:
         precision: str = "32-true",
         strategy: str = "auto",
         device: str | torch.device | None = None,
+        trainer: Mapping[str, Any] | None = None,
     ) -> None:
         self.accelerator, self.devices, self.precision = accelerator, devices, precision
         self.strategy = strategy
+        self.settings = {k: v for k, v in (trainer or {}).items() if k not in EXECUTOR_KEYS}
         self.device = None if device is None else torch.device(device)
 
     def fit(
@@ -289,6 +337,7 @@ class TrainerExecutor:
             devices=devices,
             strategy=self.strategy,
             precision=self.precision,
+            **self.settings,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,

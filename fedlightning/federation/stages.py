@@ -44,6 +44,13 @@ from fedlightning.server.aggregate import model_state
 
 log = logging.getLogger(__name__)
 
+
+def _row(matrix: AccuracyMatrix, T: int, t: int) -> list[float]:
+    """Row ``t`` of an accuracy matrix; ``reshape`` because torchmetrics squeezes the
+    ``[1, 1]`` matrix of a one-stage stream to a scalar."""
+    return matrix.compute().reshape(T, T)[t].tolist()
+
+
 SCORE_FNS = {"msp": msp_score, "energy": energy_score}
 SPLITS = ("val", "test")
 Parts = dict[str, Tensor]  # one client's part of a split's stage-end evaluation
@@ -219,9 +226,9 @@ class ContinualLoop(FederatedLoop):
                     if s == "test":
                         client_mat.update(t, r["node_stage"], r["hit"])
                     parts[s].append(r)
-            self.client_rows[c.client_id].append(client_mat.compute()[t].tolist())
+            self.client_rows[c.client_id].append(_row(client_mat, T, t))
         for s in SPLITS:
-            self.rows[s].append(mats[s].compute()[t].tolist())
+            self.rows[s].append(_row(mats[s], T, t))
         sign = self.orient(parts)
 
         def cat(split: str, field: str) -> Tensor:

@@ -21,6 +21,7 @@ from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.executors import with_foreach
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.federation.stages import ContinualLoop
+from fedlightning.programs import metric_text
 from fedlightning.runs import (
     CHECKPOINT_FILE,
     Observer,
@@ -130,7 +131,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         best = f"{m['test_acc_at_best_val']:.4f} (round {m['best_val_round']})"
         rows.append(("test_acc_at_best_val", best))
     keys = ("recall_at_1", "am", "fm", "fm_diag", "fpr95", "auroc_ood", "open_acc")
-    rows += [(k, f"{m[k]:.4f}") for k in keys if m.get(k) is not None]
+    rows += [(k, metric_text(m[k])) for k in keys if k in m]
     rows += [("uplink", f"{c['uplink_mib']:.3f} MiB"), ("downlink", f"{c['downlink_mib']:.3f} MiB")]
     return summary_table(rows, summary)
 

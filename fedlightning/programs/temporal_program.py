@@ -25,6 +25,7 @@ from fedlightning.federation.task_loop import TaskBatches, as_single
 from fedlightning.federation.task_pool import resolve_workers
 from fedlightning.federation.world import World
 from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.programs import metric_text
 from fedlightning.programs.temporal_setup import bank_config, ensure_bank, temporal_setup
 from fedlightning.runs import (
     CHECKPOINT_FILE,
@@ -175,7 +176,7 @@ def format_temporal_summary(summary: dict[str, Any]) -> str:
     rows.append(("tasks", f"{summary['tasks_done']} x {summary['rounds']} rounds"))
     for k in ("auc_nc", "auc_tlp", "auc_ilp", "val_auc_nc", "val_auc_tlp"):
         if k in m:
-            rows.append((k, f"{m[k]:.4f} +- {m[k + '_std']:.4f}"))
+            rows.append((k, f"{metric_text(m[k])} +- {metric_text(m.get(k + '_std'))}"))
     if "uplink_mib_per_task" in m:
         rows.append(("uplink per task", f"{m['uplink_mib_per_task']:.4f} MiB"))
     if "recurrent_downlink_mib_per_task" in c and "uplink_mib_per_task" in m:
@@ -200,8 +201,9 @@ def contexts_of(
     cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]
     train_mode = "unfiltered" if algorithm.negatives == "unfiltered" else None
     ctx_path, ctx_hash, _ = world.on_main(
-        cached_contexts, bank["path"], bank["hash"], proto, cache_dir, train_mode
-    )
+        cached_contexts, bank["path"], bank["hash"], proto, cache_dir, train_mode,
+        cfg.get("max_tasks"),
+    )  # fmt: skip
     contexts = torch.load(ctx_path, weights_only=False)
     enc = load_bank(bank["path"], stream)
     te = time_encoder(enc)

@@ -60,13 +60,22 @@ def streaming_threads(n: int = STREAMING_THREADS) -> Iterator[None]:
 class StageProgress:
     """Progress of one streaming stage over ``total`` events: a tqdm bar on an interactive
     terminal only, an INFO line when the stage starts and at most every
-    :data:`PROGRESS_LOG_EVERY_S` while it runs, and a summary line when it ends."""
+    :data:`PROGRESS_LOG_EVERY_S` while it runs, and a summary line when it ends; with
+    ``summarized`` (a bank epoch, whose caller logs one line with its loss and rate) these
+    lines are DEBUG and the bar shows the progress."""
 
-    def __init__(self, stage: str, total: int, logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self, stage: str, total: int, logger: logging.Logger | None = None, summarized: bool = False
+    ) -> None:
         self.stage, self.total, self.done = stage, int(total), 0
         self.log = logger or log
+        self.level = logging.DEBUG if summarized else logging.INFO
         self.t0 = self.last = time.perf_counter()
-        self.log.info("%s: %d events (%d threads)", stage, self.total, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        self.log.log(
+            self.level, "%s: %d events (%d thread%s)", stage, self.total, threads,
+            "" if threads == 1 else "s",
+        )  # fmt: skip
         self.bar = tqdm(total=self.total, desc=stage, unit="event", disable=None, leave=False)
 
     def update(self, n: int) -> None:
@@ -78,13 +87,16 @@ class StageProgress:
             rate = self.done / max(now - self.t0, 1e-9)
             eta = (self.total - self.done) / max(rate, 1e-9)
             line = "%s: %d/%d events  %.0fs  %.0f events/s  eta %.0fs"
-            self.log.info(line, self.stage, self.done, self.total, now - self.t0, rate, eta)
+            self.log.log(
+                self.level, line, self.stage, self.done, self.total, now - self.t0, rate, eta
+            )
 
     def close(self) -> None:
         """End the stage (summary line)."""
         self.bar.close()
         seconds = time.perf_counter() - self.t0
-        self.log.info(
+        self.log.log(
+            self.level,
             "%s done: %d events in %.1fs (%.0f events/s)",
             self.stage,
             self.done,
@@ -218,7 +230,8 @@ def stream_and_validate(
     drawn by ``(seed, "bank", "val")``), as one :class:`StageProgress`, in batches: each
     scored (on ``pre_idx`` with ``step``, also trained), then ingested. Returns the
     pre-training loss and seconds, the validation metrics and loss."""
-    progress = StageProgress(stage, len(pre_idx) + len(val_idx))
+    # an epoch (trained: ``step``) has its own summary line; the snapshot has not
+    progress = StageProgress(stage, len(pre_idx) + len(val_idx), summarized=step is not None)
     val_rng = np.random.default_rng(derive_seed(seed, "bank", "val"))
     segments = []
     for idx, draw, fit in ((pre_idx, rng, step), (val_idx, val_rng, None)):
@@ -295,13 +308,14 @@ def pretrain(
         }
         history.append(row)
         log.info(
-            "bank epoch %d/%d  loss %.4f  val_auc %.4f  val_ap %.4f  %.0f events/s",
+            "bank epoch %d/%d  loss %.4f  val_auc %.4f  val_ap %.4f  %.0f events/s  (%.1fs)",
             epoch,
             cfg.epochs,
             loss,
             row["val_auc"],
             row["val_ap"],
             row["events_per_s"],
+            seconds,
         )
         if on_epoch:
             on_epoch(epoch, row)

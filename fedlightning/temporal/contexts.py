@@ -175,10 +175,12 @@ def compute_contexts(
     protocol: TemporalProtocol,
     batch_size: int = 200,
     train_mode: str | None = None,
+    max_tasks: int | None = None,
 ) -> dict[str, Any]:
     """Server contexts of the validation and test segments, and every task client's support
-    contexts (module docstring), with the supports' negatives of ``train_mode`` (default:
-    the protocol's mode; ``"unfiltered"`` for the ablation)."""
+    contexts (module docstring; the first ``max_tasks`` tasks only, when given), with the
+    supports' negatives of ``train_mode`` (default: the protocol's mode; ``"unfiltered"``
+    for the ablation)."""
     stream, manifest = protocol.stream, protocol.manifest
     snapshot = load_bank(bank_path, stream)
     neg = protocol.negatives
@@ -186,9 +188,10 @@ def compute_contexts(
     server = fork(snapshot)
     out: dict[str, Any] = {"mode": mode}
     segments = {"down_val": manifest.indices(DOWN_VAL), "test": manifest.indices(TEST)}
-    supports = sum(len(events) for task in protocol.tasks.tasks for events in task.support.values())
+    todo = protocol.tasks.tasks[:max_tasks]
+    supports = sum(len(events) for task in todo for events in task.support.values())
     progress = StageProgress(
-        f"contexts ({len(protocol.tasks.tasks)} tasks)",
+        f"contexts ({len(todo)} tasks)",
         sum(len(idx) for idx in segments.values()) + supports,
         logger=log,
     )
@@ -197,7 +200,7 @@ def compute_contexts(
             server, stream, idx, np.array(neg["eval"][name]), batch_size, progress
         )
     tasks: dict[int, dict[int, dict[str, Tensor]]] = {}
-    for task in protocol.tasks.tasks:
+    for task in todo:
         negs = dict(zip(task.events.tolist(), neg["tasks"][mode][str(task.task)], strict=True))
         tasks[task.task] = {}
         for k, events in task.support.items():
@@ -216,16 +219,28 @@ def cached_contexts(
     protocol: TemporalProtocol,
     cache_dir: str | Path,
     train_mode: str | None = None,
+    max_tasks: int | None = None,
 ) -> tuple[Path, str, bool]:
     """The contexts' file, hash and whether they were reused: computed once per (bank,
-    protocol, training negatives)."""
+    protocol, training negatives). With ``max_tasks`` (a run of the first tasks only) the
+    contexts of every task are reused when cached, else only those tasks' are computed: each
+    task streams from its own copy of the snapshot, so its contexts are bitwise the same
+    either way, and the hash is that of the whole protocol's."""
     mode = train_mode or protocol.negatives["mode"]
     key = content_hash(
         {"version": CONTEXT_VERSION, "bank": bank_hash, "train_mode": mode, **protocol.event_hashes}
     )
-    path = Path(cache_dir) / "contexts" / f"{protocol.stream.name}-{key}.pt"
+    folder = Path(cache_dir) / "contexts"
+    path = folder / f"{protocol.stream.name}-{key}.pt"
+    if max_tasks is not None and max_tasks < len(protocol.tasks.tasks) and not path.exists():
+        path = folder / f"{protocol.stream.name}-{key}-first{max_tasks}.pt"
+    else:
+        max_tasks = None
     reused = build_once(
-        path, lambda: save_torch(path, compute_contexts(bank_path, protocol, train_mode=mode))
+        path,
+        lambda: save_torch(
+            path, compute_contexts(bank_path, protocol, train_mode=mode, max_tasks=max_tasks)
+        ),
     )
     return path, key, reused
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shlex
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -27,6 +31,27 @@ PARENT_TAG = "mlflow.parentRunId"
 LOCK_TIMEOUT_S = 600.0
 # Remote stores (no file to lock): how often to retry opening the store and its experiment.
 OPEN_ATTEMPTS = 5
+# MLflow 3's UI shows an experiment without this tag as a GenAI one (traces, evaluation
+# runs); this value opens it on its training runs (mlflow/server/js: `experimentKind`).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+DESCRIPTION_TAG = "mlflow.note.content"  # the experiment's description in the UI
+FAMILY_DESCRIPTIONS = {
+    "fl": "Plain federated runs (FedAvg, FedProx, ...): per-round accuracy and communication.",
+    "cil": "FedOGL's class-incremental open-world protocol: per-round accuracy, per-stage "
+    "open-set metrics, final AM, FM, FPR95.",
+    "cir": "FedOGL's cross-modal retrieval under class-incremental stages: Recall@k.",
+    "temporal": "FedTIP and its comparators over the few-shot task manifest: per-task AUCs "
+    "and uplink.",
+    "bank": "Pre-training of FedTIP's frozen temporal bank (TGN/TGAT): per-epoch loss and AUC.",
+    "sweep": "Optuna studies: a parent run per study, its trials and their training runs "
+    "nested under it.",
+    "report": "Tables and plots of `fedlightning report --log`.",
+}
+# The MLflow UI charts a run's metrics by section, the name before the last '/', sections in
+# sorted order before the unprefixed ones: per-step curves under `curves/` come before the
+# `final/` and `stage/` values (docs/experiments.md, "MLflow layout").
+CURVES = "curves/"
+RUN_NAME_WIDTH = 24  # what the runs table shows of a name before it cuts it
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -87,11 +112,31 @@ def store_lock(tracking_uri: str) -> Iterator[None]:
         lock.release()
 
 
+def artifact_location(tracking_uri: str, name: str) -> str | None:
+    """Where a new experiment ``name`` of a local SQLite store keeps its runs' artifacts:
+    ``mlartifacts/<name>`` beside the database (MLflow's default, ``./mlruns`` of whatever
+    folder the run started in, scatters them); ``None``: MLflow's default."""
+    path = local_store(tracking_uri)
+    if path is None or not str(tracking_uri).startswith("sqlite:"):
+        return None
+    return (path.absolute().parent / "mlartifacts" / name).as_uri()
+
+
+def experiment_tags(name: str) -> dict[str, str]:
+    """The tags of the experiment ``name``: model training, and the description of its
+    family (the part after the last '/')."""
+    family = name.rsplit("/", 1)[-1]
+    described = FAMILY_DESCRIPTIONS.get(family)
+    return {**EXPERIMENT_KIND, **({DESCRIPTION_TAG: described} if described else {})}
+
+
 def open_experiment(tracking_uri: str, name: str, create: bool = True) -> tuple[Any, str | None]:
     """An ``MlflowClient`` at ``tracking_uri`` and the id of its experiment ``name``:
-    created when missing (``create``), else ``None``. The store is created (on first use)
-    under :func:`store_lock`; a remote store is retried a few times, and an experiment
-    another process created in the meantime is found."""
+    created when missing (``create``, tagged by :func:`experiment_tags`, its artifacts at
+    :func:`artifact_location`), else ``None``. The store is created (on first use) under
+    :func:`store_lock`; a remote store is retried a few times, and an experiment another
+    process created in the meantime is found. An experiment an older version created gets
+    its tags."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -100,9 +145,15 @@ def open_experiment(tracking_uri: str, name: str, create: bool = True) -> tuple[
             with store_lock(tracking_uri):
                 client = MlflowClient(tracking_uri)
                 exp = client.get_experiment_by_name(name)
+                if exp is not None and EXPERIMENT_KIND.keys() - exp.tags.keys():
+                    for k, v in experiment_tags(name).items():
+                        client.set_experiment_tag(exp.experiment_id, k, v)
                 if exp is not None or not create:
                     return client, exp.experiment_id if exp else None
-                return client, client.create_experiment(name)
+                where = artifact_location(tracking_uri, name)
+                return client, client.create_experiment(
+                    name, artifact_location=where, tags=experiment_tags(name)
+                )
         except MlflowException as e:
             exists = getattr(e, "error_code", "") == "RESOURCE_ALREADY_EXISTS"
             if attempt == OPEN_ATTEMPTS - 1 or not (exists or local_store(tracking_uri) is None):
@@ -117,6 +168,70 @@ def family_experiment(prefix: str, tags: Mapping[str, str]) -> str:
     task tag."""
     task = tags.get("task")
     return f"{prefix}/{task}" if task else prefix
+
+
+def run_name(method: str, data: str, seed: Any, width: int = RUN_NAME_WIDTH) -> str:
+    """``<method>-<data>-s<seed>`` within ``width`` characters (the runs table's): the data's
+    name is cut to fit first, then the method's; the tags keep both whole."""
+    tail = f"-s{seed}"
+    room = max(width - len(tail), 3)
+    if len(method) + 1 + len(data) > room:
+        data = data[: max(room - len(method) - 1, 4)]
+    return f"{method}-{data}"[:room] + tail
+
+
+def source_tags() -> dict[str, str]:
+    """Where a run came from: the command line (``command``, also MLflow's source name),
+    the package's version and, in a git checkout, its commit (MLflow's own git tag)."""
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if program.startswith("__main__.py"):  # python -m fedlightning (the CLI adds " train")
+        program = program.replace("__main__.py", "python -m fedlightning", 1)
+    command = " ".join([program, shlex.join(sys.argv[1:])]).strip()[:5000]
+    tags = {
+        "command": command,
+        "mlflow.source.name": command,
+        "fedlightning_version": package_version(),
+    }
+    commit = git_commit(Path(__file__).resolve().parent)
+    if commit:
+        tags["mlflow.source.git.commit"], dirty = commit
+        tags["git_dirty"] = str(dirty).lower()
+    return tags
+
+
+def package_version() -> str:
+    """The installed distribution's version (the package's own in a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedlightning")
+    except PackageNotFoundError:
+        from fedlightning import __version__
+
+        return __version__
+
+
+def git_commit(folder: Path) -> tuple[str, bool] | None:
+    """The commit of the git checkout that ``folder``'s code is tracked in, and whether its
+    tracked files have changes; ``None`` for an installed wheel (its files belong to no
+    checkout, even in a virtual environment inside one) or without git."""
+
+    def git(*args: str) -> str:
+        out = subprocess.run(
+            ["git", "-C", str(folder), *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        return out.stdout.strip()
+
+    try:
+        git("ls-files", "--error-unmatch", Path(__file__).name)  # this file is the checkout's
+        commit = git("rev-parse", "HEAD")
+        return commit, bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 class NullTracker:
@@ -182,7 +297,7 @@ class MlflowTracker(NullTracker):
         else:
             name = family_experiment(self.experiment_name, tags)
             self.client, exp_id = open_experiment(self.tracking_uri, name)
-        run = self.client.create_run(exp_id, run_name=run_name, tags=tags)
+        run = self.client.create_run(exp_id, run_name=run_name, tags={**source_tags(), **tags})
         self.run_id = run.info.run_id
         from mlflow.entities import Param
 
@@ -197,7 +312,7 @@ class MlflowTracker(NullTracker):
 
         now = int(time.time() * 1000)
         items = [
-            Metric(k, float(v), now, step)
+            Metric(k if "/" in k else CURVES + k, float(v), now, step)
             for step, metrics in rows
             for k, v in metrics.items()
             if isinstance(v, (int, float)) and math.isfinite(float(v))

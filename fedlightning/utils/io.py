@@ -32,10 +32,20 @@ class ContentHashed:
         return content_hash(self.to_json())
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once at import: os.umask can only be read by setting it
+
+
 def _atomic(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() gives (0644 usually)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -43,7 +43,9 @@ def manual_seed(seed: int) -> None:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch global generators (for code we do not control)."""
+    """Seed Python, NumPy and torch global generators (for code we do not control).
+    Not Lightning's ``seed_everything``: it refuses seeds above ``2**32 - 1``, and
+    :func:`derive_seed` gives 63-bit ones, which torch takes whole."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

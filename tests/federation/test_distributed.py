@@ -235,7 +235,10 @@ def test_two_gloo_ranks_equal_the_sequential_run(tmp_env, dist_env, compose):
     client = MlflowClient(dist_env["MLFLOW_TRACKING_URI"])
     (exp,) = [e for e in client.search_experiments() if e.name == "fedlightning/fl"]
     (mrun,) = client.search_runs([exp.experiment_id])  # rank 0 alone logs
-    assert [m.step for m in client.get_metric_history(mrun.info.run_id, "test_acc")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(mrun.info.run_id, "curves/test_acc")] == [
+        1,
+        2,
+    ]
     assert mrun.data.metrics["final/test_acc"] == pytest.approx(seq["metrics"]["test_acc"])
 
 

@@ -76,7 +76,7 @@ def test_default_demo_logs_everything_to_mlflow(tmp_path, cli_env):
     assert mrun.data.params["algorithm._target_"] == "fedlightning.methods.fedogl.fedogl.FedOGL"
     assert mrun.data.params["threads"] == "auto"  # the setting, and the number it gave
     assert int(mrun.data.params["threads_used"]) == summary["threads"] >= 1
-    hist = client.get_metric_history(run_id, "test_acc")
+    hist = client.get_metric_history(run_id, "curves/test_acc")
     assert [m.step for m in hist] == [1, 2, 3, 4, 5, 6]
     for key in ("am", "fm", "fpr95", "val_am", "d_sem"):
         assert mrun.data.metrics[f"final/{key}"] == pytest.approx(summary["metrics"][key])
@@ -156,7 +156,12 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, cli_env):
 
     client = MlflowClient(cli_env["MLFLOW_TRACKING_URI"])
     run_id = json.loads((tmp_path / "killed" / "mlflow_run.json").read_text())["run_id"]
-    assert sorted({m.step for m in client.get_metric_history(run_id, "test_acc")}) == [1, 2, 3, 4]
+    assert sorted({m.step for m in client.get_metric_history(run_id, "curves/test_acc")}) == [
+        1,
+        2,
+        3,
+        4,
+    ]
     assert client.get_run(run_id).info.status == "FINISHED"
     shutil.rmtree(tmp_path / "full")
 

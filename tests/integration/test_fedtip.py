@@ -153,7 +153,7 @@ def test_fedtip_logs_every_task_to_mlflow(env, compose):
     s = train(cfg, env / "a", verbose=False)
     client = MlflowClient(cfg.logger.tracking_uri)
     run_id = json.loads((env / "a" / "mlflow_run.json").read_text())["run_id"]
-    history = client.get_metric_history(run_id, "auc_tlp")
+    history = client.get_metric_history(run_id, "curves/auc_tlp")
     assert [h.step for h in history] == [1, 2, 3]
     run = client.get_run(run_id)
     assert run.data.metrics["final/auc_tlp"] == pytest.approx(s["metrics"]["auc_tlp"])

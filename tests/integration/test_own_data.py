@@ -264,7 +264,7 @@ def test_a_folder_run_is_named_after_the_folder_and_keeps_its_class_names(tmp_pa
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     mrun = client.get_run(json.loads((run / "mlflow_run.json").read_text())["run_id"])
-    assert mrun.info.run_name == "my_graph-cil_fedavg_my_graph-seed0"
+    assert mrun.info.run_name == f"{mrun.data.tags['method']}-my_graph-s0"  # method, data, seed
     assert mrun.data.tags["experiment"] == "cil_fedavg_my_graph"
     assert "class_names.json" in {a.path for a in client.list_artifacts(mrun.info.run_id)}
 

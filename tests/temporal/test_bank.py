@@ -304,7 +304,7 @@ def test_bank_run_logs_metrics_hashes_and_the_bank_to_mlflow(tmp_env, compose):
     assert run.data.tags["method"] == "tgat" and run.data.tags["hash_bank"] == s["hashes"]["bank"]
     assert run.data.tags["hash_manifest"] == s["hashes"]["manifest"]
     assert run.data.metrics["final/bank_val_auc"] == pytest.approx(s["metrics"]["bank_val_auc"])
-    assert "bank_val_ap" in run.data.metrics  # the per-epoch curve
+    assert "curves/bank_val_ap" in run.data.metrics  # the per-epoch curve
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"manifest.json", "protocol.json", "summary.json"} <= arts
     assert any(a.endswith(".pt") for a in arts)
