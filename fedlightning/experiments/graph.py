@@ -171,9 +171,14 @@ def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
             "federation.secure_sum",
             "runner=flower does not mask on its nodes: use runner=sequential or runner=distributed",
         )
-    bound = cfg.algorithm.get("max_update_norm")
+    bound, cap = cfg.algorithm.get("max_update_norm"), cfg.algorithm.get("max_client_weight")
     try:
-        return graph_secure_sum(server, cfg.seed, None if bound is None else float(bound))
+        return graph_secure_sum(
+            server,
+            cfg.seed,
+            None if bound is None else float(bound),
+            None if cap is None else float(cap),
+        )
     except ValueError as e:
         raise ConfigError("federation.secure_sum", str(e)) from None
 
@@ -220,6 +225,7 @@ def train_graph(
     check_algorithm_fits_protocol(algorithm, stream)
     runner.begin(cfg, run_dir, hashes)
     server = algorithm.server(net.state_dict())
+    server.weight_bounds = {c.client_id: float(c.data.num_nodes) for c in clients}
     if enabled(cfg.federation.get("secure_sum", False)):
         server.secure = secure_sum_of(cfg, server, runner)
     run = Run(cfg, run_dir, world.is_main, resuming)

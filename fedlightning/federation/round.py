@@ -17,7 +17,7 @@ from fedlightning.errors import TooFewClients
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
 from fedlightning.federation.runners import ClientFailed, contiguous_shares
 from fedlightning.messages import ClientUpdate, ServerBroadcast, prefixed
-from fedlightning.server.validation import MessageSpec, Rejection, screen
+from fedlightning.server.validation import MessageSpec, Rejection, bounded_weights, screen
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ def federated_round(
     spec = fit.uplink
     if spec is not None and spec.reference is None:
         spec = replace(spec, reference=broadcast)
+    if spec is not None and getattr(server, "weight_bounds", None):
+        spec = bounded_weights(spec, server.weight_bounds)
     if fit.share is not None:
         fit.one = stacked(runner, clients, fit.share)
     secure = getattr(server, "secure", None) if aggregate is None else None

@@ -320,6 +320,21 @@ NUM_EXAMPLES = Field("num_examples", tensor=False, low=0.0, integral=True)
 TRAIN_LOSS = Field("train_loss", tensor=False)
 
 
+def bounded_weights(spec: MessageSpec, bounds: dict[int, float]) -> MessageSpec:
+    """``spec`` with each client's ``num_examples`` at most its bound in ``bounds`` (client
+    id -> what the server knows of it: the node count of the subgraph its partition gave
+    it, or a declared maximum); a client without a bound keeps the declared range."""
+
+    def high(old: Bound) -> Callable[[int], float]:
+        return lambda k: min(_bound(old, k), float(bounds.get(k, math.inf)))
+
+    fields = tuple(
+        replace(f, high=high(f.high)) if f.name == NUM_EXAMPLES.name and not f.tensor else f
+        for f in spec.fields
+    )
+    return replace(spec, fields=fields)
+
+
 def model_fields(prefix: str = "model.") -> Field:
     """The model's weights, ``model.<key>``: each as the broadcast's field of that name."""
     return Field(re.escape(prefix) + r".+", shape=None, dtype="like", like=lambda m: m[0])

@@ -27,6 +27,20 @@ def test_fedavg_with_secure_sums_equals_the_plain_run(tmp_env, compose):
     assert secure["comm"]["uplink_values"] == plain["comm"]["uplink_values"]
 
 
+def test_max_client_weight_with_secure_sums_equals_the_capped_plain_run(tmp_env, compose):
+    """The cap travels with secure sums: each client caps its weight before masking, so the
+    capped secure run ends where the capped plain run does (before, the shares carried the
+    clear counts and the cap was lost)."""
+    base = ["experiment=fedavg_synthetic", "federation.rounds=2", "logger=none"]
+    cap = [*base, "algorithm.max_client_weight=20"]
+    free = train(compose(base), tmp_env / "free", verbose=False)
+    plain = train(compose(cap), tmp_env / "plain", verbose=False)
+    secure = train(compose([*cap, "federation.secure_sum=true"]), tmp_env / "s", verbose=False)
+    _close(plain["metrics"], secure["metrics"])
+    assert plain["metrics"]["test_acc"] != free["metrics"]["test_acc"]  # the cap bites
+    assert secure["comm"]["rejected"]["count"] == 0
+
+
 DEMO = [
     "experiment=demo",
     "federation.rounds=1",
