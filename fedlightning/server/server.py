@@ -84,7 +84,9 @@ class Server:
                 for u in updates
             ]
         elif self.weight_bounds:
-            updates = [bound_update(u, self.global_state, None, self.weight_cap(u)) for u in updates]
+            updates = [
+                bound_update(u, self.global_state, None, self.weight_cap(u)) for u in updates
+            ]
         self.global_state = self.aggregator(updates)
         for mod in self.modules.values():
             mod.aggregate(round, updates)
