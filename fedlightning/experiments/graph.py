@@ -26,6 +26,7 @@ from fedlightning.runs import (
     Observer,
     Run,
     check_protocol,
+    feature_hashes,
     prepare_run_dir,
     resume_loop,
     run_tags,
@@ -216,6 +217,7 @@ def train_graph(
     seed_everything(cfg.seed)
 
     graph = load_graph(cfg)
+    features = feature_hashes(graph.features)  # once, at load: a resume compares them
     partition, stream, hashes = world.on_main(build_protocol, cfg, graph, run_dir, resuming)
     clients = build_clients(graph, partition)
     log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
@@ -252,7 +254,7 @@ def train_graph(
             ),
         )
     loop = schedule(algorithm, module, server, clients, runner, **kwargs, **common)
-    if resume_loop(loop, world, cfg, run_dir, hashes, resuming):
+    if resume_loop(loop, world, cfg, run_dir, hashes, resuming, features=features):
         log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
     tags = run_tags(
         cfg,
