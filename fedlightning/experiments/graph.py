@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch_geometric.data import Data
 
 from fedlightning.config import build, dataset_node, plots_on, validate
@@ -32,6 +32,8 @@ from fedlightning.runs import (
     run_tags,
     summary_table,
 )
+from fedlightning.server.aggregate import fedavg
+from fedlightning.server.robust import RobustRule, robust_rule
 from fedlightning.server.secure_sum import enabled, graph_secure_sum
 from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
@@ -184,6 +186,35 @@ def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
         raise ConfigError("federation.secure_sum", str(e)) from None
 
 
+def robust_of(cfg: DictConfig, server: Any) -> RobustRule | None:
+    """``federation.robust``: the server's robust rule (``None``: off), refused with one
+    line for an aggregation that is not FedAvg's or under secure sums (the rules read each
+    client's update, which a secure sum hides)."""
+    raw = cfg.federation.get("robust")
+    raw = OmegaConf.to_container(raw) if isinstance(raw, DictConfig) else raw
+    try:
+        rule = robust_rule(raw)
+    except (TypeError, ValueError) as e:
+        key, _, why = str(e).partition(": ")
+        field = key if key.startswith("federation.robust") else "federation.robust"
+        raise ConfigError(field, why if field == key else str(e)) from None
+    if not rule.on:
+        return None
+    if getattr(server, "aggregator", None) is not fedavg:
+        raise ConfigError(
+            "federation.robust",
+            f"{rule.rule} replaces FedAvg's aggregation, "
+            "and this method aggregates otherwise; use federation.robust=none",
+        )
+    if enabled(cfg.federation.get("secure_sum", False)):
+        raise ConfigError(
+            "federation.robust",
+            f"{rule.rule} reads each client's update, "
+            "which federation.secure_sum=true hides; choose one of them",
+        )
+    return rule
+
+
 def _report(
     tracker: Any, observe: Observer | None, kind: str, step: int, m: dict, at: int | None = None
 ) -> None:
@@ -228,6 +259,7 @@ def train_graph(
     runner.begin(cfg, run_dir, hashes)
     server = algorithm.server(net.state_dict())
     server.weight_bounds = {c.client_id: float(c.data.num_nodes) for c in clients}
+    server.robust = robust_of(cfg, server)
     if enabled(cfg.federation.get("secure_sum", False)):
         server.secure = secure_sum_of(cfg, server, runner)
     run = Run(cfg, run_dir, world.is_main, resuming)

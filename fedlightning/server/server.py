@@ -9,6 +9,7 @@ from torch import Tensor
 
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server.aggregate import as_model_fields, bound_update, fedavg
+from fedlightning.server.robust import RobustRule, robust_aggregate
 
 Aggregator = Callable[[Sequence[ClientUpdate]], dict[str, Tensor]]
 
@@ -66,6 +67,10 @@ class Server:
         self.modules = dict(modules or {})
         self.max_update_norm, self.max_client_weight = max_update_norm, max_client_weight
         self.weight_bounds: dict[int, float] = {}
+        # ``federation.robust`` (set by the program that builds the run): the model is then
+        # aggregated by a robust rule; ``flagged``: the last round's suspicious clients
+        self.robust: RobustRule | None = None
+        self.flagged: list[tuple[int, str]] = []
 
     def broadcast(self, round: int) -> ServerBroadcast:
         """The message every sampled client receives at the start of ``round``."""
@@ -87,7 +92,12 @@ class Server:
             updates = [
                 bound_update(u, self.global_state, None, self.weight_cap(u)) for u in updates
             ]
-        self.global_state = self.aggregator(updates)
+        if self.robust is not None and self.robust.on:
+            self.global_state, updates, self.flagged = robust_aggregate(
+                self.robust, updates, self.global_state
+            )
+        else:
+            self.global_state = self.aggregator(updates)
         for mod in self.modules.values():
             mod.aggregate(round, updates)
             self.global_state = mod.update_global(round, self.global_state)

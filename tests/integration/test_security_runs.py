@@ -104,3 +104,25 @@ def test_fedtip_private_release_reports_its_budget(tmp_env, compose):
     fams = len(dp["families"])
     assert dp["privacy"]["releases"] == 1 * 2 * fams
     assert dp["metrics"]["dp_epsilon"] == pytest.approx(epsilon(1.0, 2 * fams, 1e-5))
+
+
+def test_robust_aggregation_with_secure_sums_is_refused_in_one_line(tmp_env, compose):
+    """A robust rule reads each client's update, which a secure sum hides: the combination
+    is refused before training, naming the key."""
+    from fedlightning.errors import ConfigError
+
+    over = ["experiment=fedavg_synthetic", "federation.rounds=1", "logger=none",
+            "federation.robust=median", "federation.secure_sum=true"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"config `federation.robust`: median reads") as e:
+        train(compose(over), tmp_env / "both", verbose=False)
+    assert "\n" not in str(e.value)
+
+
+def test_a_robust_run_reports_its_suspicious_clients(tmp_env, compose):
+    """``federation.robust=krum``: the clients multi-Krum sets aside each round are in
+    ``comm.suspicious`` and the metrics (MLflow's ``suspicious`` per round)."""
+    over = ["experiment=fedavg_synthetic", "federation.rounds=2", "logger=none",
+            "federation.robust={rule: krum, byzantine: 1}"]  # fmt: skip
+    s = train(compose(over), tmp_env / "krum", verbose=False)
+    assert s["comm"]["suspicious"]["per_round"] == {"1": 1, "2": 1}  # n - f = 4 of 5 kept
+    assert s["metrics"]["suspicious"] == 2.0 and s["comm"]["rejected"]["count"] == 0
