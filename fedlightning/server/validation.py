@@ -132,6 +132,8 @@ def check_field(
     spec: Field, m: re.Match, name: str, value: Any, client: int, masked: bool, ref: Any
 ) -> str | None:
     """The rule ``value`` breaks as field ``name`` of client ``client`` (``None``: none)."""
+    if m.groupdict().get("c") is not None and m["c"] != str(int(m["c"])):
+        return f"class id `{m['c']}` is not canonical: write it `{int(m['c'])}` (one name a class)"
     if spec.classes is not None and "c" in m.groupdict() and int(m["c"]) not in spec.classes:
         return f"class {m['c']} is not one of this round's classes {sorted(spec.classes)}"
     if spec.tensor:

@@ -216,3 +216,23 @@ def test_fedavg_cora_default_refuses_a_client_claiming_1e12_examples(cora, monke
         m["field"] == "num_examples" and "outside [0, " in m["rule"] for m in rejected["messages"]
     )
     assert hostile["metrics"]["test_acc"] > 0.5
+
+
+def test_fedtip_synthetic_with_one_prototype_poisoner(fedtip, monkeypatch):
+    """One client of each round multiplies its prototypes by -100, its counts honest (which
+    took ``auc_nc`` from 0.575 to 0.488 with nothing refused): the server clips a prototype to
+    3x its class's median norm (:func:`~fedlightning.server.reliability.bound_prototypes`),
+    and node classification ends within 0.01 of the clean run."""
+    clean, run = fedtip
+
+    def poison(u):
+        for k in [k for k in u.tensors if k.startswith("proto.")]:
+            u.tensors[k] = -100 * u.tensors[k]
+        return u
+
+    spoil_highest(monkeypatch, poison)
+    hostile = run("poisoned")
+    assert hostile["comm"]["rejected"]["count"] == 0  # well-formed: bounded, not refused
+    assert abs(hostile["metrics"]["auc_nc"] - clean["metrics"]["auc_nc"]) <= 0.01
+    for key in ("auc_tlp", "auc_ilp"):
+        assert abs(hostile["metrics"][key] - clean["metrics"][key]) <= 0.02, key
