@@ -28,6 +28,7 @@ DEFENCES = {
     "trimmed_mean": "{rule: trimmed_mean, trim: 0.2}",
     "krum": "{rule: krum, byzantine: 2, keep: 3}",
     "screen": "{rule: screen, cosine: 0.0}",
+    "screen_norm": "{rule: screen, cosine: 0.0, norm_ratio: 2.0}",
 }
 
 
