@@ -29,6 +29,8 @@ DEFENCES = {
     "krum": "{rule: krum, byzantine: 2, keep: 3}",
     "screen": "{rule: screen, cosine: 0.0}",
     "screen_norm": "{rule: screen, cosine: 0.0, norm_ratio: 2.0}",
+    "krum_keep4": "{rule: krum, byzantine: 1, keep: 4}",
+    "screen_0.1": "{rule: screen, cosine: 0.1}",
 }
 
 
