@@ -157,7 +157,7 @@ def messages(draw: st.DrawFn) -> object:
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(spec=st.sampled_from(sorted(SPECS)), batch=st.lists(messages(), min_size=1, max_size=3))
+@given(spec=st.sampled_from(sorted(SPECS)), batch=st.lists(messages(), min_size=1, max_size=2))
 def test_the_screen_never_raises_and_names_client_field_and_rule(spec, batch):
     ids = list(range(len(batch)))
     kept, rejected = screen(1, ids, list(enumerate(batch)), SPECS[spec])
