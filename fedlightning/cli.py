@@ -287,11 +287,16 @@ def _refuse_before_hydra(args: list[str]) -> None:
     _fresh_dir[0] = main_rank and (run_dir is None or not Path(run_dir).exists())
     _named_dir[0] = None if run_dir is None or not main_rank else Path(run_dir)
     if run_dir is not None:  # else outputs/<data>/<experiment>/<time>: a new folder
-        from fedlightning.runs import lock_run_dir, refuse_existing_run
+        from fedlightning.runs import lock_run_dir, refuse_existing_run, release_run_dirs
 
+        refuse_existing_run(Path(run_dir))
         if main_rank:  # before Hydra writes there: a folder a run is using is refused
             lock_run_dir(Path(run_dir))
-        refuse_existing_run(Path(run_dir))
+            try:
+                refuse_existing_run(Path(run_dir))  # one that finished while we waited
+            except FedLightningError:
+                release_run_dirs()
+                raise
 
 
 def _missing_option_line(e: Exception) -> str:

@@ -204,15 +204,19 @@ def refuse_existing_run(run_dir: Path) -> None:
             )
 
 
-_HELD: dict[str, int] = {}  # resolved run directory -> the open file holding its lock
+# resolved run directory -> the held lock file's descriptor, and its path where this
+# process made the file (removed on release)
+_HELD: dict[str, tuple[int, Path | None]] = {}
 
 
 def lock_run_dir(run_dir: Path) -> None:
     """Hold ``run_dir``'s lock (``run.lock``, an exclusive ``flock``) for this process's run,
     creating the directory if needed; refuse in one line when another process holds it (a
-    run in progress there). The operating system releases it when the process ends, killed
-    or not; :func:`release_run_dirs` releases it earlier. Taken twice by one process: once.
-    (Where ``fcntl`` does not exist, nothing is locked.)"""
+    run in progress there). :func:`release_run_dirs` releases the lock and removes the file
+    it made; the operating system releases it when the process ends, killed or not (a
+    killed run's file stays, unlocked: the next run takes it and leaves it as it was).
+    Taken twice by one process: once. Where the directory cannot be made (Hydra then says
+    why) or ``fcntl`` does not exist, nothing is locked."""
     key = str(Path(run_dir).resolve())
     if key in _HELD:
         return
@@ -220,26 +224,44 @@ def lock_run_dir(run_dir: Path) -> None:
         import fcntl
     except ImportError:  # not a POSIX system: no lock
         return
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+    path = Path(run_dir) / LOCK_FILE
+    while True:
+        try:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            found = path.exists()  # a killed run's file: used as it is, and left there
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # under a file, unwritable: the run's own setup names the folder
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise FedLightningError(
+                f"run directory {run_dir} is in use by another run (process {holder}); "
+                "choose a new hydra.run.dir, or wait for it and resume"
+            ) from None
+        try:  # the holder before may have removed the file between our open and our lock
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
         os.close(fd)
-        raise FedLightningError(
-            f"run directory {run_dir} is in use by another run (process {holder}); "
-            "choose a new hydra.run.dir, or wait for it and resume"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    _HELD[key] = fd
+    if not found:
+        os.write(fd, f"{os.getpid()}\n".encode())
+    _HELD[key] = (fd, None if found else path)
 
 
 def release_run_dirs(keep: Iterable[str] = ()) -> None:
-    """Release the run-directory locks this process holds, but those in ``keep``."""
+    """Release the run-directory locks this process holds, but those in ``keep``: each lock
+    file this process made is removed (a refused run leaves its folder as it found it)."""
     for key in [k for k in _HELD if k not in set(keep)]:
-        os.close(_HELD.pop(key))
+        fd, path = _HELD.pop(key)
+        if path is not None:  # made by this process: removed
+            with contextlib.suppress(OSError):
+                path.unlink()
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -290,8 +312,9 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
         saved.plots = cfg.get("plots", True)
         saved.resume = str(old)
         return saved, old, True
-    lock_run_dir(run_dir)  # first: a second run started at the same time is refused here
-    refuse_existing_run(run_dir)
+    refuse_existing_run(run_dir)  # before the lock: a folder holding a run stays untouched
+    lock_run_dir(run_dir)  # a second run started at the same time is refused here
+    refuse_existing_run(run_dir)  # (one that finished before we held the lock)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / CONFIG_FILE, resolve=True)
     return OmegaConf.load(run_dir / CONFIG_FILE), run_dir, False

@@ -63,8 +63,15 @@ def test_a_second_lock_on_a_held_folder_is_refused_in_one_line(tmp_path):
         holder.wait()
     lock_run_dir(run_dir)  # the holder died: the system released its lock
     lock_run_dir(run_dir)  # twice in one process: one hold
-    assert (run_dir / LOCK_FILE).read_text().strip() == str(os.getpid())
+    # the dead holder's file is taken as it is and left there (a folder is not rewritten)
+    assert (run_dir / LOCK_FILE).read_text().strip() == str(holder.pid)
     release_run_dirs()
+    assert (run_dir / LOCK_FILE).exists()
+    fresh = tmp_path / "fresh"
+    lock_run_dir(fresh)  # a file this process makes holds its id, and goes on release
+    assert (fresh / LOCK_FILE).read_text().strip() == str(os.getpid())
+    release_run_dirs()
+    assert list(fresh.iterdir()) == []
 
 
 @pytest.mark.slow
