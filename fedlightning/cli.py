@@ -86,6 +86,10 @@ def _train(cfg: DictConfig) -> float:
                     _wait_for_lightning_ranks(max(60.0, time.monotonic() - started))
     except (FedLightningError, InterpolationResolutionError, MissingMandatoryValue) as e:
         _drop_resume_scratch(cfg, hydra_cfg.runtime.output_dir)
+        if _fresh_dir[0] and not cfg.get("resume"):  # a refused fresh run leaves no folder
+            from fedlightning.runs import drop_stub_run_dir
+
+            drop_stub_run_dir(Path(hydra_cfg.runtime.output_dir))
         line = str(e) if isinstance(e, FedLightningError) else hydra_error_line(e)
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -284,10 +288,20 @@ def _refuse_before_hydra(args: list[str]) -> None:
     run_dir = _override(args, "hydra.run.dir")
     if run_dir is not None and "${" in run_dir:
         run_dir = _resolved_run_dir(args)
+    main_rank = os.environ.get("RANK", "0") == "0"  # torchrun's other ranks share the folder
+    _fresh_dir[0] = main_rank and (run_dir is None or not Path(run_dir).exists())
+    _named_dir[0] = None if run_dir is None or not main_rank else Path(run_dir)
     if run_dir is not None:  # else outputs/<data>/<experiment>/<time>: a new folder
-        from fedlightning.runs import refuse_existing_run
+        from fedlightning.runs import lock_run_dir, refuse_existing_run, release_run_dirs
 
         refuse_existing_run(Path(run_dir))
+        if main_rank:  # before Hydra writes there: a folder a run is using is refused
+            lock_run_dir(Path(run_dir))
+            try:
+                refuse_existing_run(Path(run_dir))  # one that finished while we waited
+            except FedLightningError:
+                release_run_dirs()
+                raise
 
 
 def _missing_option_line(e: Exception) -> str:
@@ -390,6 +404,10 @@ _user_full_error: list[str | None] = [None]  # the user's own setting, while a t
 # False, or (when this invocation chose the resume's hydra.run.dir) the resumed checkpoint's
 # stamp at the start
 _resume_scratch: list[object] = [False]
+# a fresh run's hydra.run.dir did not exist before this invocation (a refusal removes it),
+# and the folder named on the command line, when there is one
+_fresh_dir: list[bool] = [False]
+_named_dir: list[Path | None] = [None]
 
 
 def _show_user_errors_as_set() -> None:
@@ -445,10 +463,18 @@ def _run_train(multirun: bool) -> None:
         )
         if line is None:
             raise
+        if _fresh_dir[0] and _named_dir[0] is not None:  # its lock made the folder: remove
+            from fedlightning.runs import drop_stub_run_dir
+
+            drop_stub_run_dir(_named_dir[0])
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         _show_user_errors_as_set()
+        if _named_dir[0] is not None:  # the run is over: its folder's lock goes with it
+            from fedlightning.runs import release_run_dirs
+
+            release_run_dirs()
 
 
 class _FileOnFirstLine(logging.FileHandler):

@@ -7,13 +7,17 @@ resume checks (:func:`run_identity`, :func:`load_checkpoint`; docs/architecture.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import math
 import os
 import pickle
+import shutil
 import time
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ CHECKPOINT_FORMATS_READ = (1, 2, 3)
 
 CONFIG_FILE, CHECKPOINT_FILE, SUMMARY_FILE = "config.yaml", "checkpoint.pt", "summary.json"
 MLFLOW_RUN_FILE, IDENTITY_FILE = "mlflow_run.json", "identity.json"
+LOCK_FILE = "run.lock"  # held (flock) by the process whose run owns the directory
 # observe(kind, step, metrics): see fedlightning.train.train
 Observer = Callable[[str, int, dict[str, float]], None]
 # What a resume may change without changing the run (how and where it runs, not what).
@@ -101,19 +106,39 @@ def apply_threads(setting: Any) -> int:
     return setting
 
 
-def run_identity(cfg: DictConfig, hashes: dict[str, str]) -> dict[str, Any]:
+def feature_hashes(features: dict[str, torch.Tensor]) -> dict[str, str]:
+    """A content hash of each modality's feature matrix (sha256 of its shape, dtype and
+    values; a sparse one's coalesced indices and values), 16 hex characters: computed once,
+    when the data is loaded, so that a resume on changed features is refused."""
+    out = {}
+    for m, x in features.items():
+        h = hashlib.sha256(f"{tuple(x.shape)} {x.dtype}".encode())
+        parts = [x.coalesce().indices(), x.coalesce().values()] if x.is_sparse else [x]
+        for t in parts:
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        out[str(m)] = h.hexdigest()[:16]
+    return out
+
+
+def run_identity(
+    cfg: DictConfig, hashes: dict[str, str], features: dict[str, str] | None = None
+) -> dict[str, Any]:
     """What a run is: its experiment, the hash of its resolved config less the keys a
     resume may change (:data:`RESUMABLE_KEYS`), a short hash per config key (to name the
-    first that differs) and its protocol ``hashes``."""
+    first that differs), its protocol ``hashes`` and, where given, the content hash of each
+    modality's ``features`` (:func:`feature_hashes`)."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     kept = {k: v for k, v in resolved.items() if k not in RESUMABLE_KEYS}
     keys = {k: content_hash(v)[:8] for k, v in sorted(flatten(kept).items())}
-    return {
+    identity = {
         "experiment": str(cfg.name),
         "config": content_hash(kept),
         "config_keys": keys,
         "hashes": {k: str(v) for k, v in sorted(hashes.items())},
     }
+    if features is not None:
+        identity["features"] = dict(sorted(features.items()))
+    return identity
 
 
 def identity_mismatch(found: dict[str, Any], expected: dict[str, Any]) -> str | None:
@@ -129,6 +154,14 @@ def identity_mismatch(found: dict[str, Any], expected: dict[str, Any]) -> str | 
     for name in sorted(old_h.keys() | new_h.keys()):
         if old_h.get(name) != new_h.get(name):
             return f"{name} hash {old_h.get(name)} != {new_h.get(name)}"
+    old_f, new_f = found.get("features"), expected.get("features")
+    if isinstance(old_f, dict) and isinstance(new_f, dict):  # an older run has none
+        for m in sorted(old_f.keys() | new_f.keys()):
+            if old_f.get(m) != new_f.get(m):
+                return (
+                    f"modality `{m}`: features hash {old_f.get(m)} != {new_f.get(m)} "
+                    "(its feature file changed)"
+                )
     return None
 
 
@@ -186,13 +219,108 @@ def refuse_existing_run(run_dir: Path) -> None:
             )
 
 
+# resolved run directory -> the held lock file's descriptor, and its path where this
+# process made the file (removed on release)
+_HELD: dict[str, tuple[int, Path | None]] = {}
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold ``run_dir``'s lock (``run.lock``, an exclusive ``flock``) for this process's run,
+    creating the directory if needed; refuse in one line when another process holds it (a
+    run in progress there). :func:`release_run_dirs` releases the lock and removes the file
+    it made; the operating system releases it when the process ends, killed or not (a
+    killed run's file stays, unlocked: the next run takes it and leaves it as it was).
+    Taken twice by one process: once. Where the directory cannot be made (Hydra then says
+    why) or ``fcntl`` does not exist, nothing is locked."""
+    key = str(Path(run_dir).resolve())
+    if key in _HELD:
+        return
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: no lock
+        return
+    path = Path(run_dir) / LOCK_FILE
+    while True:
+        try:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            found = path.exists()  # a killed run's file: used as it is, and left there
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # under a file, unwritable: the run's own setup names the folder
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise FedLightningError(
+                f"run directory {run_dir} is in use by another run (process {holder}); "
+                "choose a new hydra.run.dir, or wait for it and resume"
+            ) from None
+        try:  # the holder before may have removed the file between our open and our lock
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    if not found:
+        os.write(fd, f"{os.getpid()}\n".encode())
+    _HELD[key] = (fd, None if found else path)
+
+
+def release_run_dirs(keep: Iterable[str] = ()) -> None:
+    """Release the run-directory locks this process holds, but those in ``keep``: each lock
+    file this process made is removed (a refused run leaves its folder as it found it)."""
+    for key in [k for k in _HELD if k not in set(keep)]:
+        fd, path = _HELD.pop(key)
+        if path is not None:  # made by this process: removed
+            with contextlib.suppress(OSError):
+                path.unlink()
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def holding_run_dirs() -> Iterator[None]:
+    """Release, on the way out, the run-directory locks taken inside (one run's), so that
+    the same process can run (or resume) in them afterwards."""
+    before = set(_HELD)
+    try:
+        yield
+    finally:
+        release_run_dirs(keep=before)
+
+
+def drop_stub_run_dir(run_dir: Path) -> bool:
+    """Remove the folder a refused fresh run left (Hydra's ``.hydra`` and log, the lock,
+    the saved config): only when no other run holds it and it holds no checkpoint and no
+    summary. Whether it was removed."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or any((run_dir / n).exists() for n in (CHECKPOINT_FILE, SUMMARY_FILE)):
+        return False
+    try:
+        lock_run_dir(run_dir)
+    except FedLightningError:  # another run's folder
+        return False
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        if Path(h.baseFilename).resolve().is_relative_to(run_dir.resolve()):
+            root.removeHandler(h)  # Hydra's log of this invocation, open in the folder
+            h.close()
+    release_run_dirs(keep=[k for k in _HELD if k != str(run_dir.resolve())])
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return not run_dir.exists()
+
+
 def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, bool]:
     """The config and directory to run in, and whether it resumes: on ``resume`` the earlier
     run's own (its saved config, with this invocation's ``runner``, ``logger``, ``threads``
-    and ``plots``); a fresh run refuses a directory that already holds a run."""
+    and ``plots``); a fresh run refuses a directory that already holds a run. Either way
+    the directory's lock is taken first (:func:`lock_run_dir`): one another run is using is
+    refused."""
     if cfg.get("resume"):
         old = Path(cfg.resume)
         check_resume_dir(old)
+        lock_run_dir(old)
         saved = load_saved_config(old / CONFIG_FILE)
         saved.runner, saved.logger = cfg.runner, cfg.logger
         if "trainer" in cfg:  # where the local fits run: the resuming invocation's, as runner
@@ -201,7 +329,9 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Path, b
         saved.plots = cfg.get("plots", True)
         saved.resume = str(old)
         return saved, old, True
-    refuse_existing_run(run_dir)
+    refuse_existing_run(run_dir)  # before the lock: a folder holding a run stays untouched
+    lock_run_dir(run_dir)  # a second run started at the same time is refused here
+    refuse_existing_run(run_dir)  # (one that finished before we held the lock)
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / CONFIG_FILE, resolve=True)
     return OmegaConf.load(run_dir / CONFIG_FILE), run_dir, False
@@ -241,11 +371,13 @@ def resume_loop(
     hashes: dict[str, str],
     resuming: bool,
     load: Callable[..., dict[str, Any] | None] = load_checkpoint,
+    features: dict[str, str] | None = None,
 ) -> bool:
-    """Give ``loop`` this run's identity; on resume restore it from the checkpoint that
-    ``load(path, identity)`` reads (another run's, or one that does not fit, is refused);
-    then record ``identity.json``. Whether a checkpoint was restored."""
-    loop.identity = identity = run_identity(cfg, hashes)
+    """Give ``loop`` this run's identity (with the modalities' ``features`` hashes, where
+    given); on resume restore it from the checkpoint that ``load(path, identity)`` reads
+    (another run's, one on other features, or one that does not fit, is refused); then
+    record ``identity.json``. Whether a checkpoint was restored."""
+    loop.identity = identity = run_identity(cfg, hashes, features)
     path = run_dir / CHECKPOINT_FILE
     state = world.on_main(load, path, identity) if resuming else None
     if state is not None:

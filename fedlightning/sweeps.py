@@ -318,6 +318,17 @@ def retry_dead_trials(study: optuna.Study, client: Any = None) -> dict[int, int]
     return retried
 
 
+def close_finished_run(client: Any, run_id: str) -> bool:
+    """A seed run whose ``summary.json`` was written but whose process died before it closed
+    its MLflow run (killed mid-trial, between the summary and the end) is ended FINISHED,
+    tagged ``closed_by=sweep``: its results are on disk. Whether it was still open."""
+    if client.get_run(run_id).info.status != "RUNNING":
+        return False
+    client.set_tag(run_id, "closed_by", "sweep")
+    client.set_terminated(run_id, status="FINISHED")
+    return True
+
+
 def _params_of(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
     """A trial's parameters; a queued (WAITING) trial's are its fixed ones."""
     return dict(t.params or t.system_attrs.get("fixed_params", {}))
@@ -584,6 +595,7 @@ class Sweep:
         if (run_dir / "summary.json").exists():
             if run and old_id:
                 run.client.set_tag(old_id, PARENT_TAG, run.run_id)
+                close_finished_run(run.client, old_id)
             return json.loads((run_dir / "summary.json").read_text())
         over = [f"experiment={self.spec.experiment}", *self.spec.overrides, *self.overrides]
         over += [_override(k, v) for k, v in params.items()] + [f"seed={seed}"]

@@ -39,6 +39,15 @@ def train(
         from fedlightning.config import validate
 
         validate(cfg)  # a config error costs no import of torch: it is told at once
+    from fedlightning.runs import holding_run_dirs
+
+    with holding_run_dirs():  # the run's directory is its own until it returns
+        return _train(cfg, run_dir, observe, verbose, runner)
+
+
+def _train(
+    cfg: DictConfig, run_dir: str | Path, observe: Observer | None, verbose: bool, runner: Any
+) -> dict[str, Any]:
     from fedlightning.runs import apply_threads, trained_config
 
     task = str(trained_config(cfg).get("task"))  # resume=DIR: the saved run's task

@@ -466,3 +466,29 @@ def test_start_from_defaults_runs_the_experiments_own_setting_first(tmp_path, mo
     with pytest.raises(ConfigError, match=r"space\.federation\.local_epochs.*outside"):
         Sweep(narrow, tmp_path / "out", ["logger=none"], compose, fake_train)
     assert not load_spec(write(tmp_path / "g.yaml", GOOD)).start_from_defaults
+
+
+def test_a_finished_seed_run_left_running_by_a_killed_sweep_is_closed(tmp_path):
+    """A sweep killed after a seed run wrote its summary but before it ended its MLflow
+    run left that run RUNNING forever; the resumed trial reads the summary and closes it."""
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from fedlightning.sweeps import Sweep
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("sweep")
+    seed_run = client.create_run(exp).info.run_id  # RUNNING, as the killed process left it
+    trial_run = client.create_run(exp).info.run_id
+    run_dir = tmp_path / "trial_1" / "seed_0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"metrics": {"val_acc": 0.5}}))
+    (run_dir / "mlflow_run.json").write_text(json.dumps({"run_id": seed_run}))
+    run = SimpleNamespace(client=client, run_id=trial_run)
+    summary = Sweep.run_seed(SimpleNamespace(), run_dir, {}, 0, run, None)
+    assert summary["metrics"]["val_acc"] == 0.5
+    closed = client.get_run(seed_run)
+    assert closed.info.status == "FINISHED" and closed.data.tags["closed_by"] == "sweep"
+    assert closed.data.tags["mlflow.parentRunId"] == trial_run
+    assert client.get_run(trial_run).info.status == "RUNNING"  # the trial's own: untouched

@@ -28,6 +28,9 @@ class CommLedger:
         self._totals = {UP: 0, DOWN: 0}  # running totals: per-round logging stays O(1)
         # messages the server dropped: (round, client, field, rule, values, scope)
         self.rejections: list[tuple[int, int, str, str, int, str]] = []
+        # clients a robust rule set aside (kept messages): (round, client, rule, scope)
+        self.suspicious: list[tuple[int, int, str, str]] = []
+        self.screened = False  # a robust rule runs: the summary reports ``suspicious``
         self._packed: list[bytes] = []  # entries[:_packed_upto], pickled chunk by chunk
         self._packed_upto = 0
 
@@ -44,6 +47,31 @@ class CommLedger:
             for r, _, _, _, _, sc in self.rejections
             if (round is None or r == round) and (scope is None or sc == scope)
         )
+
+    def suspect(self, round: int, flagged: list[tuple[int, str]], scope: str = "") -> None:
+        """Record the clients a robust rule set aside this round (their messages passed the
+        screen and were counted; the rule kept them out of the model)."""
+        self.suspicious.extend((round, c, why, scope) for c, why in flagged)
+
+    def suspected(self, *, round: int | None = None) -> int:
+        """How many clients a robust rule set aside, optionally in one round."""
+        return sum(1 for r, *_ in self.suspicious if round is None or r == round)
+
+    def suspicious_summary(self) -> dict[str, Any]:
+        """The ``comm.suspicious`` block: the count, per client and per round, and every
+        record (round, client, rule, scope)."""
+        per_client: dict[int, int] = defaultdict(int)
+        per_round: dict[int, int] = defaultdict(int)
+        for r, c, *_ in self.suspicious:
+            per_client[c] += 1
+            per_round[r] += 1
+        names = ("round", "client", "rule", "scope")
+        return {
+            "count": len(self.suspicious),
+            "per_client": {str(k): v for k, v in sorted(per_client.items())},
+            "per_round": {str(k): v for k, v in sorted(per_round.items())},
+            "clients": [dict(zip(names, e, strict=True)) for e in self.suspicious],
+        }
 
     def rejected_summary(self) -> dict[str, Any]:
         """The ``comm.rejected`` block: the count, per client and per round, and every
@@ -127,6 +155,7 @@ class CommLedger:
             "per_client": self.by("client"),
             "per_round": self.by("round"),
             "rejected": self.rejected_summary(),
+            **({"suspicious": self.suspicious_summary()} if self.screened else {}),
         }
 
     def message_values(self, prefix: str = "") -> dict[int, int]:
@@ -151,12 +180,15 @@ class CommLedger:
         if len(self.entries) > self._packed_upto:
             self._packed.append(pickle.dumps(self.entries[self._packed_upto :], protocol=5))
             self._packed_upto = len(self.entries)
-        return {"packed": list(self._packed), "rejections": list(self.rejections)}
+        state = {"packed": list(self._packed), "rejections": list(self.rejections)}
+        if self.screened:
+            state["suspicious"] = list(self.suspicious)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Read :meth:`state_dict`, or an older checkpoint's ``entries`` (a list of tuples,
         the oldest without ``scope``)."""
-        self.entries, self.rejections = [], []
+        self.entries, self.rejections, self.suspicious = [], [], []
         self._packed, self._packed_upto = [], 0
         self._totals = {UP: 0, DOWN: 0}
         self.extend(state)
@@ -167,6 +199,7 @@ class CommLedger:
         more = unpacked(state)
         self.entries.extend(more["entries"])
         self.rejections.extend(more["rejections"])
+        self.suspicious.extend(tuple(e) for e in state.get("suspicious", []))
         for d, _, _, _, v, *_ in more["entries"]:
             self._totals[d] += v
 

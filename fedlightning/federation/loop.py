@@ -197,6 +197,8 @@ class FederatedLoop(Schedule):
                 )
             )
         metrics["rejected"] = float(self.ledger.rejected(round=round))
+        if self.ledger.screened:  # a robust rule runs: the clients it set aside
+            metrics["suspicious"] = float(self.ledger.suspected(round=round))
         metrics["uplink_mib"] = self.ledger.mib(UP)
         metrics["downlink_mib"] = self.ledger.mib(DOWN)
         metrics["round_time_s"] = time.perf_counter() - t0
@@ -283,6 +285,8 @@ class FederatedLoop(Schedule):
         out["best_val_round"] = best["round"]
         out["test_acc_at_best_val"] = best["test_acc"]
         out["rejected"] = float(self.ledger.rejected())
+        if self.ledger.screened:
+            out["suspicious"] = float(self.ledger.suspected())
         return out
 
     def summary_extras(self) -> dict[str, Any]:

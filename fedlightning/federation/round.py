@@ -17,7 +17,7 @@ from fedlightning.errors import TooFewClients
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
 from fedlightning.federation.runners import ClientFailed, contiguous_shares
 from fedlightning.messages import ClientUpdate, ServerBroadcast, prefixed
-from fedlightning.server.validation import MessageSpec, Rejection, screen
+from fedlightning.server.validation import MessageSpec, Rejection, bounded_weights, screen
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ def federated_round(
     spec = fit.uplink
     if spec is not None and spec.reference is None:
         spec = replace(spec, reference=broadcast)
+    if spec is not None and getattr(server, "weight_bounds", None):
+        spec = bounded_weights(spec, server.weight_bounds)
     if fit.share is not None:
         fit.one = stacked(runner, clients, fit.share)
     secure = getattr(server, "secure", None) if aggregate is None else None
@@ -131,6 +133,7 @@ def federated_round(
     if secure is None:
         sent = exchange(fit, spec, down)
         (aggregate or server.aggregate)(round, sent)
+        _suspicious(round, server, ledger, scope, runner, aggregate is None)
         return sent
     peers, weights = [c.client_id for c in clients], None
     if secure.weighs(server):  # Eq. (28) needs every norm before a client weights its share
@@ -142,6 +145,21 @@ def federated_round(
     sent = exchange(secure.client_side(fit, peers, weights), share_spec, down)
     secure.aggregate(round, sent, broadcast, peers, server.aggregate, weights)
     return sent
+
+
+def _suspicious(
+    round: int, server: Any, ledger: CommLedger, scope: str, runner: Any, ours: bool
+) -> None:
+    """The clients the server's robust rule set aside this round into ``ledger`` (beside
+    its rejections), one log line each."""
+    rule = getattr(server, "robust", None)
+    if not ours or rule is None or not rule.on:
+        return
+    ledger.screened = True
+    flagged = list(getattr(server, "flagged", ()))
+    ledger.suspect(round, flagged, scope)
+    for client, why in flagged if runner.world.is_main else ():
+        log.warning("round %d: client %d suspicious: %s", round, client, why)
 
 
 def _keep(

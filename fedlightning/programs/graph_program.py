@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch_geometric.data import Data
 
 from fedlightning.config import build, dataset_node, plots_on, validate
@@ -27,11 +27,14 @@ from fedlightning.runs import (
     Observer,
     Run,
     check_protocol,
+    feature_hashes,
     prepare_run_dir,
     resume_loop,
     run_tags,
     summary_table,
 )
+from fedlightning.server.aggregate import fedavg
+from fedlightning.server.robust import RobustRule, robust_rule
 from fedlightning.server.secure_sum import enabled, graph_secure_sum
 from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
@@ -172,11 +175,45 @@ def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
             "federation.secure_sum",
             "runner=flower does not mask on its nodes: use runner=sequential or runner=distributed",
         )
-    bound = cfg.algorithm.get("max_update_norm")
+    bound, cap = cfg.algorithm.get("max_update_norm"), cfg.algorithm.get("max_client_weight")
     try:
-        return graph_secure_sum(server, cfg.seed, None if bound is None else float(bound))
+        return graph_secure_sum(
+            server,
+            cfg.seed,
+            None if bound is None else float(bound),
+            None if cap is None else float(cap),
+        )
     except ValueError as e:
         raise ConfigError("federation.secure_sum", str(e)) from None
+
+
+def robust_of(cfg: DictConfig, server: Any) -> RobustRule | None:
+    """``federation.robust``: the server's robust rule (``None``: off), refused with one
+    line for an aggregation that is not FedAvg's or under secure sums (the rules read each
+    client's update, which a secure sum hides)."""
+    raw = cfg.federation.get("robust")
+    raw = OmegaConf.to_container(raw) if isinstance(raw, DictConfig) else raw
+    try:
+        rule = robust_rule(raw)
+    except (TypeError, ValueError) as e:
+        key, _, why = str(e).partition(": ")
+        field = key if key.startswith("federation.robust") else "federation.robust"
+        raise ConfigError(field, why if field == key else str(e)) from None
+    if not rule.on:
+        return None
+    if getattr(server, "aggregator", None) is not fedavg:
+        raise ConfigError(
+            "federation.robust",
+            f"{rule.rule} replaces FedAvg's aggregation, "
+            "and this method aggregates otherwise; use federation.robust=none",
+        )
+    if enabled(cfg.federation.get("secure_sum", False)):
+        raise ConfigError(
+            "federation.robust",
+            f"{rule.rule} reads each client's update, "
+            "which federation.secure_sum=true hides; choose one of them",
+        )
+    return rule
 
 
 def _report(
@@ -216,6 +253,7 @@ def train_graph(
     seed_everything(cfg.seed)
 
     graph = load_graph(cfg)
+    features = feature_hashes(graph.features)  # once, at load: a resume compares them
     partition, stream, hashes = world.on_main(build_protocol, cfg, graph, run_dir, resuming)
     clients = build_clients(graph, partition)
     log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
@@ -226,6 +264,8 @@ def train_graph(
     runner.begin(cfg, run_dir, hashes)
     server = algorithm.server(net.state_dict())
     server.setup(len(clients))
+    server.weight_bounds = {c.client_id: float(c.data.num_nodes) for c in clients}
+    server.robust = robust_of(cfg, server)
     if enabled(cfg.federation.get("secure_sum", False)):
         server.secure = secure_sum_of(cfg, server, runner)
     run = Run(cfg, run_dir, world.is_main, resuming)
@@ -252,7 +292,7 @@ def train_graph(
             ),
         )
     loop = schedule(algorithm, module, server, clients, runner, **kwargs, **common)
-    if resume_loop(loop, world, cfg, run_dir, hashes, resuming):
+    if resume_loop(loop, world, cfg, run_dir, hashes, resuming, features=features):
         log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
     tags = run_tags(
         cfg,

@@ -20,8 +20,11 @@ def normalized_weights(items: Sequence[Any], weights: Sequence[float], what: str
             f"need one weight per {what}, got {len(items)} {what}s, {len(weights)} weights"
         )
     w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
-    if (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights must be non-negative and not all zero, got {list(weights)}")
+    if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(
+            f"weights must be finite, non-negative and not all zero, got {list(weights)}"
+        )
+    w = w / w.max()  # two weights near 1.7e308 would overflow their sum
     return w / w.sum()
 
 

@@ -8,6 +8,7 @@ Eqs. (4), (5), (7) is :mod:`~fedlightning.server.privacy`'s.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from fedlightning.server.aggregate import strip_prefix
 from fedlightning.server.privacy import clip_embeddings, private_prototype  # noqa: F401
 
 EPS = 1e-8
+log = logging.getLogger(__name__)
 
 
 def label_coverage(counts: Mapping[int, int], classes: Sequence[int]) -> float:
@@ -147,6 +149,57 @@ def aggregate(
     return prompt_update(omega, total, eta_s), anchor_update(anchors, total, beta), r
 
 
+PROTO_NORM_RATIO = 3.0  # a prototype's norm may be at most this times its class's median
+
+
+def bound_prototypes(
+    messages: Sequence[ClientSummary],
+    ratio: float | None = PROTO_NORM_RATIO,
+    anchors: Mapping[int, Tensor] | None = None,
+) -> tuple[list[ClientSummary], list[tuple[int, int, str]]]:
+    r"""The uploaded prototypes held to the representation's scale and direction.
+
+    Norm: each :math:`\mathbf{q}_{k,c}` is clipped to
+    :math:`\rho\,\mathrm{median}_j \lVert\mathbf{q}_{j,c}\rVert` over the round's uploads
+    of class :math:`c` (the lower median; ``ratio`` :math:`\rho`; ``None``: off), as Eq. (28)
+    holds the deltas to their median norm: a prototype is a mean of representations, so an
+    honest one is of their scale. Direction: a prototype whose cosine to the class's
+    reference is negative is set aside (the message keeps its other fields); the reference
+    is the class's anchor where one exists, else the coordinate-wise median of the round's
+    uploads of the class when there are at least three. A kept prototype's share of
+    :math:`\hat{\mathbf{q}}_c` (Eq. 23) then moves it by at most
+    :math:`n_{k,c} r_k (\rho + 1)\,\mathrm{median}_c / Z_c`.
+
+    Returns the messages and ``(message index, class, why)`` of each prototype bounded."""
+    if ratio is None:
+        return list(messages), []
+    ups: dict[int, list[Tensor]] = {}
+    for m in messages:
+        for c, q in m.prototypes.items():
+            ups.setdefault(c, []).append(q.double())
+    caps, refs = {}, {}
+    for c, qs in ups.items():
+        caps[c] = ratio * float(torch.stack([q.norm() for q in qs]).median())
+        if anchors is not None and c in anchors:
+            refs[c] = anchors[c].double()
+        elif len(qs) >= 3:
+            refs[c] = torch.stack(qs).median(dim=0).values
+    out, bounded = [], []
+    for i, m in enumerate(messages):
+        protos = dict(m.prototypes)
+        for c, q in m.prototypes.items():
+            n = float(q.double().norm())
+            ref = refs.get(c)
+            if ref is not None and float(q.double() @ ref) < 0:
+                del protos[c]
+                bounded.append((i, c, f"proto.{c} points away from its class's reference"))
+            elif n > caps[c] > 0:
+                protos[c] = (q.double() * (caps[c] / n)).to(q.dtype)
+                bounded.append((i, c, f"proto.{c} norm {n:.3g} clipped to {ratio:g}x the median"))
+        out.append(ClientSummary(m.delta, protos, m.counts, m.coverage, m.norm))
+    return out, bounded
+
+
 def pairwise_masks(num_clients: int, shape: tuple[int, ...], seed: int) -> list[Tensor]:
     """Masks that sum to zero over the clients (client ``i`` adds ``m_ij``, ``j`` subtracts
     it): what a secure-summation transport adds to each share of Eq. (6)."""
@@ -164,7 +217,7 @@ class FedTIPServer:
     r"""One task's server: the flat global adapter :math:`\Omega^{(r)}` (broadcast as
     ``field``: ``adapter``, or ``model`` for the full-model comparator) and the anchors
     (``anchor.<c>``), with ``eta_s`` (Eq. 31), ``beta`` (Eq. 24), ``reliability_weights``
-    (Eqs. 27-30). ``anchors=False`` keeps and broadcasts none; :meth:`class_prototypes` is
+    (Eqs. 27-30), ``proto_norm_ratio`` (:func:`bound_prototypes`). ``anchors=False`` keeps and broadcasts none; :meth:`class_prototypes` is
     then the count-weighted mean of the last round's uploaded prototypes (docs/fedtip.md).
     ``classes``: the label set :math:`\mathcal{Y}` of Eq. (27).
 
@@ -181,6 +234,7 @@ class FedTIPServer:
         anchors: bool = True,
         field: str = "adapter",
         classes: Sequence[int] = (0, 1),
+        proto_norm_ratio: float | None = PROTO_NORM_RATIO,
     ) -> None:
         self.shapes = {k: v.shape for k, v in omega.items()}
         self.omega = torch.cat([v.detach().reshape(-1) for v in omega.values()]).clone()
@@ -189,6 +243,8 @@ class FedTIPServer:
         self.classes = tuple(classes)
         self.anchors: dict[int, Tensor] = {}
         self.uploaded: dict[int, Tensor] = {}
+        self.proto_norm_ratio = proto_norm_ratio
+        self.flagged: list[tuple[int, str]] = []  # the last round's clipped prototypes
 
     def state(self) -> dict[str, Tensor]:
         r""":math:`\Omega^{(r)}` as a state dict."""
@@ -203,6 +259,12 @@ class FedTIPServer:
     def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
         """One round's messages into the adapter and the anchors."""
         messages = [read_update(u, self.classes) for u in updates]
+        secure = any(u.client_id < 0 for u in updates)  # a secure sum's aggregate: no client
+        ratio = None if secure else self.proto_norm_ratio
+        messages, bounded = bound_prototypes(messages, ratio, self.anchors)
+        self.flagged = [(updates[i].client_id, why) for i, _, why in bounded]
+        for client, why in self.flagged:
+            log.warning("round %d: client %d suspicious: %s", round, client, why)
         omega, anchors, _ = aggregate(
             self.omega, self.anchors, messages, self.eta_s, self.beta, self.reliability_weights
         )

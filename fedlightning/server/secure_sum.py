@@ -99,21 +99,27 @@ class ShareSpec:
         classes, dim: the ``proto_sum`` rows and width (``classes=0``: no prototypes).
         max_update_norm: each client clips its update (``model.*`` minus the broadcast, or
             ``delta``) to this L2 norm before scaling and masking; the server cannot check it.
+        max_client_weight: ``fedavg``: each client caps its ``num_examples`` at this before
+            scaling and masking, and sends the capped count in the clear, where the server
+            checks it (:meth:`SecureSum.share_spec`).
     """
 
     rule: str = "fedavg"
     classes: int = 0
     dim: int = 0
     max_update_norm: float | None = None
+    max_client_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"share rule must be one of {RULES}, got {self.rule!r}")
 
     def weight(self, update: ClientUpdate) -> float:
-        """The client's weight in the sum: ``num_examples`` or :math:`\\sum_c n_{k,c}`."""
+        """The client's weight in the sum: ``num_examples`` (at most ``max_client_weight``)
+        or :math:`\\sum_c n_{k,c}`."""
         if self.rule == "fedavg":
-            return update.num_examples
+            cap = self.max_client_weight
+            return update.num_examples if cap is None else min(update.num_examples, cap)
         return sum(v for k, v in update.scalars.items() if k.startswith("count."))
 
     def plain(
@@ -253,7 +259,10 @@ class SecureSum:
             except ValueError as e:
                 raise ValueError(f"secure sum: client {k}, field {f}: {e}") from None
             tensors[f] = enc + client_mask(self.seed, r, k, peers, f, x.shape)
-        return ClientUpdate(r, tensors, dict(update.scalars), client_id=k)
+        scalars = dict(update.scalars)
+        if self.spec.rule == "fedavg" and "num_examples" in scalars:
+            scalars["num_examples"] = self.spec.weight(update)  # the weight its share carries
+        return ClientUpdate(r, tensors, scalars, client_id=k)
 
     def unmask(
         self,
@@ -361,6 +370,12 @@ class SecureSum:
         scalars = [f for f in plain.fields if not f.tensor] if plain is not None else []
         if plain is None:
             scalars = [Field(r".+", tensor=False, required=False)]
+        cap = self.spec.max_client_weight
+        if cap is not None:  # the clear count is the weight the share carries: checked here
+            scalars = [
+                replace(f, high=_capped(f.high, cap)) if f.name == "num_examples" else f
+                for f in scalars
+            ]
         return MessageSpec(
             fields=(*fields, *scalars),
             optional=optional or (plain.optional if plain is not None else True),
@@ -381,7 +396,17 @@ class SecureSum:
         aggregate(round, [self.unmask(shares, broadcast, peers, weights)])
 
 
-def graph_secure_sum(server: Any, seed: int, max_update_norm: float | None = None) -> SecureSum:
+def _capped(high: Any, cap: float) -> Callable[[int], float]:
+    """A declared upper bound (a number or ``client -> number``) no higher than ``cap``."""
+    return lambda k: min(float(high(k) if callable(high) else high), cap)
+
+
+def graph_secure_sum(
+    server: Any,
+    seed: int,
+    max_update_norm: float | None = None,
+    max_client_weight: float | None = None,
+) -> SecureSum:
     """The protocol for a graph run's :class:`~fedlightning.server.server.Server`: FedAvg's
     model sum (FedAvg, FedProx, the continual baselines, FedOGL) and the per-class prototype
     sums a server module declares (:meth:`~fedlightning.server.server.ServerModule.summed_prototypes`).
@@ -395,7 +420,8 @@ def graph_secure_sum(server: Any, seed: int, max_update_norm: float | None = Non
         if mod.secure_sum is not None:
             raise ValueError(mod.secure_sum)
         classes, dim = mod.summed_prototypes(server.global_state) or (classes, dim)
-    return SecureSum(int(seed), ShareSpec("fedavg", classes, dim, max_update_norm))
+    spec = ShareSpec("fedavg", classes, dim, max_update_norm, max_client_weight)
+    return SecureSum(int(seed), spec)
 
 
 def enabled(value: Any) -> bool:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server.aggregate import as_model_fields, bound_update, fedavg
+from fedlightning.server.robust import RobustRule, robust_aggregate
 
 Aggregator = Callable[[Sequence[ClientUpdate]], dict[str, Tensor]]
 
@@ -63,6 +64,9 @@ class Server:
 
     ``max_update_norm`` and ``max_client_weight`` bound each client's influence before the
     aggregator and the modules see its update (:func:`bound_update`; ``None``: off).
+    :attr:`weight_bounds` (client id -> the most examples it can hold: its subgraph's node
+    count, set by the program that made the partition) caps each client's weight too, and
+    the round refuses a message that claims more (docs/security.md, "Bounded influence").
     """
 
     def __init__(
@@ -77,6 +81,11 @@ class Server:
         self.aggregator = aggregator
         self.modules = dict(modules or {})
         self.max_update_norm, self.max_client_weight = max_update_norm, max_client_weight
+        self.weight_bounds: dict[int, float] = {}
+        # ``federation.robust`` (set by the program that builds the run): the model is then
+        # aggregated by a robust rule; ``flagged``: the last round's suspicious clients
+        self.robust: RobustRule | None = None
+        self.flagged: list[tuple[int, str]] = []
 
     def setup(self, num_clients: int) -> None:
         """Tell every module the initial global model and the number of clients."""
@@ -95,12 +104,34 @@ class Server:
         if not updates:
             raise ValueError(f"round {round}: no client updates to aggregate")
         if self.max_update_norm is not None or self.max_client_weight is not None:
-            bounds = (self.max_update_norm, self.max_client_weight)
-            updates = [bound_update(u, self.global_state, *bounds) for u in updates]
-        self.global_state = self.aggregator(updates)
+            updates = [
+                bound_update(u, self.global_state, self.max_update_norm, self.weight_cap(u))
+                for u in updates
+            ]
+        elif self.weight_bounds:
+            updates = [
+                bound_update(u, self.global_state, None, self.weight_cap(u)) for u in updates
+            ]
+        if self.robust is not None and self.robust.on:
+            self.global_state, updates, self.flagged = robust_aggregate(
+                self.robust, updates, self.global_state
+            )
+        else:
+            self.global_state = self.aggregator(updates)
         for mod in self.modules.values():
             mod.aggregate(round, updates)
             self.global_state = mod.update_global(round, self.global_state)
+
+    def weight_cap(self, update: ClientUpdate) -> float | None:
+        """The most weight ``update``'s client may have: ``max_client_weight`` and its bound
+        in :attr:`weight_bounds`, the smaller (``None``: unbounded). A secure sum's
+        aggregate (no client) is left alone: its clients capped their weights before
+        masking."""
+        if update.client_id < 0:
+            return None
+        caps = [self.max_client_weight, self.weight_bounds.get(update.client_id)]
+        known = [float(c) for c in caps if c is not None]
+        return min(known) if known else None
 
     def end_stage(self, stage: int, updates: Sequence[ClientUpdate]) -> None:
         """A stage-end exchange (e.g. FedOGL's residual bases) reaches the server modules."""

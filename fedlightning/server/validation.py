@@ -132,14 +132,21 @@ def check_field(
     spec: Field, m: re.Match, name: str, value: Any, client: int, masked: bool, ref: Any
 ) -> str | None:
     """The rule ``value`` breaks as field ``name`` of client ``client`` (``None``: none)."""
+    if m.groupdict().get("c") is not None and m["c"] != str(int(m["c"])):
+        return f"class id `{m['c']}` is not canonical: write it `{int(m['c'])}` (one name a class)"
     if spec.classes is not None and "c" in m.groupdict() and int(m["c"]) not in spec.classes:
         return f"class {m['c']} is not one of this round's classes {sorted(spec.classes)}"
     if spec.tensor:
         if not isinstance(value, Tensor):
             return f"must be a tensor, got a {type(value).__name__}"
+        odd = _odd_tensor(value)
+        if odd:
+            return odd
         other = ref.tensors.get(spec.like(m)) if spec.like is not None and ref else None
         if spec.like is not None and ref is not None and other is None:
             return f"no field `{spec.like(m)}` in the broadcast to match"
+        if other is not None and value.device != other.device:
+            return f"on device {value.device}, expected {other.device}"
         want = tuple(other.shape) if other is not None else spec.shape
         if callable(want):
             want = want(m, ref)
@@ -159,7 +166,10 @@ def check_field(
         return f"must be a number, got a {type(value).__name__}"
     if masked:
         return None
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:
+        return "a whole number beyond any float (more than 1.8e308 in size)"
     if not math.isfinite(x):
         return f"non-finite value {x}"
     low, high = _bound(spec.low, client), _bound(spec.high, client)
@@ -167,6 +177,18 @@ def check_field(
         return f"{x:g} is outside [{low:g}, {high:g}]"
     if spec.integral and x != int(x):
         return f"{x:g} is not a whole number"
+    return None
+
+
+def _odd_tensor(value: Tensor) -> str | None:
+    """Why ``value`` is not a plain dense tensor with data (``None``: it is one)."""
+    if type(value) not in (Tensor, torch.nn.Parameter):
+        return f"must be a plain tensor, got a {type(value).__name__}"
+    if value.is_meta:
+        return "a meta tensor (no data)"
+    if value.is_nested or value.is_quantized or value.layout != torch.strided:
+        kind = "nested" if value.is_nested else "quantized" if value.is_quantized else "sparse"
+        return f"a {kind} tensor, expected a dense one"
     return None
 
 
@@ -178,6 +200,8 @@ def validate(update: ClientUpdate, spec: MessageSpec) -> tuple[str, str] | None:
         if not isinstance(fields, dict):
             return "", f"{kind}s must be a mapping of names to values"
         for name, value in fields.items():
+            if not isinstance(name, str):
+                return _name(name), f"a {kind} field name must be text"
             found = [
                 (i, f, m)
                 for i, f in enumerate(spec.fields)
@@ -222,36 +246,68 @@ def screen(
     spec = spec or ANY
     for pos, u in updates:
         asked = client_ids[pos]
-        why = _identity(u, round, asked, seen)
-        if why is None:
-            why = validate(u, spec)
+        why = _checked(u, round, asked, seen, spec)
         if why is not None:
-            values = _values(u)
-            rejected.append(Rejection(round, asked, why[0], why[1], values))
+            field, rule = _name(why[0]), _one_line(why[1])
+            rejected.append(Rejection(round, asked, field, rule, _values(u)))
             continue
         seen.add(u.client_id)
         kept.append(u)
     return kept, rejected
 
 
+def _checked(
+    u: Any, round: int, asked: int, seen: set[int], spec: MessageSpec
+) -> tuple[str, str] | None:
+    """The identity checks, then the declaration: the first ``(field, rule)`` broken. Never
+    raises: a value no rule foresaw that makes a check fail is itself a broken rule."""
+    try:
+        return _identity(u, round, asked, seen) or validate(u, spec)
+    except Exception as e:  # a client's object must not end the run; its message is dropped
+        return "", f"message could not be checked ({type(e).__name__})"
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """``text`` on one line, at most ``limit`` characters (a rule may quote client data)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _name(name: Any) -> str:
+    """A field name as the rejection line shows it: text, one line, short."""
+    return _one_line(name if isinstance(name, str) else repr(name), 80)
+
+
 def _values(u: Any) -> int:
-    """The values a refused message carried (whatever its fields hold)."""
-    tensors, scalars = getattr(u, "tensors", {}), getattr(u, "scalars", {})
-    if not isinstance(tensors, dict) or not isinstance(scalars, dict):
+    """The values a refused message carried (whatever its fields hold; 0 when unknown)."""
+    try:
+        tensors, scalars = getattr(u, "tensors", {}), getattr(u, "scalars", {})
+        if not isinstance(tensors, dict) or not isinstance(scalars, dict):
+            return 0
+        sizes = (t.numel() if isinstance(t, Tensor) else 1 for t in tensors.values())
+        return int(sum(sizes)) + len(scalars)
+    except Exception:  # a tensor that cannot say its size (a broken subclass): none counted
         return 0
-    return sum(t.numel() if isinstance(t, Tensor) else 1 for t in tensors.values()) + len(scalars)
 
 
 def _identity(u: Any, round: int, asked: int, seen: set[int]) -> tuple[str, str] | None:
     if not isinstance(u, ClientUpdate):
         return "", f"not a ClientUpdate ({type(u).__name__})"
     if isinstance(u.round, bool) or not isinstance(u.round, int) or u.round != round:
-        return "round", f"message of round {u.round!r}, the current round is {round}"
+        return "round", f"message of round {_short(u.round)}, the current round is {round}"
+    if isinstance(u.client_id, bool) or not isinstance(u.client_id, int):
+        return "client_id", f"must be a whole number, got a {type(u.client_id).__name__}"
     if u.client_id != asked:
-        return "client_id", f"message names client {u.client_id!r}, sent for client {asked}"
+        return "client_id", f"message names client {_short(u.client_id)}, sent for client {asked}"
     if u.client_id in seen:
         return "client_id", f"a second message from client {u.client_id} this round"
     return None
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut short (a client may send a 10**400-digit round)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge number"
+    return _one_line(text, 40)
 
 
 # ---------------------------------------------------------------- shared declarations
@@ -264,6 +320,21 @@ ANY = MessageSpec(
 )  # an undeclared kind of message: any field, finite values
 NUM_EXAMPLES = Field("num_examples", tensor=False, low=0.0, integral=True)
 TRAIN_LOSS = Field("train_loss", tensor=False)
+
+
+def bounded_weights(spec: MessageSpec, bounds: dict[int, float]) -> MessageSpec:
+    """``spec`` with each client's ``num_examples`` at most its bound in ``bounds`` (client
+    id -> what the server knows of it: the node count of the subgraph its partition gave
+    it, or a declared maximum); a client without a bound keeps the declared range."""
+
+    def high(old: Bound) -> Callable[[int], float]:
+        return lambda k: min(_bound(old, k), float(bounds.get(k, math.inf)))
+
+    fields = tuple(
+        replace(f, high=high(f.high)) if f.name == NUM_EXAMPLES.name and not f.tensor else f
+        for f in spec.fields
+    )
+    return replace(spec, fields=fields)
 
 
 def model_fields(prefix: str = "model.") -> Field:

@@ -184,3 +184,57 @@ def test_fedtip_synthetic_with_one_1000x_client(fedtip, monkeypatch):
     # (algorithm.aggregation=fedavg, the same 1000x client) by 0.012-0.015
     for key in ("auc_tlp", "auc_ilp"):
         assert abs(hostile["metrics"][key] - clean["metrics"][key]) <= 0.005, key
+
+
+def sign_flipped_claiming(n):
+    """The client's update turned around the broadcast, claiming ``n`` training nodes."""
+
+    def spoil(update, broadcast):
+        start = model_state(broadcast.tensors)
+        for key, value in model_state(update.tensors).items():
+            if value.is_floating_point():
+                update.tensors[f"model.{key}"] = start[key] - (value - start[key])
+        update.scalars["num_examples"] = n
+        return update
+
+    return spoil
+
+
+@pytest.mark.realdata
+def test_fedavg_cora_default_refuses_a_client_claiming_1e12_examples(cora, monkeypatch):
+    """Default config: the server knows each client's node count from its partition, so a
+    sign-flipped client claiming ``num_examples=1e12`` (which took the unbounded run to
+    0.113, below chance) is refused every round and costs exactly its absence."""
+    spoil = {"with": sign_flipped_claiming(1e12)}
+    hostile_fit(monkeypatch, lambda update, broadcast: spoil["with"](update, broadcast))
+    hostile = cora([], "inflated")
+    spoil["with"] = broken
+    absent = cora([], "absent")
+    for key in ("train_acc", "val_acc", "test_acc"):
+        assert hostile["metrics"][key] == absent["metrics"][key], key
+    rejected = hostile["comm"]["rejected"]
+    assert rejected["per_client"] == {str(BAD): 5}
+    assert all(
+        m["field"] == "num_examples" and "outside [0, " in m["rule"] for m in rejected["messages"]
+    )
+    assert hostile["metrics"]["test_acc"] > 0.5
+
+
+def test_fedtip_synthetic_with_one_prototype_poisoner(fedtip, monkeypatch):
+    """One client of each round multiplies its prototypes by -100, its counts honest (which
+    took ``auc_nc`` from 0.575 to 0.488 with nothing refused): the server clips a prototype to
+    3x its class's median norm (:func:`~fedlightning.server.reliability.bound_prototypes`),
+    and node classification ends within 0.01 of the clean run."""
+    clean, run = fedtip
+
+    def poison(u):
+        for k in [k for k in u.tensors if k.startswith("proto.")]:
+            u.tensors[k] = -100 * u.tensors[k]
+        return u
+
+    spoil_highest(monkeypatch, poison)
+    hostile = run("poisoned")
+    assert hostile["comm"]["rejected"]["count"] == 0  # well-formed: bounded, not refused
+    assert abs(hostile["metrics"]["auc_nc"] - clean["metrics"]["auc_nc"]) <= 0.01
+    for key in ("auc_tlp", "auc_ilp"):
+        assert abs(hostile["metrics"][key] - clean["metrics"][key]) <= 0.02, key

@@ -20,6 +20,7 @@ from tests.inprocess import fl_here
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["federation.rounds=2", "federation.local_epochs=1", "logger=none"]
 
 
@@ -147,3 +148,34 @@ def test_identity_mismatch_names_the_first_differing_key():
     assert "`federation.rounds`" in identity_mismatch(other, run_identity(cfg, {"partition": "a"}))
     moved = run_identity(cfg, {"partition": "b"})
     assert "partition hash" in identity_mismatch(moved, run_identity(cfg, {"partition": "a"}))
+
+
+def test_a_resume_on_changed_features_is_refused_naming_the_modality(tmp_path):
+    """The run identity holds a content hash of every modality's features: add 1.0 to a
+    folder graph's feature file between a kill and a resume and the resume is refused in
+    one line naming the modality (before, only labels and edges were hashed); restored, the
+    same resume goes on."""
+    import numpy as np
+
+    from fedlightning.data.graphs import make_synthetic, save_folder
+
+    g = make_synthetic(num_nodes=200, num_classes=3, modalities={"text": 8, "image": 4},
+                       missing_rate=0.0, seed=0)  # fmt: skip
+    folder = tmp_path / "graph"
+    save_folder(g, folder)
+    env = {"FEDLIGHTNING_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    args = ["train", "experiment=fl_synthetic", "algorithm=fedavg", "dataset=folder", f"dataset.path={folder}",
+            "federation.clients=2", *SMALL, "hydra.run.dir=run"]  # fmt: skip
+    killed = fl([*args, "runner.kill_at=2:1"], tmp_path, env)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    text = folder / "features" / "text.npy"
+    original = np.load(text)
+    np.save(text, original + 1.0)
+    r = fl_here(["train", "resume=run", "logger=none"], tmp_path, env)
+    line = assert_one_line_refusal(r, "modality `text`", "features hash", "refusing to resume")
+    assert "image" not in line
+    assert not (tmp_path / "run" / "summary.json").exists()
+    np.save(text, original)  # the same features again: the run resumes
+    r = fl_here(["train", "resume=run", "logger=none"], tmp_path, env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["resumed"] is True

@@ -27,6 +27,20 @@ def test_fedavg_with_secure_sums_equals_the_plain_run(tmp_env, compose):
     assert secure["comm"]["uplink_values"] == plain["comm"]["uplink_values"]
 
 
+def test_max_client_weight_with_secure_sums_equals_the_capped_plain_run(tmp_env, compose):
+    """The cap travels with secure sums: each client caps its weight before masking, so the
+    capped secure run ends where the capped plain run does (before, the shares carried the
+    clear counts and the cap was lost)."""
+    base = ["experiment=fl_synthetic", "algorithm=fedavg", "federation.rounds=2", "logger=none"]
+    cap = [*base, "algorithm.max_client_weight=20"]
+    free = train(compose(base), tmp_env / "free", verbose=False)
+    plain = train(compose(cap), tmp_env / "plain", verbose=False)
+    secure = train(compose([*cap, "federation.secure_sum=true"]), tmp_env / "s", verbose=False)
+    _close(plain["metrics"], secure["metrics"])
+    assert plain["metrics"]["test_acc"] != free["metrics"]["test_acc"]  # the cap bites
+    assert secure["comm"]["rejected"]["count"] == 0
+
+
 DEMO = [
     "experiment=demo",
     "federation.rounds=1",
@@ -91,3 +105,25 @@ def test_fedtip_private_release_reports_its_budget(tmp_env, compose):
     fams = len(dp["families"])
     assert dp["privacy"]["releases"] == 1 * 2 * fams
     assert dp["metrics"]["dp_epsilon"] == pytest.approx(epsilon(1.0, 2 * fams, 1e-5))
+
+
+def test_robust_aggregation_with_secure_sums_is_refused_in_one_line(tmp_env, compose):
+    """A robust rule reads each client's update, which a secure sum hides: the combination
+    is refused before training, naming the key."""
+    from fedlightning.errors import ConfigError
+
+    over = ["experiment=fl_synthetic", "algorithm=fedavg", "federation.rounds=1", "logger=none",
+            "federation.robust=median", "federation.secure_sum=true"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"config `federation.robust`: median reads") as e:
+        train(compose(over), tmp_env / "both", verbose=False)
+    assert "\n" not in str(e.value)
+
+
+def test_a_robust_run_reports_its_suspicious_clients(tmp_env, compose):
+    """``federation.robust=krum``: the clients multi-Krum sets aside each round are in
+    ``comm.suspicious`` and the metrics (MLflow's ``suspicious`` per round)."""
+    over = ["experiment=fl_synthetic", "algorithm=fedavg", "federation.rounds=2", "logger=none",
+            "federation.robust={rule: krum, byzantine: 1}"]  # fmt: skip
+    s = train(compose(over), tmp_env / "krum", verbose=False)
+    assert s["comm"]["suspicious"]["per_round"] == {"1": 1, "2": 1}  # n - f = 4 of 5 kept
+    assert s["metrics"]["suspicious"] == 2.0 and s["comm"]["rejected"]["count"] == 0

@@ -596,3 +596,44 @@ def test_hostile_clients_under_two_gloo_ranks(tmp_path):
     assert "RuntimeError: rank 0 client broke" in rejected[0][3]
     assert rejected[1][2] == "model.w" and "non-finite" in rejected[1][3]
     assert "FitTimeout" in rejected[2][3]
+
+
+def test_fedtip_a_class_sent_under_two_names_is_refused():
+    """``count.00``/``proto.00`` beside ``count.0``/``proto.0`` (counts split so the sum
+    fits) was accepted and the last one won: class ids must be written canonically."""
+
+    def two_names(u):
+        u.scalars["count.0"], u.scalars["count.00"] = 2.0, 1.0
+        u.tensors["proto.00"] = -100 * u.tensors["proto.0"]
+        return u
+
+    server, ledger, kept = tip_round(two_names)
+    ((_, c, field, why, _, _),) = ledger.rejections
+    assert (c, field) == (BAD, "proto.00") and "not canonical" in why and "`0`" in why
+    assert torch.allclose(server.omega, tip_by_hand([0, 1, 3, 4]), atol=1e-6)
+
+
+def test_fedtip_a_poisoned_prototype_moves_the_anchor_by_at_most_its_bound():
+    """A prototype sent as -100 times the honest one (counts honest) is set aside against
+    the class's reference (the median of three or more uploads, or the anchor), and one
+    scaled 100x in the honest direction is clipped to 3x the class's median norm: the
+    anchor ends where the honest clients' alone put it, or within the stated bound."""
+    from fedlightning.server.reliability import bound_prototypes, read_update
+
+    def flipped(u):
+        for k in [k for k in u.tensors if k.startswith("proto.")]:
+            u.tensors[k] = -100 * u.tensors[k]
+        return u
+
+    server, ledger, _ = tip_round(flipped)
+    assert not ledger.rejections and {c for c, _ in server.flagged} == {BAD}
+    honest_server, _, _ = tip_round(lambda u: tip_pop("proto.0")(tip_pop("proto.1")(u)))
+    for c in (0, 1):
+        assert torch.allclose(server.anchors[c], honest_server.anchors[c], atol=1e-6)
+    # same direction, 100x: clipped to 3x the class's median norm (all honest norms equal)
+    msgs = [read_update(tip_update(k, 1)) for k in range(K)]
+    msgs[BAD].prototypes[0] = 100 * msgs[BAD].prototypes[0]
+    out, bounded = bound_prototypes(msgs, 3.0)
+    assert [(i, c) for i, c, _ in bounded] == [(BAD, 0)]
+    honest_norm = float(torch.ones(D_H).norm())  # proto.0 = ones(D_H) / 1
+    assert float(out[BAD].prototypes[0].norm()) == pytest.approx(3 * honest_norm)

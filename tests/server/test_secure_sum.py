@@ -167,7 +167,9 @@ def test_fedtip_eq6_by_secure_sum_equals_the_plain_server():
         tensors = {"delta": torch.randn(6, generator=g)}
         tensors.update({f"proto.{c}": torch.randn(4, generator=g) for c in counts})
         ups.append(ClientUpdate(1, tensors, {f"count.{c}": n for c, n in counts.items()}, k))
-    plain = FedTIPServer(omega, reliability_weights=False)
+    # random prototypes point every way: the plain server's prototype screen, which a secure
+    # sum cannot run (docs/security.md), is off in the reference
+    plain = FedTIPServer(omega, reliability_weights=False, proto_norm_ratio=None)
     plain.aggregate(1, ups)
     secure = SecureSum(9, ShareSpec("fedtip", classes=2, dim=4))
     b = ServerBroadcast(1, {"adapter": torch.zeros(6)})
@@ -311,7 +313,7 @@ def test_fedtip_reliability_weights_by_a_two_phase_secure_round():
         scalars = {f"count.{c}": n for c, n in counts.items()}
         scalars |= {"coverage": coverage_of(counts, (0, 1)), "norm": update_norm(delta)}
         ups[k] = ClientUpdate(1, tensors, scalars, k)
-    plain = FedTIPServer(omega)
+    plain = FedTIPServer(omega, proto_norm_ratio=None)  # the screen a secure sum cannot run
     plain.aggregate(1, list(ups.values()))
     server = FedTIPServer(omega)
     server.secure = SecureSum(9, ShareSpec("fedtip", classes=2, dim=4))

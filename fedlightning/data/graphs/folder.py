@@ -175,6 +175,7 @@ def _read_labels(folder: Path, labels_as: str) -> tuple[np.ndarray, list[str], P
     if names is None:
         names = _class_names_json(folder)
         if names is None:
+            check_class_count(path, y)
             names = [f"class_{i}" for i in range(int(y.max()) + 1)]
         elif y.max() >= len(names):
             i = int(np.argmax(y))
@@ -184,6 +185,24 @@ def _read_labels(folder: Path, labels_as: str) -> tuple[np.ndarray, list[str], P
                 f"({len(names)} names in class_names.json), node {i} has {y[i]}",
             )
     return y, names, path
+
+
+MAX_CLASS_IDS = 2**16  # class ids beyond this and beyond the node count: a broken file
+
+
+def check_class_count(path: Path, y: np.ndarray) -> None:
+    """Refuse (one line naming the node and its label) labels whose class count, the
+    largest id plus one, exceeds both the number of nodes and :data:`MAX_CLASS_IDS`: such
+    a label (2**31, say) is a broken file, and allocating its classes would exhaust memory."""
+    top = int(y.max())
+    if top >= max(len(y), MAX_CLASS_IDS):
+        i = int(np.argmax(y))
+        raise DataError(
+            path,
+            f"field `labels`: node {i} has class id {top}, which would make {top + 1} classes "
+            f"for {len(y)} nodes; expected ids 0..C-1 with C at most "
+            f"{max(len(y), MAX_CLASS_IDS)}",
+        )
 
 
 def _load_sparse(path: Path) -> object:
@@ -235,21 +254,29 @@ def _read_features(folder: Path, n: int, labels_file: str) -> dict[str, torch.Te
             )
         if x.dtype.kind not in "biuf":
             raise DataError(p, f"{field}: expected a real numeric dtype, got {x.dtype}")
-        if sparse:
-            bad = np.zeros(n, dtype=bool)
-            bad[x.row[~np.isfinite(x.data)]] = True
-        else:
-            x = x.astype(np.float32)
-            bad = ~np.isfinite(x).all(axis=1)
-        if bad.any():
-            raise DataError(
-                p,
-                f"{field}: expected finite values, found NaN or inf in "
-                f"{int(bad.sum())} row(s), first row {int(np.argmax(bad))}",
-            )
+        values = x.data if sparse else x
+        with np.errstate(over="ignore", invalid="ignore"):  # told below, in the one line
+            cast = values.astype(np.float32)
+        for bad_values, what in (
+            (~np.isfinite(values), "NaN or inf"),
+            (np.isfinite(values) & ~np.isfinite(cast), "values beyond float32 (|x| > 3.4e38)"),
+        ):
+            if sparse:
+                bad = np.zeros(n, dtype=bool)
+                bad[x.row[bad_values]] = True
+            else:
+                bad = bad_values.any(axis=1)
+            if bad.any():
+                raise DataError(
+                    p,
+                    f"{field}: expected finite values, found {what} in "
+                    f"{int(bad.sum())} row(s), first row {int(np.argmax(bad))}",
+                )
         if sparse:
             index = torch.from_numpy(np.vstack([x.row, x.col]).astype(np.int64))
-            x = torch.sparse_coo_tensor(index, x.data.astype(np.float32), x.shape).coalesce()
+            x = torch.sparse_coo_tensor(index, cast, x.shape).coalesce()
+        else:
+            x = cast
         features[p.stem] = x if sparse else torch.from_numpy(x)
     return features
 
