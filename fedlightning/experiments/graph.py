@@ -92,7 +92,8 @@ def load_graph(cfg: DictConfig) -> MultimodalGraph:
         bad = [r for r in (rate.values() if isinstance(rate, dict) else [rate]) if not 0 <= r < 1]
         if bad:
             raise ConfigError("dataset.missing_rate", f"rates must lie in [0, 1), got {rate}")
-        graph = apply_missing(graph, rate, derive_seed(cfg.protocol.seed, "missing"))
+        # in place: the graph was just built, and a second copy of its features is the peak
+        graph = apply_missing(graph, rate, derive_seed(cfg.protocol.seed, "missing"), inplace=True)
     return graph
 
 

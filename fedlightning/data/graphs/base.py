@@ -138,7 +138,7 @@ def full_mask(num_nodes: int, num_modalities: int) -> Tensor:
 
 
 def apply_missing(
-    graph: MultimodalGraph, rate: float | dict[str, float], seed: int
+    graph: MultimodalGraph, rate: float | dict[str, float], seed: int, inplace: bool = False
 ) -> MultimodalGraph:
     r"""Hide each modality for a fraction ``rate`` of the nodes, seeded.
 
@@ -148,6 +148,8 @@ def apply_missing(
     Args:
         rate: one rate for all modalities, or a rate per modality name (missing names: 0).
         seed: the protocol seed.
+        inplace: zero a dense modality's hidden rows in its own tensor (the same values,
+            without a second copy of the features; for a graph nothing else holds).
     """
     rates = [float(rate.get(m, 0.0) if isinstance(rate, dict) else rate) for m in graph.modalities]
     if all(r == 0.0 for r in rates):
@@ -160,13 +162,15 @@ def apply_missing(
         keep = draws[all_hidden].argmin(dim=1)
         hide[all_hidden.nonzero().squeeze(1), keep] = False
     mask = graph.mask & ~hide
-    return replace(graph, features=zero_missing(graph.features, mask), mask=mask)
+    return replace(graph, features=zero_missing(graph.features, mask, inplace), mask=mask)
 
 
-def zero_missing(features: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+def zero_missing(
+    features: dict[str, Tensor], mask: Tensor, inplace: bool = False
+) -> dict[str, Tensor]:
     """Each modality with the rows ``mask`` marks unavailable zeroed (``mask[:, j]`` is
     modality ``j``'s); a sparse modality drops their entries, so no model reads a value
-    that "is not there"."""
+    that "is not there". ``inplace``: a dense modality is multiplied in its own tensor."""
     out = {}
     for j, (m, x) in enumerate(features.items()):
         if x.layout == torch.sparse_coo:
@@ -175,6 +179,7 @@ def zero_missing(features: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]
             index, values = x.indices()[:, kept], x.values()[kept]
             x = torch.sparse_coo_tensor(index, values, x.shape, is_coalesced=True)
         else:
-            x = x * mask[:, j : j + 1].to(x.dtype)
+            keep = mask[:, j : j + 1].to(x.dtype)
+            x = x.mul_(keep) if inplace else x * keep
         out[m] = x
     return out
