@@ -4,6 +4,7 @@ modalities, set-up progress, and the shipped configs' graphs and partitions unch
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 from pathlib import Path
@@ -147,3 +148,22 @@ def test_large_set_up_steps_show_progress(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert "graph edges (per block): 6 blocks" in lines
     assert any(m.startswith("graph edges (per block) done: 6 blocks in ") for m in lines)
+
+
+@pytest.mark.slow
+def test_every_run_reports_its_peak_memory_in_the_summary_and_mlflow(tmp_env, compose):
+    """(A run's memory is the scaling work's third measure beside set-up and round time.)"""
+    import resource
+
+    from mlflow.tracking import MlflowClient
+
+    from fedlightning.train import train
+
+    small = ["federation.rounds=1", "federation.local_epochs=1", "dataset.num_nodes=300"]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
+    s = train(compose(["experiment=fedavg_synthetic", *small]), tmp_env / "run", verbose=False)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert before <= s["peak_rss_mib"] <= after
+    client = MlflowClient(f"sqlite:///{tmp_env / 'mlflow.db'}")
+    run_id = json.loads((tmp_env / "run" / "mlflow_run.json").read_text())["run_id"]
+    assert client.get_run(run_id).data.metrics["final/peak_rss_mib"] == s["peak_rss_mib"]
