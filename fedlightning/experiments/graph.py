@@ -217,6 +217,7 @@ def train_graph(
     log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
 
     in_dims = {m: x.size(1) for m, x in graph.features.items()}
+    graph.features.clear()  # each client holds its own rows; the whole copy is not read again
     net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
     check_algorithm_fits_protocol(algorithm, stream)
     runner.begin(cfg, run_dir, hashes)

@@ -23,7 +23,7 @@ BLOCKS_ABOVE = 50_000
 # Up to this many nodes a graph is drawn in about a second: no progress shown.
 _QUIET_NODES = 10_000
 # Rows of a dense modality drawn (float64) and converted at once: bounds the temporaries.
-_ROWS_PER_CHUNK = 1 << 14
+_ROWS_PER_CHUNK = 1 << 12
 
 
 def _check_int(name: str, value: object, low: int) -> int:
