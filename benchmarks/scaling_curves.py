@@ -4,7 +4,7 @@ the number of clients and the feature width grow.
 Every point is one run of ``fedlightning train`` in a fresh process (so its peak memory is
 its own) on ``dataset=synthetic_20k`` resized: ``N`` nodes in 10 classes, average degree
 about 15 (``p_in = 10 / (N / 10)``, ``p_out = 5 / N``: ~10 neighbours in the node's class
-and ~4.5 outside), a dense ``text`` modality of ``--width`` features and a sparse 1,000-word
+and ~4.5 outside; edges drawn per block at every size), a dense ``text`` modality of ``--width`` features and a sparse 1,000-word
 ``words`` modality (10 words a node), 10% of each modality missing. Clients come from
 ``partition=metis`` (every size the same partitioner; ``partition=louvain`` uses it above
 50k nodes anyway).
@@ -59,6 +59,7 @@ def overrides(method: str, nodes: int, clients: int, width: int, rounds: int) ->
         f"dataset.num_classes={CLASSES}",
         f"dataset.p_in={10 / (nodes / CLASSES):.6g}",
         f"dataset.p_out={5 / nodes:.6g}",
+        "+dataset.sampler=blocks",  # every size the same generator (auto: above 50k nodes)
         f"dataset.modalities.text={width}",
         "dataset.multi_hot.words=1000",
         "dataset.density=0.01",
