@@ -26,7 +26,9 @@ cost per edge is flat).
         [--clients 5 10 20] [--widths 64 256 1024] [--threads 1] [--out scaling_curves]
 
 ``--large`` adds 300k and 1M nodes (100 clients at 1M). ``--clients`` and ``--widths``
-sweep at 30k nodes (default: no sweep).
+sweep at 30k nodes (default: no sweep). ``--setup-only`` times the set-up alone (the
+graph, the partition and class stream, the clients: their sum is the set-up) and no
+round.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def point(spec: dict) -> dict:
     logger = logging.getLogger("fedlightning")
     logger.addHandler(SplitLine())
     logger.setLevel(logging.INFO)
+    if spec.get("setup_only"):
+        return {**spec, **setup_only(cfg)}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         summary = train(cfg, Path(tmp) / "run", verbose=False)
@@ -106,6 +110,24 @@ def point(spec: dict) -> dict:
         "peak_rss_mib": summary["peak_rss_mib"],
         "wall_s": wall,
     }
+
+
+def setup_only(cfg) -> dict:
+    """The set-up of a run alone (graph, partition and stream, clients), timed step by step,
+    with the process's peak memory: for sizes whose rounds are not run."""
+    from fedlightning.experiments.graph import build_clients, build_protocol, load_graph
+    from fedlightning.runs import peak_rss_mib
+
+    out, t = {}, time.perf_counter()
+    graph = load_graph(cfg)
+    out["graph_s"], t = time.perf_counter() - t, time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        partition, _, _ = build_protocol(cfg, graph, Path(tmp), False)
+    out["protocol_s"], t = time.perf_counter() - t, time.perf_counter()
+    build_clients(graph, partition)
+    out["clients_s"] = time.perf_counter() - t
+    out["setup_s"] = out["graph_s"] + out["protocol_s"] + out["clients_s"]
+    return {**out, "edges": graph.num_edges, "round_s": math.nan, "peak_rss_mib": peak_rss_mib()}
 
 
 def run_point(spec: dict) -> dict:
@@ -181,12 +203,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--width", type=int, default=128, help="the dense modality's width")
     ap.add_argument("--out", default="scaling_curves", help="writes OUT.md, OUT.json, OUT.png")
+    ap.add_argument("--setup-only", action="store_true", help="time the set-up alone (no rounds)")
     ap.add_argument("--point", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.point:
         print("POINT " + json.dumps(point(json.loads(args.point))), flush=True)
         return
-    base = {"rounds": args.rounds, "threads": args.threads}
+    base = {"rounds": args.rounds, "threads": args.threads, "setup_only": args.setup_only}
     sizes = [*args.nodes, *([300_000, 1_000_000] if args.large else [])]
     specs = [
         {
@@ -231,7 +254,7 @@ def main() -> None:
     fits = {}
     for m in args.methods:
         pts = sorted((r["edges"], r["round_s"]) for r in sweep if r["method"] == m)
-        if len(pts) >= 2:
+        if len(pts) >= 2 and not args.setup_only:
             fits[m] = exponent([p[0] for p in pts], [p[1] for p in pts])
     text = (
         table(rows)
