@@ -154,7 +154,9 @@ def _multi_hot(
     for c in range(p.shape[0]):
         members = np.flatnonzero(y == c)
         words[members] = rng.choice(d, size=(members.size, k), p=p[c])
-    flat = np.unique(np.repeat(np.arange(n), k) * d + words.ravel())  # sorted, row-major
+    flat = np.sort(np.repeat(np.arange(n), k) * d + words.ravel())  # row-major
+    # np.unique's values, by sorting: its hash path took 10 s for 3M entries (numpy 2.4)
+    flat = flat[np.concatenate(([True], flat[1:] != flat[:-1]))] if flat.size else flat
     index = torch.from_numpy(np.stack([flat // d, flat % d]))
     return torch.sparse_coo_tensor(index, torch.ones(flat.size), (n, d), is_coalesced=True)
 
