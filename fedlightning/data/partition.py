@@ -12,8 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedlightning.data.graphs.base import MultimodalGraph
-from fedlightning.data.progress import SetupStep
+from fedlightning.data.graphs.base import MultimodalGraph, SetupStep
 from fedlightning.errors import ConfigError, DataError
 from fedlightning.utils.io import ContentHashed, content_hash, write_json
 from fedlightning.utils.seeding import derive_seed, torch_generator

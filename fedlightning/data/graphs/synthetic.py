@@ -9,8 +9,13 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from fedlightning.data.graphs.base import MultimodalGraph, apply_missing, clean_edges, full_mask
-from fedlightning.data.progress import SetupStep
+from fedlightning.data.graphs.base import (
+    MultimodalGraph,
+    SetupStep,
+    apply_missing,
+    clean_edges,
+    full_mask,
+)
 
 __all__ = ["make_synthetic"]
 
