@@ -66,6 +66,7 @@ def overrides(method: str, nodes: int, clients: int, width: int, rounds: int) ->
         "dataset.multi_hot.words=1000",
         "dataset.density=0.01",
         "partition=metis",
+        "protocol.cache_dir=null",  # every point partitions afresh (no cached manifest)
         f"federation.clients={clients}",
         f"federation.rounds={per_stage}",
         "logger=none",
