@@ -450,6 +450,13 @@ def summary_table(rows: list[tuple[str, Any]], summary: dict[str, Any]) -> str:
     return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (``ru_maxrss``: KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 class Run:
     """One run of any kind in ``run_dir``, with ``cfg`` from :func:`prepare_run_dir`;
     ``is_main``: this process writes and logs (rank 0 of a distributed run)."""
@@ -519,6 +526,7 @@ class Run:
             "seed": int(self.cfg.seed),
             **fields,
             "wall_time_s": time.perf_counter() - t0,
+            "peak_rss_mib": peak_rss_mib(),
             "run_dir": str(self.run_dir),
             "tags": self.tags,
         }
@@ -545,6 +553,8 @@ class Run:
         metrics = summary.get("metrics", {})
         # once, at the last step, in the MLflow UI's own chart section (docs/experiments.md)
         self.tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, step=step)
+        if "peak_rss_mib" in summary:  # the process's memory high-water mark (docs/scaling.md)
+            self.tracker.log_metrics({"final/peak_rss_mib": summary["peak_rss_mib"]}, step=step)
         if summary.get("timing"):  # seconds per round and the like, next to the metrics
             self.tracker.log_metrics(
                 {f"final/{k}": v for k, v in summary["timing"].items()}, step=step

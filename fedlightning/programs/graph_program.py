@@ -96,7 +96,8 @@ def load_graph(cfg: DictConfig) -> MultimodalGraph:
         bad = [r for r in (rate.values() if isinstance(rate, dict) else [rate]) if not 0 <= r < 1]
         if bad:
             raise ConfigError("dataset.missing_rate", f"rates must lie in [0, 1), got {rate}")
-        graph = apply_missing(graph, rate, derive_seed(cfg.protocol.seed, "missing"))
+        # in place: the graph was just built, and a second copy of its features is the peak
+        graph = apply_missing(graph, rate, derive_seed(cfg.protocol.seed, "missing"), inplace=True)
     return graph
 
 
@@ -259,6 +260,7 @@ def train_graph(
     log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
 
     in_dims = {m: x.size(1) for m, x in graph.features.items()}
+    graph.features.clear()  # each client holds its own rows; the whole copy is not read again
     net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
     check_algorithm_fits_protocol(algorithm, stream)
     runner.begin(cfg, run_dir, hashes)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
 from torch_geometric.utils import coalesce, remove_self_loops, subgraph, to_undirected
+from tqdm.auto import tqdm
+
+log = logging.getLogger("fedlightning.data")
 
 # Sparse modalities are built from valid tensors' entries: torch's default (no invariant
 # checks), said explicitly, so torch does not warn that it is implicit.
@@ -138,7 +143,7 @@ def full_mask(num_nodes: int, num_modalities: int) -> Tensor:
 
 
 def apply_missing(
-    graph: MultimodalGraph, rate: float | dict[str, float], seed: int
+    graph: MultimodalGraph, rate: float | dict[str, float], seed: int, inplace: bool = False
 ) -> MultimodalGraph:
     r"""Hide each modality for a fraction ``rate`` of the nodes, seeded.
 
@@ -148,6 +153,8 @@ def apply_missing(
     Args:
         rate: one rate for all modalities, or a rate per modality name (missing names: 0).
         seed: the protocol seed.
+        inplace: zero a dense modality's hidden rows in its own tensor (the same values,
+            without a second copy of the features; for a graph nothing else holds).
     """
     rates = [float(rate.get(m, 0.0) if isinstance(rate, dict) else rate) for m in graph.modalities]
     if all(r == 0.0 for r in rates):
@@ -160,13 +167,15 @@ def apply_missing(
         keep = draws[all_hidden].argmin(dim=1)
         hide[all_hidden.nonzero().squeeze(1), keep] = False
     mask = graph.mask & ~hide
-    return replace(graph, features=zero_missing(graph.features, mask), mask=mask)
+    return replace(graph, features=zero_missing(graph.features, mask, inplace), mask=mask)
 
 
-def zero_missing(features: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+def zero_missing(
+    features: dict[str, Tensor], mask: Tensor, inplace: bool = False
+) -> dict[str, Tensor]:
     """Each modality with the rows ``mask`` marks unavailable zeroed (``mask[:, j]`` is
     modality ``j``'s); a sparse modality drops their entries, so no model reads a value
-    that "is not there"."""
+    that "is not there". ``inplace``: a dense modality is multiplied in its own tensor."""
     out = {}
     for j, (m, x) in enumerate(features.items()):
         if x.layout == torch.sparse_coo:
@@ -175,6 +184,44 @@ def zero_missing(features: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]
             index, values = x.indices()[:, kept], x.values()[kept]
             x = torch.sparse_coo_tensor(index, values, x.shape, is_coalesced=True)
         else:
-            x = x * mask[:, j : j + 1].to(x.dtype)
+            keep = mask[:, j : j + 1].to(x.dtype)
+            x = x.mul_(keep) if inplace else x * keep
         out[m] = x
     return out
+
+
+# The progress of one long set-up step (a large graph's edges, its partition, its splits).
+class SetupStep:
+    """One set-up step over ``total`` pieces of ``unit``: an INFO line when it starts, a tqdm
+    bar on an interactive terminal only, and an INFO line with the count and the seconds
+    when it ends (:meth:`close`). Use as a context manager, or call :meth:`close`.
+
+    Args:
+        name: the step's name, e.g. ``"graph edges"``.
+        total: the number of pieces the step does.
+        unit: what a piece is, e.g. ``"block"``, ``"client"``.
+        quiet: a step known to be short (a small graph): its lines at DEBUG, no bar.
+    """
+
+    def __init__(self, name: str, total: int, unit: str, quiet: bool = False) -> None:
+        self.name, self.total, self.unit, self.done = name, int(total), unit, 0
+        self.level = logging.DEBUG if quiet else logging.INFO
+        self.t0 = time.perf_counter()
+        log.log(self.level, "%s: %d %ss", name, self.total, unit)
+        disable = True if quiet else None  # None: a bar on an interactive terminal only
+        self.bar = tqdm(total=self.total, desc=name, unit=unit, disable=disable, leave=False)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+        seconds = time.perf_counter() - self.t0
+        log.log(self.level, "%s done: %d %ss in %.1fs", self.name, self.done, self.unit, seconds)
+
+    def __enter__(self) -> SetupStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
