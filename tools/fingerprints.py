@@ -77,7 +77,18 @@ RUNS: dict[str, list[str]] = {
         )
     },
 }
-VOLATILE = ("time", "timing", "run_dir", "seconds", "elapsed", "s_per", "per_s", "reused", "path")
+VOLATILE = (
+    "time",
+    "timing",
+    "run_dir",
+    "seconds",
+    "elapsed",
+    "s_per",
+    "per_s",
+    "reused",
+    "path",
+    "rss",
+)
 
 
 def stable(value: Any) -> Any:

@@ -24,7 +24,8 @@ def normalized_weights(items: Sequence[Any], weights: Sequence[float], what: str
         raise ValueError(
             f"weights must be finite, non-negative and not all zero, got {list(weights)}"
         )
-    w = w / w.max()  # two weights near 1.7e308 would overflow their sum
+    if not torch.isfinite(w.sum()):  # two weights near 1.7e308 overflow their sum
+        w = w / w.max()  # (only then: an ordinary run keeps its bits)
     return w / w.sum()
 
 
