@@ -118,7 +118,7 @@ def test_wheel_runs_the_demo_from_an_empty_directory(tmp_path):
     venv = (tmp_path / "venv").resolve()
     assert Path(package).resolve().is_relative_to(venv), package
     assert Path(conf).resolve() == Path(package).resolve().parent / "conf"
-    assert int(composed) == len(experiments) > 30
+    assert int(composed) == len(experiments) >= 15  # a recipe per protocol and dataset
 
     r = _run(
         [bindir / "fedlightning", "train", "experiment=demo", "federation.rounds=1"],

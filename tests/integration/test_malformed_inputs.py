@@ -153,7 +153,7 @@ CASES: dict[str, Case] = {
     "unknown experiment": train("experiment=nope", needle="config `experiment`", **SUB),
     "experiment close name": train("experiment=fl_cra", needle="did you mean fl_cora"),
     "experiment of the older form": train(
-        "experiment=cil_cora", "algorithm=fedogl", needle="experiment=cil_cora algorithm=fedogl"
+        "experiment=cil_fedogl_cora", needle="experiment=cil_cora algorithm=fedogl"
     ),
     "dataset close name": train("dataset=cor", needle="did you mean cora"),
     "unknown algorithm": train("algorithm=fedavgg", needle="config `algorithm`", **SUB),
@@ -193,7 +193,6 @@ CASES: dict[str, Case] = {
     "continual algorithm without stream": train(*SYN, "algorithm=cil_fedavg", needle="protocol"),
     "continual experiment with a plain algorithm": train(
         "experiment=cil_cora",
-        "algorithm=cil_fedavg",
         "logger=none",
         "algorithm=fedavg",
         needle="algorithm",

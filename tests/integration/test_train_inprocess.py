@@ -8,10 +8,10 @@ import torch
 from fedlightning.train import train
 
 pytestmark = pytest.mark.slow
-SYN = (
+SYN = [
     "experiment=fl_synthetic",
     "algorithm=fedavg",
-)  # the smallest FedAvg run (the default is FedOGL)
+]  # the smallest FedAvg run (the default is FedOGL)
 
 
 def cora_model_values(classes=7, bow=1433, h=64, modalities=1):
@@ -63,19 +63,19 @@ def test_fedprox_citeseer_mm_two_modalities(tmp_env, shared_data, monkeypatch, c
 
 
 def test_seed_changes_training_but_not_protocol_hash(tmp_env, compose):
-    a = train(compose([SYN, "federation.rounds=2", "logger=none", "seed=1"]), tmp_env / "a")
-    b = train(compose([SYN, "federation.rounds=2", "logger=none", "seed=2"]), tmp_env / "b")
+    a = train(compose([*SYN, "federation.rounds=2", "logger=none", "seed=1"]), tmp_env / "a")
+    b = train(compose([*SYN, "federation.rounds=2", "logger=none", "seed=2"]), tmp_env / "b")
     assert a["hashes"] == b["hashes"]
     assert a["metrics"]["train_acc"] != b["metrics"]["train_acc"]
     c = train(
-        compose([SYN, "federation.rounds=2", "logger=none", "protocol.seed=5"]), tmp_env / "c"
+        compose([*SYN, "federation.rounds=2", "logger=none", "protocol.seed=5"]), tmp_env / "c"
     )
     assert c["hashes"]["partition"] != a["hashes"]["partition"]
 
 
 def test_partial_participation_counts_only_sampled_clients(tmp_env, compose):
     s = train(
-        compose([SYN, "federation.rounds=3", "federation.participation=0.4", "logger=none"]),
+        compose([*SYN, "federation.rounds=3", "federation.participation=0.4", "logger=none"]),
         tmp_env / "p",
     )
     per_round = s["comm"]["per_round"]
@@ -85,9 +85,9 @@ def test_partial_participation_counts_only_sampled_clients(tmp_env, compose):
 
 def test_trainer_executor_matches_lean(tmp_env, compose):
     loss = "federation.report_train_loss=true"  # the clients send their loss: one more scalar
-    lean = train(compose([SYN, "federation.rounds=2", "logger=none", loss]), tmp_env / "l")
+    lean = train(compose([*SYN, "federation.rounds=2", "logger=none", loss]), tmp_env / "l")
     full = train(
-        compose([SYN, "federation.rounds=2", "logger=none", "runner=sequential_trainer", loss]),
+        compose([*SYN, "federation.rounds=2", "logger=none", "runner=sequential_trainer", loss]),
         tmp_env / "t",
     )
     assert lean["comm"]["fields"]["train_loss"]["up"] == 2 * 5
@@ -98,7 +98,7 @@ def test_trainer_executor_matches_lean(tmp_env, compose):
 def test_refuses_to_overwrite_a_run(tmp_env, compose):
     from fedlightning.errors import FedLightningError
 
-    train(compose([SYN, "federation.rounds=1", "logger=none"]), tmp_env / "r")
+    train(compose([*SYN, "federation.rounds=1", "logger=none"]), tmp_env / "r")
     with pytest.raises(FedLightningError, match="refusing to overwrite"):
-        train(compose([SYN, "federation.rounds=1", "logger=none"]), tmp_env / "r")
+        train(compose([*SYN, "federation.rounds=1", "logger=none"]), tmp_env / "r")
     assert torch.load(tmp_env / "r" / "checkpoint.pt", weights_only=False)["completed_rounds"] == 1
