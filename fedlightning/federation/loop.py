@@ -246,9 +246,6 @@ class FederatedLoop(Schedule):
     def run(self) -> list[dict[str, float]]:
         for r in range(self.completed_rounds + 1, self.rounds + 1):
             metrics = self.run_round(r)
-            self.end_of_round(r)
-            self.history.append({"round": r, **metrics})
-            self.completed_rounds = r
             loss = f"  train_loss {metrics['train_loss']:.4f}" if "train_loss" in metrics else ""
             dropped = f"  rejected {metrics['rejected']:.0f}" if metrics.get("rejected") else ""
             log.info(
@@ -263,6 +260,9 @@ class FederatedLoop(Schedule):
                 metrics["uplink_mib"],
                 metrics["round_time_s"],
             )
+            self.end_of_round(r)  # after the round's line: a stage's summary follows its last round
+            self.history.append({"round": r, **metrics})
+            self.completed_rounds = r
             self.checkpoint()  # before reporting: a resumed run never logs a step twice
             self.report(r, metrics)
         return self.history

@@ -27,6 +27,8 @@ __all__ = [
 ]
 
 
+# Hand-written rather than scikit-learn's KMeans: a few rows a class, in torch, seeded by one
+# generator and bitwise the same on every runner (k-means++ draws and float64 copies would not be).
 def _kmeans(x: Tensor, k: int, seed: int, iters: int) -> Tensor:
     """Cluster index of each row of ``x``: one row drawn with ``seed``, farthest-point
     seeding (ties to the lowest index), then at most ``iters`` Lloyd iterations (a centre
