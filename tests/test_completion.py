@@ -124,7 +124,7 @@ def test_nested_keys_empty_and_partial(shell_env):
     current one is offered)."""
     keys = readline_lines(shell_env, "fedlightning train federation.")
     assert "fedlightning train federation.rounds=" in keys and len(keys) > 3
-    assert readline_lines(shell_env, "fedlightning train federation.ro") == [
+    assert readline_lines(shell_env, "fedlightning train federation.rou") == [
         "fedlightning train federation.rounds="
     ]
     assert readline_lines(shell_env, "fedlightning train model.net.hidden=") == [
@@ -135,7 +135,7 @@ def test_nested_keys_empty_and_partial(shell_env):
 def test_groups_and_keys(shell_env):
     line = "fedlightning train algo"
     assert "algorithm=" in complete(shell_env, line, line.split())
-    line = "fedlightning train federation.ro"
+    line = "fedlightning train federation.rou"
     assert complete(shell_env, line, line.split()) == ["federation.rounds="]
     line = "fedlightning train experiment=demo model.net.hid"
     assert complete(shell_env, line, line.split()) == ["model.net.hidden="]
@@ -166,7 +166,7 @@ def test_hydra_shell_completion_flag(shell_env):
     assert r.returncode == 0, r.stderr
     registered = [ln for ln in r.stdout.splitlines() if ln.startswith("complete ")]
     assert registered == ["complete -o default -F _fedlightning_complete fedlightning"]
-    env = {**shell_env, "COMP_LINE": "fedlightning train federation.ro", "COMP_POINT": "31"}
+    env = {**shell_env, "COMP_LINE": "fedlightning train federation.rou", "COMP_POINT": "33"}
     r = subprocess.run(["fedlightning", "-sc", "query=bash"], **{**run, "env": env})
     assert (r.returncode, r.stdout.split()) == (0, ["federation.rounds="]), r.stderr
 
@@ -175,9 +175,9 @@ def test_candidates_in_process():
     """Options, option values (left to the shell's file names) and lines that do not parse."""
     assert candidates("fedlightning flower-sim --r") == ["--run-dir"]
     assert candidates("fedlightning flower-sim --run-dir ") == []
-    assert candidates("fedlightning data manifest --out x federation.ro") == ["federation.rounds="]
+    assert candidates("fedlightning data manifest --out x federation.rou") == ["federation.rounds="]
     assert candidates("fedlightning sweep sw") == []  # a file: the shell's completion
-    assert candidates("fedlightning train dataset=no_such_dataset federation.ro") == []
+    assert candidates("fedlightning train dataset=no_such_dataset federation.rou") == []
 
 
 class Terminal:
@@ -228,7 +228,7 @@ def test_real_bash_readline(shell_env):
         term.read_until(rb"[\r\n]READY\r?\n")
         completed = {}
         for line in (
-            "fedlightning train federation.ro",
+            "fedlightning train federation.rou",
             "fedlightning train experiment=cil_co",
             "fedlightning tr",
             "fedlightning train algo",
@@ -240,7 +240,7 @@ def test_real_bash_readline(shell_env):
     finally:
         term.close()
     assert completed == {
-        "fedlightning train federation.ro": "fedlightning train federation.rounds=",
+        "fedlightning train federation.rou": "fedlightning train federation.rounds=",
         "fedlightning train experiment=cil_co": "fedlightning train experiment=cil_cora ",
         "fedlightning tr": "fedlightning train ",
         "fedlightning train algo": "fedlightning train algorithm",
@@ -271,7 +271,7 @@ def test_zsh_function(shell_env):
     first, *added = run("fedlightning", "train", "experiment=cil_c")
     assert first == "compdef _fedlightning fedlightning"
     assert added == ["compadd -Q -- experiment=cil_citeseer_mm experiment=cil_cora"]
-    assert run("fedlightning", "train", "federation.ro")[1:] == [
+    assert run("fedlightning", "train", "federation.rou")[1:] == [
         "compadd -Q -S  -- federation.rounds="
     ]
     assert run("fedlightning", "sweep", "sw")[1:] == ["_files"]

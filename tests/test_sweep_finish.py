@@ -21,7 +21,7 @@ from fedlightning.sweeps import Sweep, load_spec
 from tests.inprocess import fl_here, fl_ok
 
 SPEC = """
-experiment: fedavg_synthetic
+experiment: fl_synthetic
 space:
   algorithm.mu: {type: float, low: 0.001, high: 0.1, log: true}
 overrides: [algorithm=fedprox]
