@@ -247,6 +247,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# Hand-written rather than structured configs or pydantic: the rules cross groups (stages
+# against the graph's classes, clients against nodes) and each error names the key and the
+# expectation in one line before torch is imported; the trainer group alone is typed.
 def validate(cfg: DictConfig) -> None:
     """Fail with a :class:`ConfigError` naming the key for any invalid value; every rule
     the config alone decides is checked here, before any data is read."""
