@@ -217,7 +217,8 @@ class FedTIPServer:
     r"""One task's server: the flat global adapter :math:`\Omega^{(r)}` (broadcast as
     ``field``: ``adapter``, or ``model`` for the full-model comparator) and the anchors
     (``anchor.<c>``), with ``eta_s`` (Eq. 31), ``beta`` (Eq. 24), ``reliability_weights``
-    (Eqs. 27-30), ``proto_norm_ratio`` (:func:`bound_prototypes`). ``anchors=False`` keeps and broadcasts none; :meth:`class_prototypes` is
+    (Eqs. 27-30), ``proto_norm_ratio`` (:func:`bound_prototypes`; ``None``: off, FedTIP
+    sets it). ``anchors=False`` keeps and broadcasts none; :meth:`class_prototypes` is
     then the count-weighted mean of the last round's uploaded prototypes (docs/fedtip.md).
     ``classes``: the label set :math:`\mathcal{Y}` of Eq. (27).
 
@@ -234,7 +235,7 @@ class FedTIPServer:
         anchors: bool = True,
         field: str = "adapter",
         classes: Sequence[int] = (0, 1),
-        proto_norm_ratio: float | None = PROTO_NORM_RATIO,
+        proto_norm_ratio: float | None = None,
     ) -> None:
         self.shapes = {k: v.shape for k, v in omega.items()}
         self.omega = torch.cat([v.detach().reshape(-1) for v in omega.values()]).clone()

@@ -408,7 +408,7 @@ def tip_round(bad, scale: float = 1.0, counts=None):
     """One real FedTIP round of ``K`` clients, ``BAD``'s message passed through ``bad``;
     ``counts(k)``: client ``k``'s class counts (default: :func:`tip_update`'s)."""
     alg = FedTIP()
-    server = FedTIPServer({"a": torch.zeros(P)}, anchors=True)
+    server = FedTIPServer({"a": torch.zeros(P)}, anchors=True, proto_norm_ratio=alg.prototype_bound)
     task = TaskBatches(0, {k: {"h_u": torch.zeros(SUPPORT, 1)} for k in range(K)})
     ledger = CommLedger()
 

@@ -64,6 +64,7 @@ class FedGNN(FedTIP):
     """
 
     name: str = "fedgnn"
+    prototype_bound = None  # a published baseline: without FedTIP's prototype bound
     mode: str = "fedgnn"
     aggregation: str = "fedavg"
     anchors: bool = False

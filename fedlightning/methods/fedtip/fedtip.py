@@ -36,6 +36,7 @@ from fedlightning.federation.task_loop import (
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.privacy import PrototypeRelease, private_prototype
 from fedlightning.server.reliability import (
+    PROTO_NORM_RATIO,
     FedTIPServer,
     coverage_of,
     label_coverage,
@@ -80,6 +81,10 @@ class FedTIP(Algorithm):
     """
 
     name: str = "fedtip"
+    # FedTIP's server defence against poisoned prototypes (docs/security.md): each upload is
+    # bounded by its class's median norm; a published baseline built on this class runs
+    # without it, as it was published and measured (None).
+    prototype_bound: float | None = PROTO_NORM_RATIO
     mode: str = "federated"
     aggregation: str = "reliability"
     anchors: bool = True
@@ -177,7 +182,12 @@ class FedTIP(Algorithm):
         """The task's server, starting from the module's initial adapter."""
         omega = module.adapter.state_dict()
         server = FedTIPServer(
-            omega, self.eta_s, self.beta, self.aggregation == "reliability", self.anchors
+            omega,
+            self.eta_s,
+            self.beta,
+            self.aggregation == "reliability",
+            self.anchors,
+            proto_norm_ratio=self.prototype_bound,
         )
         if self.secure_seed is not None:
             protos = "prototypes" in self.message_fields(module.family)
