@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
+from fedlightning.clients.temporal_prompt import score_segment as evaluate
 from fedlightning.clients.temporal_prompt import stack_batches
 from fedlightning.config import build
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.federation.task_loop import TaskLoop, evaluate
+from fedlightning.federation.task_loop import TaskLoop
 from fedlightning.programs.temporal_program import check_families, temporal_inputs
 from fedlightning.resources import conf_dir
 from fedlightning.temporal.adapter import PromptAdapter

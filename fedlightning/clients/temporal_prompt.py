@@ -13,12 +13,14 @@ adapter :math:`\Omega` of Eq. (17) trains, on the bank's precomputed contexts
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.temporal.adapter import (
     PromptAdapter,
     anchor_loss,
@@ -95,6 +97,34 @@ def task_loss(views: tuple[Tensor, ...], family: str, tau: float) -> Tensor:
         h, y, mask = views
         return prototypical_loss(h, y, mask, NUM_CLASSES, tau)
     return link_loss(*views, tau=tau)
+
+
+def as_single(batch: Batch) -> Batch:
+    """One segment as a one-client stack (the server's evaluation batches)."""
+    return stack_batches([batch])
+
+
+@torch.no_grad()
+def score_segment(
+    adapter: PromptAdapter, prototypes: dict[int, Tensor], batch: Batch, family: str
+) -> dict[str, float]:
+    """Server-side AUC-ROC of one segment (a one-client stack): ``auc_nc`` against the
+    class prototypes, or ``auc_tlp`` and ``auc_ilp`` (the events flagged inductive). A model
+    with a ``views(batch, family)`` method (the published baselines) gives the family's
+    representations itself."""
+    adapter.eval()
+    own = getattr(adapter, "views", None)  # a baseline's model reads its own inputs
+    views = own(batch, family) if own is not None else family_views(adapter, batch, family)
+    if family == "nc":
+        h, y, mask = views
+        if not {0, 1} <= set(prototypes):
+            return {"auc_nc": math.nan}
+        return {"auc_nc": auroc(class_score(h[mask], prototypes), y[mask])}
+    h_pos, h_i, h_neg, h_j, mask = views
+    out = {"auc_tlp": link_auroc(h_pos[mask], h_i[mask], h_neg[mask], h_j[mask])}
+    ind = mask & batch["inductive"]
+    out["auc_ilp"] = link_auroc(h_pos[ind], h_i[ind], h_neg[ind], h_j[ind])
+    return out
 
 
 class FedTIPClient(pl.LightningModule):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -69,9 +70,16 @@ class Algorithm:
         name, variant: the ``method`` and ``variant`` tags of a run.
         continual: the method needs the class-incremental stream (``protocol=cil``).
         stage_end_exchange: the method exchanges messages after every stage.
-        loop_class: the schedule that runs the method (``None``: the protocol's own,
-            :class:`~fedlightning.federation.loop.FederatedLoop` or
-            :class:`~fedlightning.federation.stages.ContinualLoop`).
+        evaluation: what a stage's end measures (``classes``: accuracy and rejection of
+            the logits; ``retrieval``: Recall@1 and similarity rejection,
+            :mod:`~fedlightning.federation.retrieval_stages`).
+        personalized: every client is evaluated with its own weights,
+            :meth:`eval_state` (never stacked), not the global model.
+        pooled: the clients' supports are pooled on one client (FedTIP's ``central``
+            mode): no messages are counted, no client is sent the bank.
+        pool_tasks: the tasks may run on forked processes (``task_workers``): nothing
+            carries from one task to the next but the ledger (false for a method with a
+            one-off exchange before its first task, :meth:`before_tasks`).
         report_train_loss: clients also send their local loss, ``train_loss``
             (``federation.report_train_loss``; set by the program that builds the method).
         max_update_norm, max_client_weight: the bounds of the FedAvg-family server
@@ -94,7 +102,10 @@ class Algorithm:
     variant = "full"
     continual: ClassVar[bool] = False
     stage_end_exchange: ClassVar[bool] = False
-    loop_class: ClassVar[type | None] = None
+    evaluation: ClassVar[str] = "classes"
+    personalized: ClassVar[bool] = False
+    pooled: bool = False
+    pool_tasks: ClassVar[bool] = True
     report_train_loss: bool = False
     max_update_norm: float | None = None
     max_client_weight: float | None = None
@@ -124,6 +135,24 @@ class Algorithm:
 
     def setup(self, stream: Any, rounds_per_stage: int, seed: int, num_classes: int) -> None:
         """Learn the stream's schedule before the first round (class-incremental methods)."""
+
+    def prepare_clients(self, clients: list[FederatedClient]) -> None:
+        """Adjust the run's clients once, when the schedule is built (PRISM hides the
+        deficient clients' modality); may refuse the run with a ``ConfigError``."""
+
+    def eval_state(self, client: FederatedClient, broadcast: ServerBroadcast) -> dict:
+        """With :attr:`personalized`: the weights ``client`` is evaluated with, given the
+        server's next broadcast (default: the broadcast's model)."""
+        return model_state(broadcast.tensors)
+
+    def before_tasks(self, loop: Any, ledger: Any, scope: str) -> None:
+        """A one-off exchange before the first task a run runs, counted in ``ledger`` under
+        ``scope`` (the history baselines' graph view; default: none)."""
+
+    def task_threads(self) -> Any:
+        """The context the tasks run in (the history baselines: one torch thread);
+        default: as they are."""
+        return contextlib.nullcontext()
 
     def uplink(self, broadcast: ServerBroadcast) -> MessageSpec:
         """The declared uplink of a round (docs/security.md): every ``model.<key>`` as the

@@ -170,6 +170,7 @@ class FederatedLoop(Schedule):
         self.completed_rounds = 0
         self.last_updates: list[ClientUpdate] = []  # the round's kept updates (not saved)
         self._stacking: bool | None = None
+        algorithm.prepare_clients(self.clients)
 
     # ------------------------------------------------------------------ one round
     def run_round(self, round: int) -> dict[str, float]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedlightning.federation.stages import SPLITS, ContinualLoop, Parts, Pooled
+from fedlightning.federation.stages import SPLITS, ClassEvaluation, ContinualLoop, Parts, Pooled
 from fedlightning.metrics import (
     max_similarity,
     open_accuracy,
@@ -29,35 +29,37 @@ from fedlightning.metrics import (
 WRONG = -2  # a known query's label when its paired item is not ranked first
 
 
-class RetrievalLoop(ContinualLoop):
-    """Stages of rounds with Recall@1 and max-similarity rejection instead of accuracy.
+class RetrievalEvaluation(ClassEvaluation):
+    """A stage's end with Recall@1 and max-similarity rejection instead of accuracy
+    (``Algorithm.evaluation = "retrieval"``).
 
     Recall@1 fills ``train_acc``, ``val_acc`` and ``test_acc`` after every round and the
-    accuracy-matrix rows after every stage, so the base loop's logging, model selection and
-    final metrics work unchanged. No diagnostics (Eqs. (2)-(4) need class representations).
-
-    Args:
-        algorithm: a retrieval algorithm (its ``score`` must be ``"similarity"``).
-        *args, **kw: as :class:`ContinualLoop`.
+    accuracy-matrix rows after every stage, so the loop's logging, model selection and final
+    metrics work unchanged. No diagnostics (Eqs. (2)-(4) need class representations).
     """
 
     # and final-stage Recall@1 over all known-class queries, pooled over clients
-    final_stage_metrics = (*ContinualLoop.final_stage_metrics, "recall_at_1", "val_recall_at_1")
+    final_stage_metrics = ("recall_at_1", "val_recall_at_1")
 
-    def __init__(self, algorithm: Any, *args: Any, **kw: Any) -> None:
+    def check(self, algorithm: Any) -> None:
+        """A retrieval method rejects by similarity (its ``score`` is ``"similarity"``)."""
         if algorithm.score not in (None, "similarity"):
-            raise ValueError(f"RetrievalLoop rejects by similarity, not {algorithm.score!r}")
-        super().__init__(algorithm, *args, **kw)
+            raise ValueError(f"retrieval rejects by similarity, not {algorithm.score!r}")
 
     # ------------------------------------------------------------------ evaluation
     @staticmethod
-    def _outputs(net: Any, data: Any) -> tuple[Tensor, Tensor, Tensor]:
+    def outputs(net: Any, data: Any) -> tuple[Tensor, Tensor, Tensor]:
         """``(q, k, paired-node mask)`` of the global model on one client's subgraph."""
         q, k = net(data)
         return q, k, net.pair_mask(data)
 
     def stage_parts(
-        self, c: Any, outputs: list[Any], t: int, splits: Iterable[str] = SPLITS
+        self,
+        loop: ContinualLoop,
+        c: Any,
+        outputs: list[Any],
+        t: int,
+        splits: Iterable[str] = SPLITS,
     ) -> dict[str, Parts | None]:
         """Per split of ``splits``, client ``c``'s queries after stage ``t`` (module docstring): of the known
         ones ``[n]`` ``node_stage``, ``hit``, class ``y`` and ``known_score``, the unknown
@@ -65,11 +67,11 @@ class RetrievalLoop(ContinualLoop):
         with ``query_scores(net, q, k, data, is_known, global_state)`` (``cir_grasp``,
         ``cir_clipn``) supplies every node's score ``[N]`` in place of the similarity."""
         q, k, pairs = outputs
-        data, net = c.data, self.module.net
-        node_stage = self.class_stage[data.y]
+        data, net = c.data, loop.module.net
+        node_stage = loop.class_stage[data.y]
         is_known = (node_stage >= 0) & (node_stage <= t)
         # GRASP, CLIPN: their own score
-        score = self.algorithm.query_scores(net, q, k, data, is_known, self.server.global_state)
+        score = loop.algorithm.query_scores(net, q, k, data, is_known, loop.server.global_state)
         out: dict[str, Parts | None] = {}
         for s in splits:
             m = data[f"{s}_mask"]
@@ -95,7 +97,7 @@ class RetrievalLoop(ContinualLoop):
         return out
 
     def open_metrics(
-        self, t: int, cat: Pooled, delta: float, forward: list[tuple]
+        self, loop: ContinualLoop, t: int, cat: Pooled, delta: float, forward: list[tuple]
     ) -> dict[str, float]:
         """Recall@1 over all known-class queries, pooled over clients, and the open-set
         accuracy: known queries are right when accepted and hit, unknown ones when rejected."""

@@ -57,6 +57,78 @@ Parts = dict[str, Tensor]  # one client's part of a split's stage-end evaluation
 Pooled = Callable[[str, str], Tensor]  # (split, field) -> the field pooled over clients
 
 
+class ClassEvaluation:
+    """What a stage's end measures on a classifier: the closed-set accuracy over the known
+    classes, the rejection scores of the logits (or the method's own ``node_score``), the
+    open-set accuracy and the diagnostics of FedOGL Eqs. (2)-(4). The retrieval loop's
+    counterpart is :class:`~fedlightning.federation.retrieval_stages.RetrievalEvaluation`;
+    a method names its own by ``Algorithm.evaluation``."""
+
+    final_stage_metrics: tuple[str, ...] = ()  # the last stage's, beside the loop's own
+
+    def check(self, algorithm: Any) -> None:
+        """Refuse a method this evaluation cannot score (none here)."""
+
+    @staticmethod
+    def outputs(net: Any, data: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(logits, representations)`` of the global model on one client's subgraph."""
+        reps = net.representations(data) if hasattr(net, "representations") else {}
+        return (net.head(reps["z"]) if "z" in reps else net(data)), reps
+
+    def stage_parts(
+        self,
+        loop: ContinualLoop,
+        c: Any,
+        outputs: list[Any],
+        t: int,
+        splits: Iterable[str] = SPLITS,
+    ) -> dict[str, Parts | None]:
+        """Per split of ``splits``, client ``c``'s nodes after stage ``t``: of the known-class nodes the
+        stage that introduced their class ``node_stage`` and the closed-set ``hit`` (the
+        argmax over the known classes is right); the rejection scores ``known_score`` and
+        ``unknown_score``; every node's ``node, client, y, pred, score, known``."""
+        logits, _ = outputs
+        known = torch.tensor(loop.stream.known(t), dtype=torch.long)
+        y = c.data.y
+        node_stage = loop.class_stage[y]
+        is_known = (node_stage >= 0) & (node_stage <= t)
+        pred = known[logits[:, known].argmax(-1)]
+        score = loop.node_score(c, outputs, t)
+        out = {}
+        for s in splits:
+            m = c.data[f"{s}_mask"]
+            mk = m & is_known  # the matrix is closed-set over the known classes
+            node = c.data.node_id[m] if "node_id" in c.data else m.nonzero().squeeze(1)
+            out[s] = {
+                "node_stage": node_stage[mk],
+                "hit": (pred == y)[mk],
+                "known_score": score[mk],
+                "unknown_score": score[m & ~is_known],
+                "node": node,
+                "client": torch.full_like(node, c.client_id),
+                "y": y[m],
+                "pred": pred[m],
+                "score": score[m],
+                "known": is_known[m],
+            }
+        return out
+
+    def open_metrics(
+        self, loop: ContinualLoop, t: int, cat: Pooled, delta: float, forward: list[tuple]
+    ) -> dict[str, float]:
+        """The open-set accuracy of the test nodes (those scored below ``delta`` rejected as
+        unknown; every one's score kept for ``test_scores.pt``) and :meth:`diagnostics`."""
+        fields = ("node", "client", "y", "pred", "score", "known")
+        per_node = {k: cat("test", k) for k in fields}
+        loop.test_scores.append({**per_node, "threshold": delta})
+        pred = per_node["pred"]
+        pred_open = torch.where(per_node["score"] >= delta, pred, torch.full_like(pred, -1))
+        return {
+            "open_acc": open_accuracy(pred_open, per_node["y"], per_node["known"]),
+            **loop.diagnostics(t, [(c, reps) for c, _, reps in forward]),
+        }
+
+
 class ContinualLoop(FederatedLoop):
     """Runs ``T`` stages of ``rounds_per_stage`` rounds in the class-incremental stream:
     closed-set accuracy over the known classes after every round, the open-world evaluation
@@ -68,6 +140,7 @@ class ContinualLoop(FederatedLoop):
         num_classes: classes of the graph.
         basis_rank: ``r`` of the structural-basis probe (Eq. (3)); default ``8``.
         on_stage_end: ``(stage, metrics) -> None`` (1-based stage), e.g. MLflow logging.
+        evaluation: what a stage's end measures (default :class:`ClassEvaluation`).
         **kw: as :class:`FederatedLoop`; ``rounds`` is set to ``T x rounds_per_stage``.
     """
 
@@ -95,10 +168,13 @@ class ContinualLoop(FederatedLoop):
         num_classes: int,
         basis_rank: int = 8,
         on_stage_end: Callable[[int, dict[str, float]], None] | None = None,
+        evaluation: Any = None,
         **kw: Any,
     ) -> None:
         kw["rounds"] = stream.num_stages * rounds_per_stage
         super().__init__(*args, **kw)
+        self.evaluation = evaluation or ClassEvaluation()
+        self.evaluation.check(self.algorithm)
         self.stream, self.rounds_per_stage = stream, rounds_per_stage
         self.num_classes, self.basis_rank = num_classes, basis_rank
         self.on_stage_end = on_stage_end
@@ -117,30 +193,44 @@ class ContinualLoop(FederatedLoop):
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def _forward_all(self) -> list[tuple]:
-        """Global model on every client's whole subgraph: ``(client, *outputs)``."""
+        """Global model on every client's whole subgraph: ``(client, *outputs)``; with
+        ``algorithm.personalized``, each client's own model (:meth:`_forward_own`)."""
+        if self.algorithm.personalized:
+            return self._forward_own()
         if self.stacking():  # one pass over every client (docs/scaling.md)
             graphs, state = [c.data for c in self.clients], self.server.global_state
-            outs = outputs_in_one_pass(self.module.net, state, graphs, self._outputs)
+            outs = outputs_in_one_pass(self.module.net, state, graphs, self.evaluation.outputs)
             return [(c, *o) for c, o in zip(self.clients, outs, strict=True)]
         self.module.receive(self.server.global_state)
         net = self.module.net
         net.eval()
-        out = [(c, *self._outputs(net, c.data)) for c in self.clients]
+        out = [(c, *self.evaluation.outputs(net, c.data)) for c in self.clients]
         net.train()
         return out
 
-    @staticmethod
-    def _outputs(net: Any, data: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        """``(logits, representations)`` of the global model on one client's subgraph."""
-        reps = net.representations(data) if hasattr(net, "representations") else {}
-        return (net.head(reps["z"]) if "z" in reps else net(data)), reps
+    def _forward_own(self) -> list[tuple]:
+        """Client ``c`` evaluated with its own weights, ``algorithm.eval_state(c,
+        broadcast)``: what ``c`` would load from the server's current broadcast (its local
+        layers and the shared ones; FedIIH's personalized blocks), so a method whose clients
+        keep local parameters is measured on the models its clients use; one at a time."""
+        broadcast = self.server.broadcast(self.completed_rounds + 1)
+        net = self.module.net
+        out = []
+        for c in self.clients:
+            net.load_state_dict(self.algorithm.eval_state(c, broadcast))
+            net.eval()
+            out.append((c, *self.evaluation.outputs(net, c.data)))
+        net.train()
+        return out
 
     def evaluate(self, round: int) -> dict[str, float]:
         """Closed-set accuracy over the known classes of the current stage (the ``hit`` of
-        :meth:`stage_parts`), per split, pooled over clients."""
+        the evaluation's ``stage_parts``), per split, pooled over clients."""
         totals = {s: [0, 0] for s in ("train", *SPLITS)}
         for c, *outputs in self._forward_all():
-            for s, r in self.stage_parts(c, outputs, self.stage_of(round), totals).items():
+            for s, r in self.evaluation.stage_parts(
+                self, c, outputs, self.stage_of(round), totals
+            ).items():
                 if r is not None:
                     totals[s][0] += int(r["hit"].sum())
                     totals[s][1] += r["hit"].numel()
@@ -212,7 +302,7 @@ class ContinualLoop(FederatedLoop):
 
     def evaluate_stage(self, t: int) -> dict[str, float]:
         """The open-world evaluation after stage ``t`` (0-based): every client's
-        :meth:`stage_parts` give the accuracy-matrix rows (pooled, and per client on test)
+        the evaluation's ``stage_parts`` give the accuracy-matrix rows (pooled, and per client on test)
         and the known- and unknown-class rejection scores, pooled over clients."""
         T = self.stream.num_stages
         mats = {s: AccuracyMatrix(T) for s in SPLITS}
@@ -220,7 +310,7 @@ class ContinualLoop(FederatedLoop):
         forward = self._forward_all()
         for c, *outputs in forward:
             client_mat = AccuracyMatrix(T)
-            for s, r in self.stage_parts(c, outputs, t).items():
+            for s, r in self.evaluation.stage_parts(self, c, outputs, t).items():
                 if r is not None:
                     mats[s].update(t, r["node_stage"], r["hit"])
                     if s == "test":
@@ -247,42 +337,9 @@ class ContinualLoop(FederatedLoop):
             "auroc_ood": auroc_known_vs_unknown(*test),
             "val_fpr95": fpr_at_tpr(*val),
             "val_auroc_ood": auroc_known_vs_unknown(*val),
-            **self.open_metrics(t, cat, delta, forward),
+            **self.evaluation.open_metrics(self, t, cat, delta, forward),
             **({"score_sign": sign} if self.algorithm.calibrate_direction else {}),
         }
-
-    def stage_parts(
-        self, c: Any, outputs: list[Any], t: int, splits: Iterable[str] = SPLITS
-    ) -> dict[str, Parts | None]:
-        """Per split of ``splits``, client ``c``'s nodes after stage ``t``: of the known-class nodes the
-        stage that introduced their class ``node_stage`` and the closed-set ``hit`` (the
-        argmax over the known classes is right); the rejection scores ``known_score`` and
-        ``unknown_score``; every node's ``node, client, y, pred, score, known``."""
-        logits, _ = outputs
-        known = torch.tensor(self.stream.known(t), dtype=torch.long)
-        y = c.data.y
-        node_stage = self.class_stage[y]
-        is_known = (node_stage >= 0) & (node_stage <= t)
-        pred = known[logits[:, known].argmax(-1)]
-        score = self.node_score(c, outputs, t)
-        out = {}
-        for s in splits:
-            m = c.data[f"{s}_mask"]
-            mk = m & is_known  # the matrix is closed-set over the known classes
-            node = c.data.node_id[m] if "node_id" in c.data else m.nonzero().squeeze(1)
-            out[s] = {
-                "node_stage": node_stage[mk],
-                "hit": (pred == y)[mk],
-                "known_score": score[mk],
-                "unknown_score": score[m & ~is_known],
-                "node": node,
-                "client": torch.full_like(node, c.client_id),
-                "y": y[m],
-                "pred": pred[m],
-                "score": score[m],
-                "known": is_known[m],
-            }
-        return out
 
     def node_score(self, c: Any, outputs: list[Any], t: int) -> Tensor:
         """Every node's rejection score on client ``c`` after stage ``t``: the algorithm's
@@ -308,21 +365,6 @@ class ContinualLoop(FederatedLoop):
                         if f in r:
                             r[f] = -r[f]
         return sign
-
-    def open_metrics(
-        self, t: int, cat: Pooled, delta: float, forward: list[tuple]
-    ) -> dict[str, float]:
-        """The open-set accuracy of the test nodes (those scored below ``delta`` rejected as
-        unknown; every one's score kept for ``test_scores.pt``) and :meth:`diagnostics`."""
-        fields = ("node", "client", "y", "pred", "score", "known")
-        per_node = {k: cat("test", k) for k in fields}
-        self.test_scores.append({**per_node, "threshold": delta})
-        pred = per_node["pred"]
-        pred_open = torch.where(per_node["score"] >= delta, pred, torch.full_like(pred, -1))
-        return {
-            "open_acc": open_accuracy(pred_open, per_node["y"], per_node["known"]),
-            **self.diagnostics(t, [(c, reps) for c, _, reps in forward]),
-        }
 
     def diagnostics(
         self, t: int, reps_all: list[tuple[Any, dict[str, Tensor]]]
@@ -434,7 +476,8 @@ class ContinualLoop(FederatedLoop):
             out[f"{prefix}fm"] = forgetting(m)
             out[f"{prefix}fm_diag"] = forgetting_diag(m)
         last = self.stage_results[-1]
-        out.update({k: last[k] for k in self.final_stage_metrics if k in last})
+        names = (*self.final_stage_metrics, *self.evaluation.final_stage_metrics)
+        out.update({k: last[k] for k in names if k in last})
         return out
 
     def summary_extras(self) -> dict[str, Any]:

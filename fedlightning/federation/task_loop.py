@@ -16,18 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
-from fedlightning.federation.ledger import DOWN, MIB, UP
+from fedlightning.federation.ledger import DOWN, MIB, UP, CommLedger
 from fedlightning.federation.loop import Schedule, check_min_clients
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.federation.task_pool import task_results
 from fedlightning.messages import ServerBroadcast
-from fedlightning.metrics.temporal import auroc, class_score, link_auroc
-from fedlightning.temporal.adapter import PromptAdapter
 from fedlightning.utils.seeding import derive_seed, manual_seed
 
 log = logging.getLogger(__name__)
@@ -69,34 +65,6 @@ class TaskContext:
     executor: Any
 
 
-def as_single(batch: Batch) -> Batch:
-    """One segment as a one-client stack (the server's evaluation batches)."""
-    return stack_batches([batch])
-
-
-@torch.no_grad()
-def evaluate(
-    adapter: PromptAdapter, prototypes: dict[int, Tensor], batch: Batch, family: str
-) -> dict[str, float]:
-    """Server-side AUC-ROC of one segment (a one-client stack): ``auc_nc`` against the
-    class prototypes, or ``auc_tlp`` and ``auc_ilp`` (the events flagged inductive). A model
-    with a ``views(batch, family)`` method (the published baselines) gives the family's
-    representations itself."""
-    adapter.eval()
-    own = getattr(adapter, "views", None)  # a baseline's model reads its own inputs
-    views = own(batch, family) if own is not None else family_views(adapter, batch, family)
-    if family == "nc":
-        h, y, mask = views
-        if not {0, 1} <= set(prototypes):
-            return {"auc_nc": math.nan}
-        return {"auc_nc": auroc(class_score(h[mask], prototypes), y[mask])}
-    h_pos, h_i, h_neg, h_j, mask = views
-    out = {"auc_tlp": link_auroc(h_pos[mask], h_i[mask], h_neg[mask], h_j[mask])}
-    ind = mask & batch["inductive"]
-    out["auc_ilp"] = link_auroc(h_pos[ind], h_i[ind], h_neg[ind], h_j[ind])
-    return out
-
-
 class TaskLoop(Schedule):
     """Runs the task manifest (module docstring).
 
@@ -118,10 +86,7 @@ class TaskLoop(Schedule):
         min_clients: ``federation.min_clients`` (docs/security.md).
     """
 
-    pooled = False  # the clients' supports are pooled: no messages, no bank sent
-    #: tasks may run on forked processes (task_workers): nothing carries from one task to
-    #: the next but the ledger and the clients already sent the bank
-    pool_tasks = True
+    prepared = False  # the method's one-off exchange before the first task is done
 
     def __init__(
         self,
@@ -153,19 +118,34 @@ class TaskLoop(Schedule):
         self.results: list[dict[str, float]] = []
         self.provisioned: set[int] = set()
 
+    @property
+    def pooled(self) -> bool:
+        """The clients' supports are pooled (``algorithm.pooled``): no messages, no bank sent."""
+        return bool(self.algorithm.pooled)
+
+    @property
+    def pool_tasks(self) -> bool:
+        """Tasks may run on forked processes (``task_workers``; ``algorithm.pool_tasks``)."""
+        return bool(self.algorithm.pool_tasks)
+
     # ------------------------------------------------------------------ one family
-    def new_adapter(self, task: TaskBatches, family: str) -> PromptAdapter:
+    def new_adapter(self, task: TaskBatches, family: str) -> Any:
         r"""The task's initial adapter :math:`\Omega^{(0)}`, seeded by (seed, task, family)."""
         manual_seed(derive_seed(self.seed, "init", task.task, family))
         return self.algorithm.adapter(*self.dims)
 
-    def federate(self, task: TaskBatches, family: str) -> tuple[PromptAdapter, dict[int, Tensor]]:
-        """The task's global adapter after ``rounds`` rounds, and its class prototypes."""
+    def federate(self, task: TaskBatches, family: str) -> tuple[Any, dict[int, Tensor]]:
+        """The task's global adapter after ``rounds`` rounds, and its class prototypes; with
+        ``algorithm.pooled``, after one client holding the union of the task's supports fit
+        ``rounds x epochs`` steps (``algorithm.pooled_fit``; its support moves raw, so no
+        message is counted)."""
         alg = self.algorithm
         adapter = self.new_adapter(task, family)
         module = alg.task_module(adapter, family)
-        server = alg.task_server(module)
         context = TaskContext(self.seed, self.epochs, self.runner.executor)
+        if self.pooled:
+            return alg.pooled_fit(context, task, family, module, adapter, self.rounds)
+        server = alg.task_server(module)
         params = {"task": task.task, "family": family, "ids": task.active, "length": task.longest}
 
         def work(broadcast: ServerBroadcast) -> ClientWork:
@@ -207,7 +187,7 @@ class TaskLoop(Schedule):
             segments = self.algorithm.task_segments(self, self.eval_batches)
             for split, batch in segments.items():
                 prefix = "val_" if split == "val" else ""
-                for k, v in evaluate(adapter, protos, batch, family).items():
+                for k, v in self.algorithm.task_scores(adapter, protos, batch, family).items():
                     if not (split == "val" and k == "auc_ilp"):  # inductive flags: test only
                         metrics[prefix + k] = v
         metrics["rejected"] = float(self.ledger.rejected(scope=scope))
@@ -217,8 +197,21 @@ class TaskLoop(Schedule):
         return metrics
 
     def run(self) -> list[dict[str, float]]:
-        """Every task not done yet; returns the per-task metrics."""
+        """Every task not done yet, in ``algorithm.task_threads()``; returns the per-task
+        metrics."""
+        with self.algorithm.task_threads():
+            return self.run_tasks()
+
+    def run_tasks(self) -> list[dict[str, float]]:
+        """The method's one-off exchange (``algorithm.before_tasks``, before the first task
+        it runs: counted in the ledger in the first task's scope on a fresh run, redone
+        without counting on a resumed one, its result being deterministic), then every task
+        not done yet."""
         todo = self.tasks[len(self.results) :]
+        if todo and not self.prepared:
+            ledger = self.ledger if not self.results else CommLedger()
+            self.algorithm.before_tasks(self, ledger, task_scope(todo[0].task))
+            self.prepared = True
         bar = tqdm(todo, desc="tasks", unit="task", disable=None if self.progress else True)
         t0 = time.perf_counter()
         done = task_results(self, todo, self.workers)
@@ -302,29 +295,6 @@ class TaskLoop(Schedule):
         super().load_state_dict(state)
         self.results = list(state["results"])
         self.provisioned = set(state["provisioned"])
-
-
-class PooledTaskLoop(TaskLoop):
-    """Pooled ("central") training as a schedule: per task and family, one client that
-    holds the union of the task's supports fits ``rounds x epochs`` steps; its support
-    moves raw, so no message is counted and no client is sent the bank."""
-
-    pooled = True
-
-    def federate(self, task: TaskBatches, family: str) -> tuple[PromptAdapter, dict[int, Tensor]]:
-        """The adapter after the pooled fit, and the pooled support's class prototypes."""
-        adapter = self.new_adapter(task, family)
-        module = self.algorithm.task_module(adapter, family)
-        supports = list(task.clients.values())
-        pooled = stack_batches([{k: torch.cat([b[k] for b in supports]) for k in supports[0]}])
-        module.receive(adapter.state_dict(), {}, 1)
-        manual_seed(derive_seed(self.seed, "fit", task.task, family))
-        self.runner.executor.fit(module, pooled, self.rounds * self.epochs)
-        module.eval()
-        with torch.no_grad():
-            q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
-        adapter.load_state_dict(module.adapter.state_dict())
-        return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
 
 
 def task_scope(task: int) -> str:

@@ -20,7 +20,8 @@ from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.executors import with_foreach
 from fedlightning.federation.loop import FederatedLoop
-from fedlightning.federation.stages import ContinualLoop
+from fedlightning.federation.retrieval_stages import RetrievalEvaluation
+from fedlightning.federation.stages import ClassEvaluation, ContinualLoop
 from fedlightning.programs import metric_text
 from fedlightning.runs import (
     CHECKPOINT_FILE,
@@ -39,6 +40,8 @@ from fedlightning.server.secure_sum import enabled, graph_secure_sum
 from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
 
+#: what a stage's end measures, by ``Algorithm.evaluation``
+EVALUATIONS = {"classes": ClassEvaluation, "retrieval": RetrievalEvaluation}
 log = logging.getLogger("fedlightning")
 CLASS_NAMES_FILE = "class_names.json"
 
@@ -281,11 +284,12 @@ def train_graph(
         min_clients=cfg.federation.get("min_clients", 1),
     )
     if stream is None:
-        schedule, kwargs = algorithm.loop_class or FederatedLoop, {"rounds": cfg.federation.rounds}
+        schedule, kwargs = FederatedLoop, {"rounds": cfg.federation.rounds}
     else:
         algorithm.setup(stream, cfg.federation.rounds, cfg.seed, graph.num_classes)
-        schedule = algorithm.loop_class or ContinualLoop
+        schedule = ContinualLoop
         kwargs = dict(
+            evaluation=EVALUATIONS[algorithm.evaluation](),
             stream=stream,
             rounds_per_stage=cfg.federation.rounds,
             num_classes=graph.num_classes,

@@ -15,13 +15,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fedlightning.clients.temporal_prompt import FAMILIES
+from fedlightning.clients.temporal_prompt import FAMILIES, as_single
 from fedlightning.config import build, build_stream, plots_on
 from fedlightning.data.temporal.events import EventStream
 from fedlightning.data.temporal.noise import noise_settings
 from fedlightning.data.temporal.protocol import TemporalProtocol, materialize
 from fedlightning.errors import ConfigError, FedLightningError
-from fedlightning.federation.task_loop import TaskBatches, as_single
+from fedlightning.federation.task_loop import TaskBatches, TaskLoop
 from fedlightning.federation.task_pool import resolve_workers
 from fedlightning.federation.world import World
 from fedlightning.methods.fedtip.fedtip import FedTIP
@@ -242,7 +242,7 @@ def train_temporal(
     t0 = time.perf_counter()
     poolable = True
     if not cfg.get("resume"):  # a bad value fails before a run directory exists
-        poolable = make_algorithm(cfg).loop_class.pool_tasks
+        poolable = make_algorithm(cfg).pool_tasks
         check_noise(cfg.protocol, check_families(cfg.get("families"), None))
     if runner is None:  # a distributed runner joins its ranks here
         runner = build(cfg.runner, "runner")
@@ -289,7 +289,7 @@ def train_temporal(
             if observe is not None:
                 observe("task", n, loop.final_metrics())
 
-        loop = algorithm.loop_class(
+        loop = TaskLoop(
             algorithm,
             tasks,
             evals,
@@ -304,7 +304,7 @@ def train_temporal(
             on_task_end=on_task_end,
             progress=world.is_main,  # the bar over tasks (runner.progress: the per-round bars)
             workers=resolve_workers(
-                cfg.get("task_workers"), len(tasks), runner, algorithm.loop_class.pool_tasks
+                cfg.get("task_workers"), len(tasks), runner, algorithm.pool_tasks
             ),
             min_clients=cfg.federation.get("min_clients", 1),
         )

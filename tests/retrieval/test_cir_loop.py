@@ -1,4 +1,4 @@
-"""RetrievalLoop's stage-end evaluation against a brute-force recomputation.
+"""RetrievalEvaluation's stage-end evaluation against a brute-force recomputation.
 
 A tiny synthetic run (3 clients, stages [2, 1, 1] of 5 classes, modalities text -> image
 with 10% missing) goes through ``fedlightning.train.train``; the final global model is read

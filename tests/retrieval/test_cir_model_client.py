@@ -14,7 +14,6 @@ from fedlightning.clients.continual_retrieval import (
 )
 from fedlightning.errors import ConfigError
 from fedlightning.federation.executors import LeanExecutor
-from fedlightning.federation.retrieval_stages import RetrievalLoop
 from fedlightning.methods.continual.retrieval_baselines import ContinualRetrieval
 from fedlightning.models import MultimodalGNN
 from fedlightning.models.cross_modal import CrossModalGNN
@@ -166,7 +165,7 @@ def test_fedprox_anchor():
 # ---------------------------------------------------------------- algorithm
 def test_algorithm_wiring_and_validation():
     algo = ContinualRetrieval(replay_budget=5, lambda_dis=1.0, temperature=0.2, prox_mu=0.1)
-    assert algo.score == "similarity" and algo.loop_class is RetrievalLoop
+    assert algo.score == "similarity" and algo.evaluation == "retrieval"
     assert algo.distill_on == "replay"
     client = algo.client_module(make_net(), sgd())
     assert isinstance(client, ContinualRetrievalClient)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from fedlightning.clients.temporal_prompt import score_segment as evaluate
 from fedlightning.errors import FedLightningError, RunStopped
-from fedlightning.federation.task_loop import evaluate
 from fedlightning.messages import ClientUpdate
 from fedlightning.methods.fedgnn.fedgnn import FedGNN
 from fedlightning.methods.fedgnn.fedgnn_client import FedGNNClient

@@ -4,10 +4,11 @@ of Eq. (17) and the message's float32 values, counted by hand against the ledger
 import pytest
 import torch
 
+from fedlightning.clients.temporal_prompt import as_single
 from fedlightning.config import build
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.federation.task_loop import TaskBatches, TaskLoop, as_single
+from fedlightning.federation.task_loop import TaskBatches, TaskLoop
 from fedlightning.methods.fedtip.fedtip import FedTIP
 from fedlightning.temporal.adapter import PromptAdapter
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedlightning.clients.temporal_prompt import family_views, stack_batches
+from fedlightning.clients.temporal_prompt import as_single, family_views, stack_batches
+from fedlightning.clients.temporal_prompt import score_segment as evaluate
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.federation.task_loop import PooledTaskLoop, TaskBatches, as_single, evaluate
+from fedlightning.federation.task_loop import TaskBatches, TaskLoop
 from fedlightning.methods.fedtip.fedtip import FedTIP
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.server.reliability import read_update
@@ -155,7 +156,7 @@ def tiny_loop(alg, rounds=3, families=("nc", "lp"), **kw):
         TaskBatches(1, {2: client_batch(6, 4), 3: client_batch(4, 5)}),
     ]
     evals = {"val": as_single(client_batch(40, 8)), "test": as_single(client_batch(60, 9))}
-    return alg.loop_class(
+    return TaskLoop(
         alg,
         tasks,
         evals,
@@ -235,7 +236,7 @@ def test_switches_change_only_their_mechanism():
     no_pa.run()
     assert not any(k.startswith("lp/anchor") for k in no_pa.ledger.by("field"))
     central = tiny_loop(FedTIP(mode="central", anchors=False), families=("lp",))
-    assert isinstance(central, PooledTaskLoop)  # pooled training is a schedule of its own
+    assert central.pooled  # pooled training: declared by the method, run by the one loop
     central.run()
     assert central.ledger.by("field") == {} and central.comm()["uplink_values"] == 0
     assert FedTIP(prompt="static").variant() == "no_icp"

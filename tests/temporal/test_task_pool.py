@@ -6,10 +6,11 @@ import math
 import pytest
 import torch
 
+from fedlightning.clients.temporal_prompt import as_single
 from fedlightning.errors import ConfigError
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
-from fedlightning.federation.task_loop import TaskBatches, TaskLoop, as_single
+from fedlightning.federation.task_loop import TaskBatches, TaskLoop
 from fedlightning.federation.task_pool import resolve_workers
 from fedlightning.methods.fedtip.fedtip import FedTIP
 

@@ -8,7 +8,6 @@ from torch import nn
 
 from fedlightning.clients.continual_retrieval import ContinualRetrievalClient
 from fedlightning.errors import ConfigError
-from fedlightning.federation.retrieval_stages import RetrievalLoop
 from fedlightning.methods.continual.continual import ContinualFedAvg
 
 RETRIEVAL_SCORES = ("similarity",)
@@ -28,7 +27,7 @@ class ContinualRetrieval(ContinualFedAvg):
     """FedAvg for cross-modal retrieval in the class-incremental stream: the switches of
     :class:`~fedlightning.methods.continual.continual.ContinualFedAvg` (distillation on similarity
     logits) with :class:`~fedlightning.clients.continual_retrieval.ContinualRetrievalClient`
-    and :class:`~fedlightning.federation.retrieval_stages.RetrievalLoop`.
+    evaluated by :class:`~fedlightning.federation.retrieval_stages.RetrievalEvaluation`.
 
     Args:
         name, variant, replay_budget, replay_stages, lambda_rep, lambda_dis, tau,
@@ -38,7 +37,7 @@ class ContinualRetrieval(ContinualFedAvg):
         temperature: InfoNCE temperature :math:`T` (default ``0.1``).
     """
 
-    loop_class = RetrievalLoop
+    evaluation = "retrieval"
 
     def __init__(self, score: str = "similarity", temperature: float = 0.1, **kw: Any) -> None:
         if score not in RETRIEVAL_SCORES:

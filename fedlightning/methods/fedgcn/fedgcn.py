@@ -77,7 +77,7 @@ class FedGCN(HistoryBaseline):
             rules=(Rule(in_range),),
         )
 
-    def prepare(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
+    def before_tasks(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
         """The one-off exchange (module docstring), as round 0 of the first task's scope;
         the returned rows (every node's sum and count) are counted as downlink."""
         g = self.history

@@ -78,7 +78,7 @@ class FedSagePlus(HistoryBaseline):
         kept, _, imp, missing = impair(edges, client_nodes(edges), g.num_nodes, self.hide, gen)
         return local_batch(g.x, kept, imp, missing)
 
-    def prepare(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
+    def before_tasks(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
         """The generator round (module docstring), rounds ``1..gen_rounds`` of the first
         task's scope under the ``generator`` prefix; then the mended graphs."""
         d = self.history.x.size(1)

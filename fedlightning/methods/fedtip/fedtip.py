@@ -21,18 +21,13 @@ from fedlightning.clients.temporal_prompt import (
     class_members,
     family_prototypes,
     family_views,
+    score_segment,
     stack_batches,
 )
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm
 from fedlightning.federation.round import ClientWork
-from fedlightning.federation.task_loop import (
-    Batch,
-    PooledTaskLoop,
-    TaskBatches,
-    TaskContext,
-    TaskLoop,
-)
+from fedlightning.federation.task_loop import Batch, TaskBatches, TaskContext, TaskLoop
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.privacy import PrototypeRelease, private_prototype
 from fedlightning.server.reliability import (
@@ -106,7 +101,6 @@ class FedTIP(Algorithm):
     dp: Any = None
     clip: float | None = None
     sigma: float = 0.0
-    loop_class = TaskLoop
     modes = MODES
     secure_seed = None  # federation.secure_sum: the run's seed (set by the program)
     max_update_norm = None  # under secure sums, each client's clip of its delta
@@ -131,8 +125,7 @@ class FedTIP(Algorithm):
                 )
             dp.update(clip=self.clip, sigma=self.sigma)
         self.release = PrototypeRelease.from_settings(dp)
-        if self.mode == "central":  # pooled training: its own schedule, one client per task
-            self.loop_class = PooledTaskLoop
+        self.pooled = self.mode == "central"  # pooled training: one client per task
 
     def variant(self, pretrained_bank: bool = True, filtered_bank: bool = True) -> str:
         """The Table 4 ablation: ``no_`` and the removed components in the paper's order
@@ -328,6 +321,35 @@ class FedTIP(Algorithm):
         """The task's global adapter and the prototypes node classification is scored by."""
         adapter.load_state_dict(server.state())
         return adapter, server.class_prototypes()
+
+    def pooled_fit(
+        self,
+        context: TaskContext,
+        task: TaskBatches,
+        family: str,
+        module: FedTIPClient,
+        adapter: PromptAdapter,
+        rounds: int,
+    ) -> tuple[PromptAdapter, dict[int, Tensor]]:
+        """Pooled ("central") training: one client holding the union of the task's supports
+        fits ``rounds x epochs`` steps; the adapter after it and the pooled support's class
+        prototypes."""
+        supports = list(task.clients.values())
+        pooled = stack_batches([{k: torch.cat([b[k] for b in supports]) for k in supports[0]}])
+        module.receive(adapter.state_dict(), {}, 1)
+        manual_seed(derive_seed(context.seed, "fit", task.task, family))
+        context.executor.fit(module, pooled, rounds * context.epochs)
+        module.eval()
+        with torch.no_grad():
+            q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
+        adapter.load_state_dict(module.adapter.state_dict())
+        return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
+
+    def task_scores(
+        self, adapter: PromptAdapter, prototypes: dict[int, Tensor], batch: Batch, family: str
+    ) -> dict[str, float]:
+        """The server's AUC-ROC of one segment (:func:`score_segment`)."""
+        return score_segment(adapter, prototypes, batch, family)
 
     def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
         """The server's validation and test batches for the task just federated."""

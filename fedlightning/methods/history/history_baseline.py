@@ -24,7 +24,6 @@ from fedlightning.federation.task_loop import (
     TaskBatches,
     TaskContext,
     TaskLoop,
-    task_scope,
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.methods.fedtip.fedtip import FedTIP
@@ -38,26 +37,6 @@ from fedlightning.methods.history.graph_task import (
 from fedlightning.methods.history.history import FEATURES, HistoryGraph, cached_history
 from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.temporal.bank import streaming_threads
-
-
-class GraphTaskLoop(TaskLoop):
-    """:class:`~fedlightning.federation.task_loop.TaskLoop` with the method's one-off exchange
-    before the first task it runs: counted in the ledger (in the first task's scope) on a
-    fresh run, redone without counting on a resumed one (its result is deterministic)."""
-
-    prepared = False
-    pool_tasks = False  # the one-off exchange is in the first task's scope of this ledger
-
-    @streaming_threads()
-    def run(self) -> list[dict[str, float]]:
-        """The exchange, then every task not done yet, on one torch thread (a small graph's
-        scatter on two threads of a busy machine took 20x longer)."""
-        todo = self.tasks[len(self.results) :]
-        if todo and not self.prepared:
-            ledger = self.ledger if not self.results else CommLedger()
-            self.algorithm.prepare(self, ledger, task_scope(todo[0].task))
-            self.prepared = True
-        return super().run()
 
 
 def both_ways(edge_index: Tensor) -> Tensor:
@@ -85,7 +64,7 @@ class HistoryBaseline(FedTIP):
     out: int = 32
     optimizer: str = "adam"
     modes = ("graph",)
-    loop_class = GraphTaskLoop
+    pool_tasks = False  # the one-off exchange is in the first task's scope of the ledger
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -130,8 +109,13 @@ class HistoryBaseline(FedTIP):
         return self.history.x.size(1) if self.history is not None else d_h
 
     # ------------------------------------------------------------------ per method
-    def prepare(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
+    def before_tasks(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
         """The one-off exchange before the first task (none here)."""
+
+    def task_threads(self) -> Any:
+        """One torch thread for the tasks (a small graph's scatter on two threads of a busy
+        machine took 20x longer)."""
+        return streaming_threads()
 
     def client_graph(self, k: int) -> ClientGraph:
         """Client ``k``'s GNN input."""

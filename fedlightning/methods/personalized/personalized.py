@@ -1,6 +1,6 @@
 """Personalized class-incremental baselines (FedSSP, FedIIH): clients keep their own model
-between rounds and exchange only part of it; evaluation runs each client's own model
-(:class:`~fedlightning.methods.personalized.personalized_loop.PersonalizedLoop`)."""
+between rounds and exchange only part of it; evaluation runs each client's own model (``personalized``: the schedule evaluates each client
+with :meth:`PersonalizedContinual.eval_state`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from torch import nn
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.methods.continual.continual import ContinualFedAvg
-from fedlightning.methods.personalized.personalized_loop import PersonalizedLoop
 from fedlightning.server.aggregate import as_model_fields, model_state
 
 LOCAL = "local"  # the client-state entry holding its own model
@@ -29,7 +28,7 @@ class PersonalizedContinual(ContinualFedAvg):
     :meth:`client_module`, which every process calls on the freshly built net).
     """
 
-    loop_class = PersonalizedLoop
+    personalized = True
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)

@@ -17,7 +17,6 @@ import torch
 from fedlightning.data.graphs.base import zero_missing
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
-from fedlightning.federation.stages import ContinualLoop
 from fedlightning.methods.class_bank.class_bank import ClassBankFedAvg
 from fedlightning.methods.class_bank.class_bank_server import class_means
 from fedlightning.methods.prism.prism_model import PAIRED_BUFFER, PAIRED_SEEN_BUFFER, PrismNet
@@ -101,6 +100,17 @@ class Prism(ClassBankFedAvg):
         log.info("PRISM deficient clients (client: missing modality): %s", self.missing)
         return super().make_module(net, optimizer)
 
+    def prepare_clients(self, clients: list[FederatedClient]) -> None:
+        """The deficient clients miss their modality in training and in every evaluation;
+        ``num_clients`` must be the run's."""
+        if len(clients) != self.num_clients:
+            raise ConfigError(
+                "algorithm.num_clients",
+                f"must equal federation.clients ({len(clients)}), got {self.num_clients}",
+            )
+        for client in clients:
+            self.make_deficient(client)
+
     def make_deficient(self, client: FederatedClient) -> None:
         """Hide the client's missing modality, if it has one (idempotent)."""
         missing = self.missing.get(client.client_id)
@@ -119,21 +129,3 @@ class Prism(ClassBankFedAvg):
         h = torch.stack(net.modality_embeddings(batch), dim=1)  # [N, M, hidden]
         mask = (batch.sup_mask | batch.replay_mask) & batch.modality_mask.all(dim=1)
         return class_means(h, batch.y, mask)
-
-
-class PrismLoop(ContinualLoop):
-    """The class-incremental schedule on PRISM's clients: the deficient clients miss their
-    modality in training and in every evaluation."""
-
-    def __init__(self, algorithm: Prism, *args: Any, **kw: Any) -> None:
-        super().__init__(algorithm, *args, **kw)
-        if len(self.clients) != algorithm.num_clients:
-            raise ConfigError(
-                "algorithm.num_clients",
-                f"must equal federation.clients ({len(self.clients)}), got {algorithm.num_clients}",
-            )
-        for client in self.clients:
-            algorithm.make_deficient(client)
-
-
-Prism.loop_class = PrismLoop
