@@ -1,9 +1,11 @@
-"""``fedlightning train``'s entry point: the run's ``task`` picks the program
-(:mod:`fedlightning.programs`): ``fl``/``cil``/``cir``, ``temporal`` or ``bank``."""
+"""``fedlightning train``'s entry point: the config's ``program._target_`` names the program
+(:mod:`fedlightning.programs`; ``conf/program/``: ``graph``, ``temporal``, ``bank``) and
+:func:`run` runs it."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,29 +47,48 @@ def train(
         return _train(cfg, run_dir, observe, verbose, runner)
 
 
+#: the program of a run saved before programs were named by ``_target_``, by its ``task``
+PROGRAM_OF_TASK = {
+    "temporal": "fedlightning.programs.temporal_program.train_temporal",
+    "bank": "fedlightning.programs.bank_program.train_bank",
+}
+GRAPH_PROGRAM = "fedlightning.programs.graph_program.train_graph"
+
+
+def program_of(cfg: DictConfig) -> Callable[..., dict[str, Any]]:
+    """The program ``cfg`` names (``program._target_``; a run saved before that key existed:
+    by its ``task``), as a function ``(cfg, run_dir, observe, verbose, runner) -> summary``."""
+    from hydra.utils import get_method
+
+    target = OmegaConf.select(cfg, "program._target_", default=None)
+    if target is None:
+        target = PROGRAM_OF_TASK.get(str(cfg.get("task")), GRAPH_PROGRAM)
+    try:
+        return get_method(str(target))
+    except Exception as e:  # a mistyped path: one line naming the key
+        raise ConfigError("program._target_", f"cannot import {target!r} ({e})") from None
+
+
+def run(
+    program: Callable[..., dict[str, Any]],
+    cfg: DictConfig,
+    run_dir: str | Path,
+    observe: Observer | None = None,
+    verbose: bool = True,
+    runner: Any = None,
+) -> dict[str, Any]:
+    """Run ``program`` on ``cfg`` in ``run_dir`` with the run's torch threads set first."""
+    from fedlightning.runs import apply_threads
+
+    threads = apply_threads(cfg.get("threads", "auto"))  # before any work: every runner's
+    logging.getLogger("fedlightning").info("threads: %d (threads=%s)", threads, cfg.get("threads"))
+    return program(cfg, Path(run_dir), observe=observe, verbose=verbose, runner=runner)
+
+
 def _train(
     cfg: DictConfig, run_dir: str | Path, observe: Observer | None, verbose: bool, runner: Any
 ) -> dict[str, Any]:
-    from fedlightning.runs import apply_threads, trained_config
+    from fedlightning.runs import trained_config
 
-    task = str(trained_config(cfg).get("task"))  # resume=DIR: the saved run's task
-    threads = apply_threads(cfg.get("threads", "auto"))  # before any work: every runner's
-    logging.getLogger("fedlightning").info("threads: %d (threads=%s)", threads, cfg.get("threads"))
-    target = str(OmegaConf.select(cfg, "runner._target_", default=""))
-    if target.endswith(".DistributedRunner") and task == "bank":
-        raise ConfigError(
-            "runner",
-            "runner=distributed does not support task=bank: the bank is pre-trained "
-            "centrally, in one process; use runner=sequential",
-        )
-    if task == "bank":  # FedTIP's temporal bank: no federation
-        from fedlightning.programs.bank_program import train_bank
-
-        return train_bank(cfg, Path(run_dir), verbose=verbose)
-    if task == "temporal":  # FedTIP and its comparators over the task manifest
-        from fedlightning.programs.temporal_program import train_temporal
-
-        return train_temporal(cfg, Path(run_dir), observe=observe, verbose=verbose, runner=runner)
-    from fedlightning.programs.graph_program import train_graph
-
-    return train_graph(cfg, run_dir, observe=observe, verbose=verbose, runner=runner)
+    program = program_of(trained_config(cfg))  # resume=DIR: the saved run's program
+    return run(program, cfg, run_dir, observe, verbose, runner)

@@ -16,9 +16,24 @@ from fedlightning.runs import Run, run_tags
 from fedlightning.temporal.contexts import cached_contexts
 
 
-def train_bank(cfg: DictConfig, run_dir: Path, verbose: bool = True) -> dict[str, Any]:
-    """Materialize the protocol, build (or reuse) the bank, write ``summary.json``."""
+def train_bank(
+    cfg: DictConfig,
+    run_dir: Path,
+    observe: Any = None,
+    verbose: bool = True,
+    runner: Any = None,
+) -> dict[str, Any]:
+    """Materialize the protocol, build (or reuse) the bank, write ``summary.json``. The bank
+    is pre-trained centrally, in one process: no runner but the sequential one (``observe``
+    sees nothing: there are no rounds)."""
     t0 = time.perf_counter()
+    target = str(OmegaConf.select(cfg, "runner._target_", default=""))
+    if target.endswith(".DistributedRunner"):
+        raise ConfigError(
+            "runner",
+            "runner=distributed does not support task=bank: the bank is pre-trained "
+            "centrally, in one process; use runner=sequential",
+        )
     if cfg.get("resume"):
         raise ConfigError("resume", "bank runs restart from scratch (a built bank is reused)")
     cfg, run_dir, _, stream, bank_cfg, proto, files = temporal_setup(cfg, run_dir)
