@@ -102,6 +102,10 @@ class ShareSpec:
         max_client_weight: ``fedavg``: each client caps its ``num_examples`` at this before
             scaling and masking, and sends the capped count in the clear, where the server
             checks it (:meth:`SecureSum.share_spec`).
+        sums: the prefixes of extra fields a server module reads only as their plain sum
+            over the round's clients (unweighted; SCAFFOLD's ``control_delta.``:
+            :meth:`~fedlightning.server.server.ServerModule.summed_fields`); the aggregate
+            carries each such field's sum.
     """
 
     rule: str = "fedavg"
@@ -109,6 +113,7 @@ class ShareSpec:
     dim: int = 0
     max_update_norm: float | None = None
     max_client_weight: float | None = None
+    sums: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -139,6 +144,8 @@ class ShareSpec:
             if self.max_update_norm is not None:
                 delta = _clip_norm(delta, self.max_update_norm)
             out["delta"] = n * delta.double()
+        for prefix in self.sums:  # a module's additive fields, summed as they are
+            out.update({k: v.double() for k, v in update.tensors.items() if k.startswith(prefix)})
         if self.classes:
             rows = torch.zeros(self.classes, self.dim, dtype=torch.float64)
             for c, p, count in self.prototypes(update):
@@ -175,6 +182,9 @@ class ShareSpec:
         tensors, scalars = {}, {}
         for k, s in total.items():
             if k == PROTO_SUM:
+                continue
+            if self.sums and k.startswith(self.sums):
+                tensors[k] = s.float()  # a declared sum: the server module divides itself
                 continue
             dtype = like[k].dtype if k in like else torch.float32
             mean = s / n
@@ -365,6 +375,9 @@ class SecureSum:
         summed = "delta" if self.spec.rule == "fedtip" else re.escape(MODEL_PREFIX) + r".+"
         fields = [replace(f, **ring) for f in getattr(plain, "fields", ()) if f.name == summed]
         fields = fields or [Field(summed, like=lambda m: m[0], **ring)]
+        for prefix in self.spec.sums:  # shaped as the plain declaration says, in the ring
+            own = re.escape(prefix) + r"(.+)"
+            fields += [replace(f, **ring) for f in getattr(plain, "fields", ()) if f.name == own]
         if self.spec.classes:
             fields.append(Field(PROTO_SUM, shape=(self.spec.classes, self.spec.dim), **ring))
         scalars = [f for f in plain.fields if not f.tensor] if plain is not None else []
@@ -379,7 +392,12 @@ class SecureSum:
         return MessageSpec(
             fields=(*fields, *scalars),
             optional=optional or (plain.optional if plain is not None else True),
-            masked=(re.escape(MODEL_PREFIX) + r".+", "delta", PROTO_SUM),
+            masked=(
+                re.escape(MODEL_PREFIX) + r".+",
+                "delta",
+                PROTO_SUM,
+                *(re.escape(p) + r"(.+)" for p in self.spec.sums),
+            ),
             reference=plain.reference if plain is not None else None,
         )
 
@@ -409,18 +427,22 @@ def graph_secure_sum(
 ) -> SecureSum:
     """The protocol for a graph run's :class:`~fedlightning.server.server.Server`: FedAvg's
     model sum (FedAvg, FedProx, the continual baselines, FedOGL) and the per-class prototype
-    sums a server module declares (:meth:`~fedlightning.server.server.ServerModule.summed_prototypes`).
-    ``ValueError`` for an aggregation that is not a weighted sum, or a module that refuses."""
+    sums a server module declares (:meth:`~fedlightning.server.server.ServerModule.summed_prototypes`),
+    and the plain sums of the extra fields a module declares
+    (:meth:`~fedlightning.server.server.ServerModule.summed_fields`). ``ValueError`` for an
+    aggregation that is not a weighted sum, or a module that refuses."""
     from fedlightning.server.aggregate import fedavg
 
     if server.aggregator is not fedavg:
         raise ValueError("secure sums need the FedAvg aggregation (a weighted sum)")
     classes = dim = 0
+    sums: list[str] = []
     for mod in server.modules.values():
         if mod.secure_sum is not None:
             raise ValueError(mod.secure_sum)
         classes, dim = mod.summed_prototypes(server.global_state) or (classes, dim)
-    spec = ShareSpec("fedavg", classes, dim, max_update_norm, max_client_weight)
+        sums += mod.summed_fields()
+    spec = ShareSpec("fedavg", classes, dim, max_update_norm, max_client_weight, tuple(sums))
     return SecureSum(int(seed), spec)
 
 

@@ -34,6 +34,13 @@ class ServerModule:
         this module (FedOGL's prototype bank), or ``None`` when it reads none."""
         return None
 
+    def summed_fields(self) -> tuple[str, ...]:
+        """The prefixes of the extra uplink fields this module reads only as their plain sum
+        over the round's clients (SCAFFOLD's ``control_delta.``): a secure sum carries them
+        masked and hands :meth:`aggregate` one update holding each field's sum. Default:
+        none. A module that reads its fields otherwise sets :attr:`secure_sum` instead."""
+        return ()
+
     def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
         """Take in one round's updates (after the model aggregation)."""
 

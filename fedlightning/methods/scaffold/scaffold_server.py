@@ -24,9 +24,9 @@ def control_update(c: Tensor, deltas: Sequence[Tensor], num_clients: int) -> Ten
 
 class ControlVariates(ServerModule):
     """The global control variate :math:`c`, one tensor per floating model entry, zero at the
-    start; broadcast as ``control.<key>``, moved by the clients' ``control_delta.<key>``."""
-
-    secure_sum = "SCAFFOLD's control variates (control_delta.*) are not summed securely"
+    start; broadcast as ``control.<key>``, moved by the clients' ``control_delta.<key>``.
+    Line 17 reads the changes only through their sum, so a secure sum carries them
+    (:meth:`summed_fields`): the module then gets one update holding the sum."""
 
     def __init__(self) -> None:
         self.control: dict[str, Tensor] = {}
@@ -37,6 +37,9 @@ class ControlVariates(ServerModule):
         self.control = {
             k: torch.zeros_like(v) for k, v in global_state.items() if v.is_floating_point()
         }
+
+    def summed_fields(self) -> tuple[str, ...]:
+        return (CONTROL_DELTA,)
 
     def aggregate(self, round: int, updates: Sequence[ClientUpdate]) -> None:
         deltas = [strip_prefix(u.tensors, CONTROL_DELTA) for u in updates]
