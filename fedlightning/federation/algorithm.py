@@ -18,6 +18,7 @@ from fedlightning.server.aggregate import as_model_fields, model_state
 from fedlightning.server.validation import (
     NUM_EXAMPLES,
     TRAIN_LOSS,
+    Field,
     MessageSpec,
     complete,
     model_fields,
@@ -162,9 +163,16 @@ class Algorithm:
         return MessageSpec(fields, rules=(complete(broadcast),), reference=broadcast)
 
     def downlink(self, global_state: dict) -> MessageSpec:
-        """The declared broadcast: the global model's fields, as the server holds them."""
+        """The declared broadcast, checked every round before a client sees it: the global
+        model's fields as the server holds them (each present, shaped and typed as its
+        ``global_state`` entry, finite), and any field a server module adds (finite, any
+        dtype). A method with its own broadcast fields declares them (SCAFFOLD's
+        ``control.<key>``)."""
         reference = ServerBroadcast(0, as_model_fields(global_state))
-        return MessageSpec((model_fields(),), rules=(complete(reference),), reference=reference)
+        modules = Field(r"(?!model\.).+", dtype="any", required=False)
+        return MessageSpec(
+            (model_fields(), modules), rules=(complete(reference),), reference=reference
+        )
 
     def stage_end_uplink(self, broadcast: ServerBroadcast) -> MessageSpec | None:
         """The declared stage-end message (``None``: the method sends none)."""

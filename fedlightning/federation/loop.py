@@ -220,6 +220,7 @@ class FederatedLoop(Schedule):
             kind="fit",
             params=params,
             uplink=self.algorithm.uplink(broadcast),
+            downlink=self.algorithm.downlink(self.server.global_state),
         )
 
     def stacking(self) -> bool:

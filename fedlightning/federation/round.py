@@ -13,11 +13,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fedlightning.errors import TooFewClients
+from fedlightning.errors import FedLightningError, TooFewClients
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
 from fedlightning.federation.runners import ClientFailed, contiguous_shares
 from fedlightning.messages import ClientUpdate, ServerBroadcast, prefixed
-from fedlightning.server.validation import MessageSpec, Rejection, bounded_weights, screen
+from fedlightning.server.validation import (
+    MessageSpec,
+    Rejection,
+    bounded_weights,
+    screen,
+    validate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,8 @@ class ClientWork:
         broadcast: the round's broadcast (set by :func:`federated_round`).
         uplink: the declaration every update of the round is checked against before
             aggregation (``None``: any fields, finite values; docs/security.md).
+        downlink: the declaration the round's broadcast is checked against before any
+            client sees it (``Algorithm.downlink``; ``None``: unchecked).
     """
 
     one: FitOne | None = None
@@ -49,6 +57,7 @@ class ClientWork:
     params: dict[str, Any] = field(default_factory=dict)
     broadcast: ServerBroadcast | None = None
     uplink: MessageSpec | None = None
+    downlink: MessageSpec | None = None
 
     def __call__(self, client: Any) -> ClientUpdate | None:
         return self.one(client)
@@ -113,6 +122,7 @@ def federated_round(
     broadcast = server.broadcast(round)
     fit = work(broadcast)
     fit.broadcast = broadcast
+    check_downlink(broadcast, fit.downlink)
     spec = fit.uplink
     if spec is not None and spec.reference is None:
         spec = replace(spec, reference=broadcast)
@@ -145,6 +155,22 @@ def federated_round(
     sent = exchange(secure.client_side(fit, peers, weights), share_spec, down)
     secure.aggregate(round, sent, broadcast, peers, server.aggregate, weights)
     return sent
+
+
+def check_downlink(broadcast: ServerBroadcast, spec: MessageSpec | None) -> None:
+    """Stop the run, in one line, when the server's ``broadcast`` breaks the method's
+    declared downlink ``spec`` (a field it did not declare, a missing or misshapen model
+    field, a non-finite value): a bug of the method's server, caught before a client sees
+    it."""
+    if spec is None:
+        return
+    as_message = ClientUpdate(broadcast.round, broadcast.tensors, broadcast.scalars, client_id=-1)
+    broken = validate(as_message, spec)
+    if broken:
+        raise FedLightningError(
+            f"round {broadcast.round}: the server's broadcast breaks the method's downlink "
+            f"declaration (Algorithm.downlink): `{broken[0]}`: {broken[1]}"
+        )
 
 
 def _suspicious(

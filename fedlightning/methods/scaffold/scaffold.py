@@ -11,6 +11,7 @@ steps, so the method refuses another local optimizer before any data loads.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,6 +23,7 @@ from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.methods.fedavg.fedavg import FedAvg
 from fedlightning.methods.scaffold.scaffold_server import CONTROL, CONTROL_DELTA, ControlVariates
 from fedlightning.server import Server
+from fedlightning.server.aggregate import MODEL_PREFIX as MODEL
 from fedlightning.server.aggregate import model_state, strip_prefix
 from fedlightning.server.validation import Field, MessageSpec, Rule
 
@@ -88,6 +90,13 @@ class Scaffold(FedAvg):
         )
         rules = (*plain.rules, returns_every_control(broadcast))
         return MessageSpec((*plain.fields, delta), rules=rules, reference=broadcast)
+
+    def downlink(self, global_state: dict) -> MessageSpec:
+        """FedAvg's model fields and ``control.<key>``, one for each floating model entry,
+        shaped and typed as it; nothing else."""
+        plain = super().downlink(global_state)
+        control = Field(re.escape(CONTROL) + r"(.+)", dtype="like", like=lambda m: MODEL + m[1])
+        return replace(plain, fields=(plain.fields[0], control))
 
     def local_fit(
         self,
