@@ -292,3 +292,16 @@ class UnionEvaluate:
             for c, out in zip(self.clients, logits, strict=True):
                 self._done[c.client_id] = self.module.split_counts(out.argmax(-1), c.data)
         return self._done[client.client_id]
+
+
+def client_grads(pl_module: pl.LightningModule) -> list[dict[str, Tensor]]:
+    """The gradients a per-client hook (an ``on_after_backward`` callback) edits, one
+    ``{parameter name: gradient}`` per client, named as in the client's own net: one dict
+    for a client module, ``K`` for a :class:`StackedClients` (copy ``k`` of each stacked
+    gradient, a view). Editing them in place edits the stack's gradients, so a hook written
+    for one client works unchanged on a stack (client ``k``'s corrections to the ``k``-th
+    dict)."""
+    grads = {n: p.grad for n, p in pl_module.net.named_parameters() if p.grad is not None}
+    if not isinstance(pl_module, StackedClients):
+        return [grads]
+    return [{n: g[k] for n, g in grads.items()} for k in range(pl_module.segments.copies)]

@@ -19,10 +19,11 @@ from fedlightning.clients import NodeClassifier
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.executors import LeanExecutor
-from fedlightning.federation.stacking import why_not_stacked
+from fedlightning.federation.stacking import fit_stacked, why_not_stacked
 from fedlightning.messages import ServerBroadcast
-from fedlightning.methods.scaffold.scaffold import Scaffold, client_control
+from fedlightning.methods.scaffold.scaffold import ControlCorrection, Scaffold, client_control
 from fedlightning.methods.scaffold.scaffold_server import ControlVariates, control_update
+from fedlightning.models.stacked import copy_state
 from fedlightning.server.aggregate import as_model_fields
 from fedlightning.train import train
 
@@ -90,6 +91,39 @@ def test_a_corrected_fit_equals_a_plain_torch_loop():
         assert torch.allclose(client.state["control"][k], new, atol=1e-5)
         assert torch.allclose(update.tensors[f"control_delta.{k}"], new - ci[k], atol=1e-5)
     assert "overrides local_fit" in why_not_stacked(algorithm, module)  # one client at a time
+
+
+def test_the_correction_hook_works_on_a_stack_of_clients():
+    """``client_grads`` hands a per-client hook each client's gradients: two clients fitted
+    as one stack, each with its own correction, end where each one's corrected fit alone
+    ends."""
+    torch.manual_seed(1)
+    graphs = []
+    for n in (6, 5):
+        data = Data(x=torch.randn(n, 3), y=torch.randint(0, 2, (n,)))
+        data.train_mask = torch.ones(n, dtype=torch.bool)
+        graphs.append(data)
+    net, lr, steps = Linear(), 0.2, 3
+    start = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    corrections = [{k: torch.full_like(v, 0.1 * (j + 1)) for k, v in start.items()} for j in (0, 1)]
+
+    def module() -> NodeClassifier:
+        own = Linear()
+        own.load_state_dict(start)
+        return NodeClassifier(own, lambda params: torch.optim.SGD(params, lr=lr))
+
+    alone = []
+    for data, correction in zip(graphs, corrections, strict=True):
+        m = module()
+        LeanExecutor().fit(m, data, steps, [ControlCorrection(correction)])
+        alone.append(m.net.state_dict())
+    fitted = fit_stacked(
+        module(), graphs, LeanExecutor(), steps, [ControlCorrection(*corrections)], seeds=[0, 1]
+    )
+    for k, own in enumerate(alone):
+        for name, w in copy_state(fitted.net, k).items():
+            torch.testing.assert_close(w, own[name], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(alone[0]["lin.weight"], alone[1]["lin.weight"])
 
 
 def test_scaffold_runs_and_its_uplink_carries_the_control_deltas(tmp_env, compose):

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from fedlightning.federation.algorithm import FederatedClient
+from fedlightning.federation.stacking import client_grads
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.methods.fedavg.fedavg import FedAvg
 from fedlightning.methods.scaffold.scaffold_server import CONTROL, CONTROL_DELTA, ControlVariates
@@ -37,15 +38,18 @@ def client_control(ci: Tensor, c: Tensor, x: Tensor, y: Tensor, steps: int, lr: 
 
 class ControlCorrection(pl.Callback):
     r"""Line 10: every local gradient :math:`g_i(y)` becomes :math:`g_i(y) - c_i + c`
-    (``correction`` maps a parameter's name to :math:`c - c_i`), before the optimizer step."""
+    (``corrections[k]`` maps a parameter's name to client ``k``'s :math:`c - c_i`), before
+    the optimizer step; on one client's module or, through :func:`client_grads`, on a stack
+    of clients."""
 
-    def __init__(self, correction: dict[str, Tensor]) -> None:
-        self.correction = correction
+    def __init__(self, *corrections: dict[str, Tensor]) -> None:
+        self.corrections = corrections
 
     def on_after_backward(self, trainer: Any, pl_module: pl.LightningModule) -> None:
-        for name, p in pl_module.net.named_parameters():
-            if p.grad is not None and name in self.correction:
-                p.grad.add_(self.correction[name].to(p.grad.device))
+        for grads, correction in zip(client_grads(pl_module), self.corrections, strict=True):
+            for name, g in grads.items():
+                if name in correction:
+                    g.add_(correction[name].to(g.device))
 
 
 def returns_every_control(broadcast: ServerBroadcast) -> Rule:
