@@ -316,6 +316,27 @@ def test_fedogl_two_gloo_ranks_equal_the_sequential_run(kind, tmp_env, dist_env,
 
 
 @pytest.mark.slow
+def test_scaffold_two_gloo_ranks_equal_the_sequential_run(tmp_env, dist_env, compose):
+    """The worked example of "Adding a method" under torchrun: its clients' control variates
+    are client state and its server module's ``c`` is server state, so two ranks need
+    nothing of it and end bitwise where one process ends."""
+    over = ["experiment=fl_synthetic", "algorithm=scaffold", "federation.rounds=2"]
+    over += ["federation.clients=3"]
+    r, _ = torchrun(
+        [*over, "runner=distributed", "logger=none", "hydra.run.dir=d"], tmp_env, dist_env
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    dist = json.loads((tmp_env / "d" / "summary.json").read_text())
+    seq = sequential(compose, over, tmp_env / "seq")
+    assert dist["metrics"] == seq["metrics"] and dist["comm"] == seq["comm"]
+    assert any(f.startswith("control_delta.") for f in seq["comm"]["fields"])
+    ckpt = torch.load(tmp_env / "d" / "checkpoint.pt", weights_only=False)
+    seq_ckpt = torch.load(tmp_env / "seq" / "checkpoint.pt", weights_only=False)
+    assert same(ckpt["server"], seq_ckpt["server"])  # the server's control variate too
+    assert same(ckpt["clients"], seq_ckpt["clients"])  # and every client's own
+
+
+@pytest.mark.slow
 def test_killed_rank_fails_fast_and_the_run_resumes(tmp_env, dist_env, compose):
     base = [
         "experiment=fl_cora",

@@ -132,6 +132,13 @@ SCHEDULES = {
         "protocol.stream.stages=[2,2]",
     ],
     "fedtip_synthetic": [*FEDTIP, "protocol.tasks.num_tasks=2"],
+    # the worked example of "Adding a method": control variates on the nodes, c on the server
+    "scaffold_synthetic": [
+        "experiment=fl_synthetic",
+        "algorithm=scaffold",
+        "federation.rounds=2",
+        f"federation.clients={K}",
+    ],
 }
 # a deployment starts a process per message: FedTIP's schedule there at one task
 RUNS = {**SCHEDULES, "fedtip_one_task": [*FEDTIP, "protocol.tasks.num_tasks=1"]}
@@ -177,7 +184,9 @@ def test_simulation_runs_every_schedule_equal_to_the_sequential_run(
     assert summary["metrics"] == ref["metrics"]  # bitwise: the same floats
     assert summary["comm"] == ref["comm"]  # every message, the stage-end ones too
     assert summary["hashes"] == ref["hashes"]
-    if name != "fedtip_synthetic":
+    if name == "scaffold_synthetic":
+        assert any(f.startswith("control_delta.") for f in summary["comm"]["fields"])
+    elif name != "fedtip_synthetic":
         assert any(f.startswith("basis.") for f in summary["comm"]["fields"])
         states = list((tmp_env / "sim" / "nodes").rglob("state_*.pt"))
         assert states  # replay memory and teachers stay on the nodes
