@@ -146,6 +146,52 @@ class Algorithm:
         server's next broadcast (default: the broadcast's model)."""
         return model_state(broadcast.tensors)
 
+    # ------------------------------------------------------------------ task verbs
+    # What :class:`~fedlightning.federation.task_loop.TaskLoop` calls per task and family
+    # (FedTIP and its comparators: ``fedlightning/methods/fedtip/``); a graph method
+    # declares none of them.
+
+    def adapter(self, d_h: int, d_t: int, d_e: int) -> nn.Module:
+        """A task's fresh trainable model (FedTIP's prompt adapter), its initial weights
+        drawn under the loop's seed for the task and family."""
+        raise NotImplementedError(f"{type(self).__name__} runs no tasks")
+
+    def task_module(self, adapter: nn.Module, family: str) -> pl.LightningModule:
+        """The client LightningModule that fits ``adapter`` on a family's supports."""
+        raise NotImplementedError(f"{type(self).__name__} runs no tasks")
+
+    def task_server(self, module: pl.LightningModule) -> Any:
+        """The task's server, starting from ``module``'s initial weights."""
+        raise NotImplementedError(f"{type(self).__name__} runs no tasks")
+
+    def task_work(
+        self, context: Any, task: Any, family: str, module: Any, broadcast: ServerBroadcast
+    ) -> Any:
+        """A round's client work (a :class:`~fedlightning.federation.round.ClientWork`):
+        the task's clients' fits on ``broadcast``, with the declared uplink."""
+        raise NotImplementedError(f"{type(self).__name__} runs no tasks")
+
+    def task_result(self, module: Any, adapter: nn.Module, server: Any) -> tuple[nn.Module, dict]:
+        """After a task's rounds: the global adapter and the class prototypes it is scored by."""
+        raise NotImplementedError(f"{type(self).__name__} runs no tasks")
+
+    def pooled_fit(
+        self, context: Any, task: Any, family: str, module: Any, adapter: nn.Module, rounds: int
+    ) -> tuple[nn.Module, dict]:
+        """With :attr:`pooled`: one fit on the union of the task's supports, and its class
+        prototypes, in place of the rounds."""
+        raise NotImplementedError(f"{type(self).__name__} has no pooled training")
+
+    def task_segments(self, loop: Any, segments: dict) -> dict:
+        """The server's evaluation batches for the task just run (default: ``segments``)."""
+        return segments
+
+    def task_scores(
+        self, adapter: nn.Module, prototypes: dict, batch: dict, family: str
+    ) -> dict[str, float]:
+        """The server's metrics of one evaluation segment (FedTIP: its AUC-ROCs)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no tasks")
+
     def before_tasks(self, loop: Any, ledger: Any, scope: str) -> None:
         """A one-off exchange before the first task a run runs, counted in ``ledger`` under
         ``scope`` (the history baselines' graph view; default: none)."""

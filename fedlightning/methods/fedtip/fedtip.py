@@ -27,7 +27,7 @@ from fedlightning.clients.temporal_prompt import (
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm
 from fedlightning.federation.round import ClientWork
-from fedlightning.federation.task_loop import Batch, TaskBatches, TaskContext, TaskLoop
+from fedlightning.federation.task_loop import Batch, TaskBatches, TaskContext
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.privacy import PrototypeRelease, private_prototype
 from fedlightning.server.reliability import (
@@ -350,10 +350,6 @@ class FedTIP(Algorithm):
     ) -> dict[str, float]:
         """The server's AUC-ROC of one segment (:func:`score_segment`)."""
         return score_segment(adapter, prototypes, batch, family)
-
-    def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
-        """The server's validation and test batches for the task just federated."""
-        return segments
 
     def message_fields(self, family: str) -> tuple[str, ...]:
         """The uplink fields: delta and class counts; prototypes for anchors or node
