@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from fedlightning.clients.temporal_prompt import as_single
 from fedlightning.data.temporal.manifest import DOWN_VAL, TEST
 from fedlightning.federation.round import ClientWork
 from fedlightning.federation.task_loop import (
@@ -23,7 +24,6 @@ from fedlightning.federation.task_loop import (
     TaskBatches,
     TaskContext,
     TaskLoop,
-    as_single,
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.methods.fedtip.fedtip import FedTIP
