@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from fedlightning.recipes import recipe_overrides
 from fedlightning.resources import conf_dir
 from fedlightning.train import train
 
@@ -36,7 +37,7 @@ def run_once(experiment: str, rounds: int, seed: int, out: Path) -> tuple[float,
         cfg = compose(
             "train",
             [
-                f"experiment={experiment}",
+                *recipe_overrides(experiment, CONF),
                 f"federation.rounds={rounds}",
                 "logger=none",
                 f"seed={seed}",

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from fedlightning.recipes import recipe_overrides
 from fedlightning.train import train
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -44,7 +45,7 @@ def run_once(args: argparse.Namespace, overrides: list[str], out: Path) -> tuple
         cfg = compose(
             "train",
             [
-                f"experiment={args.experiment}",
+                *recipe_overrides(args.experiment, CONF),
                 f"federation.clients={args.clients}",
                 f"federation.rounds={args.rounds}",
                 f"threads={args.threads}",
