@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fedlightning.server.privacy import release_sensitivity
 from fedlightning.server.reliability import (
     ClientSummary,
     aggregate,
@@ -121,3 +122,37 @@ def test_anchor_update_leaves_silent_classes():
     stats = client_statistics(msg([0.0, 0.0], {0: [2.0, 0.0]}, {0: 1}, 1.0), 1.0)
     out = anchor_update(anchors, stats, beta=0.5)
     assert torch.equal(out[3], anchors[3]) and torch.allclose(out[0], torch.tensor([1.0, 0.0]))
+
+
+def test_a_single_class_client_keeps_a_weight_and_a_balanced_one_gets_more_sec44():
+    """Sec. 4.4: with equal support and equal update norms, a single-class client keeps a
+    non-zero weight (b = 1/2, Eq. 27) and the balanced client gets twice its influence on
+    the prompt update (weights n r / sum n r = 1/3 and 2/3, Eqs. 29-30)."""
+    single = msg([3.0, 0.0], {0: [1.0, 0.0]}, {0: 4}, label_coverage({0: 4}, (0, 1)))
+    balanced = msg([0.0, 3.0], {0: [1.0, 0.0], 1: [0.0, 1.0]}, {0: 2, 1: 2}, 1.0)
+    assert single.coverage == 0.5 and balanced.coverage == 1.0
+    omega = torch.zeros(2)
+    new, _, r = aggregate(omega, {}, [single, balanced], eta_s=1.0)
+    assert r == pytest.approx([0.5, 1.0])  # gamma = 3 = each norm: no clipping
+    assert torch.allclose(new, torch.tensor([1.0, 2.0]))  # 1/3 of (3, 0) + 2/3 of (0, 3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 30])
+def test_replace_one_moves_a_clipped_prototype_by_at_most_two_c_over_n_eq5(n):
+    """Eq. (5): replacing one of n clipped representations moves their mean by at most
+    2 C_emb / n; the worst case (the replaced row's antipode) attains it."""
+    g = torch.Generator().manual_seed(n)
+    c_emb = 1.5
+    h = torch.randn(n, 8, generator=g) * 3.0
+    q = clip_embeddings(h, c_emb).mean(0)
+    bound = release_sensitivity(c_emb, n)
+    assert bound == pytest.approx(2 * c_emb / n)
+    worst = 0.0
+    for i in range(n):
+        for other in (-h[i], torch.randn(8, generator=g) * 10.0, torch.zeros(8)):
+            h2 = h.clone()
+            h2[i] = other
+            moved = float((clip_embeddings(h2, c_emb).mean(0) - q).norm())
+            assert moved <= bound + 1e-6
+            worst = max(worst, moved)
+    assert worst == pytest.approx(bound, rel=1e-5)  # the antipode of a row beyond C_emb
