@@ -130,3 +130,30 @@ def test_bad_settings_fail_in_one_line():
         DyGPrompt(init="zeros")
     with pytest.raises(ConfigError, match="time encoding's width"):
         DyGPrompt().adapter(64, 32, 0)
+
+
+def test_a_stack_of_clients_is_their_separate_fits():
+    """One stacked step over three clients' supports gives each copy the gradient its own
+    single-copy loss gives it (the loss is a sum over clients; padding is masked)."""
+    from fedlightning.clients.temporal_prompt import stack_batches
+
+    torch.manual_seed(3)
+    sizes = (4, 6, 5)
+    batches = [
+        {
+            "h_u": torch.randn(n, 8), "h_i": torch.randn(n, 8), "h_j": torch.randn(n, 8),
+            "te": torch.randn(n, 8), "y": torch.randint(0, 2, (n,)),
+            "neg_ok": torch.ones(n, dtype=torch.bool),
+        }
+        for n in sizes
+    ]  # fmt: skip
+    base = DyGPromptModule(8, 8, bottleneck=3, init="xavier")
+    for family in ("lp", "nc"):
+        stack = DyGPromptClient(base.stacked(3), family)
+        stack.training_step(stack_batches(batches), 0).backward()
+        for k, b in enumerate(batches):
+            one = DyGPromptClient(base.stacked(1), family)
+            one.training_step(stack_batches([b]), 0).backward()
+            pairs = zip(stack.adapter.named_parameters(), one.adapter.parameters(), strict=True)
+            for (name, p), q in pairs:
+                assert torch.allclose(p.grad[k], q.grad[0], atol=1e-6), (family, name, k)
