@@ -60,3 +60,9 @@ def test_keep_stores_what_a_report_reads(root, tmp_path):
     kept = json.loads((out / "summary.json").read_text())
     assert "run_dir" not in kept and kept["comm"] == {"uplink_mib": 2.0}
     assert kept["metrics"] == full["metrics"] and kept["tags"] == full["tags"]
+
+
+def test_every_marked_table_in_the_docs_is_its_report():
+    docs = sorted((REPO / "docs").glob("*.md"))
+    assert any(doc_tables.blocks(p.read_text()) for p in docs)  # at least one is marked
+    assert doc_tables.check(docs) == []
