@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 TIES = ("none", "phi")  # PromptAdapter's readings of Eq. (17): two bottlenecks, or one shared
+# PromptAdapter's readings of psi in Eq. (16): the paper's three-input map alone, or that map
+# added to the gated source state (the pre-training similarity; a deviation, docs/readings.md)
+TEMPLATES = ("residual", "paper")
 
 
 def event_context(
@@ -83,12 +86,21 @@ class PromptAdapter(nn.Module):
         \tilde{\mathbf{h}} = \psi(\alpha^f \odot [\mathbf{h}_u \| \mathbf{h}_i],\
         \alpha^t \odot \mathrm{TE}(t),\ \mathbf{x})
 
-    :math:`\varphi_f, \varphi_t` are one-layer ReLU bottlenecks of width ``bottleneck``;
-    :math:`\psi` is a low-rank linear template (``rank``) to :math:`d_p = d_h`, so that the
-    cosine of Eq. (20) with a bank state is defined (docs/readings.md). With ``residual=True``
-    :math:`\psi` adds the gated source state :math:`\alpha^f_u \odot \mathbf{h}_u` to its
-    low-rank map, whose output layer starts at zero: training starts from the pre-training
-    similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)` of Eq. (10) (Sec. 4.3; docs/fedtip.md).
+    :math:`\varphi_f, \varphi_t` are one-layer ReLU bottlenecks of width ``bottleneck``.
+    :math:`\psi` (``template``, :data:`TEMPLATES`) concatenates its three inputs
+    :math:`[\alpha^f \odot [\mathbf{h}_u \| \mathbf{h}_i] \| \alpha^t \odot \mathrm{TE}(t)
+    \| \mathbf{x}]` (:math:`2 d_h + d_t + d_e` wide) and maps them to :math:`d_p = d_h` (so
+    that the cosine of Eq. (20) with a bank state is defined, docs/readings.md) by a
+    rank-``rank`` linear map :math:`B A \cdot + \mathbf{b}`: a linear map because the paper
+    calls :math:`\psi` "lightweight" and its budget (~1,050 values per message) leaves no
+    room for a full :math:`(2 d_h + d_t + d_e) \times d_p` matrix (12,352 values at
+    :math:`d_h = d_t = 64`), and a ReLU inside a rank-1 or rank-2 bottleneck would only
+    cut the map's rank further. ``template="paper"`` is Eq. (16) as written: :math:`\psi`
+    alone, both factors initialised as :class:`torch.nn.Linear`. ``template="residual"``
+    (the default; a deviation, docs/readings.md) adds the gated source state
+    :math:`\alpha^f_u \odot \mathbf{h}_u` to the map, whose output factor starts at zero:
+    training starts from the pre-training similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)`
+    of Eq. (10) (Sec. 4.3; docs/fedtip.md). The two have the same parameters.
     ``static=True`` is the static-prompt ablation (gates that ignore the event). ``d_h``,
     ``d_t``, ``d_e``: bank state, time-encoding and edge-feature widths; ``dropout``: a
     :class:`StackDropout` on the bottleneck activations; ``copies``: parameter sets
@@ -112,16 +124,18 @@ class PromptAdapter(nn.Module):
         static: bool = False,
         dropout: float = 0.0,
         copies: int = 1,
-        residual: bool = True,
+        template: str = "residual",
         tie: str = "none",
     ) -> None:
         super().__init__()
         if tie not in TIES:
             raise ValueError(f"tie must be one of {TIES}, got {tie!r}")
-        self.d_h, self.static, self.residual, self.copies = d_h, static, residual, copies
-        self.tie = tie
+        if template not in TEMPLATES:
+            raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
+        self.d_h, self.static, self.copies = d_h, static, copies
+        self.residual, self.tie = template == "residual", tie
         self.config = dict(d_h=d_h, d_t=d_t, d_e=d_e, bottleneck=bottleneck, rank=rank)
-        self.config.update(static=static, dropout=dropout, residual=residual, tie=tie)
+        self.config.update(static=static, dropout=dropout, template=template, tie=tie)
         d_z, k = 2 * d_h + d_t + d_e + 2, copies
 
         def phi() -> nn.Sequential:
@@ -136,7 +150,7 @@ class PromptAdapter(nn.Module):
         self.psi = nn.Sequential(
             StackedLinear(k, 2 * d_h + d_t + d_e, rank, bias=False), StackedLinear(k, rank, d_h)
         )
-        if residual:  # start from the pre-training template (LoRA's zero-initialised B)
+        if self.residual:  # start from the pre-training template (LoRA's zero-initialised B)
             nn.init.zeros_(self.psi[1].weight)
             nn.init.zeros_(self.psi[1].bias)
 

@@ -46,7 +46,7 @@ def test_adapter_size_and_message_count_by_hand():
 
 def test_gates_decide_what_reaches_the_template():
     torch.manual_seed(0)
-    a = PromptAdapter(d_h=4, d_t=3, d_e=2, residual=False)  # the template alone
+    a = PromptAdapter(d_h=4, d_t=3, d_e=2, template="paper")  # the template alone
     h_u, h_i, te, x, du, di = inputs()
     with torch.no_grad():
         # TE(t) enters the context, so it also modulates the feature gate (by design, the
@@ -141,7 +141,7 @@ def test_template_carries_the_pretraining_similarity_residual():
     score s(h~, h_i) of Eq. (20) is the bank's s(h_u, h_i) of Eq. (10)."""
     h_u, h_i, te, x, du, di = inputs()
     for residual in (True, False):
-        a = PromptAdapter(d_h=4, d_t=3, d_e=2, residual=residual)
+        a = PromptAdapter(d_h=4, d_t=3, d_e=2, template="residual" if residual else "paper")
         with torch.no_grad():
             for p in a.psi.parameters():
                 p.zero_()

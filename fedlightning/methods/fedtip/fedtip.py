@@ -40,7 +40,7 @@ from fedlightning.server.reliability import (
 )
 from fedlightning.server.secure_sum import SecureSum, ShareSpec
 from fedlightning.server.validation import Field, MessageSpec, Rule, close
-from fedlightning.temporal.adapter import TIES, PromptAdapter
+from fedlightning.temporal.adapter import TEMPLATES, TIES, PromptAdapter
 from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
 MODES = ("federated", "central")
@@ -65,14 +65,18 @@ class FedTIP(Algorithm):
         negatives: the support's training negatives: ``protocol`` (the protocol's
             stage-valid mode, Eq. 25) or ``unfiltered`` (only the positive excluded; FTN).
         tau, lambda_p, lambda_a, beta, eta_s: Eqs. (19)-(31).
-        bottleneck, rank, dropout: the adapter (``d_p = d_h``). residual: the template
-            adds the gated source state (the pre-training similarity, Sec. 4.3). tie: the
-            reading of Eq. (17)'s bottlenecks, ``none`` or ``phi`` (one shared; the
-            paper-budget setting ``algorithm=fedtip_budget``, docs/fedtip.md).
+        bottleneck, rank, dropout: the adapter (``d_p = d_h``). template: the reading of
+            Eq. (16)'s psi: ``paper`` (the three-input map alone, as written) or
+            ``residual`` (the map added to the gated source state, the pre-training
+            similarity of Sec. 4.3; a deviation, docs/readings.md). tie: the reading of
+            Eq. (17)'s bottlenecks, ``none`` or ``phi`` (one shared; the paper-budget
+            setting ``algorithm=fedtip_budget``, docs/fedtip.md).
         lr, weight_decay: Adam's. encoder_lr: the encoder's (``fulltune`` only).
         dp: the prototype release of Eq. (7): ``{clip, sigma, delta}``
             (:class:`~fedlightning.server.privacy.PrototypeRelease`; ``clip=None``: off).
         clip, sigma: the old names of ``dp.clip`` and ``dp.sigma`` (still read).
+        residual: the old name of ``template`` (``true``: ``residual``, ``false``:
+            ``paper``; still read).
     """
 
     name: str = "fedtip"
@@ -92,7 +96,8 @@ class FedTIP(Algorithm):
     eta_s: float = 1.0
     bottleneck: int = 2
     rank: int = 2
-    residual: bool = True
+    template: str = "residual"
+    residual: bool | None = None
     tie: str = "none"
     dropout: float = 0.1
     lr: float = 1e-3
@@ -112,9 +117,19 @@ class FedTIP(Algorithm):
             ("prompt", self.prompt, PROMPTS),
             ("negatives", self.negatives, NEGATIVES),
             ("tie", self.tie, TIES),
+            ("template", self.template, TEMPLATES),
         ):
             if value not in allowed:
                 raise ValueError(f"algorithm.{key} must be one of {allowed}, got {value!r}")
+        if self.residual is not None:  # the old name of template
+            old = "residual" if self.residual else "paper"
+            if self.template not in ("residual", old):
+                raise ConfigError(
+                    "algorithm.residual",
+                    f"contradicts algorithm.template={self.template}; set algorithm.template "
+                    "only (algorithm.residual is its old name)",
+                )
+            self.template = old
         dp = dict(self.dp or {})
         if self.clip is not None or self.sigma:
             if dp.get("clip") is not None or dp.get("sigma"):
@@ -150,7 +165,7 @@ class FedTIP(Algorithm):
             self.rank,
             self.prompt == "static",
             self.dropout,
-            residual=self.residual,
+            template=self.template,
             tie=self.tie,
         )
 
