@@ -35,17 +35,17 @@ import json
 import math
 import time
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
+from fedlightning.clients.temporal_prompt import score_segment
 from fedlightning.config import build
-from fedlightning.federation import task_loop
 from fedlightning.federation.executors import LeanExecutor
 from fedlightning.federation.runners import SequentialRunner
+from fedlightning.federation.task_loop import TaskLoop
 from fedlightning.programs.temporal_program import check_families, temporal_inputs
 from fedlightning.resources import conf_dir
 from fedlightning.server.reliability import read_broadcast
@@ -127,7 +127,7 @@ def run_row(stream: str, tasks: int, name: str, shared: dict) -> dict:
     record: dict = {"dist": {}, "gates": {}, "norm0": {}, "init_auc_tlp": {}}
     current: dict = {}
 
-    class Loop(alg.loop_class):
+    class Loop(TaskLoop):
         def new_adapter(self, task, family):
             a = super().new_adapter(task, family)
             current.update(
@@ -143,7 +143,7 @@ def run_row(stream: str, tasks: int, name: str, shared: dict) -> dict:
         record["dist"][(task.task, family)].append(float(gap.norm()))
         return type(alg).task_work(alg, context, task, family, module, broadcast)
 
-    plain_evaluate = task_loop.evaluate
+    plain_evaluate = score_segment
 
     def evaluate(adapter, prototypes, batch, family):
         if isinstance(adapter, PromptAdapter) and batch is shared["evals"]["test"]:
@@ -163,6 +163,7 @@ def run_row(stream: str, tasks: int, name: str, shared: dict) -> dict:
 
     if name != "zero_shot":
         alg.task_work = task_work
+    alg.task_scores = evaluate  # the server's scores, with the records above
     loop = Loop(
         alg,
         shared["tasks"],
@@ -176,8 +177,7 @@ def run_row(stream: str, tasks: int, name: str, shared: dict) -> dict:
         progress=False,
     )
     t0 = time.perf_counter()
-    with mock.patch.object(task_loop, "evaluate", evaluate):
-        results = loop.run()
+    results = loop.run()
     return {"results": results, "record": record, "seconds": time.perf_counter() - t0}
 
 
@@ -206,7 +206,7 @@ def summarize(rows: dict, families: list[str]) -> dict:
             m, e, n = mean_2se(list(rec["init_auc_tlp"].values()))
             s["untrained_auc_tlp"] = {"mean": m, "two_se": e, "n": n}
         for fam in families:
-            curves = [v for (t, f), v in rec["dist"].items() if f == fam]
+            curves = [v for (t, f), v in rec["dist"].items() if f == fam and v]
             if not curves:
                 continue
             norm0 = np.mean([v for (t, f), v in rec["norm0"].items() if f == fam])

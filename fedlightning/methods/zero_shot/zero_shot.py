@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
-from fedlightning.federation.task_loop import PooledTaskLoop, TaskBatches
+from fedlightning.federation.task_loop import TaskBatches, TaskContext
 from fedlightning.methods.fedtip.fedtip import FedTIP
 
 
@@ -43,19 +43,6 @@ class BankTemplate(nn.Module):
         return 0
 
 
-class ZeroShotLoop(PooledTaskLoop):
-    """FedTIP's task schedule with nothing fitted: per task and family, the bank template
-    and the class means of the pooled support (no message, no bank sent)."""
-
-    @torch.no_grad()
-    def federate(self, task: TaskBatches, family: str) -> tuple[BankTemplate, dict[int, Tensor]]:
-        template = self.algorithm.adapter(*self.dims)
-        supports = list(task.clients.values())
-        pooled = stack_batches([{k: torch.cat([b[k] for b in supports]) for k in supports[0]}])
-        q, counts = family_prototypes(family_views(template, pooled, family), family)
-        return template, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
-
-
 @dataclass
 class ZeroShot(FedTIP):
     """``algorithm=zero_shot`` (module docstring): FedTIP's protocol and metrics, the bank's
@@ -66,7 +53,30 @@ class ZeroShot(FedTIP):
     anchors: bool = False
     aggregation: str = "fedavg"
     modes = ("zero_shot",)
-    loop_class = ZeroShotLoop
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.pooled = True  # the pooled support's class means: no message, no bank sent
+
+    def task_module(self, adapter: nn.Module, family: str) -> None:
+        """Nothing trains."""
+        return None
+
+    @torch.no_grad()
+    def pooled_fit(
+        self,
+        context: TaskContext,
+        task: TaskBatches,
+        family: str,
+        module: None,
+        adapter: BankTemplate,
+        rounds: int,
+    ) -> tuple[BankTemplate, dict[int, Tensor]]:
+        """Nothing fitted: the bank template and the class means of the pooled support."""
+        supports = list(task.clients.values())
+        pooled = stack_batches([{k: torch.cat([b[k] for b in supports]) for k in supports[0]}])
+        q, counts = family_prototypes(family_views(adapter, pooled, family), family)
+        return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
 
     def adapter(self, d_h: int, d_t: int, d_e: int) -> BankTemplate:
         return BankTemplate(d_h)
