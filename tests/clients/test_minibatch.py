@@ -220,3 +220,23 @@ def test_cora_forced_onto_mini_batches_learns(
         fields = s["comm"]["fields"]
         assert any(k.startswith("proto.") for k in fields)
         assert any(k.startswith("basis.") for k in fields)
+
+
+@pytest.mark.slow
+def test_trainer_executor_fits_the_same_mini_batches():
+    """A ``lightning.Trainer`` (runner.executor=trainer) steps over the same mini-batches
+    with the same dropout: the lean executor's weights, bit for bit."""
+    from fedlightning.federation.executors import TrainerExecutor
+
+    data = graph(120, 600)
+    out = []
+    for executor in (LeanExecutor(), TrainerExecutor()):
+        module = NodeClassifier(net(dropout=0.5), partial(torch.optim.Adam, lr=0.01))
+        module.minibatch = MiniBatch(budget_nodes=10, batch_size=16, fanout=(4, 3))
+        steps = Steps()
+        torch.manual_seed(7)
+        executor.fit(module, data, 2, [steps])
+        out.append((steps.steps, {k: v.detach().clone() for k, v in module.state_dict().items()}))
+    (n_lean, lean), (n_trainer, trainer) = out
+    assert n_lean == n_trainer == 2 * math.ceil(int(data.train_mask.sum()) / 16)
+    assert all(torch.equal(lean[k], trainer[k]) for k in lean)
