@@ -3,13 +3,15 @@ on a large synthetic graph, with every client trained by neighbour-sampled mini-
 (``federation.minibatch``) and, for the ratio, the same run full batch.
 
 The graph is ``benchmarks/scaling_curves.py``'s family (10 classes, average degree about
-15, METIS clients) with sparse features only: a 1,000-word multi-hot modality at 1%
-density (no dense modality, nothing missing). Each point is one ``fedlightning train`` in
+15, METIS clients) with mostly sparse features: a 1,000-word multi-hot modality at 1%
+density and a ``--dense-width`` dense one (default 16; the generator needs one), nothing
+missing. Each point is one ``fedlightning train`` in
 a fresh interpreter (its own peak memory); set-up, round and peak are read as in
 ``scaling_curves.py``.
 
     python benchmarks/minibatch_clients.py [--nodes 300000] [--clients 20]
-        [--budget 10000] [--batch-size 1024] [--fanout 10 10] [--modes mini full]
+        [--budget 10000] [--batch-size 1024] [--fanout 10 10] [--dense-width 16]
+        [--modes mini full]
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ def curves():
 def run_overrides(spec: dict) -> list[str]:
     """The point's config: scaling_curves' graph with sparse features only, and the
     mini-batch setting (``mode=mini``)."""
-    over = curves().overrides(spec["method"], spec["nodes"], spec["clients"], 0, spec["rounds"])
-    over = [o for o in over if not o.startswith("dataset.modalities.text")]
-    over += ["dataset.modalities={}", "dataset.missing_rate=0"]
+    width = spec["dense_width"]
+    over = curves().overrides(spec["method"], spec["nodes"], spec["clients"], width, spec["rounds"])
+    over += ["dataset.missing_rate=0"]
     if spec["mode"] == "mini":
         fanout = ",".join(str(k) for k in spec["fanout"])
         over.append(
@@ -51,7 +53,7 @@ def point(spec: dict) -> dict:
     """One run in this process, timed by ``scaling_curves.point`` on our overrides."""
     mod = curves()
     mod.overrides = lambda *a, **k: run_overrides(spec)
-    return mod.point({**spec, "width": 0})
+    return mod.point({**spec, "width": spec["dense_width"]})
 
 
 def main() -> None:
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=10_000, help="federation.minibatch budget")
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--fanout", type=int, nargs="+", default=[10, 10])
+    ap.add_argument("--dense-width", type=int, default=16, help="the dense modality's width")
     ap.add_argument("--rounds", type=int, default=2, help="FedAvg's rounds (FedOGL: 3 stages)")
     ap.add_argument("--methods", nargs="+", default=["fedavg", "fedogl"])
     ap.add_argument("--modes", nargs="+", default=["mini", "full"], choices=["mini", "full"])
@@ -81,6 +84,7 @@ def main() -> None:
                 "budget": args.budget,
                 "batch_size": args.batch_size,
                 "fanout": args.fanout,
+                "dense_width": args.dense_width,
                 "rounds": args.rounds,
                 "threads": args.threads,
             }
