@@ -186,6 +186,16 @@ def test_config_errors_name_the_key():
         assert e.value.key == key
 
 
+def test_validate_checks_the_composed_option(compose):
+    from fedlightning.config import validate
+
+    base = ["experiment=fl_cora", "algorithm=fedavg"]
+    validate(compose([*base, "+federation.minibatch={budget_nodes: 5, fanout: [-1, 3]}"]))
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*base, "+federation.minibatch={fanout: [10, 0]}"]))
+    assert e.value.key == "federation.minibatch.fanout"
+
+
 def chance_margin(classes: int, n_test: int, z: float = 4.0) -> float:
     """Chance accuracy plus ``z`` binomial standard errors over ``n_test`` test nodes."""
     p = 1.0 / classes
