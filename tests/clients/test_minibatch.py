@@ -230,6 +230,9 @@ def test_cora_forced_onto_mini_batches_learns(
         fields = s["comm"]["fields"]
         assert any(k.startswith("proto.") for k in fields)
         assert any(k.startswith("basis.") for k in fields)
+    else:  # the same seed again: the same metrics, bit for bit
+        again = train(compose([*overrides, MINI, "logger=none"]), tmp_env / "again")
+        assert again["metrics"] == s["metrics"]
 
 
 @pytest.mark.slow
