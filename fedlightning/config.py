@@ -100,6 +100,53 @@ def _float(cfg: DictConfig, key: str, low: float, high: float, low_open: bool = 
     return float(v)
 
 
+MINIBATCH_KEY = "federation.minibatch"
+MINIBATCH_KEYS = (
+    "budget_nodes",
+    "batch_size",
+    "fanout",
+    "inference_batch_size",
+    "inference_fanout",
+)
+
+
+def check_minibatch(value: Any) -> dict[str, Any] | None:
+    """``federation.minibatch`` (docs/scaling.md, "Mini-batch clients"): ``None`` (off), or
+    ``{budget_nodes, batch_size, fanout[, inference_batch_size, inference_fanout]}`` with
+    whole numbers >= 1 and fanouts of whole numbers >= 1 or -1 (every neighbour); the
+    checked mapping, without torch."""
+    if value is None:
+        return None
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    if not isinstance(value, dict):
+        raise ConfigError(MINIBATCH_KEY, f"must be null or a mapping, got {value!r}")
+    unknown = sorted(set(value) - set(MINIBATCH_KEYS))
+    if unknown:
+        raise ConfigError(MINIBATCH_KEY, f"unknown keys {unknown}; known: {list(MINIBATCH_KEYS)}")
+    out = {"budget_nodes": 200_000, "batch_size": 1024, "fanout": [10, 10]}
+    out |= {"inference_batch_size": 4096, "inference_fanout": None} | value
+    for key in ("budget_nodes", "batch_size", "inference_batch_size"):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{MINIBATCH_KEY}.{key}", f"must be an integer >= 1, got {v!r}")
+    for key in ("fanout", "inference_fanout"):
+        v = out[key]
+        if v is None and key == "inference_fanout":
+            continue
+        if (
+            not isinstance(v, (list, tuple))
+            or not v
+            or any(isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1 for k in v)
+        ):
+            raise ConfigError(
+                f"{MINIBATCH_KEY}.{key}",
+                f"must be a non-empty list of integers >= 1 or -1 (all neighbours), got {v!r}",
+            )
+        out[key] = [int(k) for k in v]
+    return out
+
+
 def plots_on(cfg: DictConfig) -> bool:
     """``plots``: whether a run draws its PNG plots (``FEDLIGHTNING_PLOTS``, default true;
     a run saved before the key existed draws them)."""
@@ -278,6 +325,7 @@ def validate(cfg: DictConfig) -> None:
     if "lr" in _get(cfg, "model.optimizer"):
         _float(cfg, "model.optimizer.lr", 0.0, 10.0, low_open=True)
     validate_protocol(cfg)
+    check_minibatch(OmegaConf.select(cfg, MINIBATCH_KEY, default=None))
     if "path" in _get(cfg, "dataset"):
         path = _get(cfg, "dataset.path")
         if not Path(str(path)).is_dir():

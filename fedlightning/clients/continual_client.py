@@ -28,6 +28,7 @@ class ContinualNodeClassifier(NodeClassifier):
     """
 
     stackable = True  # training_step is objective(net, teacher) + the proximal term
+    loss_masks = ("sup_mask", "replay_mask")  # Eq. (5)'s nodes: a mini-batch's seeds
 
     def __init__(
         self,

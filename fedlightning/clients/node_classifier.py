@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch_geometric.data import Data
 
 from fedlightning.clients.losses import proximal_term
+from fedlightning.clients.minibatch import MiniBatch, node_outputs
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
@@ -28,6 +29,11 @@ class NodeClassifier(pl.LightningModule):
     """
 
     stackable: ClassVar[bool] = True
+    #: the node masks the loss reads: a mini-batch fit seeds its batches on them
+    #: (:mod:`fedlightning.clients.minibatch`)
+    loss_masks: ClassVar[tuple[str, ...]] = ("train_mask",)
+    #: ``federation.minibatch`` (``None``: every fit full batch), set by the program
+    minibatch: MiniBatch | None = None
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -80,10 +86,11 @@ class NodeClassifier(pl.LightningModule):
 
     @torch.no_grad()
     def evaluate(self, data: Data) -> dict[str, Any]:
-        """Correct predictions and node counts per split (``train``, ``val``, ``test``)."""
+        """Correct predictions and node counts per split (``train``, ``val``, ``test``);
+        batched over a graph beyond :attr:`minibatch`'s budget (``node_outputs``)."""
         was_training = self.training
         self.eval()
-        pred = self.net(data).argmax(-1)
+        pred = node_outputs(self.net, data, self.minibatch).argmax(-1)
         self.train(was_training)
         return self.split_counts(pred, data)
 

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from fedlightning.clients.minibatch import MiniBatches, minibatches_for
 from fedlightning.config import EXECUTOR_KEYS, GPU_ACCELERATORS, lean_refusal
 from fedlightning.errors import ConfigError
 
@@ -162,10 +163,11 @@ class LeanExecutor:
     ) -> None:
         callbacks = _with_module_callbacks(callbacks, module)
         state = LoopState(max_epochs=epochs, lightning_module=module, callbacks=callbacks)
+        batch = minibatches_for(module, batch)  # a graph beyond federation.minibatch's budget
         if self.device is not None:
             module.to(self.device)
         try:
-            if self.device is not None:  # a PyG Data moves in place: move a shallow copy
+            if self.device is not None and not isinstance(batch, MiniBatches):  # moves in place
                 batch = move_data_to_device(copy.copy(batch), self.device)
             self._run(module, batch, epochs, callbacks, state)
         except BaseException as e:
@@ -199,14 +201,17 @@ class LeanExecutor:
         for epoch in range(epochs):
             state.current_epoch = epoch
             hook("on_train_epoch_start")
-            b = module.on_before_batch_transfer(copy.copy(batch), 0)
-            if transfer:  # the default's move would find the batch on the device already
-                b = module.transfer_batch_to_device(b, device, 0)
-            b = module.on_after_batch_transfer(b, 0)
-            if hook("on_train_batch_start", b, 0) != -1:  # -1: Lightning skips the step
-                outputs = self._step(module, b, epoch, opt, hook, clip)
-                state.global_step += 1
-                hook("on_train_batch_end", outputs, b, 0)
+            for i, raw in enumerate(batch if isinstance(batch, MiniBatches) else [batch]):
+                if isinstance(batch, MiniBatches) and self.device is not None:
+                    raw = move_data_to_device(raw, self.device)
+                b = module.on_before_batch_transfer(copy.copy(raw), i)
+                if transfer:  # the default's move would find the batch on the device already
+                    b = module.transfer_batch_to_device(b, device, i)
+                b = module.on_after_batch_transfer(b, i)
+                if hook("on_train_batch_start", b, i) != -1:  # -1: Lightning skips the step
+                    outputs = self._step(module, b, epoch, opt, hook, clip, i)
+                    state.global_step += 1
+                    hook("on_train_batch_end", outputs, b, i)
             hook("on_train_epoch_end")
         state.current_epoch = epochs
         hook("on_train_end")
@@ -231,13 +236,14 @@ class LeanExecutor:
         opt: torch.optim.Optimizer,
         hook: Callable[..., Any],
         clip: Callable[[Any], None] | None,
+        batch_idx: int = 0,
     ) -> dict[str, Any]:
         """``optimizer_step`` with Lightning's closure; the outputs ``on_train_batch_end``
         gets (the detached loss and the step's other keys)."""
         outputs: dict[str, Any] = {}
 
         def closure() -> Tensor:
-            out = module.training_step(batch, 0)
+            out = module.training_step(batch, batch_idx)
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if not isinstance(loss, Tensor):
                 raise TypeError(
@@ -245,7 +251,7 @@ class LeanExecutor:
                     "{'loss': ...}); use runner.executor=trainer to skip steps"
                 )
             hook("on_before_zero_grad", opt)
-            module.optimizer_zero_grad(epoch, 0, opt)
+            module.optimizer_zero_grad(epoch, batch_idx, opt)
             hook("on_before_backward", loss)
             module.backward(loss)
             hook("on_after_backward")
@@ -257,7 +263,7 @@ class LeanExecutor:
                 outputs.update((k, v) for k, v in out.items() if k != "loss")
             return loss
 
-        module.optimizer_step(epoch, 0, opt, closure)
+        module.optimizer_step(epoch, batch_idx, opt, closure)
         return outputs
 
     @staticmethod
@@ -348,5 +354,9 @@ class TrainerExecutor:
         )
         # A private generator keeps the DataLoader from drawing on the global RNG, so both
         # executors consume the same random numbers (dropout) and give the same weights.
+        batch = minibatches_for(module, batch)  # a graph beyond federation.minibatch's budget
+        if isinstance(batch, MiniBatches):
+            trainer.fit(module, train_dataloaders=batch)
+            return
         loader = DataLoader([batch], collate_fn=_copy_first, generator=torch.Generator())
         trainer.fit(module, train_dataloaders=loader)

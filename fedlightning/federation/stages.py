@@ -8,12 +8,14 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from fedlightning.clients.minibatch import node_outputs
 from fedlightning.data.streams import ClassStream
 from fedlightning.federation.loop import FederatedLoop, sample_clients
 from fedlightning.federation.round import ClientWork, federated_round
@@ -204,7 +206,9 @@ class ContinualLoop(FederatedLoop):
         self.module.receive(self.server.global_state)
         net = self.module.net
         net.eval()
-        out = [(c, *self.evaluation.outputs(net, c.data)) for c in self.clients]
+        mb = getattr(self.module, "minibatch", None)  # batched beyond its budget
+        outputs = partial(self.evaluation.outputs, net)
+        out = [(c, *node_outputs(outputs, c.data, mb)) for c in self.clients]
         net.train()
         return out
 
@@ -454,7 +458,8 @@ class ContinualLoop(FederatedLoop):
         for u in self.last_updates:
             sent = model_state(u.tensors)
             net.load_state_dict({k: sent.get(k, glob.get(k, v)) for k, v in base.items()})
-            out.append((by_id[u.client_id], net.representations(by_id[u.client_id].data)))
+            data, mb = by_id[u.client_id].data, getattr(self.module, "minibatch", None)
+            out.append((by_id[u.client_id], node_outputs(net.representations, data, mb)))
         return out
 
     # ------------------------------------------------------------------ results

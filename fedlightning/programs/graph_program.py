@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch_geometric.data import Data
 
+from fedlightning.clients.minibatch import MiniBatch, applies
 from fedlightning.config import build, dataset_node, plots_on, validate
 from fedlightning.data.graphs.base import MultimodalGraph, apply_missing
 from fedlightning.data.partition import TEST, TRAIN, VAL, Partition, check_trainable
@@ -266,6 +267,10 @@ def train_graph(
     graph.features.clear()  # each client holds its own rows; the whole copy is not read again
     net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
     check_algorithm_fits_protocol(algorithm, stream)
+    module.minibatch = MiniBatch.from_config(cfg.federation.get("minibatch"))  # docs/scaling.md
+    if large := sum(applies(module.minibatch, c.data) for c in clients):  # fit one at a time
+        log.info("federation.minibatch: %d clients train by mini-batches, unstacked", large)
+        runner.stack_clients = False
     runner.begin(cfg, run_dir, hashes)
     server = algorithm.server(net.state_dict())
     server.setup(len(clients))

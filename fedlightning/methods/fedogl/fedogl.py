@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
+from fedlightning.clients.minibatch import node_outputs
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.stacking import StackedFit
@@ -269,8 +271,9 @@ class FedOGL(ContinualFedAvg):
         t = self.stage_of(round)
         batch = self.batch_at(client, t, replay=False)
         if banks is None:
-            module.net.eval()
-            banks = self.descriptors(module.net, batch)
+            module.net.eval()  # batched beyond federation.minibatch's budget
+            fn, sup = partial(self.descriptors, module.net), batch.sup_mask
+            banks = node_outputs(fn, batch, getattr(module, "minibatch", None), sup)
             module.net.train()
         for side, (x, m) in banks.items():
             if self.release.on:
@@ -323,8 +326,9 @@ class FedOGL(ContinualFedAvg):
         batch = self.batch_at(client, t, replay=False)
         if int(batch.sup_mask.sum()) == 0:
             return None
-        module.net.eval()
-        inputs = protected_inputs(module.net, batch)
+        module.net.eval()  # batched beyond federation.minibatch's budget
+        fn, mb = partial(protected_inputs, module.net), getattr(module, "minibatch", None)
+        inputs = node_outputs(fn, batch, mb, batch.sup_mask)
         module.net.train()
         m, y = batch.sup_mask, batch.y[batch.sup_mask]
         weights = class_balanced_weights(y) if self.basis["class_balanced"] else None
