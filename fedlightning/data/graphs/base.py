@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
-from torch_geometric.utils import coalesce, remove_self_loops, subgraph, to_undirected
+from torch_geometric.utils import subgraph
 from tqdm.auto import tqdm
 
 log = logging.getLogger("fedlightning.data")
@@ -131,10 +131,15 @@ class MultimodalGraph:
 
 
 def clean_edges(edge_index: Tensor, num_nodes: int) -> Tensor:
-    """Make an edge list undirected, coalesced and free of self loops."""
-    edge_index, _ = remove_self_loops(edge_index.long())
-    edge_index = to_undirected(edge_index, num_nodes=num_nodes)
-    return coalesce(edge_index, num_nodes=num_nodes)
+    """Make an edge list undirected, coalesced (sorted by source, then target; no
+    duplicates) and free of self loops: PyG's ``to_undirected`` and ``coalesce``'s result,
+    with one sort of the edges' keys ``source * N + target`` instead of their several."""
+    src, dst = edge_index.long()
+    keep = src != dst
+    src, dst = src[keep], dst[keep]
+    n = max(int(num_nodes), 1)
+    keys = torch.unique(torch.cat([src * n + dst, dst * n + src]), sorted=True)
+    return torch.stack([keys // n, keys % n])
 
 
 def full_mask(num_nodes: int, num_modalities: int) -> Tensor:
