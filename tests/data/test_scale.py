@@ -211,3 +211,23 @@ def test_clean_edges_is_pyg_to_undirected_and_coalesce():
         want, _ = remove_self_loops(ei)
         want = coalesce(to_undirected(want, num_nodes=n), num_nodes=n)
         assert torch.equal(clean_edges(ei, n), want)
+
+
+def test_split_gives_each_parts_subgraph_in_one_pass():
+    g = make_synthetic(
+        num_nodes=1500, num_classes=4, modalities={"a": 8, "b": 5}, multi_hot={"w": 40},
+        p_in=0.02, p_out=0.002, missing_rate=0.2, seed=1,
+    )  # fmt: skip
+    assignment = torch.randint(-1, 6, (1500,), generator=torch.Generator().manual_seed(0))
+    parts = g.split(assignment, 5)  # part 5 and -1: nodes of no part
+    assert len(parts) == 5
+    for k, got in enumerate(parts):
+        want = g.subgraph((assignment == k).nonzero().squeeze(1))
+        assert torch.equal(got.edge_index, want.edge_index) and got.edge_index.is_contiguous()
+        assert torch.equal(got.y, want.y) and torch.equal(got.mask, want.mask)
+        assert torch.equal(got.features["a"], want.features["a"])
+        assert torch.equal(got.features["b"], want.features["b"])
+        assert torch.equal(got.features["w"].to_dense(), want.features["w"].to_dense())
+    # the parts' dense rows are adjacent rows of one tensor
+    base = parts[0].features["a"].untyped_storage().data_ptr()
+    assert all(p.features["a"].untyped_storage().data_ptr() == base for p in parts)
