@@ -115,7 +115,7 @@ def feature_hashes(features: dict[str, torch.Tensor]) -> dict[str, str]:
         h = hashlib.sha256(f"{tuple(x.shape)} {x.dtype}".encode())
         parts = [x.coalesce().indices(), x.coalesce().values()] if x.is_sparse else [x]
         for t in parts:
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().numpy())  # its buffer: no bytes copy
         out[str(m)] = h.hexdigest()[:16]
     return out
 

@@ -239,7 +239,7 @@ def fit_stacked(
     if teachers is not None:
         teacher, tseg = cached_stack(module.net, copies, "teacher")
         load_copies(teacher, teachers)
-        tseg.bind(batches)
+        tseg.ptr = list(segments.ptr)  # the fit's union: the teacher reads the same rows
         teacher.eval()
     segments.streams = seeded_streams(seeds, getattr(executor, "device", None))
     stacked = StackedClients(module, net, segments, teacher, teachers or ())

@@ -90,7 +90,11 @@ class Segments:
         clients, round after round), give the union already built."""
         if self._bound is not None and unchanged(self._bound[0], graphs):  # the same, unchanged
             return self._bound[1]
+        self._bound = None  # the previous union is freed before the next is built
+        self._cut, self._dense, self._dropped = [], {}, {}
         union, self.ptr = disjoint_union(graphs)
+        keys = [k for k, v in union.items() if _row_block(v, union.num_nodes)]
+        share_rows(graphs, union, self.ptr, keys)
         self._bound = (graphs_identity(graphs), union)
         self._cut, self._dense, self._dropped = [], {}, {}
         for key, value in union.items():
@@ -274,8 +278,48 @@ class SegmentGCNConv(nn.Module):
                 edge_index, edge_weight = kept_gcn_norm(edge_index, *norm)
             else:
                 edge_index, edge_weight = gcn_norm(edge_index, edge_weight, *norm)
-        out = conv.propagate(edge_index, x=self.lin(x), edge_weight=edge_weight)
+        h = self.lin(x)
+        if conv.aggr == "add" and conv.flow == "source_to_target" and edge_weight is not None:
+            out = _Propagate.apply(h, edge_index, edge_weight)
+        else:
+            out = conv.propagate(edge_index, x=h, edge_weight=edge_weight)
         return out if self.bias is None else segment_add(out, self.bias, self.segments[0])
+
+
+#: Edges whose messages ``[edges, d]`` are formed at once by :class:`_Propagate`.
+EDGES_PER_CHUNK = 1 << 16
+
+
+class _Propagate(torch.autograd.Function):
+    """GCN's propagation ``out_i = sum_{(j, i)} w_ji h_j`` (PyG's ``propagate`` with ``add``
+    aggregation: the message ``w.view(-1, 1) * h.index_select(0, j)``, then
+    ``scatter_add_`` into the targets) over :data:`EDGES_PER_CHUNK` edges at a time, into
+    one output: the same additions in the same order, so bitwise PyG's, without the
+    ``[edges, d]`` messages of the whole union (a GB at 4M edges and ``d = 64``). The
+    backward is autograd's for those calls, chunked the same way: the gradient of the
+    messages gathered at their targets, times ``w``, ``index_add_``-ed at their sources."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, edge_index: Tensor, weight: Tensor) -> Tensor:
+        out = h.new_zeros(h.shape)
+        src, dst = edge_index[0], edge_index[1]
+        for a in range(0, src.numel(), EDGES_PER_CHUNK):
+            j, i = src[a : a + EDGES_PER_CHUNK], dst[a : a + EDGES_PER_CHUNK]
+            msg = weight[a : a + EDGES_PER_CHUNK].view(-1, 1) * h.index_select(0, j)
+            out.scatter_add_(0, i.view(-1, 1).expand_as(msg), msg)
+        ctx.save_for_backward(edge_index, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        edge_index, weight = ctx.saved_tensors
+        src, dst = edge_index[0], edge_index[1]
+        gh = g.new_zeros(g.shape)
+        for a in range(0, src.numel(), EDGES_PER_CHUNK):
+            j, i = src[a : a + EDGES_PER_CHUNK], dst[a : a + EDGES_PER_CHUNK]
+            gmsg = g.gather(0, i.view(-1, 1).expand(-1, g.shape[1]))
+            gh.index_add_(0, j, gmsg * weight[a : a + EDGES_PER_CHUNK].view(-1, 1))
+        return gh, None, None
 
 
 class SegmentDropout(nn.Module):
@@ -396,6 +440,83 @@ def copy_state(stack: nn.Module, k: int) -> dict[str, Tensor]:
 
 def disjoint_union(graphs: Sequence[Data]) -> tuple[Data, list[int]]:
     """The disjoint union of ``graphs`` (node attributes concatenated, edges offset) and
-    ``ptr``: graph ``k``'s nodes are rows ``ptr[k]:ptr[k+1]``."""
-    union = Batch.from_data_list(list(graphs))
+    ``ptr``: graph ``k``'s nodes are rows ``ptr[k]:ptr[k+1]``.
+
+    A dense floating node attribute ``[n_k, d]`` (a modality's features: most of a graph's
+    bytes) is joined by :func:`joined_rows`: when the graphs' tensors are already adjacent
+    rows of one storage (:func:`share_rows` made them so), the union's is a view of it and
+    nothing is copied; otherwise one concatenation, with no second transient copy (PyG's
+    collation of the other attributes never sees them)."""
+    graphs = list(graphs)
+    rows = [k for k, v in graphs[0].items() if _row_block(v, graphs[0].num_nodes)]
+    rows = [k for k in rows if all(_row_block(g[k], g.num_nodes) for g in graphs)]
+    light = []
+    for g in graphs:
+        h = copy.copy(g)  # shallow: the graph keeps its attributes
+        for k in rows:
+            del h[k]
+        h.num_nodes = g.num_nodes
+        light.append(h)
+    union = Batch.from_data_list(light)
+    for k in rows:
+        union[k] = joined_rows([g[k] for g in graphs])
     return union, [int(v) for v in union.ptr]
+
+
+def _row_block(value: Any, num_nodes: int | None) -> bool:
+    """A dense floating 2-D node attribute (one row per node)."""
+    return (
+        isinstance(value, Tensor)
+        and value.layout == torch.strided
+        and value.is_floating_point()
+        and value.dim() == 2
+        and value.shape[0] == num_nodes
+        and not value.requires_grad
+    )
+
+
+def joined_rows(parts: Sequence[Tensor]) -> Tensor:
+    """``torch.cat(parts)`` of 2-D row blocks: a view of their storage when they are
+    already its adjacent, contiguous rows (same dtype and device), else the concatenation."""
+    first = parts[0]
+    at, width = first.storage_offset(), first.shape[1]
+    adjacent = all(
+        p.is_contiguous()
+        and p.dtype == first.dtype
+        and p.device == first.device
+        and p.shape[1] == width
+        and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        for p in parts
+    )
+    for p in parts if adjacent else ():
+        adjacent = adjacent and p.storage_offset() == at
+        at += p.numel()
+    if not adjacent or width == 0:
+        return torch.cat(list(parts))
+    n = sum(p.shape[0] for p in parts)
+    return first.as_strided((n, width), (width, 1), first.storage_offset())
+
+
+def owns_storage(x: Tensor) -> bool:
+    """Whether ``x`` is the whole of its storage (no other tensor's rows live in it)."""
+    return x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
+def share_rows(
+    graphs: Sequence[Data], union: Data, ptr: Sequence[int], keys: Sequence[str]
+) -> None:
+    """Give each graph's attribute ``key`` (of ``keys``) up to ``union``'s: graph ``k``'s
+    tensor replaced, in the graph, by rows ``ptr[k]:ptr[k+1]`` of the union's, the same
+    values, when it is a tensor of its own (:func:`owns_storage`) and the union's is another
+    (not already a view of it). Its own copy is then freed with its last reference, so a
+    client's features and the union they are fitted or evaluated on are one copy in memory,
+    and the next union of the same graphs is a view (:func:`joined_rows`)."""
+    for key in keys:
+        whole = union[key]
+        for g, a, b in zip(graphs, ptr[:-1], ptr[1:], strict=True):
+            own = g[key]
+            if own is whole or not owns_storage(own):
+                continue
+            if own.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+                continue
+            g[key] = whole[a:b]

@@ -47,10 +47,13 @@ log = logging.getLogger("fedlightning")
 CLASS_NAMES_FILE = "class_names.json"
 
 
-def build_client(graph: MultimodalGraph, partition: Partition, k: int) -> FederatedClient:
-    """Client ``k``: its induced subgraph with its train/val/test masks."""
+def build_client(
+    graph: MultimodalGraph, partition: Partition, k: int, sub: MultimodalGraph | None = None
+) -> FederatedClient:
+    """Client ``k``: its induced subgraph (``sub``, when already cut) with its train/val/test
+    masks."""
     nodes = partition.client_nodes(k)
-    data: Data = graph.subgraph(nodes).to_data()
+    data: Data = (graph.subgraph(nodes) if sub is None else sub).to_data()
     split = partition.split[nodes]
     data.train_mask, data.val_mask, data.test_mask = split == TRAIN, split == VAL, split == TEST
     data.node_id = nodes  # index in the whole graph, for per-node artifacts
@@ -58,8 +61,10 @@ def build_client(graph: MultimodalGraph, partition: Partition, k: int) -> Federa
 
 
 def build_clients(graph: MultimodalGraph, partition: Partition) -> list[FederatedClient]:
-    """Every client's induced subgraph with its train/val/test masks."""
-    return [build_client(graph, partition, k) for k in range(partition.num_clients)]
+    """Every client's induced subgraph with its train/val/test masks (cut in one pass:
+    :meth:`~fedlightning.data.graphs.base.MultimodalGraph.split`)."""
+    subs = graph.split(partition.assignment, partition.num_clients)
+    return [build_client(graph, partition, k, subs[k]) for k in range(partition.num_clients)]
 
 
 def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> tuple[Any, Any, Any]:

@@ -62,9 +62,33 @@ def test_auto_sampler_keeps_the_per_pair_graph_up_to_the_threshold():
     auto, pairs = make_synthetic(**kw), make_synthetic(**kw, sampler="pairs")
     assert torch.equal(auto.edge_index, pairs.edge_index)
     blocks = make_synthetic(**kw, sampler="blocks")
-    assert torch.equal(blocks.y, pairs.y)  # labels and features: the same streams
-    assert torch.equal(blocks.features["text"], pairs.features["text"])
+    assert torch.equal(blocks.y, pairs.y)  # labels: the same stream
     assert not torch.equal(blocks.edge_index, pairs.edge_index)
+    # features: torch's float32 draws around the same class means (other values)
+    fast, slow = blocks.features["text"], pairs.features["text"]
+    assert fast.dtype == slow.dtype == torch.float32 and fast.shape == slow.shape
+    assert not torch.equal(fast, slow)
+    for c in range(4):
+        rows = blocks.y == c
+        assert (fast[rows].mean(0) - slow[rows].mean(0)).abs().max() < 0.5
+
+
+def test_fast_gaussian_features_follow_their_class_means_and_noise():
+    g = make_synthetic(
+        num_nodes=4000, num_classes=2, modalities={"a": 16}, p_in=0.0, p_out=0.0,
+        signal=2.0, noise=0.5, seed=5, sampler="blocks",
+    )  # fmt: skip
+    again = make_synthetic(
+        num_nodes=4000, num_classes=2, modalities={"a": 16}, p_in=0.0, p_out=0.0,
+        signal=2.0, noise=0.5, seed=5, sampler="blocks",
+    )  # fmt: skip
+    x = g.features["a"]
+    assert torch.equal(x, again.features["a"])  # seeded
+    for c in range(2):
+        rows = x[g.y == c]  # 2,000 rows: the noise's standard deviation
+        centred = rows - rows.mean(0)
+        assert abs(float(centred.std()) - 0.5) < 0.02
+    assert (x[g.y == 0].mean(0) - x[g.y == 1].mean(0)).abs().max() > 0.1
 
 
 def test_block_sampler_follows_the_block_model():
@@ -175,3 +199,35 @@ def test_every_run_reports_its_peak_memory_in_the_summary_and_mlflow(tmp_env, co
     client = MlflowClient(f"sqlite:///{tmp_env / 'mlflow.db'}")
     run_id = json.loads((tmp_env / "run" / "mlflow_run.json").read_text())["run_id"]
     assert client.get_run(run_id).data.metrics["final/peak_rss_mib"] == s["peak_rss_mib"]
+
+
+def test_clean_edges_is_pyg_to_undirected_and_coalesce():
+    from torch_geometric.utils import coalesce, remove_self_loops, to_undirected
+
+    from fedlightning.data.graphs.base import clean_edges
+
+    for seed, (n, e) in enumerate([(1, 3), (2, 0), (7, 40), (300, 5000), (5000, 60000)]):
+        ei = torch.randint(0, n, (2, e), generator=torch.Generator().manual_seed(seed))
+        want, _ = remove_self_loops(ei)
+        want = coalesce(to_undirected(want, num_nodes=n), num_nodes=n)
+        assert torch.equal(clean_edges(ei, n), want)
+
+
+def test_split_gives_each_parts_subgraph_in_one_pass():
+    g = make_synthetic(
+        num_nodes=1500, num_classes=4, modalities={"a": 8, "b": 5}, multi_hot={"w": 40},
+        p_in=0.02, p_out=0.002, missing_rate=0.2, seed=1,
+    )  # fmt: skip
+    assignment = torch.randint(-1, 6, (1500,), generator=torch.Generator().manual_seed(0))
+    parts = g.split(assignment, 5)  # part 5 and -1: nodes of no part
+    assert len(parts) == 5
+    for k, got in enumerate(parts):
+        want = g.subgraph((assignment == k).nonzero().squeeze(1))
+        assert torch.equal(got.edge_index, want.edge_index) and got.edge_index.is_contiguous()
+        assert torch.equal(got.y, want.y) and torch.equal(got.mask, want.mask)
+        assert torch.equal(got.features["a"], want.features["a"])
+        assert torch.equal(got.features["b"], want.features["b"])
+        assert torch.equal(got.features["w"].to_dense(), want.features["w"].to_dense())
+    # the parts' dense rows are adjacent rows of one tensor
+    base = parts[0].features["a"].untyped_storage().data_ptr()
+    assert all(p.features["a"].untyped_storage().data_ptr() == base for p in parts)

@@ -120,3 +120,23 @@ def test_task_workers_setting():
     assert resolve_workers("auto", 10, runner, poolable=False) == 1  # a one-off exchange
     with pytest.raises(ConfigError, match="one-off exchange"):
         resolve_workers(2, 10, runner, poolable=False)
+
+
+def test_the_default_task_workers_give_the_one_process_run():
+    from omegaconf import OmegaConf
+
+    from fedlightning.resources import conf_dir
+
+    assert OmegaConf.load(conf_dir() / "train.yaml").task_workers == "auto"  # the default
+    runner = SequentialRunner(LeanExecutor(), progress=False)
+    workers = resolve_workers("auto", 5, runner)  # the usable cores, at most the 5 tasks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what each worker runs on, and the one-process reference
+    try:
+        first = loop(1)
+        one = first.run()
+    finally:
+        torch.set_num_threads(threads)
+    auto = loop(workers)
+    same(auto.run(), one)
+    assert auto.ledger.entries == first.ledger.entries

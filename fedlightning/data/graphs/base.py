@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
-from torch_geometric.utils import coalesce, remove_self_loops, subgraph, to_undirected
+from torch_geometric.utils import subgraph
 from tqdm.auto import tqdm
 
 log = logging.getLogger("fedlightning.data")
@@ -103,6 +103,55 @@ class MultimodalGraph:
             node_ids=None if self.node_ids is None else [self.node_ids[i] for i in nodes.tolist()],
         )
 
+    def split(self, assignment: Tensor, parts: int) -> list[MultimodalGraph]:
+        """``[self.subgraph(nodes of part k) for k in range(parts)]`` (``assignment[i]``: the
+        part of node ``i``; other values belong to no part), with the same values, in one
+        pass over the edges instead of one per part; each dense modality is gathered once,
+        part ``k``'s rows adjacent views of that one tensor (a stacked union of the parts
+        in order is then a view, no copy: ``fedlightning.models.stacked.joined_rows``)."""
+        assignment = assignment.long()
+        valid = (assignment >= 0) & (assignment < parts)
+        part = torch.where(valid, assignment, parts)  # the rest last, then dropped
+        order = torch.argsort(part, stable=True)  # part 0's nodes ascending, part 1's, ...
+        counts = torch.bincount(part, minlength=parts + 1)[:parts]
+        starts = torch.cumsum(counts, 0) - counts
+        order = order[: int(counts.sum())]
+        local = torch.full((self.num_nodes,), -1, dtype=torch.long)
+        local[order] = torch.arange(order.numel()) - starts.repeat_interleave(counts)
+        src, dst = self.edge_index
+        inside = (part[src] == part[dst]) & valid[src]
+        src, dst = src[inside], dst[inside]
+        by_part = torch.argsort(part[src], stable=True)  # each part's edges in their order
+        edge_counts = torch.bincount(part[src], minlength=parts)[:parts].tolist()
+        edges = torch.stack([local[src[by_part]], local[dst[by_part]]])
+        dense = {
+            m: x.index_select(0, order).split(counts.tolist())
+            for m, x in self.features.items()
+            if x.layout == torch.strided
+        }
+        out, at = [], 0
+        for k, nodes in enumerate(order.split(counts.tolist())):
+            e = edge_counts[k]
+            feats = {
+                m: dense[m][k] if m in dense else x.index_select(0, nodes)
+                for m, x in self.features.items()
+            }
+            out.append(
+                MultimodalGraph(
+                    name=self.name,
+                    features=feats,
+                    mask=self.mask[nodes],
+                    edge_index=edges[:, at : at + e].contiguous(),
+                    y=self.y[nodes],
+                    class_names=list(self.class_names),
+                    node_ids=None
+                    if self.node_ids is None
+                    else [self.node_ids[i] for i in nodes.tolist()],
+                )
+            )
+            at += e
+        return out
+
     def to_data(self) -> Data:
         """A PyG ``Data`` with ``x_<modality>`` attributes, ``modality_mask``, ``edge_index``, ``y``."""
         feats = {f"x_{m}": x for m, x in self.features.items()}
@@ -131,10 +180,15 @@ class MultimodalGraph:
 
 
 def clean_edges(edge_index: Tensor, num_nodes: int) -> Tensor:
-    """Make an edge list undirected, coalesced and free of self loops."""
-    edge_index, _ = remove_self_loops(edge_index.long())
-    edge_index = to_undirected(edge_index, num_nodes=num_nodes)
-    return coalesce(edge_index, num_nodes=num_nodes)
+    """Make an edge list undirected, coalesced (sorted by source, then target; no
+    duplicates) and free of self loops: PyG's ``to_undirected`` and ``coalesce``'s result,
+    with one sort of the edges' keys ``source * N + target`` instead of their several."""
+    src, dst = edge_index.long()
+    keep = src != dst
+    src, dst = src[keep], dst[keep]
+    n = max(int(num_nodes), 1)
+    keys = torch.unique(torch.cat([src * n + dst, dst * n + src]), sorted=True)
+    return torch.stack([keys // n, keys % n])
 
 
 def full_mask(num_nodes: int, num_modalities: int) -> Tensor:

@@ -145,6 +145,25 @@ def _gaussian(
     return torch.from_numpy(out)
 
 
+def _gaussian_fast(
+    means: np.ndarray, y: np.ndarray, noise: float, rng: np.random.Generator
+) -> torch.Tensor:
+    """``means[y] + noise * N(0, I)`` as :func:`_gaussian`, drawn by torch's generator in
+    float32 (seeded from ``rng``) and finished in place, chunk by chunk: no float64 draw and
+    no temporaries of the whole matrix; about 4x faster than :func:`_gaussian` (other
+    values, the same distribution). Used with the ``blocks`` sampler."""
+    n, d = y.size, means.shape[1]
+    g = torch.Generator().manual_seed(int(rng.integers(2**63 - 1)))
+    out = torch.randn((n, d), generator=g)
+    mu, labels = torch.from_numpy(means.astype(np.float32)), torch.from_numpy(y)
+    if noise != 1.0:
+        out.mul_(noise)
+    step = _ROWS_PER_CHUNK * 4
+    for start in range(0, n, step):
+        out[start : start + step].add_(mu.index_select(0, labels[start : start + step]))
+    return out
+
+
 def _multi_hot(
     y: np.ndarray, d: int, density: float, signal: float, rng: np.random.Generator
 ) -> torch.Tensor:
@@ -196,8 +215,9 @@ def make_synthetic(
     ``sampler`` picks how edges are drawn: ``"pairs"`` decides every pair (:math:`O(N^2)`
     work, the graphs of every shipped config), ``"blocks"`` draws each block pair's edge
     count, then its endpoints (:func:`_sbm_edges_by_block`, work in proportion to the
-    edges: seconds for 1M nodes), ``"auto"`` (default) ``"blocks"`` above
-    :data:`BLOCKS_ABOVE` nodes and ``"pairs"`` up to it.
+    edges: seconds for 1M nodes) and the dense modalities with torch's float32 generator
+    (:func:`_gaussian_fast`: other values of the same distribution, 4x faster), ``"auto"``
+    (default) ``"blocks"`` above :data:`BLOCKS_ABOVE` nodes and ``"pairs"`` up to it.
 
     Everything is a function of ``seed >= 0``: the labels and edges of one stream, each
     modality's features of a stream keyed by its name (so adding a modality or changing a
@@ -256,7 +276,8 @@ def make_synthetic(
         # crc32 rather than hash(): str hashes are salted per process.
         rng = np.random.default_rng([seed, 1, zlib.crc32(m.encode("utf-8"))])
         means = signal * rng.standard_normal((c, int(d)))
-        features[m] = _gaussian(means, y, noise, rng)
+        draw = _gaussian_fast if sampler == "blocks" else _gaussian
+        features[m] = draw(means, y, noise, rng)
     for m, d in multi_hot.items():
         rng = np.random.default_rng([seed, 2, zlib.crc32(m.encode("utf-8"))])
         x = _multi_hot(y, int(d), density, signal, rng)

@@ -7,6 +7,7 @@ in switches: replay budget, distillation, the proximal term and the rejection sc
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -167,8 +168,23 @@ class ContinualFedAvg(Algorithm):
             and hit[2].equal(nodes)
         ):
             return hit[3]
-        known = torch.tensor(self.stream.known(t), dtype=torch.long)
-        batch = stage_batch(client.data, known, self.supervised_classes(client.client_id, t), nodes)
+        for key in [(client.client_id, True), (client.client_id, False)]:
+            if key in built and built[key][0] != t:  # an earlier stage's: its rows go now
+                del built[key]
+        other = built.get((client.client_id, True))
+        if (
+            not replay
+            and other is not None
+            and other[0] == t
+            and unchanged(other[1], [client.data])
+        ):
+            # the same nodes (replay nodes are of known classes): that batch's tensors, shared
+            batch = copy.copy(other[3])
+            batch.replay_mask = torch.zeros_like(batch.replay_mask)
+        else:
+            known = torch.tensor(self.stream.known(t), dtype=torch.long)
+            sup = self.supervised_classes(client.client_id, t)
+            batch = stage_batch(client.data, known, sup, nodes)
         built[(client.client_id, replay)] = (t, graphs_identity([client.data]), nodes, batch)
         return batch
 
