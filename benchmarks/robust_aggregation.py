@@ -31,6 +31,11 @@ DEFENCES = {
     "screen_norm": "{rule: screen, cosine: 0.0, norm_ratio: 2.0}",
     "krum_keep4": "{rule: krum, byzantine: 1, keep: 4}",
     "screen_0.1": "{rule: screen, cosine: 0.1}",
+    "auto": "auto",
+    "screen_prev": "{rule: screen, reference: previous}",
+    "centered_clip": "{rule: centered_clip}",
+    "sign_0.5": "{rule: screen, measure: sign, relative: 0.5}",
+    "sign_0.6": "{rule: screen, measure: sign, relative: 0.6}",
 }
 
 
