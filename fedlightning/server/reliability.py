@@ -284,7 +284,7 @@ class FedTIPServer:
         )
         if combined is not None:  # Eq. (31) with the rule's combined delta
             omega = (self.omega.double() + self.eta_s * combined).to(self.omega.dtype)
-        if self.robust is not None:
+        if self.robust is not None and self.robust.remembers:
             self.previous = omega.double() - self.omega.double()
         self.omega = omega
         if self.use_anchors:

@@ -52,7 +52,9 @@ REFERENCES = ("median", "previous")
 MEASURES = ("cosine", "sign")
 # named settings of ``federation.robust``: ``auto``, the default, screens against the
 # previous global update and steps aside where it cannot run
-PRESETS = {"auto": {"rule": "screen", "cosine": 0.0, "relative": 0.5, "auto": True}}
+PRESETS = {
+    "auto": {"rule": "screen", "measure": "sign", "cosine": 0.0, "relative": 0.5, "auto": True}
+}
 log = logging.getLogger(__name__)
 
 
@@ -103,6 +105,14 @@ class RobustRule:
     @property
     def on(self) -> bool:
         return self.rule != "none"
+
+    @property
+    def remembers(self) -> bool:
+        """Whether the rule reads the previous global update (which the server then keeps,
+        and checkpoints)."""
+        return self.rule == "centered_clip" or (
+            self.rule == "screen" and self.reference == "previous"
+        )
 
     def steps_aside(self, fedavg_aggregation: bool, secure: bool, temporal: bool = False) -> bool:
         """Whether the default steps aside for this run (where it cannot run: under secure

@@ -123,7 +123,7 @@ class Server:
         for mod in self.modules.values():
             mod.aggregate(round, updates)
             self.global_state = mod.update_global(round, self.global_state)
-        if robust:
+        if robust and self.robust.remembers:
             self.previous = global_update(self.global_state, before)
 
     def weight_cap(self, update: ClientUpdate) -> float | None:

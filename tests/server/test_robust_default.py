@@ -28,12 +28,14 @@ from fedlightning.server.robust import (
     PRESETS,
     RobustRule,
     centered_clip,
+    coordinate_median,
     global_update,
     robust_aggregate,
     robust_deltas,
     robust_rule,
     robust_setting,
     screened,
+    sign_agreement,
 )
 
 F64 = torch.float64
@@ -50,7 +52,7 @@ def test_relative_screen_sets_aside_a_cosine_below_half_the_median_cosine():
     threshold is max(0, 0.5/sqrt2) = 0.354: the last row alone is set aside. A row at
     cos 0.3 (positive, so the absolute rule keeps it) is set aside by the relative one."""
     x = rows([1, 0], [1, 1], [0, 1], [2, 1], [-1, 0.2])
-    auto = robust_rule("auto")
+    auto = RobustRule("screen", cosine=0.0, relative=0.5)
     flagged = screened(auto, x, [10, 11, 12, 13, 14], None)
     assert [c for c, _ in flagged] == [14]
     cos = -0.8 / math.sqrt(1.04 * 2)
@@ -73,6 +75,27 @@ def test_relative_threshold_never_falls_below_the_absolute_one():
     cos = [0.2, 0.35, 0.6, 0.9, 1.0]
     x = torch.tensor([[c, math.sqrt(1 - c * c)] for c in cos], dtype=F64)
     assert [c for c, _ in screened(rule, x, range(5), rows([1, 0])[0])] == [0]
+
+
+def test_sign_agreement_by_hand():
+    """Reference (1, -2, 0, 3): the coordinates where it is not zero are 0, 1, 3. Row
+    (2, -1, 5, 1) agrees on all three (1); (-1, -1, 0, -1) on one of three ((1 - 2)/3);
+    (0, 1, 1, 0) disagrees on one, is zero on two (-1/3)."""
+    ref = rows([1, -2, 0, 3])[0]
+    x = rows([2, -1, 5, 1], [-1, -1, 0, -1], [0, 1, 1, 0])
+    assert torch.allclose(sign_agreement(x, ref), rows([1, -1 / 3, -1 / 3])[0])
+    assert sign_agreement(x, torch.zeros(4, dtype=F64)).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_the_default_screens_by_sign_agreement_with_half_the_median():
+    """Five rows; the median (1, 1, 1, 0) (coordinate-wise); sign agreements on the first
+    three coordinates: 1, 1, 1/3, 1/3, -1/3. Their median 1/3, half of it 1/6: only the
+    last row is set aside (and a row at 1/3 is kept, though below the others)."""
+    x = rows([1, 1, 1, 5], [2, 1, 3, -5], [1, 1, -1, 0], [-1, 2, 1, 0], [1, -1, -1, 0])
+    assert torch.equal(coordinate_median(x), rows([1, 1, 1, 0])[0])
+    flagged = screened(robust_rule("auto"), x, range(5), None)
+    assert [c for c, _ in flagged] == [4]
+    assert flagged[0][1] == "sign agreement -0.333 to the median update < 0.167"
 
 
 def test_previous_reference_by_hand():
@@ -109,9 +132,10 @@ def test_centered_clip_by_hand():
 # ------------------------------------------------------------- settings and stepping aside
 def test_auto_is_the_relative_screen_and_presets_take_overrides():
     auto = robust_rule("auto")
-    assert (auto.rule, auto.reference, auto.cosine, auto.relative, auto.auto) == (
+    assert (auto.rule, auto.reference, auto.measure, auto.cosine, auto.relative, auto.auto) == (
         "screen",
         "median",
+        "sign",
         0.0,
         0.5,
         True,
@@ -121,6 +145,7 @@ def test_auto_is_the_relative_screen_and_presets_take_overrides():
     for raw, key in [
         ({"rule": "screen", "reference": "mean"}, "reference"),
         ({"rule": "screen", "relative": 1.5}, "relative"),
+        ({"rule": "screen", "measure": "angle"}, "measure"),
         ({"rule": "centered_clip", "tau": 0}, "tau"),
         ({"rule": "centered_clip", "iters": 0}, "iters"),
     ]:
@@ -233,9 +258,11 @@ def test_the_server_keeps_the_previous_update_across_a_checkpoint():
     a.aggregate(2, nxt)
     b.aggregate(2, nxt)
     assert torch.equal(a.global_state["w"], b.global_state["w"]) and a.flagged == b.flagged
-    plain = FedAvg().server(GLOBAL)  # off: nothing new in the state dict
-    plain.aggregate(1, model_updates(1))
-    assert "robust_previous" not in plain.state_dict()
+    for rule in (None, robust_rule("auto")):  # off, or a rule without it: nothing new
+        plain = FedAvg().server(GLOBAL)
+        plain.robust = rule
+        plain.aggregate(1, model_updates(1))
+        assert "robust_previous" not in plain.state_dict()
 
 
 # ------------------------------------------------------------------ FedTIP's adapter
@@ -288,7 +315,11 @@ def test_fedtip_adapter_median_by_hand():
     server.aggregate(1, ups)
     med = torch.stack([u.tensors["delta"].double() for u in ups]).median(dim=0).values
     assert torch.allclose(server.omega.double(), med) and server.flagged == []
-    assert torch.allclose(server.previous, med)
+    assert server.previous is None  # the median reads no previous update
+    cc = tip_server(robust_rule({"rule": "centered_clip", "tau": 1e9, "iters": 1}))
+    cc.aggregate(1, ups)  # tau beyond every deviation: the plain mean from 0
+    mean = torch.stack([u.tensors["delta"].double() for u in ups]).mean(dim=0)
+    assert torch.allclose(cc.previous, mean) and torch.allclose(cc.omega.double(), mean)
 
 
 def test_fedtip_robust_is_wired_per_task_server_and_refuses_other_servers():
