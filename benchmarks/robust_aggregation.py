@@ -1,17 +1,20 @@
-"""What robust aggregation buys against sign-flipping clients, and what it costs on clean runs
+"""What robust aggregation buys against hostile clients, and what it costs on clean runs
 (docs/security.md, "Robust aggregation").
 
-Runs ``fedavg_cora`` in-process with the norm bound ``algorithm.max_update_norm`` for every
-defence (``federation.robust``) and attack: clean, and 1 or 2 of the 5 clients sending the
-sign-flipped update scaled to just under the norm bound (``w - 0.999 C d / ||d||`` for
-their honest update ``d``). Prints one markdown row per (defence, attack): the mean test
-accuracy over the seeds, its spread, the drop from the undefended clean run, the suspicious
-clients flagged, and the mean round time. Clients fit one at a time
-(``runner.stack_clients=false``) so that the attackers are injected by wrapping the
-one-client fit, as tests/integration/test_hostile_runs.py does.
+Runs a recipe (``fedavg_cora``, or ``cil_fedogl_cora`` with ``--recipe``) in-process with
+the norm bound ``algorithm.max_update_norm`` for every defence (``federation.robust``) and
+attack (:data:`ATTACKS`): clean; 1 or 2 of the 5 clients sending the sign-flipped update
+scaled to just under the norm bound (``w - 0.999 C d / ||d||`` for their honest update
+``d``); that update claiming ``num_examples=1e12``; the honest update times 1000; or
+training on labels shifted by one class. Prints one markdown row per (defence, attack):
+the mean metric over the seeds (test accuracy, or FedOGL's average accuracy ``am``), its
+spread, the drop from the undefended clean run (``--clean`` gives its mean when that run
+is not in the list), the clients set aside and rejected, and the mean round time. Clients
+fit one at a time (``runner.stack_clients=false``) so that the attackers are injected by
+wrapping the one-client fit, as tests/integration/test_hostile_runs.py does.
 
     PYTHONPATH=$PWD FEDLIGHTNING_DATA=<data root> python benchmarks/robust_aggregation.py \\
-        --rounds 20 --seeds 0 1 2
+        --rounds 20 --seeds 0 1 2 --defences none auto --attacks clean flip1 flip2
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ RECIPES = {
 }
 # attack -> (hostile clients, what each sends): ``flip`` its update turned around at 0.999 of
 # the norm bound; ``inflate`` that and ``num_examples=1e12``; ``scale`` its update 1000x (the
-# norm bound clips it); ``labels`` trains on labels shifted by one class (y + 1 mod C)
+# norm bound clips it); ``labels`` trains on its training labels shifted by one class (y + 1 mod C)
 ATTACKS = {
     "clean": (0, None),
     "flip1": (1, "flip"),
@@ -98,8 +101,10 @@ def attacked(attackers: set[int], kind: str | None, bound: float):
     def clients(graph, partition):
         out = real_clients(graph, partition)
         for c in out:
-            if c.client_id in attackers:
-                c.data.y = (c.data.y + 1) % graph.num_classes
+            if c.client_id in attackers:  # its training labels only (it is scored honestly)
+                y, train = c.data.y.clone(), c.data.train_mask
+                y[train] = (y[train] + 1) % graph.num_classes
+                c.data.y = y
         return out
 
     loop_module.local_fit = fit

@@ -119,10 +119,12 @@ class RobustRule:
         sums, an aggregation that is not FedAvg's, a temporal run), with one log line; a
         rule set by hand never does (the program refuses it where it cannot run)."""
         why = cannot_run(fedavg_aggregation, secure)
-        why = why or ("the default screens graph runs" if temporal else None)
-        if not self.auto or why is None:
+        if not self.auto or (why is None and not temporal):
             return False
-        log.info("federation.robust=auto steps aside: %s", why)
+        if why is None:  # by design, not a conflict: a quiet line
+            log.debug("federation.robust=auto steps aside: the default screens graph runs")
+        else:
+            log.info("federation.robust=auto steps aside: %s", why)
         return True
 
 
@@ -201,9 +203,11 @@ def stacked_deltas(
     updates: Sequence[ClientUpdate], reference: dict[str, Tensor]
 ) -> tuple[Tensor, list[str]]:
     """``[n, d]`` float64: each client's update (model minus ``reference``) over the floating
-    fields, flattened in key order; and those keys."""
+    fields that every client sends, flattened in key order; and those keys."""
     states = [model_state(u.tensors) for u in updates]
-    keys = [k for k, v in reference.items() if v.is_floating_point()]
+    keys = [  # the fields every client sends (a method may send part of its model)
+        k for k, v in reference.items() if v.is_floating_point() and all(k in s for s in states)
+    ]
     rows = [
         torch.cat([(s[k].double() - reference[k].double()).reshape(-1) for k in keys])
         for s in states

@@ -154,7 +154,7 @@ def test_auto_is_the_relative_screen_and_presets_take_overrides():
 
 
 def test_the_default_steps_aside_under_secure_sums_with_one_line(caplog):
-    with caplog.at_level(logging.INFO, logger="fedlightning.server.robust"):
+    with caplog.at_level(logging.DEBUG, logger="fedlightning.server.robust"):
         assert robust_setting("auto", fedavg_aggregation=True, secure=True) is None
         assert robust_setting("auto", fedavg_aggregation=False, secure=False) is None
         assert robust_setting("auto", True, False, temporal=True) is None
@@ -342,3 +342,15 @@ def test_fedtip_robust_through_the_round_records_suspicious_clients():
     federated_round(1, server, SequentialRunner(None, progress=False), clients, work, ledger)
     assert ledger.summary()["suspicious"]["per_client"] == {str(BAD): 1}
     assert not ledger.rejections
+
+
+def test_a_method_that_sends_part_of_its_model_is_screened_over_what_it_sends():
+    """A global field no client sends (a frozen part) is left out of the updates the rule
+    reads (it used to raise ``KeyError`` for FedMVP and PRISM)."""
+    ups = model_updates(flip=(BAD,))
+    reference = {**GLOBAL, "frozen": torch.ones(2)}
+    state, kept, flagged = robust_aggregate(robust_rule("auto"), ups, reference)
+    assert [c for c, _ in flagged] == [BAD] and "frozen" not in state
+    med, _, _ = robust_aggregate(robust_rule("median"), ups, reference)
+    by_hand = torch.stack([u.tensors["model.w"] for u in ups]).median(dim=0).values
+    assert torch.allclose(med["w"], by_hand)
