@@ -40,7 +40,9 @@ def flip_highest(monkeypatch) -> None:
     monkeypatch.setattr(FedTIP, "make_updates", spoiled)
 
 
-def test_fedtip_adapter_screen_sets_a_sign_flipped_client_aside(tmp_path, compose, monkeypatch):
+def test_fedtip_adapter_screen_sets_a_hostile_sign_flipped_client_aside(
+    tmp_path, compose, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FEDLIGHTNING_CACHE", str(tmp_path / "cache"))
 

@@ -46,7 +46,7 @@ def rows(*r: list[float]) -> torch.Tensor:
 
 
 # --------------------------------------------------------------- the relative screen by hand
-def test_relative_screen_sets_aside_a_cosine_below_half_the_median_cosine():
+def test_relative_screen_sets_aside_a_byzantine_cosine_below_half_the_median_cosine():
     """Rows (1,0), (1,1), (0,1), (2,1), (-1,0.2): coordinate-wise median (1, 1); cosines
     1/sqrt2, 1, 1/sqrt2, 3/sqrt10, -0.8/sqrt(2.08); their (lower) median is 1/sqrt2, so the
     threshold is max(0, 0.5/sqrt2) = 0.354: the last row alone is set aside. A row at
@@ -87,7 +87,7 @@ def test_sign_agreement_by_hand():
     assert sign_agreement(x, torch.zeros(4, dtype=F64)).tolist() == [0.0, 0.0, 0.0]
 
 
-def test_the_default_screens_by_sign_agreement_with_half_the_median():
+def test_the_default_screens_byzantine_rows_by_sign_agreement_with_half_the_median():
     """Five rows; the median (1, 1, 1, 0) (coordinate-wise); sign agreements on the first
     three coordinates: 1, 1, 1/3, 1/3, -1/3. Their median 1/3, half of it 1/6: only the
     last row is set aside (and a row at 1/3 is kept, though below the others)."""
@@ -98,7 +98,7 @@ def test_the_default_screens_by_sign_agreement_with_half_the_median():
     assert flagged[0][1] == "sign agreement -0.333 to the median update < 0.167"
 
 
-def test_previous_reference_by_hand():
+def test_previous_reference_sets_aside_a_byzantine_row_by_hand():
     """Reference ``previous`` = (1, 0): cosines of (1,1), (-1,0.1), (0,1) are 0.707, -0.995,
     0; with ``cosine`` 0 only the second is set aside. Without a usable previous update (none,
     zero, or another length) the median (0, 1) is the reference: the first two are kept and
@@ -219,7 +219,7 @@ def test_the_default_on_an_honest_round_is_fedavg_bitwise_and_flags_nobody():
     assert all(torch.equal(state[k], v) for k, v in fedavg(ups).items())
 
 
-def test_the_default_sets_a_sign_flipped_client_aside_through_the_round():
+def test_the_default_sets_a_hostile_sign_flipped_client_aside_through_the_round():
     """Through the real round with the default: the flipped client is recorded in
     ``suspicious`` (the ledger reports it once one is set aside) and the model is the
     FedAvg of the others; an honest round leaves the ledger's summary without the key."""
@@ -242,7 +242,7 @@ def test_the_default_sets_a_sign_flipped_client_aside_through_the_round():
             assert "suspicious" not in ledger.summary() and not ledger.screened
 
 
-def test_the_server_keeps_the_previous_update_across_a_checkpoint():
+def test_the_server_keeps_the_previous_update_across_a_checkpoint_with_a_hostile_round():
     """``reference: previous``: the server remembers the last global step (the rule's
     reference) in its state dict; a server restored from it decides the next round alike."""
     rule = RobustRule("screen", reference="previous")
@@ -290,7 +290,7 @@ def tip_server(rule: RobustRule | None) -> FedTIPServer:
     return server
 
 
-def test_fedtip_adapter_screen_sets_the_flipped_client_aside():
+def test_fedtip_adapter_screen_sets_the_hostile_flipped_client_aside():
     """A sign-flipped 3x delta is set aside; the adapter and the anchors are Eq. (30)-(31)
     and (23)-(24) over the other four (reliability weights recomputed among them)."""
     ups = tip_updates(flip=(BAD,))
@@ -307,7 +307,7 @@ def test_fedtip_adapter_screen_sets_the_flipped_client_aside():
     assert clean.flagged == [] and torch.equal(clean.omega, off.omega)
 
 
-def test_fedtip_adapter_median_by_hand():
+def test_fedtip_adapter_median_bounds_a_hostile_client_by_hand():
     """``median``: Eq. (31) with the coordinate-wise median of the deltas in place of
     Eq. (30)'s mean; the anchors from every message."""
     ups = tip_updates(flip=(BAD,))
@@ -330,7 +330,7 @@ def test_fedtip_robust_is_wired_per_task_server_and_refuses_other_servers():
         other(None)
 
 
-def test_fedtip_robust_through_the_round_records_suspicious_clients():
+def test_fedtip_robust_through_the_round_records_hostile_clients_as_suspicious():
     ups = {u.client_id: u for u in tip_updates(flip=(BAD,))}
     server = tip_server(robust_rule("screen"))
     ledger = CommLedger()
@@ -344,7 +344,7 @@ def test_fedtip_robust_through_the_round_records_suspicious_clients():
     assert not ledger.rejections
 
 
-def test_a_method_that_sends_part_of_its_model_is_screened_over_what_it_sends():
+def test_a_hostile_client_of_a_method_that_sends_part_of_its_model_is_screened():
     """A global field no client sends (a frozen part) is left out of the updates the rule
     reads (it used to raise ``KeyError`` for FedMVP and PRISM)."""
     ups = model_updates(flip=(BAD,))
