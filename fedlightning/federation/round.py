@@ -181,9 +181,9 @@ def _suspicious(
     rule = getattr(server, "robust", None)
     if not ours or rule is None or not rule.on:
         return
-    ledger.screened = True
     flagged = list(getattr(server, "flagged", ()))
-    ledger.suspect(round, flagged, scope)
+    ledger.suspect(round, flagged, scope)  # the default reports once it set one aside
+    ledger.screened = ledger.screened or not rule.auto or bool(ledger.suspicious)
     for client, why in flagged if runner.world.is_main else ():
         log.warning("round %d: client %d suspicious: %s", round, client, why)
 

@@ -209,7 +209,9 @@ def robust_of(cfg: DictConfig, server: Any) -> RobustRule | None:
         key, _, why = str(e).partition(": ")
         field = key if key.startswith("federation.robust") else "federation.robust"
         raise ConfigError(field, why if field == key else str(e)) from None
-    if not rule.on:
+    secure = enabled(cfg.federation.get("secure_sum", False))
+    plain = getattr(server, "aggregator", None) is fedavg
+    if not rule.on or rule.steps_aside(plain, secure):  # the default steps aside, one line
         return None
     if getattr(server, "aggregator", None) is not fedavg:
         raise ConfigError(

@@ -11,16 +11,19 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from fedlightning.errors import ConfigError
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.server.aggregate import strip_prefix
 from fedlightning.server.privacy import clip_embeddings, private_prototype  # noqa: F401
+from fedlightning.server.robust import RobustRule, robust_deltas
 
 EPS = 1e-8
 log = logging.getLogger(__name__)
@@ -224,6 +227,9 @@ class FedTIPServer:
 
     The server reads a client's update norm and coverage off the delta and the counts it
     received (:func:`read_update`), never off the scalars the client reports.
+
+    :attr:`robust` (``federation.robust``, set by :class:`RobustTaskServers`; ``None``: off)
+    aggregates the deltas by a robust rule (:func:`robust_adapter`).
     """
 
     def __init__(
@@ -245,7 +251,9 @@ class FedTIPServer:
         self.anchors: dict[int, Tensor] = {}
         self.uploaded: dict[int, Tensor] = {}
         self.proto_norm_ratio = proto_norm_ratio
-        self.flagged: list[tuple[int, str]] = []  # the last round's clipped prototypes
+        self.flagged: list[tuple[int, str]] = []  # the last round's suspicious clients
+        self.robust: RobustRule | None = None
+        self.previous: Tensor | None = None  # the last adapter update, the rule's reference
 
     def state(self) -> dict[str, Tensor]:
         r""":math:`\Omega^{(r)}` as a state dict."""
@@ -261,14 +269,23 @@ class FedTIPServer:
         """One round's messages into the adapter and the anchors."""
         messages = [read_update(u, self.classes) for u in updates]
         secure = any(u.client_id < 0 for u in updates)  # a secure sum's aggregate: no client
+        ids = [u.client_id for u in updates]
+        combined, robust = None, []
+        if self.robust is not None and self.robust.on and not secure and len(messages) > 1:
+            combined, kept, robust = robust_adapter(self.robust, messages, ids, self.previous)
+            messages, ids = [messages[i] for i in kept], [ids[i] for i in kept]
         ratio = None if secure else self.proto_norm_ratio
         messages, bounded = bound_prototypes(messages, ratio, self.anchors)
-        self.flagged = [(updates[i].client_id, why) for i, _, why in bounded]
-        for client, why in self.flagged:
+        self.flagged = robust + [(ids[i], why) for i, _, why in bounded]
+        for client, why in self.flagged[len(robust) :]:  # the round logs the rule's
             log.warning("round %d: client %d suspicious: %s", round, client, why)
         omega, anchors, _ = aggregate(
             self.omega, self.anchors, messages, self.eta_s, self.beta, self.reliability_weights
         )
+        if combined is not None:  # Eq. (31) with the rule's combined delta
+            omega = (self.omega.double() + self.eta_s * combined).to(self.omega.dtype)
+        if self.robust is not None and self.robust.remembers:
+            self.previous = omega.double() - self.omega.double()
         self.omega = omega
         if self.use_anchors:
             self.anchors = anchors
@@ -280,6 +297,41 @@ class FedTIPServer:
     def class_prototypes(self) -> dict[int, Tensor]:
         """The prototypes the server scores node classification against."""
         return dict(self.anchors) if self.use_anchors else dict(self.uploaded)
+
+
+def robust_adapter(
+    rule: RobustRule,
+    messages: Sequence[ClientSummary],
+    ids: Sequence[int],
+    previous: Tensor | None = None,
+) -> tuple[Tensor | None, list[int], list[tuple[int, str]]]:
+    r"""``federation.robust`` on the adapter deltas :math:`\Delta\Omega_k` of a round
+    (:func:`~fedlightning.server.robust.robust_deltas`, ``previous`` the last adapter
+    update): the combined delta (``None``: Eq. 30's weighted mean of the kept clients),
+    the indices of the messages kept (their prototypes and counts feed Eqs. 23-24), and
+    ``(client, why)`` for each client set aside."""
+    x = torch.stack([m.delta.double().reshape(-1) for m in messages])
+    return robust_deltas(rule, x, ids, previous)
+
+
+class RobustTaskServers:
+    """A method's ``task_server`` with ``federation.robust`` set on every task's server (a
+    :class:`FedTIPServer`; any other server is refused in one line)."""
+
+    def __init__(self, make: Callable[[Any], Any], rule: RobustRule) -> None:
+        self.make, self.rule = make, rule
+
+    def __call__(self, module: Any) -> Any:
+        server = self.make(module)
+        if not isinstance(server, FedTIPServer):
+            raise ConfigError(
+                "federation.robust",
+                f"{self.rule.rule} reads each client's adapter update, and this method's "
+                f"server ({type(server).__name__}) aggregates otherwise; use "
+                "federation.robust=none",
+            )
+        server.robust = self.rule
+        return server
 
 
 ANCHOR = "anchor."

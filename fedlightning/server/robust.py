@@ -11,9 +11,21 @@ as suspicious, which the round records beside its rejections (``comm.suspicious`
   largest and of the smallest values (Yin et al., ICML 2018);
 - ``krum``: multi-Krum (Blanchard et al., NeurIPS 2017): the FedAvg of the ``keep`` clients
   whose updates are closest to their :math:`n - f - 2` nearest neighbours;
-- ``screen``: norm-and-direction screening: a client whose update's cosine to the
-  coordinate-wise median update is below ``cosine`` (or whose norm is above ``norm_ratio``
-  times the median norm) is set aside, the others are averaged by FedAvg.
+- ``screen``: norm-and-direction screening: a client whose update's cosine to a robust
+  reference is below ``cosine`` (or whose norm is above ``norm_ratio`` times the median
+  norm) is set aside, the others are averaged by FedAvg. The reference is the
+  coordinate-wise median update (``reference: median``) or the previous global update
+  :math:`\bar w^{(t)} - \bar w^{(t-1)}` (``reference: previous``; the median in a round
+  without one): an honest update continues the optimisation, so its cosine to the last
+  (itself screened) aggregate step is positive, and a sign-flipped one's is negative;
+- ``centered_clip``: centered clipping (Karimireddy, He and Jaggi, ICML 2021, Eq. 2):
+  :math:`v \leftarrow v + \frac1n \sum_k \mathrm{clip}_\tau(\Delta_k - v)`, ``iters``
+  times, from the previous global update (zero in a round without one).
+
+``auto`` (the default, :data:`PRESETS`) is ``screen`` against the previous global update
+with the default's manners (:attr:`RobustRule.auto`): it steps aside with one log line
+where it cannot run (secure sums, an aggregation that is not FedAvg's, a temporal run),
+and a run in which it sets no client aside is bit for bit the run without it.
 
 The rules mirror Flower's ``FedMedian``, ``FedTrimmedAvg`` and ``Krum`` strategies (the tests
 compare them with Flower's ``aggregate_*`` functions), written here over torch state dicts
@@ -22,6 +34,7 @@ so that the core server needs no optional dependency and keeps every field's dty
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,10 +43,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fedlightning.errors import ConfigError
 from fedlightning.messages import ClientUpdate
 from fedlightning.server.aggregate import fedavg, model_state
 
-RULES = ("none", "median", "trimmed_mean", "krum", "screen")
+RULES = ("none", "median", "trimmed_mean", "krum", "screen", "centered_clip")
+REFERENCES = ("median", "previous")
+MEASURES = ("cosine", "sign")
+# named settings of ``federation.robust``: ``auto``, the default, screens against the
+# previous global update and steps aside where it cannot run
+PRESETS = {
+    "auto": {"rule": "screen", "measure": "sign", "cosine": 0.0, "relative": 0.5, "auto": True}
+}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +71,22 @@ class RobustRule:
             (default 0.0: an update pointing away from the median one is set aside).
         norm_ratio: ``screen``: the most a client's update norm may exceed the median norm,
             as a factor (``None``: no norm screen).
+        reference: ``screen``: what the cosine is measured against, ``median`` (the
+            coordinate-wise median update) or ``previous`` (the previous global update;
+            the median in a round without one).
+        measure: ``screen``: ``cosine`` (the update's cosine to the reference) or ``sign``
+            (:func:`sign_agreement`: the mean agreement of its coordinates' signs with the
+            reference's, in [-1, 1]); ``cosine`` and ``relative`` threshold it alike.
+        relative: ``screen``: a client is also set aside when its cosine is below this
+            fraction of the round's median cosine (``None``: the absolute ``cosine``
+            alone); the threshold is the larger of the two.
+        tau: ``centered_clip``: the clipping radius :math:`\tau` (``None``: the median norm
+            of the round's deviations from the centre).
+        iters: ``centered_clip``: the clipping iterations :math:`L` (default 3).
+        auto: the default's manners: where the rule cannot run (under secure sums, for an
+            aggregation that is not FedAvg's, on a temporal run) it steps aside with one
+            log line instead of being refused, and ``suspicious`` is reported once it has
+            set a client aside (a run in which it sets none aside is bit for bit FedAvg's).
     """
 
     rule: str = "none"
@@ -57,26 +95,79 @@ class RobustRule:
     keep: int | None = None
     cosine: float = 0.0
     norm_ratio: float | None = None
+    reference: str = "median"
+    measure: str = "cosine"
+    relative: float | None = None
+    tau: float | None = None
+    iters: int = 3
+    auto: bool = False
 
     @property
     def on(self) -> bool:
         return self.rule != "none"
+
+    @property
+    def remembers(self) -> bool:
+        """Whether the rule reads the previous global update (which the server then keeps,
+        and checkpoints)."""
+        return self.rule == "centered_clip" or (
+            self.rule == "screen" and self.reference == "previous"
+        )
+
+    def steps_aside(self, fedavg_aggregation: bool, secure: bool, temporal: bool = False) -> bool:
+        """Whether the default steps aside for this run (where it cannot run: under secure
+        sums, an aggregation that is not FedAvg's, a temporal run), with one log line; a
+        rule set by hand never does (the program refuses it where it cannot run)."""
+        why = cannot_run(fedavg_aggregation, secure)
+        if not self.auto or (why is None and not temporal):
+            return False
+        if why is None:  # by design, not a conflict: a quiet line
+            log.debug("federation.robust=auto steps aside: the default screens graph runs")
+        else:
+            log.info("federation.robust=auto steps aside: %s", why)
+        return True
+
+
+def cannot_run(fedavg_aggregation: bool, secure: bool) -> str | None:
+    """Why a robust rule cannot run (``None``: it can)."""
+    if secure:
+        return "federation.secure_sum=true hides each client's update"
+    if not fedavg_aggregation:
+        return "this method aggregates otherwise than FedAvg"
+    return None
 
 
 def robust_rule(raw: Any) -> RobustRule:
     """``federation.robust`` (``None``, a rule name, or a mapping of :class:`RobustRule`'s
     fields) as a :class:`RobustRule`; ``ValueError`` naming the key otherwise."""
     if raw is None or isinstance(raw, str):
-        raw = {"rule": raw or "none"}
+        raw = PRESETS.get(raw or "none", {"rule": raw or "none"})
     if not hasattr(raw, "items"):
         raise ValueError(f"federation.robust: expected a rule name or a mapping, got {raw!r}")
+    if raw.get("rule") in PRESETS:  # a preset with some of its fields set by hand
+        raw = {**PRESETS[raw["rule"]], **{k: v for k, v in raw.items() if k != "rule"}}
     known = set(RobustRule.__dataclass_fields__)
     extra = sorted(set(raw) - known)
     if extra:
         raise ValueError(f"federation.robust.{extra[0]}: unknown key (keys: {sorted(known)})")
     rule = RobustRule(**dict(raw.items()))
     if rule.rule not in RULES:
-        raise ValueError(f"federation.robust.rule: one of {list(RULES)}, got {rule.rule!r}")
+        names = [*RULES, *PRESETS]
+        raise ValueError(f"federation.robust.rule: one of {names}, got {rule.rule!r}")
+    if rule.reference not in REFERENCES:
+        raise ValueError(
+            f"federation.robust.reference: one of {list(REFERENCES)}, got {rule.reference!r}"
+        )
+    if rule.measure not in MEASURES:
+        raise ValueError(
+            f"federation.robust.measure: one of {list(MEASURES)}, got {rule.measure!r}"
+        )
+    if rule.relative is not None and not 0.0 <= float(rule.relative) <= 1.0:
+        raise ValueError(f"federation.robust.relative: expected [0, 1], got {rule.relative!r}")
+    if rule.tau is not None and not float(rule.tau) > 0:
+        raise ValueError(f"federation.robust.tau: expected > 0, got {rule.tau!r}")
+    if int(rule.iters) < 1:
+        raise ValueError(f"federation.robust.iters: expected >= 1, got {rule.iters!r}")
     if not 0.0 <= float(rule.trim) < 0.5:
         raise ValueError(f"federation.robust.trim: expected [0, 0.5), got {rule.trim!r}")
     if int(rule.byzantine) < 0 or (rule.keep is not None and int(rule.keep) < 1):
@@ -88,13 +179,35 @@ def robust_rule(raw: Any) -> RobustRule:
     return rule
 
 
+def robust_setting(
+    raw: Any, fedavg_aggregation: bool, secure: bool, temporal: bool = False
+) -> RobustRule | None:
+    """``federation.robust`` for a run: its rule, or ``None`` (off, or the default stepping
+    aside, :meth:`RobustRule.steps_aside`); :class:`ConfigError` in one line for a bad
+    value or for a rule set by hand that cannot run."""
+    try:
+        rule = robust_rule(raw)
+    except (TypeError, ValueError) as e:
+        key, _, why = str(e).partition(": ")
+        field = key if key.startswith("federation.robust") else "federation.robust"
+        raise ConfigError(field, why if field == key else str(e)) from None
+    if not rule.on or rule.steps_aside(fedavg_aggregation, secure, temporal):
+        return None
+    why = cannot_run(fedavg_aggregation, secure)
+    if why is not None:
+        raise ConfigError("federation.robust", f"{rule.rule} cannot run: {why}; choose one")
+    return rule
+
+
 def stacked_deltas(
     updates: Sequence[ClientUpdate], reference: dict[str, Tensor]
 ) -> tuple[Tensor, list[str]]:
     """``[n, d]`` float64: each client's update (model minus ``reference``) over the floating
-    fields, flattened in key order; and those keys."""
+    fields that every client sends, flattened in key order; and those keys."""
     states = [model_state(u.tensors) for u in updates]
-    keys = [k for k, v in reference.items() if v.is_floating_point()]
+    keys = [  # the fields every client sends (a method may send part of its model)
+        k for k, v in reference.items() if v.is_floating_point() and all(k in s for s in states)
+    ]
     rows = [
         torch.cat([(s[k].double() - reference[k].double()).reshape(-1) for k in keys])
         for s in states
@@ -136,6 +249,98 @@ def cosines(x: Tensor, ref: Tensor) -> Tensor:
     return torch.where(norms > 0, dots / norms.clamp_min(1e-300), torch.zeros_like(dots))
 
 
+def centered_clip(x: Tensor, center: Tensor, tau: float | None, iters: int) -> Tensor:
+    r"""Centered clipping (Karimireddy, He and Jaggi, ICML 2021, Eq. 2), ``iters`` times:
+    :math:`v \leftarrow v + \frac1n \sum_k (\Delta_k - v) \min(1, \tau / \lVert \Delta_k -
+    v\rVert)` from ``center``; ``tau`` ``None``: the median norm of the first deviations."""
+    v = center
+    for _ in range(iters):
+        d = x - v
+        norms = d.norm(dim=1)
+        t = float(norms.median()) if tau is None else float(tau)
+        scale = torch.where(norms > t, t / norms.clamp_min(1e-300), torch.ones_like(norms))
+        v = v + (d * scale[:, None]).mean(dim=0)
+        tau = t
+    return v
+
+
+def sign_agreement(x: Tensor, ref: Tensor) -> Tensor:
+    r"""Each row's sign agreement with ``ref`` over the coordinates where ``ref`` is not
+    zero, :math:`\frac1{|S|}\sum_{j \in S} \mathrm{sign}(x_j)\,\mathrm{sign}(r_j)` in
+    :math:`[-1, 1]` (0: chance; 0 for every row when ``ref`` is zero)."""
+    on = ref != 0
+    if not bool(on.any()):
+        return torch.zeros(x.size(0), dtype=x.dtype)
+    return (torch.sign(x[:, on]) * torch.sign(ref[on])).sum(dim=1) / on.sum()
+
+
+def screened(
+    rule: RobustRule, x: Tensor, ids: Sequence[int], previous: Tensor | None
+) -> list[tuple[int, str]]:
+    """``(client, why)`` for each row of ``x`` that the ``screen`` rule sets aside: a cosine
+    below ``rule.cosine`` to its reference (:attr:`RobustRule.reference`), or a norm above
+    ``rule.norm_ratio`` times the median norm."""
+    ref, name = coordinate_median(x), "the median update"
+    if rule.reference == "previous" and usable(previous, x):
+        ref, name = previous, "the previous global update"
+    cos = cosines(x, ref) if rule.measure == "cosine" else sign_agreement(x, ref)
+    what = "cosine" if rule.measure == "cosine" else "sign agreement"
+    low = float(rule.cosine)
+    if rule.relative is not None:  # a fraction of the round's median cosine
+        low = max(low, float(rule.relative) * float(cos.median()))
+    norms = x.norm(dim=1)
+    top = float(rule.norm_ratio) * float(norms.median()) if rule.norm_ratio else math.inf
+    flagged = []
+    for i, k in enumerate(ids):
+        if float(cos[i]) < low:
+            flagged.append((k, f"{what} {float(cos[i]):.3f} to {name} < {low:.3g}"))
+        elif float(norms[i]) > top:
+            flagged.append((k, f"update norm {float(norms[i]):.3g} > {rule.norm_ratio:g} x median"))
+    return flagged
+
+
+def usable(previous: Tensor | None, x: Tensor) -> bool:
+    """Whether ``previous`` (the last global update) can be a reference for the rows of
+    ``x``: as long as a row (the model did not change shape) and not zero."""
+    return previous is not None and previous.numel() == x.size(1) and bool(previous.any())
+
+
+def robust_deltas(
+    rule: RobustRule, x: Tensor, ids: Sequence[int], previous: Tensor | None = None
+) -> tuple[Tensor | None, list[int], list[tuple[int, str]]]:
+    """``rule`` on the round's updates (the rows of ``x``, from clients ``ids``), with
+    ``previous`` the last global update (or ``None``): the combined update (``None``: the
+    method's own weighted mean of the kept rows), the indices of the rows kept, and
+    ``(client, why)`` for each client set aside."""
+    n = x.size(0)
+    if rule.rule in ("median", "trimmed_mean"):
+        agg = coordinate_median(x) if rule.rule == "median" else trimmed_mean(x, rule.trim)
+        return agg, list(range(n)), []
+    if rule.rule == "centered_clip":
+        center = previous.double() if usable(previous, x) else torch.zeros_like(x[0])
+        return centered_clip(x, center, rule.tau, int(rule.iters)), list(range(n)), []
+    if rule.rule == "krum":
+        keep = rule.keep if rule.keep is not None else max(1, n - rule.byzantine)
+        scores = krum_scores(x, rule.byzantine)
+        order = sorted(range(n), key=lambda i: (float(scores[i]), i))
+        kept = sorted(order[: min(keep, n)])
+        why = f"multi-Krum: not among the {len(kept)} closest updates"
+        return None, kept, [(ids[i], why) for i in range(n) if i not in kept]
+    flagged = screened(rule, x, ids, previous)
+    bad = {k for k, _ in flagged}
+    kept = [i for i in range(n) if ids[i] not in bad] or list(range(n))
+    return None, kept, flagged
+
+
+def global_update(state: dict[str, Tensor], before: dict[str, Tensor]) -> Tensor | None:
+    """The global model's last step ``state - before`` over ``before``'s floating fields,
+    flattened in key order as :func:`stacked_deltas` (``None`` if the model changed shape)."""
+    keys = [k for k, v in before.items() if v.is_floating_point()]
+    if any(k not in state or state[k].shape != before[k].shape for k in keys):
+        return None
+    return torch.cat([(state[k].double() - before[k].double()).reshape(-1) for k in keys])
+
+
 def _with(reference: dict[str, Tensor], keys: list[str], delta: Tensor, base: dict) -> dict:
     """``base`` (integer buffers from FedAvg) with the floating fields ``reference + delta``."""
     out, at = dict(base), 0
@@ -148,40 +353,20 @@ def _with(reference: dict[str, Tensor], keys: list[str], delta: Tensor, base: di
 
 
 def robust_aggregate(
-    rule: RobustRule, updates: Sequence[ClientUpdate], reference: dict[str, Tensor]
+    rule: RobustRule,
+    updates: Sequence[ClientUpdate],
+    reference: dict[str, Tensor],
+    previous: Tensor | None = None,
 ) -> tuple[dict[str, Tensor], list[ClientUpdate], list[tuple[int, str]]]:
     """The next global model under ``rule`` from the round's ``updates`` around
-    ``reference`` (the broadcast global model); the updates kept (what the server's modules
-    see); and ``(client, why)`` for each client set aside as suspicious."""
+    ``reference`` (the broadcast global model), ``previous`` the last global update
+    (:func:`global_update`, or ``None``); the updates kept (what the server's modules see);
+    and ``(client, why)`` for each client set aside as suspicious."""
     if not rule.on or len(updates) < 2:
         return fedavg(updates), list(updates), []
     x, keys = stacked_deltas(updates, reference)
-    ids = [u.client_id for u in updates]
-    if rule.rule in ("median", "trimmed_mean"):
-        base = fedavg(updates)  # integer buffers (counters) as FedAvg has them
-        agg = coordinate_median(x) if rule.rule == "median" else trimmed_mean(x, rule.trim)
-        return _with(reference, keys, agg, base), list(updates), []
-    if rule.rule == "krum":
-        keep = rule.keep if rule.keep is not None else max(1, len(updates) - rule.byzantine)
-        scores = krum_scores(x, rule.byzantine)
-        order = sorted(range(len(updates)), key=lambda i: (float(scores[i]), i))
-        kept = sorted(order[: min(keep, len(updates))])
-        why = f"multi-Krum: not among the {len(kept)} closest updates"
-        flagged = [(ids[i], why) for i in range(len(updates)) if i not in kept]
-        chosen = [updates[i] for i in kept]
-        return fedavg(chosen), chosen, flagged
-    ref = coordinate_median(x)  # screen
-    cos = cosines(x, ref)
-    norms = x.norm(dim=1)
-    top = float(rule.norm_ratio) * float(norms.median()) if rule.norm_ratio else math.inf
-    flagged = []
-    for i, k in enumerate(ids):
-        if float(cos[i]) < rule.cosine:
-            flagged.append(
-                (k, f"cosine {float(cos[i]):.3f} to the median update < {rule.cosine:g}")
-            )
-        elif float(norms[i]) > top:
-            flagged.append((k, f"update norm {float(norms[i]):.3g} > {rule.norm_ratio:g} x median"))
-    bad = {k for k, _ in flagged}
-    chosen = [u for u in updates if u.client_id not in bad] or list(updates)
+    agg, kept, flagged = robust_deltas(rule, x, [u.client_id for u in updates], previous)
+    chosen = [updates[i] for i in kept]
+    if agg is not None:  # integer buffers (counters) as FedAvg has them
+        return _with(reference, keys, agg, fedavg(updates)), chosen, flagged
     return fedavg(chosen), chosen, flagged

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.server.aggregate import as_model_fields, bound_update, fedavg
-from fedlightning.server.robust import RobustRule, robust_aggregate
+from fedlightning.server.robust import RobustRule, global_update, robust_aggregate
 
 Aggregator = Callable[[Sequence[ClientUpdate]], dict[str, Tensor]]
 
@@ -93,6 +93,7 @@ class Server:
         # aggregated by a robust rule; ``flagged``: the last round's suspicious clients
         self.robust: RobustRule | None = None
         self.flagged: list[tuple[int, str]] = []
+        self.previous: Tensor | None = None  # the last global update, the rule's reference
 
     def setup(self, num_clients: int) -> None:
         """Tell every module the initial global model and the number of clients."""
@@ -119,15 +120,18 @@ class Server:
             updates = [
                 bound_update(u, self.global_state, None, self.weight_cap(u)) for u in updates
             ]
-        if self.robust is not None and self.robust.on:
+        before, robust = self.global_state, self.robust is not None and self.robust.on
+        if robust:
             self.global_state, updates, self.flagged = robust_aggregate(
-                self.robust, updates, self.global_state
+                self.robust, updates, self.global_state, self.previous
             )
         else:
             self.global_state = self.aggregator(updates)
         for mod in self.modules.values():
             mod.aggregate(round, updates)
             self.global_state = mod.update_global(round, self.global_state)
+        if robust and self.robust.remembers:
+            self.previous = global_update(self.global_state, before)
 
     def weight_cap(self, update: ClientUpdate) -> float | None:
         """The most weight ``update``'s client may have: ``max_client_weight`` and its bound
@@ -146,12 +150,15 @@ class Server:
             mod.end_stage(stage, updates)
 
     def state_dict(self) -> dict[str, Any]:
+        robust = {} if self.previous is None else {"robust_previous": self.previous}
         return {
             "global_state": self.global_state,
             "modules": {k: m.state_dict() for k, m in self.modules.items()},
+            **robust,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_state = detach_state(state["global_state"])
+        self.previous = state.get("robust_previous")
         for k, m in self.modules.items():
             m.load_state_dict(state["modules"][k])
