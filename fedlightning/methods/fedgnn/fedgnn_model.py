@@ -160,7 +160,7 @@ def history_graph(protocol, snapshot, chunk: int = 1024) -> HistoryGraph:
 # ---------------------------------------------------------------------- evaluation
 class ScoreView(nn.Module):
     r"""A baseline's scores as the task loop's server-side evaluation reads an adapter
-    (:func:`fedlightning.federation.task_loop.evaluate`): the segments carry each event's score
+    (:func:`fedlightning.clients.temporal_prompt.score_segment`): the segments carry each event's score
     in the recency slots (``r_i`` positive / node logit, ``r_j`` negative, float64) and unit
     reference vectors in ``h_i``, ``h_j``; the view maps a score ``s`` to ``[s, 1]``
     (link prediction: cosine with ``[1, 0]`` is :math:`s/\sqrt{1+s^2}`) or ``[s, -s, 1]``
