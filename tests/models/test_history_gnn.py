@@ -132,14 +132,14 @@ def test_fedgcn_first_layer_sees_the_other_clients_neighbour_sums():
     alg = fedgcn(exchange=True)
     x = alg.history.x
     ledger = CommLedger()
-    alg.prepare(Loop(), ledger, "task=0")
+    alg.before_tasks(Loop(), ledger, "task=0")
     # client 0's row of item 3: its own user 0 and client 1's user 2 (the exchanged sum)
     want = (x[3] + x[0] + x[2]) / 3
     assert torch.allclose(alg.client_graph(0).x[3], want)
     assert torch.allclose(alg.client_graph(1).x[3], want)  # the same global row for both
     # without the exchange, client 0 sees only its own user 0
     local = fedgcn(exchange=False)
-    local.prepare(Loop(), CommLedger(), "task=0")
+    local.before_tasks(Loop(), CommLedger(), "task=0")
     assert torch.allclose(local.client_graph(0).x[3], (x[3] + x[0]) / 2)
     assert not torch.allclose(local.client_graph(0).x[3], want)
     # the ledger: each client once, per node with a local edge its id, d sums and a count
@@ -177,7 +177,7 @@ def test_fedsage_mended_graph_has_the_generated_neighbours():
     alg.attach(None, proto)
     alg.use_history(graph)
     ledger = CommLedger()
-    alg.prepare(Loop(), ledger, "task=0")
+    alg.before_tasks(Loop(), ledger, "task=0")
     gen = alg.generator
     with torch.no_grad():
         for k in (0, 1):
