@@ -77,7 +77,34 @@ class StackDropout(nn.Module):
         return x * noise[first : first + x.size(0)].div_(1 - self.p)
 
 
-class PromptAdapter(nn.Module):
+class StackedCopies:
+    """The verbs of a task's trainable module that holds ``copies`` stacked parameter sets
+    (every parameter ``[copies, ...]``): its place in a round, and its copies set from or
+    read as single-copy states. :class:`PromptAdapter` and the DyGPrompt module share them."""
+
+    copies: int
+
+    def place(self, first: int, total: int) -> None:
+        """These copies are ``first .. first + copies - 1`` of a round of ``total``: dropout
+        draws the whole round's masks and keeps theirs (:class:`StackDropout`)."""
+        if not 0 <= first <= total - self.copies:
+            raise ValueError(f"copies {first}..{first + self.copies - 1} are not among {total}")
+        for m in self.modules():
+            if isinstance(m, StackDropout):
+                m.window = (first, total)
+
+    def load_copies(self, state: dict[str, Tensor]) -> None:
+        """Set every copy to the single-copy ``state`` (the server's global parameters)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(state[name][:1].expand_as(p))
+
+    def copy_state(self, k: int) -> dict[str, Tensor]:
+        """Copy ``k`` as a single-copy state dict."""
+        return {n: p.detach()[k : k + 1].clone() for n, p in self.named_parameters()}
+
+
+class PromptAdapter(StackedCopies, nn.Module):
     r"""Eqs. (14)-(17): the gates and the template, the only trainable part of FedTIP.
 
     .. math::
@@ -188,25 +215,6 @@ class PromptAdapter(nn.Module):
         out = PromptAdapter(**self.config, copies=copies)
         out.load_copies(self.state_dict())
         return out
-
-    def place(self, first: int, total: int) -> None:
-        """These copies are ``first .. first + copies - 1`` of a round of ``total``: dropout
-        draws the whole round's masks and keeps theirs (:class:`StackDropout`)."""
-        if not 0 <= first <= total - self.copies:
-            raise ValueError(f"copies {first}..{first + self.copies - 1} are not among {total}")
-        for m in self.modules():
-            if isinstance(m, StackDropout):
-                m.window = (first, total)
-
-    def load_copies(self, state: dict[str, Tensor]) -> None:
-        """Set every copy to the single-copy ``state`` (the server's :math:`\\Omega^{(r)}`)."""
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                p.copy_(state[name][:1].expand_as(p))
-
-    def copy_state(self, k: int) -> dict[str, Tensor]:
-        """Copy ``k`` as a single-copy state dict."""
-        return {n: p.detach()[k : k + 1].clone() for n, p in self.named_parameters()}
 
 
 def class_prototypes(h: Tensor, y: Tensor, mask: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:

@@ -36,7 +36,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from fedlightning.temporal.adapter import StackDropout, StackedLinear
+from fedlightning.temporal.adapter import StackDropout, StackedCopies, StackedLinear
 
 INITS = ("identity", "xavier")  # DyGPromptModule's starts (module docstring of dygprompt.py)
 Batch = dict[str, Tensor]
@@ -80,7 +80,7 @@ def fuse(x_tv: Tensor, f_tv: Tensor) -> Tensor:
     return x_tv + f_tv
 
 
-class DyGPromptModule(nn.Module):
+class DyGPromptModule(StackedCopies, nn.Module):
     r"""The node prompt, the time prompt, TCN and NCN (module docstring): all that trains
     and travels.
 
@@ -171,21 +171,3 @@ class DyGPromptModule(nn.Module):
         out = DyGPromptModule(**self.config, copies=copies)
         out.load_copies(self.state_dict())
         return out
-
-    def place(self, first: int, total: int) -> None:
-        """These copies are ``first ..`` of a round of ``total`` (the dropout's window)."""
-        if not 0 <= first <= total - self.copies:
-            raise ValueError(f"copies {first}..{first + self.copies - 1} are not among {total}")
-        for m in self.modules():
-            if isinstance(m, StackDropout):
-                m.window = (first, total)
-
-    def load_copies(self, state: dict[str, Tensor]) -> None:
-        """Set every copy to the single-copy ``state`` (the server's global parameters)."""
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                p.copy_(state[name][:1].expand_as(p))
-
-    def copy_state(self, k: int) -> dict[str, Tensor]:
-        """Copy ``k`` as a single-copy state dict."""
-        return {n: p.detach()[k : k + 1].clone() for n, p in self.named_parameters()}
