@@ -90,7 +90,8 @@ def main() -> None:
         "OMP_NUM_THREADS": "1",
     }
     base = [f"max_tasks={args.tasks}", "threads=1", "logger=none"]
-    sides = {"ref": (ref_tree, [f"experiment={args.experiment}", *base])}
+    # each tree's own form of the recipe: an older checkout's own file, or the composed form
+    sides = {"ref": (ref_tree, [*recipe_overrides(args.experiment, ref_tree / "conf"), *base])}
     head = [*recipe_overrides(args.experiment, REPO / "conf"), *base]  # recipes: protocol x data
     for w in args.workers:
         sides[f"head w={w}"] = (REPO, [*head, f"task_workers={w}"])
