@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -88,16 +86,7 @@ def main() -> None:
                 "rounds": args.rounds,
                 "threads": args.threads,
             }
-            out = subprocess.run(
-                [sys.executable, __file__, "--point", json.dumps(spec)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            lines = [x for x in out.stdout.splitlines() if x.startswith("POINT ")]
-            if out.returncode != 0 or not lines:
-                raise RuntimeError(f"{spec} failed ({out.returncode}): {out.stderr[-2000:]}")
-            r = json.loads(lines[-1][len("POINT ") :])
+            r = curves().run_point(spec, __file__)
             rows.append(r)
             print(
                 f"{method} {mode}: N={r['nodes']} E={r['edges']} K={r['clients']}: set-up "

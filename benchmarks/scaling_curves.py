@@ -131,10 +131,11 @@ def setup_only(cfg) -> dict:
     return {**out, "edges": graph.num_edges, "round_s": math.nan, "peak_rss_mib": peak_rss_mib()}
 
 
-def run_point(spec: dict) -> dict:
-    """:func:`point` in a fresh interpreter (its own peak memory)."""
+def run_point(spec: dict, script: str = __file__) -> dict:
+    """``script --point SPEC`` (this one's :func:`point`) in a fresh interpreter (its own
+    peak memory): the ``POINT`` line it prints, read back."""
     out = subprocess.run(
-        [sys.executable, __file__, "--point", json.dumps(spec)],
+        [sys.executable, script, "--point", json.dumps(spec)],
         capture_output=True,
         text=True,
         check=False,
