@@ -6,7 +6,8 @@ the norm bound ``algorithm.max_update_norm`` for every defence (``federation.rob
 attack (:data:`ATTACKS`): clean; 1 or 2 of the 5 clients sending the sign-flipped update
 scaled to just under the norm bound (``w - 0.999 C d / ||d||`` for their honest update
 ``d``); that update claiming ``num_examples=1e12``; the honest update times 1000; or
-training on labels shifted by one class. Prints one markdown row per (defence, attack):
+training on labels shifted by one class; or absent (their fits fail every round: the
+floor a defence that sets the attackers aside can reach). Prints one markdown row per (defence, attack):
 the mean metric over the seeds (test accuracy, or FedOGL's average accuracy ``am``), its
 spread, the drop from the undefended clean run (``--clean`` gives its mean when that run
 is not in the list), the clients set aside and rejected, and the mean round time. Clients
@@ -49,7 +50,9 @@ RECIPES = {
 }
 # attack -> (hostile clients, what each sends): ``flip`` its update turned around at 0.999 of
 # the norm bound; ``inflate`` that and ``num_examples=1e12``; ``scale`` its update 1000x (the
-# norm bound clips it); ``labels`` trains on its training labels shifted by one class (y + 1 mod C)
+# norm bound clips it); ``labels`` trains on its training labels shifted by one class (y + 1 mod C);
+# ``absent`` sends nothing (its fit fails every round): what a defence that sets the attackers
+# aside every round can at best reach
 ATTACKS = {
     "clean": (0, None),
     "flip1": (1, "flip"),
@@ -57,6 +60,8 @@ ATTACKS = {
     "inflate": (1, "inflate"),
     "scale": (1, "scale"),
     "labels": (1, "labels"),
+    "absent1": (1, "absent"),
+    "absent2": (2, "absent"),
 }
 NAMES = {
     "clean": "clean",
@@ -65,6 +70,8 @@ NAMES = {
     "inflate": "sign flip + num_examples 1e12, 1 of 5",
     "scale": "update x1000, 1 of 5",
     "labels": "labels flipped, 1 of 5",
+    "absent1": "1 of 5 absent (its fit fails)",
+    "absent2": "2 of 5 absent (their fits fail)",
 }
 
 
@@ -93,6 +100,8 @@ def attacked(attackers: set[int], kind: str | None, bound: float):
     real_fit, real_clients = loop_module.local_fit, program.build_clients
 
     def fit(algorithm, module, broadcast, executor, epochs, seed, client):
+        if client.client_id in attackers and kind == "absent":
+            raise RuntimeError("absent: this client's fit fails")
         update = real_fit(algorithm, module, broadcast, executor, epochs, seed, client)
         if client.client_id not in attackers or kind in (None, "labels"):
             return update

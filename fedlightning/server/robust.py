@@ -13,7 +13,8 @@ as suspicious, which the round records beside its rejections (``comm.suspicious`
   whose updates are closest to their :math:`n - f - 2` nearest neighbours;
 - ``screen``: norm-and-direction screening: a client whose update's cosine to a robust
   reference is below ``cosine`` (or whose norm is above ``norm_ratio`` times the median
-  norm) is set aside, the others are averaged by FedAvg. The reference is the
+  norm, or that disagrees with most of its peers: ``peers``) is set aside, the others are
+  averaged by FedAvg. The reference is the
   coordinate-wise median update (``reference: median``) or the previous global update
   :math:`\bar w^{(t)} - \bar w^{(t-1)}` (``reference: previous``; the median in a round
   without one): an honest update continues the optimisation, so its cosine to the last
@@ -22,8 +23,8 @@ as suspicious, which the round records beside its rejections (``comm.suspicious`
   :math:`v \leftarrow v + \frac1n \sum_k \mathrm{clip}_\tau(\Delta_k - v)`, ``iters``
   times, from the previous global update (zero in a round without one).
 
-``auto`` (the default, :data:`PRESETS`) is ``screen`` against the previous global update
-with the default's manners (:attr:`RobustRule.auto`): it steps aside with one log line
+``auto`` (the default, :data:`PRESETS`) is ``screen`` by sign agreement, with the median
+update and with the peers as references, with the default's manners (:attr:`RobustRule.auto`): it steps aside with one log line
 where it cannot run (secure sums, an aggregation that is not FedAvg's, a temporal run),
 and a run in which it sets no client aside is bit for bit the run without it.
 
@@ -53,7 +54,14 @@ MEASURES = ("cosine", "sign")
 # named settings of ``federation.robust``: ``auto``, the default, screens against the
 # previous global update and steps aside where it cannot run
 PRESETS = {
-    "auto": {"rule": "screen", "measure": "sign", "cosine": 0.0, "relative": 0.5, "auto": True}
+    "auto": {
+        "rule": "screen",
+        "measure": "sign",
+        "cosine": 0.0,
+        "relative": 0.5,
+        "peers": 0.0,
+        "auto": True,
+    }
 }
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,11 @@ class RobustRule:
         relative: ``screen``: a client is also set aside when its cosine is below this
             fraction of the round's median cosine (``None``: the absolute ``cosine``
             alone); the threshold is the larger of the two.
+        peers: ``screen``: a client is also set aside when its ``measure`` to more than
+            half of the other clients' updates is below this value by more than chance
+            (:func:`chance_margin`; :func:`peer_outvoted`; ``None``: no peer test). A
+            sign-flipped update disagrees with every honest one, so colluders up to a
+            minority are outvoted, however far they pull the median.
         tau: ``centered_clip``: the clipping radius :math:`\tau` (``None``: the median norm
             of the round's deviations from the centre).
         iters: ``centered_clip``: the clipping iterations :math:`L` (default 3).
@@ -98,6 +111,7 @@ class RobustRule:
     reference: str = "median"
     measure: str = "cosine"
     relative: float | None = None
+    peers: float | None = None
     tau: float | None = None
     iters: int = 3
     auto: bool = False
@@ -174,6 +188,8 @@ def robust_rule(raw: Any) -> RobustRule:
         raise ValueError("federation.robust.byzantine >= 0 and federation.robust.keep >= 1")
     if not -1.0 <= float(rule.cosine) <= 1.0:
         raise ValueError(f"federation.robust.cosine: expected [-1, 1], got {rule.cosine!r}")
+    if rule.peers is not None and not -1.0 <= float(rule.peers) <= 1.0:
+        raise ValueError(f"federation.robust.peers: expected [-1, 1], got {rule.peers!r}")
     if rule.norm_ratio is not None and not float(rule.norm_ratio) >= 1.0:
         raise ValueError(f"federation.robust.norm_ratio: expected >= 1, got {rule.norm_ratio!r}")
     return rule
@@ -274,17 +290,49 @@ def sign_agreement(x: Tensor, ref: Tensor) -> Tensor:
     return (torch.sign(x[:, on]) * torch.sign(ref[on])).sum(dim=1) / on.sum()
 
 
+def pairwise(x: Tensor, measure: str) -> Tensor:
+    """``[n, n]``: every pair of rows' cosine (``measure="cosine"``) or sign agreement
+    (``"sign"``, :func:`sign_agreement` over every coordinate)."""
+    if measure == "sign":
+        s = torch.sign(x)
+        return s @ s.T / max(1, x.size(1))
+    unit = x / x.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    return unit @ unit.T
+
+
+def chance_margin(x: Tensor) -> float:
+    r"""Three standard deviations of the agreement (sign agreement or cosine) of two
+    independent random updates of ``x``'s width :math:`d`, :math:`3/\sqrt d`: an agreement
+    below ``peers`` by less than this could be chance."""
+    return 3.0 / math.sqrt(max(1, x.size(1)))
+
+
+def peer_outvoted(agreement: Tensor, low: float) -> list[tuple[int, int]]:
+    r"""``(row, votes)`` for each row whose ``agreement`` (:func:`pairwise`) with more than
+    half of the other rows is below ``low``: :math:`|\{j \ne k : a_{kj} < low\}| > (n-1)/2`.
+    Needs three rows or more (two rows cannot outvote each other)."""
+    n = agreement.size(0)
+    if n < 3:
+        return []
+    below = (agreement < low).fill_diagonal_(False).sum(dim=1)
+    return [(i, int(v)) for i, v in enumerate(below.tolist()) if v > (n - 1) / 2]
+
+
 def screened(
     rule: RobustRule, x: Tensor, ids: Sequence[int], previous: Tensor | None
 ) -> list[tuple[int, str]]:
     """``(client, why)`` for each row of ``x`` that the ``screen`` rule sets aside: a cosine
-    below ``rule.cosine`` to its reference (:attr:`RobustRule.reference`), or a norm above
-    ``rule.norm_ratio`` times the median norm."""
+    below ``rule.cosine`` to its reference (:attr:`RobustRule.reference`), a norm above
+    ``rule.norm_ratio`` times the median norm, or outvoted by its peers (``rule.peers``)."""
     ref, name = coordinate_median(x), "the median update"
     if rule.reference == "previous" and usable(previous, x):
         ref, name = previous, "the previous global update"
     cos = cosines(x, ref) if rule.measure == "cosine" else sign_agreement(x, ref)
     what = "cosine" if rule.measure == "cosine" else "sign agreement"
+    outvoted = {}
+    if rule.peers is not None:
+        low_peer = float(rule.peers) - chance_margin(x)
+        outvoted = dict(peer_outvoted(pairwise(x, rule.measure), low_peer))
     low = float(rule.cosine)
     if rule.relative is not None:  # a fraction of the round's median cosine
         low = max(low, float(rule.relative) * float(cos.median()))
@@ -296,6 +344,9 @@ def screened(
             flagged.append((k, f"{what} {float(cos[i]):.3f} to {name} < {low:.3g}"))
         elif float(norms[i]) > top:
             flagged.append((k, f"update norm {float(norms[i]):.3g} > {rule.norm_ratio:g} x median"))
+        elif i in outvoted:
+            votes = f"{outvoted[i]} of its {len(ids) - 1} peers"
+            flagged.append((k, f"{what} < {low_peer:.3g} with {votes}"))
     return flagged
 
 

@@ -187,14 +187,16 @@ def test_fedtip_synthetic_with_one_1000x_client(fedtip, monkeypatch):
 
 
 def sign_flipped_claiming(n):
-    """The client's update turned around the broadcast, claiming ``n`` training nodes."""
+    """The client's update turned around the broadcast, claiming ``n`` training nodes
+    (``None``: its true count)."""
 
     def spoil(update, broadcast):
         start = model_state(broadcast.tensors)
         for key, value in model_state(update.tensors).items():
             if value.is_floating_point():
                 update.tensors[f"model.{key}"] = start[key] - (value - start[key])
-        update.scalars["num_examples"] = n
+        if n is not None:
+            update.scalars["num_examples"] = n
         return update
 
     return spoil
@@ -217,6 +219,32 @@ def test_fedavg_cora_default_refuses_a_client_claiming_1e12_examples(cora, monke
     assert all(
         m["field"] == "num_examples" and "outside [0, " in m["rule"] for m in rejected["messages"]
     )
+    assert hostile["metrics"]["test_acc"] > 0.5
+
+
+@pytest.mark.realdata
+def test_fedavg_cora_default_sets_two_sign_flipping_colluders_aside(cora, monkeypatch):
+    """Two clients of five send their updates turned around (each its own, at its own
+    norm). The median update is pulled towards them, but each disagrees in sign with the
+    three honest clients (its peers outvote it), so the default sets both aside every
+    round, and the run equals, bit for bit, the run in which both fail every round."""
+    colluders = {0, 1}
+    flip = sign_flipped_claiming(None)
+    real = loop_module.local_fit
+    mode = {"spoil": flip}
+
+    def fit(algorithm, module, broadcast, executor, epochs, seed, client):
+        update = real(algorithm, module, broadcast, executor, epochs, seed, client)
+        return mode["spoil"](update, broadcast) if client.client_id in colluders else update
+
+    monkeypatch.setattr(loop_module, "local_fit", fit)
+    hostile = cora([], "colluders")
+    mode["spoil"] = broken
+    absent = cora([], "absent")
+    for key in ("train_acc", "val_acc", "test_acc"):
+        assert hostile["metrics"][key] == absent["metrics"][key], key
+    suspicious = hostile["comm"]["suspicious"]
+    assert suspicious["per_client"] == {"0": 5, "1": 5} and suspicious["count"] == 10
     assert hostile["metrics"]["test_acc"] > 0.5
 
 

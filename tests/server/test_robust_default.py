@@ -28,8 +28,11 @@ from fedlightning.server.robust import (
     PRESETS,
     RobustRule,
     centered_clip,
+    chance_margin,
     coordinate_median,
     global_update,
+    pairwise,
+    peer_outvoted,
     robust_aggregate,
     robust_deltas,
     robust_rule,
@@ -129,23 +132,69 @@ def test_centered_clip_by_hand():
     assert torch.allclose(agg, v1) and kept == [0, 1] and flagged == []
 
 
+# --------------------------------------------------------------------- the peer vote by hand
+def test_two_colluders_are_outvoted_by_their_peers():
+    """Honest rows h1 = (1,1,1,1,1), h2 = (1,1,1,-1,1), h3 = (1,1,1,1,-1) and two colluders
+    sending -h1, -h2. Pairwise sign agreement (/5): h1.h2 = h1.h3 = 3/5, h2.h3 = 1/5;
+    -h1 against h1, h2, h3: -1, -3/5, -3/5; -h2 against them: -3/5, -1, -1/5; the two
+    colluders agree with each other (3/5). Each colluder is below -0.1 with 3 of its 4
+    peers (more than half: set aside); each honest row only with the 2 colluders (kept)."""
+    h = rows([1, 1, 1, 1, 1], [1, 1, 1, -1, 1], [1, 1, 1, 1, -1])
+    x = torch.cat([-h[:2], h])  # clients 0 and 1 collude
+    expected = (
+        torch.tensor(
+            [
+                [5, 3, -5, -3, -3],
+                [3, 5, -3, -5, -1],
+                [-5, -3, 5, 3, 3],
+                [-3, -5, 3, 5, 1],
+                [-3, -1, 3, 1, 5],
+            ],
+            dtype=F64,
+        )
+        / 5
+    )
+    assert torch.equal(pairwise(x, "sign"), expected)
+    assert peer_outvoted(pairwise(x, "sign"), -0.1) == [(0, 3), (1, 3)]
+    # the screen subtracts the chance margin 3 / sqrt(d): each coordinate repeated 100
+    # times (d = 500) keeps every agreement and gives a margin of 0.134
+    wide = x.repeat_interleave(100, dim=1)
+    assert chance_margin(wide) == pytest.approx(3 / math.sqrt(500))
+    only_peers = RobustRule("screen", measure="sign", cosine=-1.0, peers=0.0)
+    flagged = screened(only_peers, wide, [7, 8, 9, 10, 11], None)
+    assert [c for c, _ in flagged] == [7, 8]
+    assert flagged[0][1] == "sign agreement < -0.134 with 3 of its 4 peers"
+    # at d = 5 the margin (1.34) exceeds every agreement: five coordinates prove nothing
+    assert screened(only_peers, x, range(5), None) == []
+    # the cosine as the measure: -h1 has cosine -1, -3/5, -3/5 to the honest rows
+    assert [i for i, _ in peer_outvoted(pairwise(x, "cosine"), -0.1)] == [0, 1]
+
+
+def test_the_peer_vote_keeps_independent_honest_updates_and_needs_three_clients():
+    """Five independent random updates of 10,000 weights agree in sign about 0 +- 0.01
+    with each other: about half of the pairs are below 0, but none below the chance
+    margin 0.03, so the default sets nobody aside (without the margin, some client would
+    be outvoted). Two clients never outvote each other, even pointing in opposite
+    directions."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 10_000, generator=g, dtype=F64)
+    assert peer_outvoted(pairwise(x, "sign"), 0.0) != []
+    assert screened(robust_rule("auto"), x, range(5), None) == []
+    assert peer_outvoted(pairwise(rows([1, 1], [-1, -1]), "sign"), -0.1) == []
+
+
 # ------------------------------------------------------------- settings and stepping aside
 def test_auto_is_the_relative_screen_and_presets_take_overrides():
     auto = robust_rule("auto")
-    assert (auto.rule, auto.reference, auto.measure, auto.cosine, auto.relative, auto.auto) == (
-        "screen",
-        "median",
-        "sign",
-        0.0,
-        0.5,
-        True,
-    )
+    got = (auto.rule, auto.reference, auto.measure, auto.cosine, auto.relative, auto.peers)
+    assert got == ("screen", "median", "sign", 0.0, 0.5, 0.0) and auto.auto
     assert robust_rule({"rule": "auto", "relative": 0.6}).relative == 0.6
     assert robust_rule(PRESETS["auto"]) == auto
     for raw, key in [
         ({"rule": "screen", "reference": "mean"}, "reference"),
         ({"rule": "screen", "relative": 1.5}, "relative"),
         ({"rule": "screen", "measure": "angle"}, "measure"),
+        ({"rule": "screen", "peers": 1.5}, "peers"),
         ({"rule": "centered_clip", "tau": 0}, "tau"),
         ({"rule": "centered_clip", "iters": 0}, "iters"),
     ]:
