@@ -224,11 +224,12 @@ def stacked_deltas(
     keys = [  # the fields every client sends (a method may send part of its model)
         k for k, v in reference.items() if v.is_floating_point() and all(k in s for s in states)
     ]
-    rows = [
-        torch.cat([(s[k].double() - reference[k].double()).reshape(-1) for k in keys])
-        for s in states
-    ]
-    return torch.stack(rows), keys
+    sizes = [reference[k].numel() for k in keys]
+    x = torch.empty(len(states), sum(sizes), dtype=torch.float64)
+    for row, s in zip(x, states, strict=True):  # each field written once, in place
+        for piece, k in zip(row.split(sizes), keys, strict=True):
+            piece.copy_(s[k].reshape(-1)).sub_(reference[k].reshape(-1))
+    return x, keys
 
 
 def coordinate_median(x: Tensor) -> Tensor:
@@ -284,10 +285,10 @@ def sign_agreement(x: Tensor, ref: Tensor) -> Tensor:
     r"""Each row's sign agreement with ``ref`` over the coordinates where ``ref`` is not
     zero, :math:`\frac1{|S|}\sum_{j \in S} \mathrm{sign}(x_j)\,\mathrm{sign}(r_j)` in
     :math:`[-1, 1]` (0: chance; 0 for every row when ``ref`` is zero)."""
-    on = ref != 0
-    if not bool(on.any()):
+    on = int((ref != 0).sum())
+    if not on:
         return torch.zeros(x.size(0), dtype=x.dtype)
-    return (torch.sign(x[:, on]) * torch.sign(ref[on])).sum(dim=1) / on.sum()
+    return (torch.sign(x) @ torch.sign(ref)) / on  # sums of +-1 and 0: exact in float64
 
 
 def pairwise(x: Tensor, measure: str) -> Tensor:
