@@ -240,6 +240,15 @@ def coordinate_median(x: Tensor) -> Tensor:
     return (s[(n - 1) // 2] + s[n // 2]) / 2
 
 
+def median_signs(x: Tensor) -> Tensor:
+    """The signs of :func:`coordinate_median` for an odd number of rows, without sorting:
+    a sign is monotone, so it commutes with the middle order statistic: 1 where more than
+    half of the rows are positive, -1 where more than half are negative, else 0."""
+    half = x.size(0) // 2
+    pos, neg = (x > 0).sum(dim=0) > half, (x < 0).sum(dim=0) > half
+    return pos.to(x.dtype) - neg.to(x.dtype)
+
+
 def trimmed_mean(x: Tensor, trim: float) -> Tensor:
     r"""The coordinate-wise mean of the rows of ``x`` after cutting
     :math:`\lfloor \mathrm{trim}\, n \rfloor` of the smallest and of the largest values
@@ -325,7 +334,9 @@ def screened(
     """``(client, why)`` for each row of ``x`` that the ``screen`` rule sets aside: a cosine
     below ``rule.cosine`` to its reference (:attr:`RobustRule.reference`), a norm above
     ``rule.norm_ratio`` times the median norm, or outvoted by its peers (``rule.peers``)."""
-    ref, name = coordinate_median(x), "the median update"
+    by_sign = rule.measure == "sign" and x.size(0) % 2 == 1
+    ref = median_signs(x) if by_sign else coordinate_median(x)
+    name = "the median update"
     if rule.reference == "previous" and usable(previous, x):
         ref, name = previous, "the previous global update"
     cos = cosines(x, ref) if rule.measure == "cosine" else sign_agreement(x, ref)

@@ -31,6 +31,7 @@ from fedlightning.server.robust import (
     chance_margin,
     coordinate_median,
     global_update,
+    median_signs,
     pairwise,
     peer_outvoted,
     robust_aggregate,
@@ -130,6 +131,18 @@ def test_centered_clip_by_hand():
     )
     agg, kept, flagged = robust_deltas(RobustRule("centered_clip", tau=1.0, iters=1), x, [0, 1])
     assert torch.allclose(agg, v1) and kept == [0, 1] and flagged == []
+
+
+def test_median_signs_are_the_signs_of_the_coordinate_median():
+    """For odd row counts the sign of the middle value, zeros and ties included, is read
+    from counts; the screen's sign agreement with it equals that with the median."""
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 3, 5, 7):
+        x = torch.randint(-2, 3, (n, 500), generator=g).to(F64)  # many zeros and ties
+        assert torch.equal(median_signs(x), torch.sign(coordinate_median(x))), n
+        assert torch.equal(
+            sign_agreement(x, median_signs(x)), sign_agreement(x, coordinate_median(x))
+        )
 
 
 # --------------------------------------------------------------------- the peer vote by hand
