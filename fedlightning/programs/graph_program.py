@@ -75,6 +75,7 @@ def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> t
     optimizer = with_foreach(build(cfg.model.optimizer, "model.optimizer"))
     algorithm = build(cfg.algorithm, "algorithm")
     algorithm.report_train_loss = bool(cfg.federation.get("report_train_loss", False))
+    algorithm = fit_protocol(algorithm, cfg.protocol.get("stream"))
     return net, algorithm, algorithm.client_module(net, optimizer)
 
 
@@ -118,21 +119,26 @@ def save_protocol(obj: Any, path: Path, resuming: bool) -> None:
     obj.save(path)
 
 
-def check_algorithm_fits_protocol(algorithm: Any, stream: Any) -> None:
-    """A class-incremental algorithm needs ``protocol=cil`` and the others refuse it;
-    ``stream`` is the class stream or its config (only whether there is one matters)."""
-    continual = algorithm.continual
-    if stream is not None and not continual:
-        raise ConfigError(
-            "algorithm",
-            f"{algorithm.name!r} is not a class-incremental algorithm; "
-            "with protocol=cil use algorithm=cil_* (e.g. cil_fedavg_replay)",
-        )
-    if stream is None and continual:
+def fit_protocol(algorithm: Any, stream: Any) -> Any:
+    """The method as it runs under the protocol: in the class-incremental stream (``stream``,
+    the class stream or its config: only whether there is one matters) its
+    ``class_incremental`` form, refused in one line where it has none; without one, a
+    method that needs the stream is refused."""
+    if stream is not None:
+        staged = algorithm.class_incremental()
+        if staged is None:
+            raise ConfigError(
+                "algorithm",
+                f"{algorithm.name!r} has no class-incremental form; "
+                "with protocol=cil use a cil_* algorithm (e.g. cil_fedavg_replay)",
+            )
+        return staged
+    if algorithm.continual:
         raise ConfigError(
             "protocol",
             f"algorithm {algorithm.name!r} needs the class-incremental stream: add protocol=cil",
         )
+    return algorithm
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -252,8 +258,7 @@ def train_graph(
     if cfg.get("resume"):  # a fresh run's config was checked by train(), before any import
         validate(cfg)  # every rule the config alone decides, before any data is read
     if not cfg.get("resume"):
-        method = build(cfg.algorithm, "algorithm")
-        check_algorithm_fits_protocol(method, cfg.protocol.get("stream"))
+        method = fit_protocol(build(cfg.algorithm, "algorithm"), cfg.protocol.get("stream"))
         why = method.check_optimizer(cfg.model.optimizer)
         if why:
             raise ConfigError("model.optimizer", why)
@@ -273,7 +278,6 @@ def train_graph(
     in_dims = {m: x.size(1) for m, x in graph.features.items()}
     graph.features.clear()  # each client holds its own rows; the whole copy is not read again
     net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
-    check_algorithm_fits_protocol(algorithm, stream)
     module.minibatch = MiniBatch.from_config(cfg.federation.get("minibatch"))  # docs/scaling.md
     if large := sum(applies(module.minibatch, c.data) for c in clients):  # fit one at a time
         log.info("federation.minibatch: %d clients train by mini-batches, unstacked", large)
