@@ -4,7 +4,6 @@ and an MLflow run."""
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,11 @@ from fedlightning.federation.executors import with_foreach
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.federation.retrieval_stages import RetrievalEvaluation
 from fedlightning.federation.stages import ClassEvaluation, ContinualLoop
-from fedlightning.programs import metric_text
+from fedlightning.programs import Program, metric_text
 from fedlightning.runs import (
     CHECKPOINT_FILE,
-    Observer,
-    Run,
     check_protocol,
     feature_hashes,
-    prepare_run_dir,
     resume_loop,
     run_tags,
     summary_table,
@@ -234,125 +230,141 @@ def robust_of(cfg: DictConfig, server: Any) -> RobustRule | None:
     return rule
 
 
-def _report(
-    tracker: Any, observe: Observer | None, kind: str, step: int, m: dict, at: int | None = None
-) -> None:
-    """Log a round's metrics (or a stage's, as ``stage/<name>`` at round ``at``, where the
-    stage ends), then show them to ``observe``."""
-    logged = {f"stage/{k}": v for k, v in m.items() if k != "stage"} if kind == "stage" else m
-    tracker.log_metrics(logged, step=step if at is None else at)
-    if observe is not None:
-        observe(kind, step, m)
+class GraphProgram(Program):
+    """``task=fl``, ``cil``, ``cir``: graph -> partition (+ class stream) -> clients -> model
+    -> algorithm -> server -> the schedule; ``observe`` sees ``"round"`` and ``"stage"``
+    metrics."""
 
-
-def train_graph(
-    cfg: DictConfig,
-    run_dir: str | Path,
-    observe: Observer | None = None,
-    verbose: bool = True,
-    runner: Any = None,
-) -> dict[str, Any]:
-    """:func:`fedlightning.train.train` for ``task=fl``, ``cil``, ``cir``; ``observe`` sees
-    ``"round"`` and ``"stage"`` metrics."""
-    t0 = time.perf_counter()
-    if cfg.get("resume"):  # a fresh run's config was checked by train(), before any import
-        validate(cfg)  # every rule the config alone decides, before any data is read
-    if not cfg.get("resume"):
+    def check(self) -> None:
+        cfg = self.cfg
+        if cfg.get("resume"):  # a fresh run's config was checked by train(), before any import
+            validate(cfg)  # every rule the config alone decides, before any data is read
+            return
         method = fit_protocol(build(cfg.algorithm, "algorithm"), cfg.protocol.get("stream"))
         why = method.check_optimizer(cfg.model.optimizer)
         if why:
             raise ConfigError("model.optimizer", why)
-    if runner is None:  # first: a distributed runner joins its ranks here
-        runner = build(cfg.runner, "runner")
-    world = runner.world  # only rank 0 writes files; the others get its results
-    cfg, run_dir, resuming = world.on_main(prepare_run_dir, cfg, Path(run_dir))
-    world.run_dir = run_dir
-    seed_everything(cfg.seed)
 
-    graph = load_graph(cfg)
-    features = feature_hashes(graph.features)  # once, at load: a resume compares them
-    partition, stream, hashes = world.on_main(build_protocol, cfg, graph, run_dir, resuming)
-    clients = build_clients(graph, partition)
-    log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
+    def prepare(self) -> dict[str, str]:
+        cfg, run_dir, runner, world = self.cfg, self.run_dir, self.runner, self.runner.world
+        seed_everything(cfg.seed)
+        graph = load_graph(cfg)
+        features = feature_hashes(graph.features)  # once, at load: a resume compares them
+        partition, stream, hashes = world.on_main(
+            build_protocol, cfg, graph, run_dir, self.resuming
+        )
+        clients = build_clients(graph, partition)
+        log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
 
-    in_dims = {m: x.size(1) for m, x in graph.features.items()}
-    graph.features.clear()  # each client holds its own rows; the whole copy is not read again
-    net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
-    module.minibatch = MiniBatch.from_config(cfg.federation.get("minibatch"))  # docs/scaling.md
-    if large := sum(applies(module.minibatch, c.data) for c in clients):  # fit one at a time
-        log.info("federation.minibatch: %d clients train by mini-batches, unstacked", large)
-        runner.stack_clients = False
-    runner.begin(cfg, run_dir, hashes)
-    server = algorithm.server(net.state_dict())
-    server.setup(len(clients))
-    server.weight_bounds = {c.client_id: float(c.data.num_nodes) for c in clients}
-    server.robust = robust_of(cfg, server)
-    if enabled(cfg.federation.get("secure_sum", False)):
-        server.secure = secure_sum_of(cfg, server, runner)
-    run = Run(cfg, run_dir, world.is_main, resuming)
+        in_dims = {m: x.size(1) for m, x in graph.features.items()}
+        graph.features.clear()  # each client holds its own rows; the whole copy is not read again
+        net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
+        module.minibatch = MiniBatch.from_config(cfg.federation.get("minibatch"))  # scaling.md
+        if large := sum(applies(module.minibatch, c.data) for c in clients):  # one at a time
+            log.info("federation.minibatch: %d clients train by mini-batches, unstacked", large)
+            runner.stack_clients = False
+        runner.begin(cfg, run_dir, hashes)
+        server = algorithm.server(net.state_dict())
+        server.setup(len(clients))
+        server.weight_bounds = {c.client_id: float(c.data.num_nodes) for c in clients}
+        server.robust = robust_of(cfg, server)
+        if enabled(cfg.federation.get("secure_sum", False)):
+            server.secure = secure_sum_of(cfg, server, runner)
+        self.loop = loop = self.schedule(algorithm, module, server, clients, stream, graph)
+        if resume_loop(loop, world, cfg, run_dir, hashes, self.resuming, features=features):
+            log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
+        self.algorithm, self.graph, self.hashes = algorithm, graph, hashes
+        return run_tags(
+            cfg,
+            hashes,
+            method=algorithm.name,
+            dataset=graph.name,
+            task=str(cfg.task),
+            variant=str(algorithm.variant),
+            backbone=str(cfg.model.net.get("conv", "custom")),
+        )
 
-    common = dict(
-        participation=cfg.federation.participation,
-        local_epochs=cfg.federation.local_epochs,
-        seed=cfg.seed,
-        checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
-        on_round_end=lambda r, m: _report(run.tracker, observe, "round", r, m),
-        min_clients=cfg.federation.get("min_clients", 1),
-    )
-    if stream is None:
-        schedule, kwargs = FederatedLoop, {"rounds": cfg.federation.rounds}
-    else:
+    def report(self, kind: str, step: int, m: dict, at: int | None = None) -> None:
+        """Log a round's metrics (or a stage's, as ``stage/<name>`` at round ``at``, where
+        the stage ends), then show them to ``observe``."""
+        logged = {f"stage/{k}": v for k, v in m.items() if k != "stage"} if kind == "stage" else m
+        self.run.tracker.log_metrics(logged, step=step if at is None else at)
+        if self.observe is not None:
+            self.observe(kind, step, m)
+
+    def schedule(
+        self, algorithm: Any, module: Any, server: Any, clients: list, stream: Any, graph: Any
+    ) -> FederatedLoop:
+        """The run's schedule: plain rounds, or the stages of the class stream."""
+        cfg, world = self.cfg, self.runner.world
+        common = dict(
+            participation=cfg.federation.participation,
+            local_epochs=cfg.federation.local_epochs,
+            seed=cfg.seed,
+            checkpoint_path=self.run_dir / CHECKPOINT_FILE if world.is_main else None,
+            on_round_end=lambda r, m: self.report("round", r, m),
+            min_clients=cfg.federation.get("min_clients", 1),
+        )
+        if stream is None:
+            return FederatedLoop(
+                algorithm,
+                module,
+                server,
+                clients,
+                self.runner,
+                rounds=cfg.federation.rounds,
+                **common,
+            )
         algorithm.setup(stream, cfg.federation.rounds, cfg.seed, graph.num_classes)
-        schedule = ContinualLoop
-        kwargs = dict(
+        return ContinualLoop(
+            algorithm,
+            module,
+            server,
+            clients,
+            self.runner,
             evaluation=EVALUATIONS[algorithm.evaluation](),
             stream=stream,
             rounds_per_stage=cfg.federation.rounds,
             num_classes=graph.num_classes,
-            on_stage_end=lambda t, m: _report(
-                run.tracker, observe, "stage", t, m, at=t * cfg.federation.rounds
-            ),
+            on_stage_end=lambda t, m: self.report("stage", t, m, at=t * cfg.federation.rounds),
+            **common,
         )
-    loop = schedule(algorithm, module, server, clients, runner, **kwargs, **common)
-    if resume_loop(loop, world, cfg, run_dir, hashes, resuming, features=features):
-        log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
-    tags = run_tags(
-        cfg,
-        hashes,
-        method=algorithm.name,
-        dataset=graph.name,
-        task=str(cfg.task),
-        variant=str(algorithm.variant),
-        backbone=str(cfg.model.net.get("conv", "custom")),
-    )
-    with run.start(tags):
-        history = loop.run()
-    extras = loop.summary_extras()
-    metrics = loop.final_metrics()
-    release = algorithm.release
-    if release is not None:  # FedOGL's prototype release and its budget (docs/security.md)
-        extras["privacy"] = algorithm.privacy_budget(loop.completed_rounds)
-        if release.on:
-            metrics["dp_epsilon"] = extras["privacy"]["epsilon"]
-    summary = run.summary(
-        t0,
-        rounds=loop.completed_rounds,
-        metrics=metrics,
-        comm=loop.ledger.summary(),
-        timing=loop.timing(),
-        hashes=hashes,
-        resumed=resuming,
-        **extras,
-    )
-    artifacts = []
-    if world.is_main:
-        title = f"{cfg.name} ({algorithm.name}, {graph.name})"
-        artifacts = loop.write_artifacts(run_dir, title, plots_on(cfg))
-    protocol_files = [run_dir / f for f in ("partition.json", "stream.json", CLASS_NAMES_FILE)]
-    return run.finish(
-        summary,
-        step=loop.completed_rounds,
-        files=[*protocol_files, *artifacts],
-        table=format_summary if verbose else None,
-        extra={"history.json": history},
-    )
+
+    def work(self) -> None:
+        self.history = self.loop.run()
+
+    def fields(self) -> dict[str, Any]:
+        loop, algorithm = self.loop, self.algorithm
+        extras = loop.summary_extras()
+        metrics = loop.final_metrics()
+        release = algorithm.release
+        if release is not None:  # FedOGL's prototype release and its budget (docs/security.md)
+            extras["privacy"] = algorithm.privacy_budget(loop.completed_rounds)
+            if release.on:
+                metrics["dp_epsilon"] = extras["privacy"]["epsilon"]
+        return dict(
+            rounds=loop.completed_rounds,
+            metrics=metrics,
+            comm=loop.ledger.summary(),
+            timing=loop.timing(),
+            hashes=self.hashes,
+            resumed=self.resuming,
+            **extras,
+        )
+
+    def outputs(self) -> dict[str, Any]:
+        artifacts, run_dir = [], self.run_dir
+        if self.runner.world.is_main:
+            title = f"{self.cfg.name} ({self.algorithm.name}, {self.graph.name})"
+            artifacts = self.loop.write_artifacts(run_dir, title, plots_on(self.cfg))
+        protocol_files = [run_dir / f for f in ("partition.json", "stream.json", CLASS_NAMES_FILE)]
+        return dict(
+            step=self.loop.completed_rounds,
+            files=[*protocol_files, *artifacts],
+            table=format_summary,
+            extra={"history.json": self.history},
+        )
+
+
+#: the name ``program._target_`` gives it (conf/program/graph.yaml, and saved runs' configs)
+train_graph = GraphProgram
