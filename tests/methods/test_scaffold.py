@@ -38,6 +38,14 @@ RUN = [
     "federation.clients=3",
     "logger=none",
 ]
+CIL = [
+    "experiment=cil_cora",
+    "algorithm=scaffold",
+    "federation.rounds=1",
+    "federation.clients=3",
+    "federation.robust=none",  # every client's update reaches line 17
+    "logger=none",
+]
 
 
 def test_client_control_is_option_two_by_hand():
@@ -140,10 +148,14 @@ def test_scaffold_runs_and_its_uplink_carries_the_control_deltas(tmp_env, compos
 
 
 @pytest.mark.slow
-def test_a_killed_scaffold_run_resumes_bitwise(tmp_env, compose):
-    reference = train(compose(RUN), tmp_env / "full", verbose=False)
+@pytest.mark.parametrize("run", [RUN, [*CIL, "protocol.stream.stages=[2,2]"]], ids=["fl", "cil"])
+def test_a_killed_scaffold_run_resumes_bitwise(run, tmp_env, compose, shared_data, monkeypatch):
+    """Killed in round 2 (class-incremental: the second stage's round), resumed: the same
+    results, the clients' control variates coming back from the checkpoint."""
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    reference = train(compose(run), tmp_env / "full", verbose=False)
     env = {**os.environ, "PYTHONPATH": str(REPO), "FEDLIGHTNING_CACHE": str(tmp_env / "cache")}
-    cmd = [str(Path(sys.executable).parent / "fedlightning"), "train", *RUN]
+    cmd = [str(Path(sys.executable).parent / "fedlightning"), "train", *run]
     killed = subprocess.run(
         [*cmd, f"hydra.run.dir={tmp_env / 'killed'}", "runner.kill_at=2:2"],
         env=env,
@@ -152,7 +164,7 @@ def test_a_killed_scaffold_run_resumes_bitwise(tmp_env, compose):
         timeout=1800,  # a hang guard, far above the normal minute
     )
     assert killed.returncode != 0 and "runner.kill_at: SIGKILL" in killed.stderr
-    resumed = train(compose([*RUN, f"resume={tmp_env / 'killed'}"]), tmp_env / "x", verbose=False)
+    resumed = train(compose([*run, f"resume={tmp_env / 'killed'}"]), tmp_env / "x", verbose=False)
     assert resumed["metrics"] == reference["metrics"] and resumed["comm"] == reference["comm"]
 
 
@@ -183,16 +195,6 @@ def test_secure_sums_carry_the_control_deltas_and_equal_the_plain_run(tmp_env, c
     for k, v in a["global_state"].items():
         torch.testing.assert_close(b["global_state"][k], v, atol=1e-5, rtol=1e-4)
     assert secure["metrics"]["test_acc"] == pytest.approx(plain["metrics"]["test_acc"], abs=0.01)
-
-
-CIL = [
-    "experiment=cil_cora",
-    "algorithm=scaffold",
-    "federation.rounds=1",
-    "federation.clients=3",
-    "federation.robust=none",  # every client's update reaches line 17
-    "logger=none",
-]
 
 
 def test_scaffold_runs_class_incremental_and_round_one_is_line_12_and_17_by_hand(
