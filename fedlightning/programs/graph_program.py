@@ -32,7 +32,7 @@ from fedlightning.runs import (
     summary_table,
 )
 from fedlightning.server.aggregate import fedavg
-from fedlightning.server.robust import RobustRule, robust_rule
+from fedlightning.server.robust import RobustRule, robust_setting
 from fedlightning.server.secure_sum import enabled, graph_secure_sum
 from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
@@ -200,34 +200,13 @@ def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
 
 
 def robust_of(cfg: DictConfig, server: Any) -> RobustRule | None:
-    """``federation.robust``: the server's robust rule (``None``: off), refused with one
-    line for an aggregation that is not FedAvg's or under secure sums (the rules read each
-    client's update, which a secure sum hides)."""
+    """``federation.robust``: the server's robust rule (``None``: off, or the default stepping
+    aside), refused in one line for an aggregation that is not FedAvg's or under secure sums
+    (the rules read each client's update, which a secure sum hides)."""
     raw = cfg.federation.get("robust")
     raw = OmegaConf.to_container(raw) if isinstance(raw, DictConfig) else raw
-    try:
-        rule = robust_rule(raw)
-    except (TypeError, ValueError) as e:
-        key, _, why = str(e).partition(": ")
-        field = key if key.startswith("federation.robust") else "federation.robust"
-        raise ConfigError(field, why if field == key else str(e)) from None
-    secure = enabled(cfg.federation.get("secure_sum", False))
     plain = getattr(server, "aggregator", None) is fedavg
-    if not rule.on or rule.steps_aside(plain, secure):  # the default steps aside, one line
-        return None
-    if getattr(server, "aggregator", None) is not fedavg:
-        raise ConfigError(
-            "federation.robust",
-            f"{rule.rule} replaces FedAvg's aggregation, "
-            "and this method aggregates otherwise; use federation.robust=none",
-        )
-    if enabled(cfg.federation.get("secure_sum", False)):
-        raise ConfigError(
-            "federation.robust",
-            f"{rule.rule} reads each client's update, "
-            "which federation.secure_sum=true hides; choose one of them",
-        )
-    return rule
+    return robust_setting(raw, plain, enabled(cfg.federation.get("secure_sum", False)))
 
 
 class GraphProgram(Program):
@@ -270,7 +249,9 @@ class GraphProgram(Program):
         server.robust = robust_of(cfg, server)
         if enabled(cfg.federation.get("secure_sum", False)):
             server.secure = secure_sum_of(cfg, server, runner)
-        self.loop = loop = self.schedule(algorithm, module, server, clients, stream, graph)
+        self.loop = loop = self.schedule(
+            algorithm, module, server, clients, stream=stream, num_classes=graph.num_classes
+        )
         if resume_loop(loop, world, cfg, run_dir, hashes, self.resuming, features=features):
             log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
         self.algorithm, self.graph, self.hashes = algorithm, graph, hashes
@@ -292,43 +273,29 @@ class GraphProgram(Program):
         if self.observe is not None:
             self.observe(kind, step, m)
 
-    def schedule(
-        self, algorithm: Any, module: Any, server: Any, clients: list, stream: Any, graph: Any
-    ) -> FederatedLoop:
-        """The run's schedule: plain rounds, or the stages of the class stream."""
-        cfg, world = self.cfg, self.runner.world
-        common = dict(
+    def schedule(self, algorithm: Any, *parts: Any, stream: Any, num_classes: int) -> Any:
+        """The run's schedule over ``parts`` (module, server, clients): plain rounds, or the
+        stages of the class ``stream``."""
+        cfg, rounds = self.cfg, self.cfg.federation.rounds
+        kw: dict[str, Any] = dict(
             participation=cfg.federation.participation,
             local_epochs=cfg.federation.local_epochs,
             seed=cfg.seed,
-            checkpoint_path=self.run_dir / CHECKPOINT_FILE if world.is_main else None,
+            checkpoint_path=self.run_dir / CHECKPOINT_FILE if self.runner.world.is_main else None,
             on_round_end=lambda r, m: self.report("round", r, m),
             min_clients=cfg.federation.get("min_clients", 1),
         )
         if stream is None:
-            return FederatedLoop(
-                algorithm,
-                module,
-                server,
-                clients,
-                self.runner,
-                rounds=cfg.federation.rounds,
-                **common,
-            )
-        algorithm.setup(stream, cfg.federation.rounds, cfg.seed, graph.num_classes)
-        return ContinualLoop(
-            algorithm,
-            module,
-            server,
-            clients,
-            self.runner,
+            return FederatedLoop(algorithm, *parts, self.runner, rounds=rounds, **kw)
+        algorithm.setup(stream, rounds, cfg.seed, num_classes)
+        kw.update(
             evaluation=EVALUATIONS[algorithm.evaluation](),
-            stream=stream,
-            rounds_per_stage=cfg.federation.rounds,
-            num_classes=graph.num_classes,
-            on_stage_end=lambda t, m: self.report("stage", t, m, at=t * cfg.federation.rounds),
-            **common,
+            on_stage_end=lambda t, m: self.report("stage", t, m, at=t * rounds),
         )
+        return ContinualLoop(
+            algorithm, *parts, self.runner, stream=stream, rounds_per_stage=rounds,
+            num_classes=num_classes, **kw,
+        )  # fmt: skip
 
     def work(self) -> None:
         self.history = self.loop.run()
