@@ -12,7 +12,7 @@ from fedlightning.clients import NodeClassifier
 from fedlightning.clients.continual_client import ContinualNodeClassifier
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm, FederatedClient
-from fedlightning.federation.stacking import why_not_stacked
+from fedlightning.federation.stacking import defined_by
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.methods.continual.continual import ContinualFedAvg
 from fedlightning.server import Server
@@ -40,6 +40,9 @@ class ClassIncremental(Algorithm):
         self.max_update_norm, self.max_client_weight = method.bounds().values()
         self.report_train_loss = method.report_train_loss
         self.stages = ContinualFedAvg(method.name, method.variant)
+        fit, share = defined_by(method, "local_fit"), defined_by(method, "local_fit_share")
+        if method.local_fit_share is None or (fit is not share and issubclass(fit, share)):
+            self.local_fit_share = None  # the stack follows the method's own fit
 
     def setup(self, stream: Any, rounds_per_stage: int, seed: int, num_classes: int) -> None:
         self.stages.setup(stream, rounds_per_stage, seed, num_classes)
@@ -52,8 +55,6 @@ class ClassIncremental(Algorithm):
                 f"{self.name!r} trains a {type(plain).__name__}, which has no class-incremental "
                 "form; with protocol=cil use a cil_* algorithm",
             )
-        if why_not_stacked(self.method, plain):  # the stack follows the method's own fit
-            self.local_fit_share = None
         self.stages.prox_mu = plain.prox_mu
         return self.stages.client_module(net, optimizer)
 
