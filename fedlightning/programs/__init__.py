@@ -13,7 +13,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from fedlightning.config import build
+from fedlightning.errors import ConfigError
 from fedlightning.runs import Observer, Run, prepare_run_dir
+from fedlightning.server.secure_sum import enabled
 
 
 def metric_text(value: float | None, spec: str = ".4f") -> str:
@@ -22,6 +24,18 @@ def metric_text(value: float | None, spec: str = ".4f") -> str:
     if value is None or not math.isfinite(value):
         return "-"
     return format(value, spec)
+
+
+def secure_on(cfg: DictConfig, flower: bool) -> bool:
+    """Whether ``federation.secure_sum`` is on (docs/security.md); refused in one line on
+    Flower's nodes (``flower``), which do not mask."""
+    on = enabled(cfg.federation.get("secure_sum", False))
+    if on and flower:
+        raise ConfigError(
+            "federation.secure_sum",
+            "runner=flower does not mask on its nodes: use runner=sequential or runner=distributed",
+        )
+    return on
 
 
 class Program:

@@ -22,7 +22,7 @@ from fedlightning.federation.executors import with_foreach
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.federation.retrieval_stages import RetrievalEvaluation
 from fedlightning.federation.stages import ClassEvaluation, ContinualLoop
-from fedlightning.programs import Program, metric_text
+from fedlightning.programs import Program, metric_text, secure_on
 from fedlightning.runs import (
     CHECKPOINT_FILE,
     check_protocol,
@@ -179,14 +179,9 @@ def build_protocol(
     return partition, stream, hashes
 
 
-def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
+def secure_sum_of(cfg: DictConfig, server: Any) -> Any:
     """``federation.secure_sum=true``: the server's protocol (docs/security.md), refused with
-    one line for a runner or an aggregation it does not cover."""
-    if getattr(runner, "name", "") == "flower":
-        raise ConfigError(
-            "federation.secure_sum",
-            "runner=flower does not mask on its nodes: use runner=sequential or runner=distributed",
-        )
+    one line for an aggregation it does not cover."""
     bound, cap = cfg.algorithm.get("max_update_norm"), cfg.algorithm.get("max_client_weight")
     try:
         return graph_secure_sum(
@@ -247,8 +242,8 @@ class GraphProgram(Program):
         server.setup(len(clients))
         server.weight_bounds = {c.client_id: float(c.data.num_nodes) for c in clients}
         server.robust = robust_of(cfg, server)
-        if enabled(cfg.federation.get("secure_sum", False)):
-            server.secure = secure_sum_of(cfg, server, runner)
+        if secure_on(cfg, getattr(runner, "name", "") == "flower"):
+            server.secure = secure_sum_of(cfg, server)
         self.loop = loop = self.schedule(
             algorithm, module, server, clients, stream=stream, num_classes=graph.num_classes
         )

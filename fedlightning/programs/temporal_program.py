@@ -24,7 +24,7 @@ from fedlightning.federation.task_loop import TaskBatches, TaskLoop
 from fedlightning.federation.task_pool import resolve_workers
 from fedlightning.federation.world import World
 from fedlightning.methods.fedtip.fedtip import FedTIP
-from fedlightning.programs import Program, metric_text
+from fedlightning.programs import Program, metric_text, secure_on
 from fedlightning.programs.temporal_setup import bank_config, ensure_bank, temporal_setup
 from fedlightning.runs import (
     CHECKPOINT_FILE,
@@ -35,7 +35,6 @@ from fedlightning.runs import (
 )
 from fedlightning.server.reliability import RobustTaskServers
 from fedlightning.server.robust import robust_setting
-from fedlightning.server.secure_sum import enabled
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
 from fedlightning.tracking import NullTracker
@@ -100,16 +99,10 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
             f"runner=flower cannot run {algorithm.name} (its nodes hold neither its history "
             "view nor its one-off exchange): use runner=sequential or runner=distributed",
         )
-    if enabled(cfg.federation.get("secure_sum", False)):  # docs/security.md
-        if flower:
-            raise ConfigError(
-                "federation.secure_sum",
-                "runner=flower does not mask on its nodes: use "
-                "runner=sequential or runner=distributed",
-            )
+    secure = secure_on(cfg, flower)
+    if secure:
         bound = cfg.algorithm.get("max_update_norm")
         algorithm.use_secure_sum(int(cfg.seed), None if bound is None else float(bound))
-    secure = enabled(cfg.federation.get("secure_sum", False))
     robust = robust_setting(cfg.federation.get("robust"), True, secure, temporal=True)
     if robust is not None:  # docs/security.md: every task's server aggregates by the rule
         algorithm.task_server = RobustTaskServers(algorithm.task_server, robust)
