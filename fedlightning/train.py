@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedlightning.errors import ConfigError
 
 if TYPE_CHECKING:
+    from fedlightning.programs import Program
     from fedlightning.runs import Observer
 
 GRAPH_TASKS = ("fl", "cil", "cir")
@@ -55,9 +57,9 @@ PROGRAM_OF_TASK = {
 GRAPH_PROGRAM = "fedlightning.programs.graph_program.train_graph"
 
 
-def program_of(cfg: DictConfig) -> Callable[..., dict[str, Any]]:
+def program_of(cfg: DictConfig) -> Callable[..., Program]:
     """The program ``cfg`` names (``program._target_``; a run saved before that key existed:
-    by its ``task``), as a function ``(cfg, run_dir, observe, verbose, runner) -> summary``."""
+    by its ``task``): a :class:`~fedlightning.programs.Program` class."""
     from hydra.utils import get_method
 
     target = OmegaConf.select(cfg, "program._target_", default=None)
@@ -70,19 +72,36 @@ def program_of(cfg: DictConfig) -> Callable[..., dict[str, Any]]:
 
 
 def run(
-    program: Callable[..., dict[str, Any]],
+    program: Callable[..., Program],
     cfg: DictConfig,
     run_dir: str | Path,
     observe: Observer | None = None,
     verbose: bool = True,
     runner: Any = None,
 ) -> dict[str, Any]:
-    """Run ``program`` on ``cfg`` in ``run_dir`` with the run's torch threads set first."""
-    from fedlightning.runs import apply_threads
+    """Run ``program`` (a :class:`~fedlightning.programs.Program`) on ``cfg`` in ``run_dir``:
+    the one place a run is assembled. The torch threads are set first; then the program's
+    checks, its runner and world, the run directory on rank 0, its inputs, the MLflow run
+    around its work, ``summary.json`` and the artifacts (only rank 0 writes)."""
+    from fedlightning.federation.world import World
+    from fedlightning.runs import Run, apply_threads
 
     threads = apply_threads(cfg.get("threads", "auto"))  # before any work: every runner's
     logging.getLogger("fedlightning").info("threads: %d (threads=%s)", threads, cfg.get("threads"))
-    return program(cfg, Path(run_dir), observe=observe, verbose=verbose, runner=runner)
+    t0 = time.perf_counter()
+    job = program(cfg, observe)
+    job.check()
+    job.runner = job.make_runner(runner)  # first: a distributed runner joins its ranks here
+    world = World() if job.runner is None else job.runner.world
+    job.cfg, job.run_dir, job.resuming, *job.made = world.on_main(job.setup, cfg, Path(run_dir))
+    world.run_dir = job.run_dir
+    job.run = run_ = Run(job.cfg, job.run_dir, world.is_main, job.resuming)
+    tags = job.prepare()
+    with run_.start(tags):
+        job.work()
+    summary = run_.summary(t0, **job.fields())
+    out = job.outputs()
+    return run_.finish(summary, **{**out, "table": out.get("table") if verbose else None})
 
 
 def _train(

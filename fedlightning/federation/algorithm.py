@@ -137,6 +137,13 @@ class Algorithm:
     def setup(self, stream: Any, rounds_per_stage: int, seed: int, num_classes: int) -> None:
         """Learn the stream's schedule before the first round (class-incremental methods)."""
 
+    def class_incremental(self) -> Algorithm | None:
+        """The method as it runs in the class-incremental stream (``protocol=cil``): itself
+        when :attr:`continual`, else a composition with the stream's stage wiring (the FedAvg
+        family: ``fedlightning/methods/fedavg/class_incremental.py``), or ``None``: it has
+        no class-incremental form and the run is refused before any data loads."""
+        return self if self.continual else None
+
     def prepare_clients(self, clients: list[FederatedClient]) -> None:
         """Adjust the run's clients once, when the schedule is built (PRISM hides the
         deficient clients' modality); may refuse the run with a ``ConfigError``."""

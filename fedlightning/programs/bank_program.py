@@ -3,7 +3,6 @@ bank, reused when built, and its contexts."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -11,75 +10,95 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.data.temporal.protocol import format_table
 from fedlightning.errors import ConfigError
+from fedlightning.programs import Program
 from fedlightning.programs.temporal_setup import bank_variant, ensure_bank, temporal_setup
-from fedlightning.runs import Run, run_tags
+from fedlightning.runs import run_tags
 from fedlightning.temporal.contexts import cached_contexts
 
 
-def train_bank(
-    cfg: DictConfig,
-    run_dir: Path,
-    observe: Any = None,
-    verbose: bool = True,
-    runner: Any = None,
-) -> dict[str, Any]:
+class BankProgram(Program):
     """Materialize the protocol, build (or reuse) the bank, write ``summary.json``. The bank
-    is pre-trained centrally, in one process: no runner but the sequential one (``observe``
-    sees nothing: there are no rounds)."""
-    t0 = time.perf_counter()
-    target = str(OmegaConf.select(cfg, "runner._target_", default=""))
-    if target.endswith(".DistributedRunner"):
-        raise ConfigError(
-            "runner",
-            "runner=distributed does not support task=bank: the bank is pre-trained "
-            "centrally, in one process; use runner=sequential",
-        )
-    if cfg.get("resume"):
-        raise ConfigError("resume", "bank runs restart from scratch (a built bank is reused)")
-    cfg, run_dir, _, stream, bank_cfg, proto, files = temporal_setup(cfg, run_dir)
-    params = OmegaConf.to_container(cfg.protocol, resolve=True)
-    variant = bank_variant(bank_cfg)
-    tags = run_tags(
-        cfg,
-        proto.hashes,
-        method=bank_cfg.encoder,
-        dataset=stream.name,
-        task="bank",
-        variant=variant,
-        backbone=bank_cfg.encoder,
-    )
-    run = Run(cfg, run_dir)
-    with run.start(tags):
-        bank = ensure_bank(stream, proto, bank_cfg, int(cfg.seed), params["cache_dir"], run.tracker)
-        path, digest = bank["path"], bank["hash"]
-        ctx_path, ctx_hash, ctx_reused = cached_contexts(path, digest, proto, params["cache_dir"])
-    metrics, reused, history = bank["metrics"], bank["reused"], bank["history"]
-    summary = run.summary(
-        t0,
-        metrics={"bank_val_auc": metrics["auc"], "bank_val_ap": metrics["ap"]},
-        comm={"uplink_mib": 0.0, "downlink_mib": 0.0, "fields": {}},
-        hashes={**proto.hashes, "bank": digest, "contexts": ctx_hash},
-        contexts={"path": str(ctx_path), "reused": ctx_reused},
-        bank={"path": str(path), "reused": reused, "variant": variant, "history": history},
-        table=proto.table(),
-        tasks=proto.tasks.stats(stream),
-        collisions=proto.negatives["checks"],
-        rounds=0,
-    )
-    run.tracker.set_tags({"hash_bank": digest})
+    is pre-trained centrally, in one process: no runner (``observe`` sees nothing: there are
+    no rounds)."""
 
-    def table(summary: dict[str, Any]) -> str:
-        return "\n".join(
-            [
-                format_table(proto.table()),
-                f"bank             {bank_cfg.encoder} ({variant})"
-                + (" reused" if reused else "")
-                + f": {path}",
-                f"bank_val_auc     {metrics['auc']:.4f}\nbank_val_ap      {metrics['ap']:.4f}",
-                f"hash[bank]       {digest}\nwall time        {summary['wall_time_s']:.1f} s",
-            ]
+    def check(self) -> None:
+        target = str(OmegaConf.select(self.cfg, "runner._target_", default=""))
+        if target.endswith(".DistributedRunner"):
+            raise ConfigError(
+                "runner",
+                "runner=distributed does not support task=bank: the bank is pre-trained "
+                "centrally, in one process; use runner=sequential",
+            )
+        if self.cfg.get("resume"):
+            raise ConfigError("resume", "bank runs restart from scratch (a built bank is reused)")
+
+    def make_runner(self, given: Any) -> None:
+        return None
+
+    def setup(self, cfg: DictConfig, run_dir: Path) -> tuple[Any, ...]:
+        return temporal_setup(cfg, run_dir)
+
+    def prepare(self) -> dict[str, str]:
+        self.stream, self.bank_cfg, self.proto, self.files = self.made
+        self.variant = bank_variant(self.bank_cfg)
+        encoder = self.bank_cfg.encoder
+        return run_tags(
+            self.cfg,
+            self.proto.hashes,
+            method=encoder,
+            dataset=self.stream.name,
+            task="bank",
+            variant=self.variant,
+            backbone=encoder,
         )
 
-    return run.finish(
-        summary, step=len(history), files=[*files, path], table=table if verbose else None
-    )
+    def work(self) -> None:
+        cache_dir = OmegaConf.to_container(self.cfg.protocol, resolve=True)["cache_dir"]
+        stream, proto = self.stream, self.proto
+        self.bank = bank = ensure_bank(
+            stream, proto, self.bank_cfg, int(self.cfg.seed), cache_dir, self.run.tracker
+        )
+        self.contexts = cached_contexts(bank["path"], bank["hash"], proto, cache_dir)
+
+    def fields(self) -> dict[str, Any]:
+        bank, proto, (ctx_path, ctx_hash, ctx_reused) = self.bank, self.proto, self.contexts
+        metrics = bank["metrics"]
+        return dict(
+            metrics={"bank_val_auc": metrics["auc"], "bank_val_ap": metrics["ap"]},
+            comm={"uplink_mib": 0.0, "downlink_mib": 0.0, "fields": {}},
+            hashes={**proto.hashes, "bank": bank["hash"], "contexts": ctx_hash},
+            contexts={"path": str(ctx_path), "reused": ctx_reused},
+            bank={
+                "path": str(bank["path"]),
+                "reused": bank["reused"],
+                "variant": self.variant,
+                "history": bank["history"],
+            },
+            table=proto.table(),
+            tasks=proto.tasks.stats(self.stream),
+            collisions=proto.negatives["checks"],
+            rounds=0,
+        )
+
+    def outputs(self) -> dict[str, Any]:
+        bank, proto, encoder = self.bank, self.proto, self.bank_cfg.encoder
+        path, digest, metrics = bank["path"], bank["hash"], bank["metrics"]
+        self.run.tracker.set_tags({"hash_bank": digest})
+
+        def table(summary: dict[str, Any]) -> str:
+            return "\n".join(
+                [
+                    format_table(proto.table()),
+                    f"bank             {encoder} ({self.variant})"
+                    + (" reused" if bank["reused"] else "")
+                    + f": {path}",
+                    f"bank_val_auc     {metrics['auc']:.4f}\nbank_val_ap      {metrics['ap']:.4f}",
+                    f"hash[bank]       {digest}\nwall time        {summary['wall_time_s']:.1f} s",
+                ]
+            )
+
+        return dict(step=len(bank["history"]), files=[*self.files, path], table=table)
+
+
+#: the name ``program._target_`` gives it (conf/program/bank.yaml, saved runs' configs)
+train_bank = BankProgram

@@ -4,7 +4,6 @@ and an MLflow run."""
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +22,17 @@ from fedlightning.federation.executors import with_foreach
 from fedlightning.federation.loop import FederatedLoop
 from fedlightning.federation.retrieval_stages import RetrievalEvaluation
 from fedlightning.federation.stages import ClassEvaluation, ContinualLoop
-from fedlightning.programs import metric_text
+from fedlightning.programs import Program, metric_text, secure_on
 from fedlightning.runs import (
     CHECKPOINT_FILE,
-    Observer,
-    Run,
     check_protocol,
     feature_hashes,
-    prepare_run_dir,
     resume_loop,
     run_tags,
     summary_table,
 )
 from fedlightning.server.aggregate import fedavg
-from fedlightning.server.robust import RobustRule, robust_rule
+from fedlightning.server.robust import RobustRule, robust_setting
 from fedlightning.server.secure_sum import enabled, graph_secure_sum
 from fedlightning.utils.io import write_json
 from fedlightning.utils.seeding import derive_seed, seed_everything
@@ -75,6 +71,7 @@ def build_model(cfg: DictConfig, in_dims: dict[str, int], num_classes: int) -> t
     optimizer = with_foreach(build(cfg.model.optimizer, "model.optimizer"))
     algorithm = build(cfg.algorithm, "algorithm")
     algorithm.report_train_loss = bool(cfg.federation.get("report_train_loss", False))
+    algorithm = fit_protocol(algorithm, cfg.protocol.get("stream"))
     return net, algorithm, algorithm.client_module(net, optimizer)
 
 
@@ -118,21 +115,26 @@ def save_protocol(obj: Any, path: Path, resuming: bool) -> None:
     obj.save(path)
 
 
-def check_algorithm_fits_protocol(algorithm: Any, stream: Any) -> None:
-    """A class-incremental algorithm needs ``protocol=cil`` and the others refuse it;
-    ``stream`` is the class stream or its config (only whether there is one matters)."""
-    continual = algorithm.continual
-    if stream is not None and not continual:
-        raise ConfigError(
-            "algorithm",
-            f"{algorithm.name!r} is not a class-incremental algorithm; "
-            "with protocol=cil use algorithm=cil_* (e.g. cil_fedavg_replay)",
-        )
-    if stream is None and continual:
+def fit_protocol(algorithm: Any, stream: Any) -> Any:
+    """The method as it runs under the protocol: in the class-incremental stream (``stream``,
+    the class stream or its config: only whether there is one matters) its
+    ``class_incremental`` form, refused in one line where it has none; without one, a
+    method that needs the stream is refused."""
+    if stream is not None:
+        staged = algorithm.class_incremental()
+        if staged is None:
+            raise ConfigError(
+                "algorithm",
+                f"{algorithm.name!r} has no class-incremental form; "
+                "with protocol=cil use a cil_* algorithm (e.g. cil_fedavg_replay)",
+            )
+        return staged
+    if algorithm.continual:
         raise ConfigError(
             "protocol",
             f"algorithm {algorithm.name!r} needs the class-incremental stream: add protocol=cil",
         )
+    return algorithm
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -177,14 +179,9 @@ def build_protocol(
     return partition, stream, hashes
 
 
-def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
+def secure_sum_of(cfg: DictConfig, server: Any) -> Any:
     """``federation.secure_sum=true``: the server's protocol (docs/security.md), refused with
-    one line for a runner or an aggregation it does not cover."""
-    if getattr(runner, "name", "") == "flower":
-        raise ConfigError(
-            "federation.secure_sum",
-            "runner=flower does not mask on its nodes: use runner=sequential or runner=distributed",
-        )
+    one line for an aggregation it does not cover."""
     bound, cap = cfg.algorithm.get("max_update_norm"), cfg.algorithm.get("max_client_weight")
     try:
         return graph_secure_sum(
@@ -198,157 +195,138 @@ def secure_sum_of(cfg: DictConfig, server: Any, runner: Any) -> Any:
 
 
 def robust_of(cfg: DictConfig, server: Any) -> RobustRule | None:
-    """``federation.robust``: the server's robust rule (``None``: off), refused with one
-    line for an aggregation that is not FedAvg's or under secure sums (the rules read each
-    client's update, which a secure sum hides)."""
+    """``federation.robust``: the server's robust rule (``None``: off, or the default stepping
+    aside), refused in one line for an aggregation that is not FedAvg's or under secure sums
+    (the rules read each client's update, which a secure sum hides)."""
     raw = cfg.federation.get("robust")
     raw = OmegaConf.to_container(raw) if isinstance(raw, DictConfig) else raw
-    try:
-        rule = robust_rule(raw)
-    except (TypeError, ValueError) as e:
-        key, _, why = str(e).partition(": ")
-        field = key if key.startswith("federation.robust") else "federation.robust"
-        raise ConfigError(field, why if field == key else str(e)) from None
-    secure = enabled(cfg.federation.get("secure_sum", False))
     plain = getattr(server, "aggregator", None) is fedavg
-    if not rule.on or rule.steps_aside(plain, secure):  # the default steps aside, one line
-        return None
-    if getattr(server, "aggregator", None) is not fedavg:
-        raise ConfigError(
-            "federation.robust",
-            f"{rule.rule} replaces FedAvg's aggregation, "
-            "and this method aggregates otherwise; use federation.robust=none",
-        )
-    if enabled(cfg.federation.get("secure_sum", False)):
-        raise ConfigError(
-            "federation.robust",
-            f"{rule.rule} reads each client's update, "
-            "which federation.secure_sum=true hides; choose one of them",
-        )
-    return rule
+    return robust_setting(raw, plain, enabled(cfg.federation.get("secure_sum", False)))
 
 
-def _report(
-    tracker: Any, observe: Observer | None, kind: str, step: int, m: dict, at: int | None = None
-) -> None:
-    """Log a round's metrics (or a stage's, as ``stage/<name>`` at round ``at``, where the
-    stage ends), then show them to ``observe``."""
-    logged = {f"stage/{k}": v for k, v in m.items() if k != "stage"} if kind == "stage" else m
-    tracker.log_metrics(logged, step=step if at is None else at)
-    if observe is not None:
-        observe(kind, step, m)
+class GraphProgram(Program):
+    """``task=fl``, ``cil``, ``cir``: graph -> partition (+ class stream) -> clients -> model
+    -> algorithm -> server -> the schedule; ``observe`` sees ``"round"`` and ``"stage"``
+    metrics."""
 
-
-def train_graph(
-    cfg: DictConfig,
-    run_dir: str | Path,
-    observe: Observer | None = None,
-    verbose: bool = True,
-    runner: Any = None,
-) -> dict[str, Any]:
-    """:func:`fedlightning.train.train` for ``task=fl``, ``cil``, ``cir``; ``observe`` sees
-    ``"round"`` and ``"stage"`` metrics."""
-    t0 = time.perf_counter()
-    if cfg.get("resume"):  # a fresh run's config was checked by train(), before any import
-        validate(cfg)  # every rule the config alone decides, before any data is read
-    if not cfg.get("resume"):
-        method = build(cfg.algorithm, "algorithm")
-        check_algorithm_fits_protocol(method, cfg.protocol.get("stream"))
+    def check(self) -> None:
+        cfg = self.cfg
+        if cfg.get("resume"):  # a fresh run's config was checked by train(), before any import
+            validate(cfg)  # every rule the config alone decides, before any data is read
+            return
+        method = fit_protocol(build(cfg.algorithm, "algorithm"), cfg.protocol.get("stream"))
         why = method.check_optimizer(cfg.model.optimizer)
         if why:
             raise ConfigError("model.optimizer", why)
-    if runner is None:  # first: a distributed runner joins its ranks here
-        runner = build(cfg.runner, "runner")
-    world = runner.world  # only rank 0 writes files; the others get its results
-    cfg, run_dir, resuming = world.on_main(prepare_run_dir, cfg, Path(run_dir))
-    world.run_dir = run_dir
-    seed_everything(cfg.seed)
 
-    graph = load_graph(cfg)
-    features = feature_hashes(graph.features)  # once, at load: a resume compares them
-    partition, stream, hashes = world.on_main(build_protocol, cfg, graph, run_dir, resuming)
-    clients = build_clients(graph, partition)
-    log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
-
-    in_dims = {m: x.size(1) for m, x in graph.features.items()}
-    graph.features.clear()  # each client holds its own rows; the whole copy is not read again
-    net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
-    check_algorithm_fits_protocol(algorithm, stream)
-    module.minibatch = MiniBatch.from_config(cfg.federation.get("minibatch"))  # docs/scaling.md
-    if large := sum(applies(module.minibatch, c.data) for c in clients):  # fit one at a time
-        log.info("federation.minibatch: %d clients train by mini-batches, unstacked", large)
-        runner.stack_clients = False
-    runner.begin(cfg, run_dir, hashes)
-    server = algorithm.server(net.state_dict())
-    server.setup(len(clients))
-    server.weight_bounds = {c.client_id: float(c.data.num_nodes) for c in clients}
-    server.robust = robust_of(cfg, server)
-    if enabled(cfg.federation.get("secure_sum", False)):
-        server.secure = secure_sum_of(cfg, server, runner)
-    run = Run(cfg, run_dir, world.is_main, resuming)
-
-    common = dict(
-        participation=cfg.federation.participation,
-        local_epochs=cfg.federation.local_epochs,
-        seed=cfg.seed,
-        checkpoint_path=run_dir / CHECKPOINT_FILE if world.is_main else None,
-        on_round_end=lambda r, m: _report(run.tracker, observe, "round", r, m),
-        min_clients=cfg.federation.get("min_clients", 1),
-    )
-    if stream is None:
-        schedule, kwargs = FederatedLoop, {"rounds": cfg.federation.rounds}
-    else:
-        algorithm.setup(stream, cfg.federation.rounds, cfg.seed, graph.num_classes)
-        schedule = ContinualLoop
-        kwargs = dict(
-            evaluation=EVALUATIONS[algorithm.evaluation](),
-            stream=stream,
-            rounds_per_stage=cfg.federation.rounds,
-            num_classes=graph.num_classes,
-            on_stage_end=lambda t, m: _report(
-                run.tracker, observe, "stage", t, m, at=t * cfg.federation.rounds
-            ),
+    def prepare(self) -> dict[str, str]:
+        cfg, run_dir, runner, world = self.cfg, self.run_dir, self.runner, self.runner.world
+        seed_everything(cfg.seed)
+        graph = load_graph(cfg)
+        features = feature_hashes(graph.features)  # once, at load: a resume compares them
+        partition, stream, hashes = world.on_main(
+            build_protocol, cfg, graph, run_dir, self.resuming
         )
-    loop = schedule(algorithm, module, server, clients, runner, **kwargs, **common)
-    if resume_loop(loop, world, cfg, run_dir, hashes, resuming, features=features):
-        log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
-    tags = run_tags(
-        cfg,
-        hashes,
-        method=algorithm.name,
-        dataset=graph.name,
-        task=str(cfg.task),
-        variant=str(algorithm.variant),
-        backbone=str(cfg.model.net.get("conv", "custom")),
-    )
-    with run.start(tags):
-        history = loop.run()
-    extras = loop.summary_extras()
-    metrics = loop.final_metrics()
-    release = algorithm.release
-    if release is not None:  # FedOGL's prototype release and its budget (docs/security.md)
-        extras["privacy"] = algorithm.privacy_budget(loop.completed_rounds)
-        if release.on:
-            metrics["dp_epsilon"] = extras["privacy"]["epsilon"]
-    summary = run.summary(
-        t0,
-        rounds=loop.completed_rounds,
-        metrics=metrics,
-        comm=loop.ledger.summary(),
-        timing=loop.timing(),
-        hashes=hashes,
-        resumed=resuming,
-        **extras,
-    )
-    artifacts = []
-    if world.is_main:
-        title = f"{cfg.name} ({algorithm.name}, {graph.name})"
-        artifacts = loop.write_artifacts(run_dir, title, plots_on(cfg))
-    protocol_files = [run_dir / f for f in ("partition.json", "stream.json", CLASS_NAMES_FILE)]
-    return run.finish(
-        summary,
-        step=loop.completed_rounds,
-        files=[*protocol_files, *artifacts],
-        table=format_summary if verbose else None,
-        extra={"history.json": history},
-    )
+        clients = build_clients(graph, partition)
+        log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
+
+        in_dims = {m: x.size(1) for m, x in graph.features.items()}
+        graph.features.clear()  # each client holds its own rows; the whole copy is not read again
+        net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
+        module.minibatch = MiniBatch.from_config(cfg.federation.get("minibatch"))  # scaling.md
+        if large := sum(applies(module.minibatch, c.data) for c in clients):  # one at a time
+            log.info("federation.minibatch: %d clients train by mini-batches, unstacked", large)
+            runner.stack_clients = False
+        runner.begin(cfg, run_dir, hashes)
+        server = algorithm.server(net.state_dict())
+        server.setup(len(clients))
+        server.weight_bounds = {c.client_id: float(c.data.num_nodes) for c in clients}
+        server.robust = robust_of(cfg, server)
+        if secure_on(cfg, getattr(runner, "name", "") == "flower"):
+            server.secure = secure_sum_of(cfg, server)
+        self.loop = loop = self.schedule(
+            algorithm, module, server, clients, stream=stream, num_classes=graph.num_classes
+        )
+        if resume_loop(loop, world, cfg, run_dir, hashes, self.resuming, features=features):
+            log.info("resuming %s after round %d", run_dir, loop.completed_rounds)
+        self.algorithm, self.graph, self.hashes = algorithm, graph, hashes
+        return run_tags(
+            cfg,
+            hashes,
+            method=algorithm.name,
+            dataset=graph.name,
+            task=str(cfg.task),
+            variant=str(algorithm.variant),
+            backbone=str(cfg.model.net.get("conv", "custom")),
+        )
+
+    def report(self, kind: str, step: int, m: dict, at: int | None = None) -> None:
+        """Log a round's metrics (or a stage's, as ``stage/<name>`` at round ``at``, where
+        the stage ends), then show them to ``observe``."""
+        logged = {f"stage/{k}": v for k, v in m.items() if k != "stage"} if kind == "stage" else m
+        self.run.tracker.log_metrics(logged, step=step if at is None else at)
+        if self.observe is not None:
+            self.observe(kind, step, m)
+
+    def schedule(self, algorithm: Any, *parts: Any, stream: Any, num_classes: int) -> Any:
+        """The run's schedule over ``parts`` (module, server, clients): plain rounds, or the
+        stages of the class ``stream``."""
+        cfg, rounds = self.cfg, self.cfg.federation.rounds
+        kw: dict[str, Any] = dict(
+            participation=cfg.federation.participation,
+            local_epochs=cfg.federation.local_epochs,
+            seed=cfg.seed,
+            checkpoint_path=self.run_dir / CHECKPOINT_FILE if self.runner.world.is_main else None,
+            on_round_end=lambda r, m: self.report("round", r, m),
+            min_clients=cfg.federation.get("min_clients", 1),
+        )
+        if stream is None:
+            return FederatedLoop(algorithm, *parts, self.runner, rounds=rounds, **kw)
+        algorithm.setup(stream, rounds, cfg.seed, num_classes)
+        kw.update(
+            evaluation=EVALUATIONS[algorithm.evaluation](),
+            on_stage_end=lambda t, m: self.report("stage", t, m, at=t * rounds),
+        )
+        return ContinualLoop(
+            algorithm, *parts, self.runner, stream=stream, rounds_per_stage=rounds,
+            num_classes=num_classes, **kw,
+        )  # fmt: skip
+
+    def work(self) -> None:
+        self.history = self.loop.run()
+
+    def fields(self) -> dict[str, Any]:
+        loop, algorithm = self.loop, self.algorithm
+        extras = loop.summary_extras()
+        metrics = loop.final_metrics()
+        release = algorithm.release
+        if release is not None:  # FedOGL's prototype release and its budget (docs/security.md)
+            extras["privacy"] = algorithm.privacy_budget(loop.completed_rounds)
+            if release.on:
+                metrics["dp_epsilon"] = extras["privacy"]["epsilon"]
+        return dict(
+            rounds=loop.completed_rounds,
+            metrics=metrics,
+            comm=loop.ledger.summary(),
+            timing=loop.timing(),
+            hashes=self.hashes,
+            resumed=self.resuming,
+            **extras,
+        )
+
+    def outputs(self) -> dict[str, Any]:
+        artifacts, run_dir = [], self.run_dir
+        if self.runner.world.is_main:
+            title = f"{self.cfg.name} ({self.algorithm.name}, {self.graph.name})"
+            artifacts = self.loop.write_artifacts(run_dir, title, plots_on(self.cfg))
+        protocol_files = [run_dir / f for f in ("partition.json", "stream.json", CLASS_NAMES_FILE)]
+        return dict(
+            step=self.loop.completed_rounds,
+            files=[*protocol_files, *artifacts],
+            table=format_summary,
+            extra={"history.json": self.history},
+        )
+
+
+#: the name ``program._target_`` gives it (conf/program/graph.yaml, and saved runs' configs)
+train_graph = GraphProgram

@@ -7,7 +7,6 @@ and read the cache."""
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,10 @@ from fedlightning.federation.task_loop import TaskBatches, TaskLoop
 from fedlightning.federation.task_pool import resolve_workers
 from fedlightning.federation.world import World
 from fedlightning.methods.fedtip.fedtip import FedTIP
-from fedlightning.programs import metric_text
+from fedlightning.programs import Program, metric_text, secure_on
 from fedlightning.programs.temporal_setup import bank_config, ensure_bank, temporal_setup
 from fedlightning.runs import (
     CHECKPOINT_FILE,
-    Observer,
-    Run,
     load_checkpoint,
     resume_loop,
     run_tags,
@@ -38,7 +35,6 @@ from fedlightning.runs import (
 )
 from fedlightning.server.reliability import RobustTaskServers
 from fedlightning.server.robust import robust_setting
-from fedlightning.server.secure_sum import enabled
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
 from fedlightning.tracking import NullTracker
@@ -103,16 +99,10 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
             f"runner=flower cannot run {algorithm.name} (its nodes hold neither its history "
             "view nor its one-off exchange): use runner=sequential or runner=distributed",
         )
-    if enabled(cfg.federation.get("secure_sum", False)):  # docs/security.md
-        if flower:
-            raise ConfigError(
-                "federation.secure_sum",
-                "runner=flower does not mask on its nodes: use "
-                "runner=sequential or runner=distributed",
-            )
+    secure = secure_on(cfg, flower)
+    if secure:
         bound = cfg.algorithm.get("max_update_norm")
         algorithm.use_secure_sum(int(cfg.seed), None if bound is None else float(bound))
-    secure = enabled(cfg.federation.get("secure_sum", False))
     robust = robust_setting(cfg.federation.get("robust"), True, secure, temporal=True)
     if robust is not None:  # docs/security.md: every task's server aggregates by the rule
         algorithm.task_server = RobustTaskServers(algorithm.task_server, robust)
@@ -236,54 +226,58 @@ def temporal_inputs(cfg: DictConfig) -> dict[str, Any]:
     return contexts_of(cfg, stream, proto, bank, World())
 
 
-def train_temporal(
-    cfg: DictConfig,
-    run_dir: Path,
-    observe: Observer | None = None,
-    verbose: bool = True,
-    runner: Any = None,
-) -> dict[str, Any]:
-    """Run FedTIP (or a comparator, or an ablation) over the task manifest. ``runner``,
-    when given, replaces the one ``cfg.runner`` builds (a Flower ServerApp passes its own)."""
-    t0 = time.perf_counter()
-    poolable = True
-    if not cfg.get("resume"):  # a bad value fails before a run directory exists
-        poolable = make_algorithm(cfg).pool_tasks
-        check_noise(cfg.protocol, check_families(cfg.get("families"), None))
-    if runner is None:  # a distributed runner joins its ranks here
-        runner = build(cfg.runner, "runner")
-    resolve_workers(cfg.get("task_workers"), 1, runner, poolable)  # before any training
-    world = runner.world  # only rank 0 writes files; the others get its results
-    setup = world.on_main(temporal_setup, cfg, run_dir)
-    cfg, run_dir, resuming, stream, bank_cfg, proto, files = setup
-    world.run_dir = run_dir
-    algorithm = make_algorithm(cfg)  # a resumed run's own config
-    families = check_families(cfg.get("families"), stream)
-    check_noise(cfg.protocol, families)
-    cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]
+class TemporalProgram(Program):
+    """``task=temporal``: FedTIP (or a comparator, or an ablation) over the task manifest;
+    ``observe`` sees ``"task"`` metrics."""
 
-    variant = algorithm.variant(bank_cfg.pretrained, bank_cfg.negatives == "filtered")
-    tags = run_tags(
-        cfg,
-        proto.hashes,
-        method=algorithm.name,
-        dataset=stream.name,
-        task="temporal",
-        families=",".join(families),
-        variant=variant,
-        backbone=bank_cfg.encoder,
-    )
-    run = Run(cfg, run_dir, world.is_main, resuming)
-    with run.start(tags):
-        bank = world.on_main(
-            ensure_bank, stream, proto, bank_cfg, int(cfg.seed), cache_dir, run.tracker
+    poolable = True
+
+    def check(self) -> None:
+        if not self.cfg.get("resume"):  # a bad value fails before a run directory exists
+            self.poolable = make_algorithm(self.cfg).pool_tasks
+            check_noise(self.cfg.protocol, check_families(self.cfg.get("families"), None))
+
+    def make_runner(self, given: Any) -> Any:
+        runner = super().make_runner(given)
+        resolve_workers(self.cfg.get("task_workers"), 1, runner, self.poolable)  # before training
+        return runner
+
+    def setup(self, cfg: DictConfig, run_dir: Path) -> tuple[Any, ...]:
+        return temporal_setup(cfg, run_dir)
+
+    def prepare(self) -> dict[str, str]:
+        cfg = self.cfg
+        self.stream, self.bank_cfg, self.proto, self.files = self.made
+        self.algorithm = algorithm = make_algorithm(cfg)  # a resumed run's own config
+        self.families = check_families(cfg.get("families"), self.stream)
+        check_noise(cfg.protocol, self.families)
+        pretrained, filtered = self.bank_cfg.pretrained, self.bank_cfg.negatives == "filtered"
+        self.variant = algorithm.variant(pretrained, filtered)
+        return run_tags(
+            cfg,
+            self.proto.hashes,
+            method=algorithm.name,
+            dataset=self.stream.name,
+            task="temporal",
+            families=",".join(self.families),
+            variant=self.variant,
+            backbone=self.bank_cfg.encoder,
+        )
+
+    def work(self) -> None:
+        cfg, runner, algorithm, run = self.cfg, self.runner, self.algorithm, self.run
+        world, stream, proto, run_dir = runner.world, self.stream, self.proto, self.run_dir
+        cache_dir = OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"]
+        self.bank = bank = world.on_main(
+            ensure_bank, stream, proto, self.bank_cfg, int(cfg.seed), cache_dir, run.tracker
         )
         inputs = contexts_of(cfg, stream, proto, bank, world)
         tasks, evals, enc, dims = (inputs[k] for k in ("tasks", "evals", "encoder", "dims"))
         hashes = inputs["hashes"]
         hashes.update(algorithm.attach(enc, proto) or {})  # a baseline's history graph
         # a comparator's graph view of the history, hashed
-        hashes = {**hashes, **algorithm.materialize_views(cache_dir)}
+        self.hashes = hashes = {**hashes, **algorithm.materialize_views(cache_dir)}
+        self.dims = dims
         runner.begin(cfg, run_dir, hashes)
         pending: list[tuple[int, dict[str, float]]] = []
 
@@ -292,14 +286,14 @@ def train_temporal(
             if len(pending) >= LOG_EVERY or n == len(tasks):
                 run.tracker.log_metric_rows(pending)
                 pending.clear()
-            if observe is not None:
-                observe("task", n, loop.final_metrics())
+            if self.observe is not None:
+                self.observe("task", n, loop.final_metrics())
 
-        loop = TaskLoop(
+        self.loop = loop = TaskLoop(
             algorithm,
             tasks,
             evals,
-            families,
+            self.families,
             dims,
             runner,
             rounds=int(cfg.federation.rounds),
@@ -314,45 +308,56 @@ def train_temporal(
             ),
             min_clients=cfg.federation.get("min_clients", 1),
         )
-        if resume_loop(loop, world, cfg, run_dir, hashes, resuming, saved_state):
+        if resume_loop(loop, world, cfg, run_dir, hashes, self.resuming, saved_state):
             log.info("resuming %s after task %d", run_dir, len(loop.results))
-        results = loop.run()
-    metrics = loop.final_metrics()
-    privacy = algorithm.privacy_budget(len(results), int(cfg.federation.rounds), families)
-    if algorithm.release.on:
-        metrics["dp_epsilon"] = privacy["epsilon"]
-    adapter = algorithm.adapter(*dims)
-    summary = run.summary(
-        t0,
-        rounds=int(cfg.federation.rounds),
-        tasks_done=len(results),
-        families=families,
-        metrics=metrics,
-        timing=loop.timing(),
-        comm={
-            **loop.comm(),
-            "adapter_values": adapter.num_values(),
-            "message_values_by_hand": {f: algorithm.message_size(adapter, f) for f in families},
-            "paper_message_values": PAPER_MESSAGE_VALUES,
-        },
-        hashes=hashes,
-        bank={"path": str(bank["path"]), "reused": bank["reused"], **bank["metrics"]},
-        table=proto.table(),
-        privacy=privacy,
-        resumed=resuming,
-        **({} if proto.noise is None else {"noise": proto.noise.stats(proto.tasks)}),
-    )
-    plots = []
-    if world.is_main:
-        run.tracker.set_tags({"hash_bank": hashes["bank"], "hash_contexts": hashes["contexts"]})
-    if world.is_main and plots_on(cfg):
-        from fedlightning.tracking.plots import plot_task_metrics
+        self.results = loop.run()
 
-        plots = [plot_task_metrics(results, run_dir / "task_auc.png", f"{cfg.name} ({variant})")]
-    return run.finish(
-        summary,
-        step=len(results),
-        files=[*files, *plots],
-        table=format_temporal_summary if verbose else None,
-        extra={"task_metrics.json": results},
-    )
+    def fields(self) -> dict[str, Any]:
+        cfg, algorithm, loop, families = self.cfg, self.algorithm, self.loop, self.families
+        metrics = loop.final_metrics()
+        privacy = algorithm.privacy_budget(len(self.results), int(cfg.federation.rounds), families)
+        if algorithm.release.on:
+            metrics["dp_epsilon"] = privacy["epsilon"]
+        adapter = algorithm.adapter(*self.dims)
+        proto, bank = self.proto, self.bank
+        return dict(
+            rounds=int(cfg.federation.rounds),
+            tasks_done=len(self.results),
+            families=families,
+            metrics=metrics,
+            timing=loop.timing(),
+            comm={
+                **loop.comm(),
+                "adapter_values": adapter.num_values(),
+                "message_values_by_hand": {f: algorithm.message_size(adapter, f) for f in families},
+                "paper_message_values": PAPER_MESSAGE_VALUES,
+            },
+            hashes=self.hashes,
+            bank={"path": str(bank["path"]), "reused": bank["reused"], **bank["metrics"]},
+            table=proto.table(),
+            privacy=privacy,
+            resumed=self.resuming,
+            **({} if proto.noise is None else {"noise": proto.noise.stats(proto.tasks)}),
+        )
+
+    def outputs(self) -> dict[str, Any]:
+        plots, world, hashes = [], self.runner.world, self.hashes
+        if world.is_main:
+            self.run.tracker.set_tags(
+                {"hash_bank": hashes["bank"], "hash_contexts": hashes["contexts"]}
+            )
+        if world.is_main and plots_on(self.cfg):
+            from fedlightning.tracking.plots import plot_task_metrics
+
+            title = f"{self.cfg.name} ({self.variant})"
+            plots = [plot_task_metrics(self.results, self.run_dir / "task_auc.png", title)]
+        return dict(
+            step=len(self.results),
+            files=[*self.files, *plots],
+            table=format_temporal_summary,
+            extra={"task_metrics.json": self.results},
+        )
+
+
+#: the name ``program._target_`` gives it (conf/program/temporal.yaml, saved runs' configs)
+train_temporal = TemporalProgram

@@ -315,13 +315,19 @@ def test_fedogl_two_gloo_ranks_equal_the_sequential_run(kind, tmp_env, dist_env,
     assert "basis_nodes" in seq["comm"]["fields"]  # the stage-end basis exchange was counted
 
 
+SCAFFOLD_RUNS = {
+    "plain": ["experiment=fl_synthetic", "federation.rounds=2"],
+    "class_incremental": ["experiment=cil_cora", "federation.rounds=1"],
+}
+
+
 @pytest.mark.slow
-def test_scaffold_two_gloo_ranks_equal_the_sequential_run(tmp_env, dist_env, compose):
-    """The worked example of "Adding a method" under torchrun: its clients' control variates
-    are client state and its server module's ``c`` is server state, so two ranks need
-    nothing of it and end bitwise where one process ends."""
-    over = ["experiment=fl_synthetic", "algorithm=scaffold", "federation.rounds=2"]
-    over += ["federation.clients=3"]
+@pytest.mark.parametrize("kind", list(SCAFFOLD_RUNS))
+def test_scaffold_two_gloo_ranks_equal_the_sequential_run(kind, tmp_env, dist_env, compose):
+    """The worked example of "Adding a method" under torchrun, plain and class-incremental:
+    its clients' control variates are client state and its server module's ``c`` is server
+    state, so two ranks need nothing of it and end bitwise where one process ends."""
+    over = [*SCAFFOLD_RUNS[kind], "algorithm=scaffold", "federation.clients=3"]
     r, _ = torchrun(
         [*over, "runner=distributed", "logger=none", "hydra.run.dir=d"], tmp_env, dist_env
     )

@@ -139,6 +139,14 @@ SCHEDULES = {
         "federation.rounds=2",
         f"federation.clients={K}",
     ],
+    # and class-incremental: the same method folder and config, c_i carried on the nodes
+    "scaffold_cil_cora": [
+        "experiment=cil_cora",
+        "algorithm=scaffold",
+        "federation.rounds=1",
+        f"federation.clients={K}",
+        "protocol.stream.stages=[2,2]",
+    ],
 }
 # a deployment starts a process per message: FedTIP's schedule there at one task
 RUNS = {**SCHEDULES, "fedtip_one_task": [*FEDTIP, "protocol.tasks.num_tasks=1"]}
@@ -184,7 +192,7 @@ def test_simulation_runs_every_schedule_equal_to_the_sequential_run(
     assert summary["metrics"] == ref["metrics"]  # bitwise: the same floats
     assert summary["comm"] == ref["comm"]  # every message, the stage-end ones too
     assert summary["hashes"] == ref["hashes"]
-    if name == "scaffold_synthetic":
+    if name.startswith("scaffold"):
         assert any(f.startswith("control_delta.") for f in summary["comm"]["fields"])
     elif name != "fedtip_synthetic":
         assert any(f.startswith("basis.") for f in summary["comm"]["fields"])

@@ -78,7 +78,7 @@ BEFORE_DATA = [
     (["protocol.stream.client_fraction=0"], "protocol.stream.client_fraction", "(0, 1]"),
     (["partition.split=[0.8,0.0,0.2]"], "partition.split", "validation fraction must be > 0"),
     (["partition=dirichlet", "partition.alpha=0"], "partition.alpha", "> 0"),
-    (["algorithm=fedavg"], "algorithm", "not a class-incremental algorithm"),
+    (["algorithm=fedtip"], "algorithm", "has no class-incremental form"),
 ]  # fmt: skip
 
 

@@ -16,6 +16,8 @@ from torch import nn
 from torch_geometric.data import Data
 
 from fedlightning.clients import NodeClassifier
+from fedlightning.data.partition import TRAIN, Partition
+from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import FederatedClient
 from fedlightning.federation.executors import LeanExecutor
@@ -24,6 +26,7 @@ from fedlightning.messages import ServerBroadcast
 from fedlightning.methods.scaffold.scaffold import ControlCorrection, Scaffold, client_control
 from fedlightning.methods.scaffold.scaffold_server import ControlVariates, control_update
 from fedlightning.models.stacked import copy_state
+from fedlightning.programs.graph_program import build_model, load_graph
 from fedlightning.server.aggregate import as_model_fields
 from fedlightning.train import train
 
@@ -33,6 +36,14 @@ RUN = [
     "algorithm=scaffold",
     "federation.rounds=2",
     "federation.clients=3",
+    "logger=none",
+]
+CIL = [
+    "experiment=cil_cora",
+    "algorithm=scaffold",
+    "federation.rounds=1",
+    "federation.clients=3",
+    "federation.robust=none",  # every client's update reaches line 17
     "logger=none",
 ]
 
@@ -137,10 +148,14 @@ def test_scaffold_runs_and_its_uplink_carries_the_control_deltas(tmp_env, compos
 
 
 @pytest.mark.slow
-def test_a_killed_scaffold_run_resumes_bitwise(tmp_env, compose):
-    reference = train(compose(RUN), tmp_env / "full", verbose=False)
+@pytest.mark.parametrize("run", [RUN, [*CIL, "protocol.stream.stages=[2,2]"]], ids=["fl", "cil"])
+def test_a_killed_scaffold_run_resumes_bitwise(run, tmp_env, compose, shared_data, monkeypatch):
+    """Killed in round 2 (class-incremental: the second stage's round), resumed: the same
+    results, the clients' control variates coming back from the checkpoint."""
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    reference = train(compose(run), tmp_env / "full", verbose=False)
     env = {**os.environ, "PYTHONPATH": str(REPO), "FEDLIGHTNING_CACHE": str(tmp_env / "cache")}
-    cmd = [str(Path(sys.executable).parent / "fedlightning"), "train", *RUN]
+    cmd = [str(Path(sys.executable).parent / "fedlightning"), "train", *run]
     killed = subprocess.run(
         [*cmd, f"hydra.run.dir={tmp_env / 'killed'}", "runner.kill_at=2:2"],
         env=env,
@@ -149,7 +164,7 @@ def test_a_killed_scaffold_run_resumes_bitwise(tmp_env, compose):
         timeout=1800,  # a hang guard, far above the normal minute
     )
     assert killed.returncode != 0 and "runner.kill_at: SIGKILL" in killed.stderr
-    resumed = train(compose([*RUN, f"resume={tmp_env / 'killed'}"]), tmp_env / "x", verbose=False)
+    resumed = train(compose([*run, f"resume={tmp_env / 'killed'}"]), tmp_env / "x", verbose=False)
     assert resumed["metrics"] == reference["metrics"] and resumed["comm"] == reference["comm"]
 
 
@@ -180,3 +195,65 @@ def test_secure_sums_carry_the_control_deltas_and_equal_the_plain_run(tmp_env, c
     for k, v in a["global_state"].items():
         torch.testing.assert_close(b["global_state"][k], v, atol=1e-5, rtol=1e-4)
     assert secure["metrics"]["test_acc"] == pytest.approx(plain["metrics"]["test_acc"], abs=0.01)
+
+
+def test_scaffold_runs_class_incremental_and_round_one_is_line_12_and_17_by_hand(
+    tmp_env, compose, shared_data, monkeypatch
+):
+    """SCAFFOLD under ``protocol=cil`` through its FedAvg-family composition (no second
+    class or config): after one round on real Cora, every client's control variate is
+    :math:`(x^0 - y_i) / (K \\eta_l)` (line 12 from zero), so the global model is
+    :math:`x^0 - K \\eta_l \\sum_i w_i c_i / \\sum_i w_i` with :math:`w_i` the client's training
+    nodes of the classes it observes at stage 0, and the server's :math:`c = \\frac{1}{N}
+    \\sum_i c_i` (line 17 from zero)."""
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    cfg = compose([*CIL, "protocol.stream.stages=[2]"])
+    s = train(cfg, tmp_env / "r", verbose=False)
+    assert s["experiment"] == "cil_scaffold_cora" and s["tags"]["method"] == "scaffold"
+    assert "am" in s["metrics"] and s["rounds"] == 1
+    graph = load_graph(cfg)
+    net, _, _ = build_model(cfg, {m: x.size(1) for m, x in graph.features.items()}, 7)
+    x0 = {k: v.detach() for k, v in net.named_parameters()}
+    partition = Partition.load(tmp_env / "r" / "partition.json")
+    stream = ClassStream.load(tmp_env / "r" / "stream.json")
+    weights = []
+    for k in range(3):
+        nodes = partition.client_nodes(k)
+        train_nodes = nodes[partition.split[nodes] == TRAIN]
+        weights.append(
+            int(torch.isin(graph.y[train_nodes], torch.tensor(stream.observed[k][0])).sum())
+        )
+    checkpoint = torch.load(tmp_env / "r" / "checkpoint.pt", weights_only=False)
+    controls = [checkpoint["clients"][k]["control"] for k in range(3)]
+    server = checkpoint["server"]
+    step = cfg.federation.local_epochs * cfg.model.optimizer.lr  # K eta_l
+    for key, x in x0.items():
+        moved = sum(w * ci[key] for w, ci in zip(weights, controls, strict=True)) / sum(weights)
+        torch.testing.assert_close(server["global_state"][key], x - step * moved)
+        mean = sum(ci[key] for ci in controls) / 3
+        torch.testing.assert_close(server["modules"]["control"]["control"][key], mean)
+    assert any(float(controls[0][k].abs().max()) > 0 for k in x0)
+
+
+def test_class_incremental_controls_carry_across_stages(tmp_env, compose, shared_data, monkeypatch):
+    """Two stages: each client's control variate is its own state, carried from stage to
+    stage (not reset with the stage's teacher and batch), so with full participation the
+    server's :math:`c` stays the mean of the clients' :math:`c_i` (line 17 added up)."""
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    train(compose([*CIL, "protocol.stream.stages=[2,2]"]), tmp_env / "r", verbose=False)
+    checkpoint = torch.load(tmp_env / "r" / "checkpoint.pt", weights_only=False)
+    controls = [checkpoint["clients"][k]["control"] for k in range(3)]
+    assert all(checkpoint["clients"][k]["stage"] == 1 for k in range(3))
+    c = checkpoint["server"]["modules"]["control"]["control"]
+    for key, v in c.items():
+        torch.testing.assert_close(v, sum(ci[key] for ci in controls) / 3)
+
+
+def test_fedavg_in_the_class_stream_is_cil_fedavg(tmp_env, compose, shared_data, monkeypatch):
+    """The composition's stage wiring is ``cil_fedavg``'s: ``algorithm=fedavg`` under
+    ``protocol=cil`` gives its metrics and messages exactly (stacked clients)."""
+    monkeypatch.setenv("FEDLIGHTNING_DATA", str(shared_data))
+    run = ["experiment=cil_cora", "federation.rounds=1", "federation.clients=3", "logger=none"]
+    a = train(compose([*run, "algorithm=cil_fedavg"]), tmp_env / "a", verbose=False)
+    b = train(compose([*run, "algorithm=fedavg"]), tmp_env / "b", verbose=False)
+    assert a["metrics"] == b["metrics"] and a["comm"] == b["comm"]

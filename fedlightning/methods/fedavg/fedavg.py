@@ -36,6 +36,13 @@ class FedAvg(Algorithm):
     def client_module(self, net: nn.Module, optimizer: Any) -> NodeClassifier:
         return NodeClassifier(net, optimizer)
 
+    def class_incremental(self) -> Algorithm:
+        """In the class-incremental stream: this method's fit on each stage's batch
+        (:class:`~fedlightning.methods.fedavg.class_incremental.ClassIncremental`)."""
+        from fedlightning.methods.fedavg.class_incremental import ClassIncremental
+
+        return ClassIncremental(self)
+
     def local_fit_share(
         self,
         module: NodeClassifier,

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -196,7 +195,3 @@ class HistoryBaseline(FedTIP):
 def client_nodes(edge_index: Tensor) -> Tensor:
     """The nodes with an edge in ``edge_index`` (sorted)."""
     return torch.unique(edge_index.flatten()) if edge_index.numel() else torch.zeros(0).long()
-
-
-def owned_users(protocol: Any, k: int) -> np.ndarray:
-    return np.flatnonzero(protocol.ownership.owner == k)
