@@ -25,9 +25,10 @@ from fedlightning.temporal.adapter import (
     PromptAdapter,
     anchor_loss,
     class_prototypes,
+    flat_start,
     link_loss,
     prototypical_loss,
-    proximal_adapter,
+    proximal_flat,
 )
 
 FAMILIES = ("nc", "lp")
@@ -149,6 +150,7 @@ class FedTIPClient(pl.LightningModule):
         self.tau, self.lambda_p, self.lambda_a = tau, lambda_p, lambda_a
         self.lr, self.weight_decay = lr, weight_decay
         self.start: dict[str, Tensor] = {}
+        self.start_flat = torch.zeros(0)
         self.anchors = torch.zeros(NUM_CLASSES, adapter.d_h)
         self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)
         self.last_loss = float("nan")
@@ -169,6 +171,7 @@ class FedTIPClient(pl.LightningModule):
         self.adapter.place(first, copies if total is None else total)
         self.adapter.load_copies(omega)
         self.start = {k: v.detach().clone() for k, v in omega.items()}
+        self.start_flat = flat_start(self.adapter, self.start)
         self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)
         self.anchors = torch.zeros(NUM_CLASSES, self.adapter.d_h)
         for c, a in anchors.items():
@@ -178,7 +181,7 @@ class FedTIPClient(pl.LightningModule):
         views = family_views(self.adapter, batch, self.family)
         loss = task_loss(views, self.family, self.tau)
         if self.lambda_p:
-            loss = loss + self.lambda_p * proximal_adapter(self.adapter, self.start)
+            loss = loss + self.lambda_p * proximal_flat(self.adapter, self.start_flat)
         if self.lambda_a and bool(self.has_anchor.any()):
             q, counts = family_prototypes(views, self.family)
             loss = loss + self.lambda_a * anchor_loss(q, counts, self.anchors, self.has_anchor)

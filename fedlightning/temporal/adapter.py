@@ -268,3 +268,18 @@ def proximal_adapter(adapter: nn.Module, start: dict[str, Tensor]) -> Tensor:
     r"""The proximal term of Eq. (26) without its weight: :math:`\lVert\Omega_k - \Omega^{(r)}\rVert_2^2`,
     summed over the copies (``start`` broadcasts over them)."""
     return sum(((p - start[n]) ** 2).sum() for n, p in adapter.named_parameters())
+
+
+def flat_start(adapter: nn.Module, start: dict[str, Tensor]) -> Tensor:
+    r""":math:`\Omega^{(r)}` (single-copy ``start``) repeated over the adapter's copies and
+    flattened in parameter order: the reference of :func:`proximal_flat`."""
+    return torch.cat([start[n].expand_as(p).reshape(-1) for n, p in adapter.named_parameters()])
+
+
+def proximal_flat(adapter: nn.Module, start: Tensor) -> Tensor:
+    r"""The proximal term of Eq. (26) without its weight over all parameters at once
+    (``start``: :func:`flat_start`). Its gradient is bitwise :func:`proximal_adapter`'s,
+    :math:`2(\Omega_k - \Omega^{(r)})` element by element, from a dozen autograd nodes
+    instead of four per parameter; the loss value itself is summed in another order."""
+    flat = torch.cat([p.reshape(-1) for p in adapter.parameters()])
+    return ((flat - start) ** 2).sum()

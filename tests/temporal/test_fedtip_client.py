@@ -306,3 +306,22 @@ def test_clipped_prototype_release_eq7_in_the_message():
     torch.randn(D_H, generator=ref)
     expected = (h1 * scale).mean(0) + 0.1 / 3 * torch.randn(D_H, generator=ref)
     assert torch.allclose(u.tensors["proto.1"], expected.detach(), atol=1e-6)
+
+
+def test_a_task_stack_is_built_once_and_equals_a_fresh_one():
+    """``FedTIP.support_stack`` keeps a task share's padded stack across rounds and
+    families: the kept stack equals a fresh ``stack_batches`` and another share or task
+    gets its own."""
+    alg = FedTIP()
+    task = TaskBatches(7, {k: client_batch(4 + k, k) for k in (3, 5, 9)})
+    first = alg.support_stack(task, [3, 5, 9])
+    fresh = stack_batches([task.clients[k] for k in (3, 5, 9)], task.longest)
+    assert first.keys() == fresh.keys()
+    assert all(torch.equal(first[k], fresh[k]) for k in fresh)
+    assert alg.support_stack(task, [3, 5, 9]) is first  # the next round reads the same
+    part = alg.support_stack(task, [5, 9])  # another share: padded to the task's longest
+    assert part["h_u"].shape == (2, 13, D_H) and torch.equal(
+        part["mask"].sum(1), torch.tensor([9, 13])
+    )
+    other = TaskBatches(8, {k: client_batch(3, 10 + k) for k in (3, 5, 9)})
+    assert not torch.equal(alg.support_stack(other, [3, 5, 9])["h_u"][0, :3], first["h_u"][0, :3])
