@@ -412,9 +412,11 @@ class FedTIP(Algorithm):
         trained adapter in eval mode."""
         module.eval()
         family, fields = module.family, self.message_fields(module.family)
+        inputs = module.inputs_of(batch) if isinstance(module, FedTIPClient) else None
+        classes = inputs["classes"] if inputs is not None else None
         with torch.no_grad():
-            views = family_views(module.adapter, batch, family)
-            q, counts = family_prototypes(views, family)
+            views = family_views(module.adapter, batch, family, inputs)
+            q, counts = family_prototypes(views, family, classes)
             deltas = torch.cat(
                 [(p - start[n]).flatten(1) for n, p in module.adapter.named_parameters()], 1
             )
