@@ -191,6 +191,7 @@ class FedTIPClient(pl.LightningModule):
         self.lr, self.weight_decay = lr, weight_decay
         self.start: dict[str, Tensor] = {}
         self.start_flat = torch.zeros(0)
+        self.adapter_params: list[Tensor] = []
         self.anchors = torch.zeros(NUM_CLASSES, adapter.d_h)
         self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)
         self.last_loss = float("nan")
@@ -213,6 +214,7 @@ class FedTIPClient(pl.LightningModule):
         self.adapter.load_copies(omega)
         self.start = {k: v.detach().clone() for k, v in omega.items()}
         self.start_flat = flat_start(self.adapter, self.start)
+        self.adapter_params = list(self.adapter.parameters())
         self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)
         self.anchors = torch.zeros(NUM_CLASSES, self.adapter.d_h)
         for c, a in anchors.items():
@@ -220,12 +222,18 @@ class FedTIPClient(pl.LightningModule):
 
     def inputs_of(self, batch: Batch) -> dict[str, Any] | None:
         """:func:`view_inputs` of ``batch``, built on the first step that reads it and kept
-        while the fits read the same batch (a task's rounds); ``None`` for an adapter
-        without :meth:`~fedlightning.temporal.adapter.PromptAdapter.prompted`."""
+        while the fits read the same tensors (a task's rounds: each step gets a shallow
+        copy of the batch); ``None`` for an adapter without
+        :meth:`~fedlightning.temporal.adapter.PromptAdapter.prompted`."""
         if not isinstance(self.adapter, PromptAdapter):
             return None
-        if self._inputs is None or self._inputs[0] is not batch:
-            self._inputs = (batch, view_inputs(batch, self.family))
+        kept = self._inputs[0] if self._inputs is not None else None
+        if (
+            kept is None
+            or kept.keys() != batch.keys()
+            or any(batch[k] is not v for k, v in kept.items())
+        ):
+            self._inputs = (dict(batch), view_inputs(batch, self.family))
         return self._inputs[1]
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
@@ -234,7 +242,7 @@ class FedTIPClient(pl.LightningModule):
         views = family_views(self.adapter, batch, self.family, inputs)
         loss = task_loss(views, self.family, self.tau, classes)
         if self.lambda_p:
-            loss = loss + self.lambda_p * proximal_flat(self.adapter, self.start_flat)
+            loss = loss + self.lambda_p * proximal_flat(self.adapter_params, self.start_flat)
         if self.lambda_a and bool(self.has_anchor.any()):
             q, counts = family_prototypes(views, self.family, classes)
             loss = loss + self.lambda_a * anchor_loss(q, counts, self.anchors, self.has_anchor)

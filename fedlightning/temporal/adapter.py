@@ -14,6 +14,7 @@ inputs too.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -304,10 +305,11 @@ def flat_start(adapter: nn.Module, start: dict[str, Tensor]) -> Tensor:
     return torch.cat([start[n].expand_as(p).reshape(-1) for n, p in adapter.named_parameters()])
 
 
-def proximal_flat(adapter: nn.Module, start: Tensor) -> Tensor:
+def proximal_flat(params: Sequence[Tensor], start: Tensor) -> Tensor:
     r"""The proximal term of Eq. (26) without its weight over all parameters at once
     (``start``: :func:`flat_start`). Its gradient is bitwise :func:`proximal_adapter`'s,
     :math:`2(\Omega_k - \Omega^{(r)})` element by element, from a dozen autograd nodes
-    instead of four per parameter; the loss value itself is summed in another order."""
-    flat = torch.cat([p.reshape(-1) for p in adapter.parameters()])
+    instead of four per parameter; the loss value itself is summed in another order.
+    ``params``: the adapter's parameters, in order."""
+    flat = torch.cat([p.reshape(-1) for p in params])
     return ((flat - start) ** 2).sum()

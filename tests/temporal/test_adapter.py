@@ -106,7 +106,7 @@ def test_link_loss_and_proximal_eqs20_21_26():
     with torch.no_grad():
         a.gate_t.bias.add_(0.5)
     assert proximal_adapter(a, anchor).item() == pytest.approx(0.25)  # one 1-d bias moved 0.5
-    assert proximal_flat(a, flat_start(a, anchor)).item() == pytest.approx(0.25)
+    assert proximal_flat(list(a.parameters()), flat_start(a, anchor)).item() == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("family", ["nc", "lp"])
