@@ -9,11 +9,14 @@ process with ``PYTHONPATH`` and the working directory set to its tree and one sh
 first fill or reuse them). This checkout runs once per ``--workers`` value
 (``task_workers=W``). Runs are interleaved (ref, head, head with 2 workers, ref, ...), so
 machine noise hits every side alike. Prints each side's median wall time (process start to
-exit), the ratio ref/side, and whether every side's ``summary.json`` ``metrics`` and
-``comm`` equal the reference's bitwise (the wall times aside).
+exit) and CPU time (user + system of the process and its task workers: less sensitive
+to other jobs on a shared machine than the wall time), the ratios ref/side of both, and
+whether every side's ``summary.json`` ``metrics`` and ``comm`` equal the reference's
+bitwise (the wall times aside). ``--workers`` takes ``auto`` (the default setting) too; the
+reference runs with its own default.
 
     python benchmarks/fedtip_warm.py [--ref e220bef] [--experiment fedtip_bitcoin_alpha] \\
-        [--tasks 100] [--repeats 2] [--warmup 1] [--workers 1 2] [--cache DIR] [--data DIR] \\
+        [--tasks 100] [--repeats 2] [--warmup 1] [--workers auto 1] [--cache DIR] [--data DIR] \\
         [--keep]
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -52,17 +56,23 @@ def results(summary: dict) -> dict:
     return {"metrics": clean(summary["metrics"]), "comm": clean(summary["comm"])}
 
 
-def run(tree: Path, env: dict, args: list[str], out: Path) -> float:
-    """Wall time of one ``fedlightning train`` in ``tree`` (its summary in ``out``)."""
+def cpu_of_children() -> float:
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def run(tree: Path, env: dict, args: list[str], out: Path) -> tuple[float, float]:
+    """Wall and CPU time of one ``fedlightning train`` in ``tree`` (its summary in ``out``);
+    the CPU time counts its task workers (children it waited for)."""
     cmd = [sys.executable, "-m", "fedlightning", "train", *args, f"hydra.run.dir={out}"]
-    t0 = time.perf_counter()
+    cpu0, t0 = cpu_of_children(), time.perf_counter()
     proc = subprocess.run(
         cmd, cwd=tree, env={**env, "PYTHONPATH": str(tree)}, capture_output=True, text=True
     )
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_of_children() - cpu0
     if proc.returncode:
         raise SystemExit(f"{tree}: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return wall
+    return wall, cpu
 
 
 def main() -> None:
@@ -71,7 +81,7 @@ def main() -> None:
     ap.add_argument("--experiment", default="fedtip_bitcoin_alpha")
     ap.add_argument("--tasks", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--workers", nargs="+", default=["auto", "1"], help="ints or auto")
     ap.add_argument("--cache", default=os.environ.get("FEDLIGHTNING_CACHE"))
     ap.add_argument("--data", default=os.environ.get("FEDLIGHTNING_DATA", str(REPO / "data")))
     ap.add_argument("--keep", action="store_true")
@@ -96,26 +106,31 @@ def main() -> None:
     for w in args.workers:
         sides[f"head w={w}"] = (REPO, [*head, f"task_workers={w}"])
     times: dict[str, list[float]] = {s: [] for s in sides}
+    cpus: dict[str, list[float]] = {s: [] for s in sides}
     summaries: dict[str, str] = {}
     try:
         for rep in range(args.repeats + args.warmup):  # warm-up passes fill the cache
             for side, (tree, over) in sides.items():
                 out = tmp / f"{side.replace(' ', '_').replace('=', '')}-{rep}"
-                wall = run(tree, env, over, out)
+                wall, cpu = run(tree, env, over, out)
                 summary = results(json.loads((out / "summary.json").read_text()))
                 summaries[side] = json.dumps(summary, sort_keys=True)  # NaN == NaN as text
                 if rep >= args.warmup:
                     times[side].append(wall)
-                print(f"pass {rep} {side:10s} {wall:7.1f} s", flush=True)
+                    cpus[side].append(cpu)
+                print(f"pass {rep} {side:11s} {wall:7.1f} s wall {cpu:7.1f} s CPU", flush=True)
     finally:
         if not args.keep:
             git("worktree", "remove", "--force", str(ref_tree))
-    ref = statistics.median(times["ref"])
+    ref, ref_cpu = statistics.median(times["ref"]), statistics.median(cpus["ref"])
     print(f"\n{args.experiment}, {args.tasks} tasks, threads=1, median of {args.repeats}:")
     for side, ts in times.items():
-        med = statistics.median(ts)
+        med, cpu = statistics.median(ts), statistics.median(cpus[side])
         same = summaries[side] == summaries["ref"]
-        print(f"  {side:10s} {med:7.1f} s  ref/side {ref / med:5.2f}x  results == ref: {same}")
+        print(
+            f"  {side:11s} {med:7.1f} s wall (ref/side {ref / med:5.2f}x)  {cpu:7.1f} s CPU "
+            f"(ref/side {ref_cpu / cpu:5.2f}x)  results == ref: {same}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -22,12 +23,16 @@ from torch import Tensor
 
 from fedlightning.metrics.temporal import auroc, class_score, link_auroc
 from fedlightning.temporal.adapter import (
+    ClassMasks,
     PromptAdapter,
     anchor_loss,
+    class_masks,
     class_prototypes,
+    event_context,
+    flat_start,
     link_loss,
     prototypical_loss,
-    proximal_adapter,
+    proximal_flat,
 )
 
 FAMILIES = ("nc", "lp")
@@ -53,28 +58,62 @@ def stack_batches(batches: Sequence[Batch], length: int = 0) -> Batch:
     return out
 
 
-def family_views(adapter: PromptAdapter, batch: Batch, family: str) -> tuple[Tensor, ...]:
+def view_inputs(batch: Batch, family: str) -> dict[str, Any]:
+    r"""What :func:`family_views` and :func:`family_prototypes` read of a stacked ``batch``
+    (``[K, N, ...]``) that no parameter touches: each side's event context (Eq. 13) and
+    :math:`[\mathbf{h}_u \| \mathbf{h}_\cdot]`, the family's mask, and the class masks
+    of Eq. (18). Every step of a fit reads the same, so a client builds them once a batch;
+    the views and prototypes built from them are bitwise those built without."""
+    b = batch
+    out: dict[str, Any] = {}
+    for side in ("i",) if family == "nc" else ("i", "j"):
+        h = b[f"h_{side}"]
+        out[f"z_{side}"] = event_context(b["h_u"], h, b["te"], b["x"], b["r_u"], b[f"r_{side}"])
+        out[f"pair_{side}"] = torch.cat([b["h_u"], h], -1)
+    if family == "nc":
+        out["mask"] = b["mask"]
+        out["classes"] = class_masks(b["y"], b["mask"], NUM_CLASSES, b["h_u"].dtype)
+    else:
+        mask = out["mask"] = b["mask"] & b["neg_ok"]
+        y = torch.cat([torch.zeros_like(mask), torch.ones_like(mask)], 1).long()
+        both = torch.cat([mask, mask], 1)
+        out["classes"] = class_masks(y, both, NUM_CLASSES, b["h_u"].dtype)
+    return out
+
+
+def family_views(
+    adapter: PromptAdapter, batch: Batch, family: str, inputs: dict[str, Any] | None = None
+) -> tuple[Tensor, ...]:
     r"""The prompted representations (Eq. 16) a family's loss and prototypes read: ``"nc"``
     :math:`(\tilde{\mathbf{h}}_e, y, \mathrm{mask})`; ``"lp"`` (in
     :func:`~fedlightning.temporal.adapter.link_loss`'s order) :math:`(\tilde{\mathbf{h}}_{u,i,t},
     \mathbf{h}_i, \tilde{\mathbf{h}}_{u,j,t}, \mathbf{h}_j, \mathrm{mask})`, positive and
-    negative sharing TE and the features, masked to the events whose negative exists."""
+    negative sharing TE and the features, masked to the events whose negative exists.
+    ``inputs``: :func:`view_inputs` of ``batch``, if already built."""
     b = batch
 
     def prompt(side: str) -> Tensor:
+        if inputs is not None:
+            return adapter.prompted(inputs[f"z_{side}"], inputs[f"pair_{side}"], b["te"], b["x"])
         return adapter(b["h_u"], b[f"h_{side}"], b["te"], b["x"], b["r_u"], b[f"r_{side}"])
 
     if family == "nc":
         return prompt("i"), b["y"], b["mask"]
-    return prompt("i"), b["h_i"], prompt("j"), b["h_j"], b["mask"] & b["neg_ok"]
+    mask = inputs["mask"] if inputs is not None else b["mask"] & b["neg_ok"]
+    return prompt("i"), b["h_i"], prompt("j"), b["h_j"], mask
 
 
-def family_prototypes(views: tuple[Tensor, ...], family: str) -> tuple[Tensor, Tensor]:
-    """Eq. (18) per client and class from :func:`family_views`: ``([K, C, d], [K, C])``."""
+def family_prototypes(
+    views: tuple[Tensor, ...], family: str, classes: ClassMasks | None = None
+) -> tuple[Tensor, Tensor]:
+    """Eq. (18) per client and class from :func:`family_views`: ``([K, C, d], [K, C])``
+    (``classes``: :func:`view_inputs`' ``classes``, if already built)."""
     if family == "nc":
         h, y, mask = views
-        return class_prototypes(h, y, mask, NUM_CLASSES)
+        return class_prototypes(h, y, mask, NUM_CLASSES, classes)
     h_pos, _, h_neg, _, mask = views
+    if classes is not None:
+        return class_prototypes(torch.cat([h_neg, h_pos], 1), mask, mask, NUM_CLASSES, classes)
     y = torch.cat([torch.zeros_like(mask), torch.ones_like(mask)], 1).long()
     return class_prototypes(
         torch.cat([h_neg, h_pos], 1), y, torch.cat([mask, mask], 1), NUM_CLASSES
@@ -90,12 +129,14 @@ def class_members(views: tuple[Tensor, ...], family: str, k: int, c: int) -> Ten
     return (h_pos if c == 1 else h_neg)[k][mask[k]]
 
 
-def task_loss(views: tuple[Tensor, ...], family: str, tau: float) -> Tensor:
+def task_loss(
+    views: tuple[Tensor, ...], family: str, tau: float, classes: ClassMasks | None = None
+) -> Tensor:
     """Eq. (19) (``nc``) or Eqs. (20)-(21) (``lp``) from :func:`family_views`, summed over
-    the supports of all stacked clients."""
+    the supports of all stacked clients (``classes``: as :func:`family_prototypes`')."""
     if family == "nc":
         h, y, mask = views
-        return prototypical_loss(h, y, mask, NUM_CLASSES, tau)
+        return prototypical_loss(h, y, mask, NUM_CLASSES, tau, classes)
     return link_loss(*views, tau=tau)
 
 
@@ -149,9 +190,12 @@ class FedTIPClient(pl.LightningModule):
         self.tau, self.lambda_p, self.lambda_a = tau, lambda_p, lambda_a
         self.lr, self.weight_decay = lr, weight_decay
         self.start: dict[str, Tensor] = {}
+        self.start_flat = torch.zeros(0)
+        self.adapter_params: list[Tensor] = []
         self.anchors = torch.zeros(NUM_CLASSES, adapter.d_h)
         self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)
         self.last_loss = float("nan")
+        self._inputs: tuple[Batch, dict[str, Any]] | None = None
 
     def receive(
         self,
@@ -169,18 +213,38 @@ class FedTIPClient(pl.LightningModule):
         self.adapter.place(first, copies if total is None else total)
         self.adapter.load_copies(omega)
         self.start = {k: v.detach().clone() for k, v in omega.items()}
+        self.start_flat = flat_start(self.adapter, self.start)
+        self.adapter_params = list(self.adapter.parameters())
         self.has_anchor = torch.zeros(NUM_CLASSES, dtype=torch.bool)
         self.anchors = torch.zeros(NUM_CLASSES, self.adapter.d_h)
         for c, a in anchors.items():
             self.anchors[c], self.has_anchor[c] = a, True
 
+    def inputs_of(self, batch: Batch) -> dict[str, Any] | None:
+        """:func:`view_inputs` of ``batch``, built on the first step that reads it and kept
+        while the fits read the same tensors (a task's rounds: each step gets a shallow
+        copy of the batch); ``None`` for an adapter without
+        :meth:`~fedlightning.temporal.adapter.PromptAdapter.prompted`."""
+        if not isinstance(self.adapter, PromptAdapter):
+            return None
+        kept = self._inputs[0] if self._inputs is not None else None
+        if (
+            kept is None
+            or kept.keys() != batch.keys()
+            or any(batch[k] is not v for k, v in kept.items())
+        ):
+            self._inputs = (dict(batch), view_inputs(batch, self.family))
+        return self._inputs[1]
+
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        views = family_views(self.adapter, batch, self.family)
-        loss = task_loss(views, self.family, self.tau)
+        inputs = self.inputs_of(batch)
+        classes = inputs["classes"] if inputs is not None else None
+        views = family_views(self.adapter, batch, self.family, inputs)
+        loss = task_loss(views, self.family, self.tau, classes)
         if self.lambda_p:
-            loss = loss + self.lambda_p * proximal_adapter(self.adapter, self.start)
+            loss = loss + self.lambda_p * proximal_flat(self.adapter_params, self.start_flat)
         if self.lambda_a and bool(self.has_anchor.any()):
-            q, counts = family_prototypes(views, self.family)
+            q, counts = family_prototypes(views, self.family, classes)
             loss = loss + self.lambda_a * anchor_loss(q, counts, self.anchors, self.has_anchor)
         self.last_loss = float(loss.detach())
         return loss
@@ -189,3 +253,12 @@ class FedTIPClient(pl.LightningModule):
         return torch.optim.Adam(
             self.adapter.parameters(), lr=self.lr, weight_decay=self.weight_decay, foreach=True
         )
+
+    def optimizer_zero_grad(
+        self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """``optimizer.zero_grad()`` (its ``set_to_none`` default) without the profiler
+        range and grouping torch wraps it in: a step of these tiny tensors felt them."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None

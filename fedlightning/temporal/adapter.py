@@ -14,6 +14,7 @@ inputs too.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -199,12 +200,21 @@ class PromptAdapter(StackedCopies, nn.Module):
         if flat:
             h_u, h_i, te, x = (v.unsqueeze(0) for v in (h_u, h_i, te, x))
             delta_u, delta_i = delta_u.reshape(1, -1), delta_i.reshape(1, -1)
-        a_f, a_t = self.gates(event_context(h_u, h_i, te, x, delta_u, delta_i))
-        gated = a_f * torch.cat([h_u, h_i], -1)
+        z = event_context(h_u, h_i, te, x, delta_u, delta_i)
+        out = self.prompted(z, torch.cat([h_u, h_i], -1), te, x)
+        return out.squeeze(0) if flat else out
+
+    def prompted(self, z: Tensor, pair: Tensor, te: Tensor, x: Tensor) -> Tensor:
+        r"""Eqs. (14)-(16) from the event context ``z`` (Eq. 13) and ``pair``
+        :math:`[\mathbf{h}_u \| \mathbf{h}_i]`, both ``[K, N, .]``: what :meth:`forward`
+        computes after building them (a fit's every step reads the same two, so a caller
+        may build them once)."""
+        a_f, a_t = self.gates(z)
+        gated = a_f * pair
         out = self.psi(torch.cat([gated, a_t * te, x], -1))
         if self.residual:  # the pre-training similarity template: the gated source state
             out = out + gated[..., : self.d_h]
-        return out.squeeze(0) if flat else out
+        return out
 
     def num_values(self) -> int:
         """Float32 values of one copy's :math:`\\Delta\\Omega` (one client's message)."""
@@ -217,21 +227,40 @@ class PromptAdapter(StackedCopies, nn.Module):
         return out
 
 
-def class_prototypes(h: Tensor, y: Tensor, mask: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
-    """Eq. (18) per client: the mean prompted representation of each class, ``[K, C, d]``,
-    and the support counts ``[K, C]`` (a class a client has no event of: zeros, count 0)."""
-    onehot = F.one_hot(y.clamp(min=0), num_classes).to(h.dtype) * mask.unsqueeze(-1).to(h.dtype)
+ClassMasks = tuple[Tensor, Tensor, Tensor]  # class_masks: one-hot^T [K, C, N], counts, divisor
+
+
+def class_masks(y: Tensor, mask: Tensor, num_classes: int, dtype: torch.dtype) -> ClassMasks:
+    """What Eq. (18) reads of the labels alone: each client's class one-hot (transposed,
+    ``[K, C, N]``, masked), its counts ``[K, C]`` and the divisor ``[K, C, 1]`` (counts, at
+    least 1). The same for every step of a fit on one batch."""
+    onehot = F.one_hot(y.clamp(min=0), num_classes).to(dtype) * mask.unsqueeze(-1).to(dtype)
     counts = onehot.sum(1)
-    q = torch.bmm(onehot.transpose(1, 2), h) / counts.clamp(min=1).unsqueeze(-1)
+    return onehot.transpose(1, 2), counts, counts.clamp(min=1).unsqueeze(-1)
+
+
+def class_prototypes(
+    h: Tensor, y: Tensor, mask: Tensor, num_classes: int, members: ClassMasks | None = None
+) -> tuple[Tensor, Tensor]:
+    """Eq. (18) per client: the mean prompted representation of each class, ``[K, C, d]``,
+    and the support counts ``[K, C]`` (a class a client has no event of: zeros, count 0).
+    ``members``: :func:`class_masks` of ``(y, mask)``, if already built."""
+    onehot_t, counts, divisor = members or class_masks(y, mask, num_classes, h.dtype)
+    q = torch.bmm(onehot_t, h) / divisor
     return q, counts
 
 
 def prototypical_loss(
-    h: Tensor, y: Tensor, mask: Tensor, num_classes: int, tau: float = 0.1
+    h: Tensor,
+    y: Tensor,
+    mask: Tensor,
+    num_classes: int,
+    tau: float = 0.1,
+    members: ClassMasks | None = None,
 ) -> Tensor:
     r"""Eq. (19): :math:`-\sum_{(e, y)} \log \mathrm{softmax}_c(s(\tilde{\mathbf{h}}_e,
     \mathbf{q}_c)/\tau)_y` over each client's local classes, summed over supports and clients."""
-    q, counts = class_prototypes(h, y, mask, num_classes)
+    q, counts = class_prototypes(h, y, mask, num_classes, members)
     logits = F.cosine_similarity(h.unsqueeze(2), q.unsqueeze(1), dim=-1) / tau  # [K, N, C]
     logits = logits.masked_fill((counts == 0).unsqueeze(1), float("-inf"))
     logp = logits.log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -268,3 +297,19 @@ def proximal_adapter(adapter: nn.Module, start: dict[str, Tensor]) -> Tensor:
     r"""The proximal term of Eq. (26) without its weight: :math:`\lVert\Omega_k - \Omega^{(r)}\rVert_2^2`,
     summed over the copies (``start`` broadcasts over them)."""
     return sum(((p - start[n]) ** 2).sum() for n, p in adapter.named_parameters())
+
+
+def flat_start(adapter: nn.Module, start: dict[str, Tensor]) -> Tensor:
+    r""":math:`\Omega^{(r)}` (single-copy ``start``) repeated over the adapter's copies and
+    flattened in parameter order: the reference of :func:`proximal_flat`."""
+    return torch.cat([start[n].expand_as(p).reshape(-1) for n, p in adapter.named_parameters()])
+
+
+def proximal_flat(params: Sequence[Tensor], start: Tensor) -> Tensor:
+    r"""The proximal term of Eq. (26) without its weight over all parameters at once
+    (``start``: :func:`flat_start`). Its gradient is bitwise :func:`proximal_adapter`'s,
+    :math:`2(\Omega_k - \Omega^{(r)})` element by element, from a dozen autograd nodes
+    instead of four per parameter; the loss value itself is summed in another order.
+    ``params``: the adapter's parameters, in order."""
+    flat = torch.cat([p.reshape(-1) for p in params])
+    return ((flat - start) ** 2).sum()

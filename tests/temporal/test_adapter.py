@@ -10,9 +10,11 @@ from fedlightning.temporal.adapter import (
     anchor_loss,
     class_prototypes,
     event_context,
+    flat_start,
     link_loss,
     prototypical_loss,
     proximal_adapter,
+    proximal_flat,
 )
 
 
@@ -104,6 +106,48 @@ def test_link_loss_and_proximal_eqs20_21_26():
     with torch.no_grad():
         a.gate_t.bias.add_(0.5)
     assert proximal_adapter(a, anchor).item() == pytest.approx(0.25)  # one 1-d bias moved 0.5
+    assert proximal_flat(list(a.parameters()), flat_start(a, anchor)).item() == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("family", ["nc", "lp"])
+def test_flat_proximal_term_gives_the_per_parameter_gradient_bitwise(family):
+    """The loss of Eq. (26) with the proximal term over one flat vector: every parameter's
+    gradient (the task's and anchor's terms included) equals the per-parameter form's."""
+    from fedlightning.clients.temporal_prompt import (
+        FedTIPClient,
+        family_prototypes,
+        family_views,
+        stack_batches,
+        task_loss,
+    )
+
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for n in (5, 7, 6):
+        b = dict(zip(("h_u", "h_i", "te", "x", "r_u", "r_i"), inputs(n, seed=n), strict=True))
+        b.update(h_j=torch.randn(n, 4, generator=g), r_j=torch.randn(n, generator=g))
+        b.update(y=torch.tensor([0, 1] * n)[:n], neg_ok=torch.ones(n, dtype=torch.bool))
+        batches.append(b)
+    stack = stack_batches(batches)
+    single = PromptAdapter(d_h=4, d_t=3, d_e=2, dropout=0.1, template="paper")
+    omega = {n: p.detach() + 0.1 for n, p in single.state_dict().items()}
+    grads = []
+    for flat in (True, False):
+        module = FedTIPClient(single, family, lambda_p=0.5, lambda_a=0.3)
+        module.receive(omega, {0: torch.ones(4), 1: -torch.ones(4)}, copies=3)
+        torch.manual_seed(0)  # the same dropout draws
+        if flat:
+            loss = module.training_step(stack, 0)
+        else:  # the per-parameter form of the same objective, in the same order
+            v = family_views(module.adapter, stack, family)
+            loss = task_loss(v, family, module.tau)
+            loss = loss + module.lambda_p * proximal_adapter(module.adapter, module.start)
+            q, n = family_prototypes(v, family)
+            loss = loss + module.lambda_a * anchor_loss(q, n, module.anchors, module.has_anchor)
+        loss.backward()
+        grads.append([p.grad.clone() for p in module.adapter.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_anchor_loss_eq22_by_hand():

@@ -306,3 +306,53 @@ def test_clipped_prototype_release_eq7_in_the_message():
     torch.randn(D_H, generator=ref)
     expected = (h1 * scale).mean(0) + 0.1 / 3 * torch.randn(D_H, generator=ref)
     assert torch.allclose(u.tensors["proto.1"], expected.detach(), atol=1e-6)
+
+
+def test_a_task_stack_is_built_once_and_equals_a_fresh_one():
+    """``FedTIP.support_stack`` keeps a task share's padded stack across rounds and
+    families: the kept stack equals a fresh ``stack_batches`` and another share or task
+    gets its own."""
+    alg = FedTIP()
+    task = TaskBatches(7, {k: client_batch(4 + k, k) for k in (3, 5, 9)})
+    first = alg.support_stack(task, [3, 5, 9])
+    fresh = stack_batches([task.clients[k] for k in (3, 5, 9)], task.longest)
+    assert first.keys() == fresh.keys()
+    assert all(torch.equal(first[k], fresh[k]) for k in fresh)
+    assert alg.support_stack(task, [3, 5, 9]) is first  # the next round reads the same
+    part = alg.support_stack(task, [5, 9])  # another share: padded to the task's longest
+    assert part["h_u"].shape == (2, 13, D_H) and torch.equal(
+        part["mask"].sum(1), torch.tensor([9, 13])
+    )
+    other = TaskBatches(8, {k: client_batch(3, 10 + k) for k in (3, 5, 9)})
+    assert not torch.equal(alg.support_stack(other, [3, 5, 9])["h_u"][0, :3], first["h_u"][0, :3])
+
+
+@pytest.mark.parametrize("family", ["nc", "lp"])
+def test_a_fit_builds_its_batch_inputs_once_and_they_give_the_same_views(family):
+    """``FedTIPClient.inputs_of``: the event contexts and class masks of a batch are built
+    once for the steps that read its tensors (each step gets a shallow copy), rebuilt for
+    another batch, and the views and prototypes from them equal those built without."""
+    import copy
+
+    from fedlightning.clients.temporal_prompt import FedTIPClient, family_prototypes
+    from fedlightning.temporal.adapter import PromptAdapter
+
+    stack = stack_batches([client_batch(n, n) for n in (4, 6, 5)])
+    adapter = PromptAdapter(D_H, D_T, D_E, template="paper")
+    module = FedTIPClient(adapter, family)
+    module.receive(adapter.state_dict(), {}, copies=3)
+    module.eval()
+    inputs = module.inputs_of(copy.copy(stack))
+    assert module.inputs_of(copy.copy(stack)) is inputs
+    with torch.no_grad():
+        fast = family_views(module.adapter, stack, family, inputs)
+        slow = family_views(module.adapter, stack, family)
+        assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+        for a, b in zip(
+            family_prototypes(fast, family, inputs["classes"]),
+            family_prototypes(slow, family),
+            strict=True,
+        ):
+            assert torch.equal(a, b)
+    other = stack_batches([client_batch(n, 10 + n) for n in (4, 6, 5)])
+    assert module.inputs_of(other) is not inputs

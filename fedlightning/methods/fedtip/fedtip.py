@@ -324,11 +324,25 @@ class FedTIP(Algorithm):
         ids = task.active
         mine = [ids[i] for i in share]
         module.receive(omega, anchors, len(mine), share.start, len(ids))
-        stack = stack_batches([task.clients[k] for k in mine], task.longest)
+        stack = self.support_stack(task, mine)
         manual_seed(derive_seed(context.seed, "fit", task.task, family, round))
         context.executor.fit(module, stack, context.epochs)
-        gens = [torch_generator(context.seed, "release", task.task, family, round, k) for k in mine]
+        gens = None
+        if self.release.on:  # the noise of Eq. (7): one generator per client and round
+            gens = [torch_generator(context.seed, "release", task.task, family, round, k)
+                    for k in mine]  # fmt: skip
         return self.make_updates(module, stack, omega, round, mine, gens)
+
+    def support_stack(self, task: TaskBatches, mine: Sequence[int]) -> dict[str, Tensor]:
+        """``stack_batches`` of the clients ``mine`` of ``task``, padded to the round's
+        longest support: the same every round and family of the task, so it is built once
+        and kept until another task or share asks (nothing writes into it)."""
+        key = (id(task.clients), task.task, tuple(mine), task.longest)
+        cached = getattr(self, "_stack", None)
+        if cached is None or cached[0] != key:
+            cached = (key, stack_batches([task.clients[k] for k in mine], task.longest))
+            self._stack = cached
+        return cached[1]
 
     def task_result(
         self, module: FedTIPClient, adapter: PromptAdapter, server: FedTIPServer
@@ -398,15 +412,17 @@ class FedTIP(Algorithm):
         trained adapter in eval mode."""
         module.eval()
         family, fields = module.family, self.message_fields(module.family)
+        inputs = module.inputs_of(batch) if isinstance(module, FedTIPClient) else None
+        classes = inputs["classes"] if inputs is not None else None
         with torch.no_grad():
-            views = family_views(module.adapter, batch, family)
-            q, counts = family_prototypes(views, family)
+            views = family_views(module.adapter, batch, family, inputs)
+            q, counts = family_prototypes(views, family, classes)
             deltas = torch.cat(
                 [(p - start[n]).flatten(1) for n, p in module.adapter.named_parameters()], 1
             )
-        out = []
+        out, rows = [], counts.tolist()
         for k, client in enumerate(client_ids):
-            observed = {c: int(n) for c, n in enumerate(counts[k].tolist()) if n > 0}
+            observed = {c: int(n) for c, n in enumerate(rows[k]) if n > 0}
             tensors = {"delta": deltas[k].clone()}
             scalars = {f"count.{c}": float(n) for c, n in observed.items()}
             if "prototypes" in fields:
