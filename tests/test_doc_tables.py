@@ -99,6 +99,7 @@ def test_the_tuned_table_gives_seed_means_task_stds_and_paired_margins(tmp_path)
     study = {
         "trials": [{"value": 0.6}, {"value": 0.75}],
         "wall_s": 12.3,
+        "default_value": 0.6,
         "best": {"value": 0.75, "params": {"algorithm.lr": 0.00123, "federation.local_epochs": 3}},
     }
     (tmp_path / "t" / "studies" / "fedtip_residual_s.json").write_text(json.dumps(study))
@@ -116,4 +117,4 @@ def test_the_tuned_table_gives_seed_means_task_stds_and_paired_margins(tmp_path)
         "| s | fedtip_residual | 2 | 12 | 0.750 | 2 x 2 | 0.750 ± 0.071 (0.071) "
         "| 0.740 ± 0.071 (0.071) | +0.200 ± 0.200 / 0.141 | - |"
     )
-    assert "| s | fedtip_residual | lr 0.00123, local_epochs 3 |" in table
+    assert "| s | fedtip_residual | 0.600 | lr 0.00123, local_epochs 3 |" in table

@@ -115,7 +115,10 @@ def tuned_tables(folder: Path) -> str:
     )
     lines, settings = (
         [head, "|---" * 10 + "|"],
-        ["| stream | method | best setting |", "|---|---|---|"],
+        [
+            "| stream | method | val T-LP at the defaults (trial 0) | best setting |",
+            "|---|---|---|---|",
+        ],
     )
     for stream in sorted(evals):
         rows = evals[stream]
@@ -149,7 +152,9 @@ def tuned_tables(folder: Path) -> str:
                     else f"{k.split('.')[-1]} {v}"
                     for k, v in st["best"]["params"].items()
                 )
-                settings.append(f"| {stream} | {m} | {shown} |")
+                default = st.get("default_value")
+                default = "-" if default is None else f"{default:.3f}"
+                settings.append(f"| {stream} | {m} | {default} | {shown} |")
     return "\n".join(lines) + "\n\n" + "\n".join(settings) + "\n"
 
 
