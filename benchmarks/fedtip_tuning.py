@@ -144,7 +144,14 @@ def summary(results: list[dict]) -> dict:
     return out
 
 
-def evaluate(streams: list[str], seeds: list[int], tasks: int | None, studies: Path) -> None:
+def evaluate(
+    streams: list[str],
+    seeds: list[int],
+    tasks: int | None,
+    studies: Path,
+    out_dir: Path,
+    methods: list[str] | None = None,
+) -> None:
     """Each study's best setting and the zero-shot row at every protocol seed (module
     docstring)."""
     for stream in streams:
@@ -154,6 +161,7 @@ def evaluate(streams: list[str], seeds: list[int], tasks: int | None, studies: P
             rec = json.loads(f.read_text())
             method = f.stem[: -len(stream) - 1]
             rows[method] = {"overrides": rec["overrides"], "params": rec["best"]["params"]}
+        rows = {m: r for m, r in rows.items() if not methods or m in methods}
         for seed in seeds:
             shared = inputs(experiment, seed)
             for method, row in rows.items():
@@ -170,7 +178,7 @@ def evaluate(streams: list[str], seeds: list[int], tasks: int | None, studies: P
                     "seconds": round(seconds, 1),
                     "metrics": summary(results),
                 }
-                out = OUT / "eval" / f"{method}_{stream}_p{seed}.json"
+                out = out_dir / f"{method}_{stream}_p{seed}.json"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(rec, indent=0) + "\n")
                 m = rec["metrics"]["auc_tlp"]
@@ -189,13 +197,15 @@ def main() -> None:
     e.add_argument("--seeds", nargs="+", type=int, default=[2026, 2027, 2028])
     e.add_argument("--tasks", type=int, default=None, help="the first N tasks (default: all)")
     e.add_argument("--studies", type=Path, default=OUT / "studies")
+    e.add_argument("--out", type=Path, default=OUT / "eval")
+    e.add_argument("--methods", nargs="+", help="only these rows (default: every study's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.cmd == "study":
         for spec in args.spec:
             study(spec, args.out)
     else:
-        evaluate(args.streams, args.seeds, args.tasks, args.studies)
+        evaluate(args.streams, args.seeds, args.tasks, args.studies, args.out, args.methods)
 
 
 if __name__ == "__main__":

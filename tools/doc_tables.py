@@ -95,15 +95,16 @@ def _paired(runs: dict, other: dict, metric: str) -> str:
     return f"{mean:+.3f} ± {se_seed:.3f} / {se_task:.3f}"
 
 
-def tuned_tables(folder: Path) -> str:
+def tuned_tables(folder: Path, studies_dir: Path | None = None) -> str:
     """The tuned table (module docstring) from ``folder/studies/*.json`` and
     ``folder/eval/*.json``: per stream and method, the study's trials, wall time and best
     validation value; the test T-LP and I-LP as mean ± std over the protocol seeds with the
     mean over-task std in brackets; the test T-LP minus the zero-shot row and minus
     ``prompt_fedavg`` (± two standard errors over seeds / over seed-task pairs); then each
-    method's best setting."""
+    method's best setting. ``studies_dir``: the studies, when not ``folder/studies``."""
     studies = {
-        p.stem: json.loads(p.read_text()) for p in sorted((folder / "studies").glob("*.json"))
+        p.stem: json.loads(p.read_text())
+        for p in sorted((studies_dir or folder / "studies").glob("*.json"))
     }
     evals: dict = {}
     for p in sorted((folder / "eval").glob("*.json")):
@@ -161,9 +162,10 @@ def tuned_tables(folder: Path) -> str:
 def regenerate(args: str, root: Path = REPO) -> str:
     """The Markdown table ``fedlightning report <args>`` makes (``--dirs`` relative to
     ``root``); it must make one table (name the datasets with ``--dataset``). Arguments
-    ``--tuned DIR``: :func:`tuned_tables` of ``root / DIR``."""
+    ``--tuned DIR [STUDIES]``: :func:`tuned_tables` of ``root / DIR`` (and its studies)."""
     if args.startswith("--tuned "):
-        return tuned_tables(root / args.split()[1])
+        dirs = [root / d for d in args.split()[1:]]
+        return tuned_tables(dirs[0], dirs[1] if len(dirs) > 1 else None)
     from fedlightning.report import main as report
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(root):
