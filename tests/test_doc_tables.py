@@ -115,6 +115,6 @@ def test_the_tuned_table_gives_seed_means_task_stds_and_paired_margins(tmp_path)
     # pooled (0.2, 0.4, 0.1, 0.1): std 0.1414, 2 SE 2 * 0.1414 / 2 = 0.141
     assert lines[3] == (
         "| s | fedtip_residual | 2 | 12 | 0.750 | 2 x 2 | 0.750 ± 0.071 (0.071) "
-        "| 0.740 ± 0.071 (0.071) | +0.200 ± 0.200 / 0.141 | - |"
+        "| 0.740 ± 0.071 (0.071) | +0.2000 ± 0.2000 / 0.1414 | - |"
     )
     assert "| s | fedtip_residual | 0.600 | lr 0.00123, local_epochs 3 |" in table

@@ -75,7 +75,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 def _paired(runs: dict, other: dict, metric: str) -> str:
     """``runs`` minus ``other`` (both ``{seed: eval record}``), paired per task within a seed:
-    the mean difference, two standard errors over the seeds' mean differences, and two over
+    the mean difference (four digits: the differences are small), two standard errors over the seeds' mean differences, and two over
     every (seed, task) difference."""
     seeds = sorted(set(runs) & set(other))
     per_seed, pooled = [], []
@@ -92,7 +92,7 @@ def _paired(runs: dict, other: dict, metric: str) -> str:
     _, sd_task = _mean_std(pooled)
     se_seed = 2 * sd_seed / len(per_seed) ** 0.5
     se_task = 2 * sd_task / len(pooled) ** 0.5
-    return f"{mean:+.3f} ± {se_seed:.3f} / {se_task:.3f}"
+    return f"{mean:+.4f} ± {se_seed:.4f} / {se_task:.4f}"
 
 
 def tuned_tables(folder: Path, studies_dir: Path | None = None) -> str:
