@@ -151,9 +151,11 @@ def evaluate(
     studies: Path,
     out_dir: Path,
     methods: list[str] | None = None,
+    extra: list[str] | None = None,
 ) -> None:
     """Each study's best setting and the zero-shot row at every protocol seed (module
-    docstring)."""
+    docstring). ``extra``: ``NAME=METHOD:KEY=V,KEY=V`` rows, a study's best setting with
+    these overrides on top (a module switched off at the tuned setting)."""
     for stream in streams:
         experiment = f"temporal_{stream}"
         rows = {"zero_shot": {"overrides": ["algorithm=zero_shot", "families=[lp]"], "params": {}}}
@@ -161,11 +163,19 @@ def evaluate(
             rec = json.loads(f.read_text())
             method = f.stem[: -len(stream) - 1]
             rows[method] = {"overrides": rec["overrides"], "params": rec["best"]["params"]}
+        for spec in extra or []:
+            name, rest = spec.split("=", 1)
+            base, _, changes = rest.partition(":")
+            if base not in rows:
+                raise SystemExit(f"--extra {spec}: no study of {base!r} on {stream}")
+            more = [c for c in changes.split(",") if c]
+            rows[name] = {**rows[base], "overrides": [*rows[base]["overrides"]], "more": more}
         rows = {m: r for m, r in rows.items() if not methods or m in methods}
         for seed in seeds:
             shared = inputs(experiment, seed)
             for method, row in rows.items():
-                ov = [*row["overrides"], *overrides_of(row["params"]), f"protocol.seed={seed}"]
+                ov = [*row["overrides"], *overrides_of(row["params"]), *row.get("more", [])]
+                ov.append(f"protocol.seed={seed}")
                 cfg = compose_cfg(experiment, ov)
                 results, seconds = run_setting(cfg, shared, tasks)
                 rec = {
@@ -199,13 +209,16 @@ def main() -> None:
     e.add_argument("--studies", type=Path, default=OUT / "studies")
     e.add_argument("--out", type=Path, default=OUT / "eval")
     e.add_argument("--methods", nargs="+", help="only these rows (default: every study's)")
+    e.add_argument("--extra", nargs="+", help="NAME=METHOD:KEY=V,KEY=V rows (evaluate's doc)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.cmd == "study":
         for spec in args.spec:
             study(spec, args.out)
     else:
-        evaluate(args.streams, args.seeds, args.tasks, args.studies, args.out, args.methods)
+        evaluate(
+            args.streams, args.seeds, args.tasks, args.studies, args.out, args.methods, args.extra
+        )
 
 
 if __name__ == "__main__":

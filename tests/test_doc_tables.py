@@ -118,3 +118,7 @@ def test_the_tuned_table_gives_seed_means_task_stds_and_paired_margins(tmp_path)
         "| 0.740 ± 0.071 (0.071) | +0.2000 ± 0.2000 / 0.1414 | - |"
     )
     assert "| s | fedtip_residual | 0.600 | lr 0.00123, local_epochs 3 |" in table
+    other = doc_tables.regenerate("--tuned t t/studies --against fedtip_residual", tmp_path)
+    # zero-shot minus fedtip: -0.2, 2 SE over seeds 0.200, over the four pairs 0.141
+    assert "| T-LP minus fedtip_residual |" in other.splitlines()[0]
+    assert other.splitlines()[2].endswith("| -0.2000 ± 0.2000 / 0.1414 |")

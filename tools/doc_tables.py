@@ -95,13 +95,18 @@ def _paired(runs: dict, other: dict, metric: str) -> str:
     return f"{mean:+.4f} ± {se_seed:.4f} / {se_task:.4f}"
 
 
-def tuned_tables(folder: Path, studies_dir: Path | None = None) -> str:
+def tuned_tables(
+    folder: Path,
+    studies_dir: Path | None = None,
+    against: tuple[str, ...] = ("zero_shot", "prompt_fedavg"),
+) -> str:
     """The tuned table (module docstring) from ``folder/studies/*.json`` and
     ``folder/eval/*.json``: per stream and method, the study's trials, wall time and best
     validation value; the test T-LP and I-LP as mean ± std over the protocol seeds with the
     mean over-task std in brackets; the test T-LP minus the zero-shot row and minus
     ``prompt_fedavg`` (± two standard errors over seeds / over seed-task pairs); then each
-    method's best setting. ``studies_dir``: the studies, when not ``folder/studies``."""
+    method's best setting. ``studies_dir``: the studies, when not ``folder/studies``;
+    ``against``: the rows the differences are taken to."""
     studies = {
         p.stem: json.loads(p.read_text())
         for p in sorted((studies_dir or folder / "studies").glob("*.json"))
@@ -112,10 +117,11 @@ def tuned_tables(folder: Path, studies_dir: Path | None = None) -> str:
         evals.setdefault(r["stream"], {}).setdefault(r["method"], {})[r["protocol_seed"]] = r
     head = (
         "| stream | method | trials | study s | best val T-LP | seeds x tasks | test T-LP | test I-LP "
-        "| T-LP minus zero-shot | T-LP minus prompt_fedavg |"
+        + "".join(f"| T-LP minus {o.replace('_shot', '-shot')} " for o in against)
+        + "|"
     )
     lines, settings = (
-        [head, "|---" * 10 + "|"],
+        [head, "|---" * (8 + len(against)) + "|"],
         [
             "| stream | method | val T-LP at the defaults (trial 0) | best setting |",
             "|---|---|---|---|",
@@ -133,8 +139,7 @@ def tuned_tables(folder: Path, studies_dir: Path | None = None) -> str:
                 mean, sd = _mean_std(means)
                 cells.append(f"{mean:.3f} ± {sd:.3f} ({sum(within) / len(within):.3f})")
             vs = [
-                _paired(runs, rows[o], "auc_tlp") if o in rows and o != m else "-"
-                for o in ("zero_shot", "prompt_fedavg")
+                _paired(runs, rows[o], "auc_tlp") if o in rows and o != m else "-" for o in against
             ]
             tasks = sorted({r["tasks"] for r in runs.values()})
             study = (
@@ -162,10 +167,16 @@ def tuned_tables(folder: Path, studies_dir: Path | None = None) -> str:
 def regenerate(args: str, root: Path = REPO) -> str:
     """The Markdown table ``fedlightning report <args>`` makes (``--dirs`` relative to
     ``root``); it must make one table (name the datasets with ``--dataset``). Arguments
-    ``--tuned DIR [STUDIES]``: :func:`tuned_tables` of ``root / DIR`` (and its studies)."""
+    ``--tuned DIR [STUDIES] [--against A,B]``: :func:`tuned_tables` of ``root / DIR`` (its
+    studies, the rows the differences are taken to)."""
     if args.startswith("--tuned "):
-        dirs = [root / d for d in args.split()[1:]]
-        return tuned_tables(dirs[0], dirs[1] if len(dirs) > 1 else None)
+        words = args.split()[1:]
+        against = ("zero_shot", "prompt_fedavg")
+        if "--against" in words:
+            i = words.index("--against")
+            against, words = tuple(words[i + 1].split(",")), words[:i] + words[i + 2 :]
+        dirs = [root / d for d in words]
+        return tuned_tables(dirs[0], dirs[1] if len(dirs) > 1 else None, against)
     from fedlightning.report import main as report
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(root):
