@@ -66,3 +66,59 @@ def test_every_marked_table_in_the_docs_is_its_report():
     docs = sorted((REPO / "docs").glob("*.md"))
     assert any(doc_tables.blocks(p.read_text()) for p in docs)  # at least one is marked
     assert doc_tables.check(docs) == []
+
+
+def tuned_eval(method: str, seed: int, tlp: list[float]) -> dict:
+    ilp = [v - 0.01 for v in tlp]
+    per = {"auc_tlp": tlp, "auc_ilp": ilp}
+    return {
+        "method": method,
+        "stream": "s",
+        "protocol_seed": seed,
+        "tasks": len(tlp),
+        "metrics": {
+            k: {"mean": statistics.fmean(v), "std": statistics.stdev(v), "per_task": v}
+            for k, v in per.items()
+        },
+    }
+
+
+def test_the_tuned_table_gives_seed_means_task_stds_and_paired_margins(tmp_path):
+    """``--tuned DIR`` markers: the numbers below are computed by hand."""
+    runs = {
+        ("zero_shot", 1): [0.5, 0.5],
+        ("zero_shot", 2): [0.6, 0.6],
+        ("fedtip_residual", 1): [0.7, 0.9],  # differences 0.2, 0.4: seed mean 0.3
+        ("fedtip_residual", 2): [0.7, 0.7],  # differences 0.1, 0.1: seed mean 0.1
+    }
+    (tmp_path / "t" / "eval").mkdir(parents=True)
+    (tmp_path / "t" / "studies").mkdir()
+    for (m, seed), v in runs.items():
+        rec = tuned_eval(m, seed, v)
+        (tmp_path / "t" / "eval" / f"{m}_s_p{seed}.json").write_text(json.dumps(rec))
+    study = {
+        "trials": [{"value": 0.6}, {"value": 0.75}],
+        "wall_s": 12.3,
+        "default_value": 0.6,
+        "best": {"value": 0.75, "params": {"algorithm.lr": 0.00123, "federation.local_epochs": 3}},
+    }
+    (tmp_path / "t" / "studies" / "fedtip_residual_s.json").write_text(json.dumps(study))
+    table = doc_tables.regenerate("--tuned t", tmp_path)
+    lines = table.splitlines()
+    # zero-shot: seed means 0.5, 0.6 -> 0.550 +- 0.0707; over-task stds 0, 0
+    assert (
+        lines[2]
+        == "| s | zero_shot | 0 | - | - | 2 x 2 | 0.550 ± 0.071 (0.000) | 0.540 ± 0.071 (0.000) | - | - |"
+    )
+    # fedtip: seed means 0.8, 0.7 -> 0.750 +- 0.0707; task stds 0.1414, 0 -> 0.071
+    # minus zero-shot: seed means 0.3, 0.1 -> 0.2, 2 SE over seeds 2 * 0.1414 / sqrt(2) = 0.200;
+    # pooled (0.2, 0.4, 0.1, 0.1): std 0.1414, 2 SE 2 * 0.1414 / 2 = 0.141
+    assert lines[3] == (
+        "| s | fedtip_residual | 2 | 12 | 0.750 | 2 x 2 | 0.750 ± 0.071 (0.071) "
+        "| 0.740 ± 0.071 (0.071) | +0.2000 ± 0.2000 / 0.1414 | - |"
+    )
+    assert "| s | fedtip_residual | 0.600 | lr 0.00123, local_epochs 3 |" in table
+    other = doc_tables.regenerate("--tuned t t/studies --against fedtip_residual", tmp_path)
+    # zero-shot minus fedtip: -0.2, 2 SE over seeds 0.200, over the four pairs 0.141
+    assert "| T-LP minus fedtip_residual |" in other.splitlines()[0]
+    assert other.splitlines()[2].endswith("| -0.2000 ± 0.2000 / 0.1414 |")

@@ -16,6 +16,11 @@ puts the regenerated tables in place; ``--keep RUN_DIR... --into DIR`` stores ru
     python tools/doc_tables.py --keep outputs/bitcoin_alpha/fedtip_bitcoin_alpha/* --into docs/results/x
     python tools/doc_tables.py --write
     python tools/doc_tables.py --check
+
+A marker whose arguments start with ``--tuned DIR`` is not a ``fedlightning report`` but the
+tuned FedTIP-side table of ``benchmarks/fedtip_tuning.py``'s studies and evaluations under
+``DIR`` (:func:`tuned_tables`): the means over protocol seeds with the std over seeds beside
+the over-task std, and paired differences with two standard errors.
 """
 
 from __future__ import annotations
@@ -57,9 +62,121 @@ def keep(run_dirs: list[Path], into: Path) -> list[Path]:
     return written
 
 
+#: the rows of the tuned table, in this order (others after them, by name)
+TUNED_ORDER = ("zero_shot", "fedtip_residual", "fedtip_paper", "prompt_fedavg")
+TUNED_ORDER += ("prompt_central", "dygprompt_fedavg", "dygprompt_central")
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, var**0.5
+
+
+def _paired(runs: dict, other: dict, metric: str) -> str:
+    """``runs`` minus ``other`` (both ``{seed: eval record}``), paired per task within a seed:
+    the mean difference (four digits: the differences are small), two standard errors over the seeds' mean differences, and two over
+    every (seed, task) difference."""
+    seeds = sorted(set(runs) & set(other))
+    per_seed, pooled = [], []
+    for s in seeds:
+        a, b = (r[s]["metrics"][metric]["per_task"] for r in (runs, other))
+        if len(a) != len(b):
+            raise ValueError(f"seed {s}: {len(a)} tasks against {len(b)}")
+        d = [x - y for x, y in zip(a, b, strict=True)]
+        per_seed.append(sum(d) / len(d))
+        pooled += d
+    if not seeds:
+        return "-"
+    mean, sd_seed = _mean_std(per_seed)
+    _, sd_task = _mean_std(pooled)
+    se_seed = 2 * sd_seed / len(per_seed) ** 0.5
+    se_task = 2 * sd_task / len(pooled) ** 0.5
+    return f"{mean:+.4f} ± {se_seed:.4f} / {se_task:.4f}"
+
+
+def tuned_tables(
+    folder: Path,
+    studies_dir: Path | None = None,
+    against: tuple[str, ...] = ("zero_shot", "prompt_fedavg"),
+) -> str:
+    """The tuned table (module docstring) from ``folder/studies/*.json`` and
+    ``folder/eval/*.json``: per stream and method, the study's trials, wall time and best
+    validation value; the test T-LP and I-LP as mean ± std over the protocol seeds with the
+    mean over-task std in brackets; the test T-LP minus the zero-shot row and minus
+    ``prompt_fedavg`` (± two standard errors over seeds / over seed-task pairs); then each
+    method's best setting. ``studies_dir``: the studies, when not ``folder/studies``;
+    ``against``: the rows the differences are taken to."""
+    studies = {
+        p.stem: json.loads(p.read_text())
+        for p in sorted((studies_dir or folder / "studies").glob("*.json"))
+    }
+    evals: dict = {}
+    for p in sorted((folder / "eval").glob("*.json")):
+        r = json.loads(p.read_text())
+        evals.setdefault(r["stream"], {}).setdefault(r["method"], {})[r["protocol_seed"]] = r
+    head = (
+        "| stream | method | trials | study s | best val T-LP | seeds x tasks | test T-LP | test I-LP "
+        + "".join(f"| T-LP minus {o.replace('_shot', '-shot')} " for o in against)
+        + "|"
+    )
+    lines, settings = (
+        [head, "|---" * (8 + len(against)) + "|"],
+        [
+            "| stream | method | val T-LP at the defaults (trial 0) | best setting |",
+            "|---|---|---|---|",
+        ],
+    )
+    for stream in sorted(evals):
+        rows = evals[stream]
+        order = [m for m in TUNED_ORDER if m in rows] + sorted(set(rows) - set(TUNED_ORDER))
+        for m in order:
+            runs, st = rows[m], studies.get(f"{m}_{stream}")
+            cells = []
+            for k in ("auc_tlp", "auc_ilp"):
+                means = [runs[s]["metrics"][k]["mean"] for s in sorted(runs)]
+                within = [runs[s]["metrics"][k]["std"] for s in sorted(runs)]
+                mean, sd = _mean_std(means)
+                cells.append(f"{mean:.3f} ± {sd:.3f} ({sum(within) / len(within):.3f})")
+            vs = [
+                _paired(runs, rows[o], "auc_tlp") if o in rows and o != m else "-" for o in against
+            ]
+            tasks = sorted({r["tasks"] for r in runs.values()})
+            study = (
+                [str(len(st["trials"])), f"{st['wall_s']:.0f}", f"{st['best']['value']:.3f}"]
+                if st
+                else ["0", "-", "-"]
+            )
+            lines.append(
+                f"| {stream} | {m} | {' | '.join(study)} | {len(runs)} x {'/'.join(map(str, tasks))} "
+                f"| {' | '.join(cells)} | {' | '.join(vs)} |"
+            )
+            if st:
+                shown = ", ".join(
+                    f"{k.split('.')[-1]} {v:.3g}"
+                    if isinstance(v, float)
+                    else f"{k.split('.')[-1]} {v}"
+                    for k, v in st["best"]["params"].items()
+                )
+                default = st.get("default_value")
+                default = "-" if default is None else f"{default:.3f}"
+                settings.append(f"| {stream} | {m} | {default} | {shown} |")
+    return "\n".join(lines) + "\n\n" + "\n".join(settings) + "\n"
+
+
 def regenerate(args: str, root: Path = REPO) -> str:
     """The Markdown table ``fedlightning report <args>`` makes (``--dirs`` relative to
-    ``root``); it must make one table (name the datasets with ``--dataset``)."""
+    ``root``); it must make one table (name the datasets with ``--dataset``). Arguments
+    ``--tuned DIR [STUDIES] [--against A,B]``: :func:`tuned_tables` of ``root / DIR`` (its
+    studies, the rows the differences are taken to)."""
+    if args.startswith("--tuned "):
+        words = args.split()[1:]
+        against = ("zero_shot", "prompt_fedavg")
+        if "--against" in words:
+            i = words.index("--against")
+            against, words = tuple(words[i + 1].split(",")), words[:i] + words[i + 2 :]
+        dirs = [root / d for d in words]
+        return tuned_tables(dirs[0], dirs[1] if len(dirs) > 1 else None, against)
     from fedlightning.report import main as report
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(root):
