@@ -32,11 +32,15 @@ from fedlightning.models.dropout import (
     InputDropout,
     drawn_as_torch,
     dropout,
+    dropout_keep,
     dropout_noise,
     keep_scale,
     nonzero_dropout,
+    nonzero_keep,
     nonzeros,
+    scaled,
 )
+from fedlightning.models.multimodal import ModalityEncoders
 from fedlightning.models.sparse import _SparseAffine
 from fedlightning.utils.seeding import manual_seed
 
@@ -51,7 +55,7 @@ class Segments:
         self.streams: list[dict[str, Tensor]] | None = None
         self._cut: list[tuple[Tensor, list[Tensor]]] = []  # sparse tensors and their rows
         self._dense: dict[int, tuple[Tensor, list[Tensor]]] = {}  # union attribute -> graphs'
-        self._dropped: dict[tuple[int, float], tuple[Tensor, list]] = {}  # buffer, per copy
+        self._dropped: dict[tuple, Any] = {}  # an input's positions per copy, its buffer
         self._bound: tuple[list, Data] | None = None  # the graphs' identity, their union
 
     def ranges(self) -> Iterator[tuple[int, int, int]]:
@@ -104,17 +108,16 @@ class Segments:
                 self._dense[id(value)] = (value, [g[key] for g in graphs])
         return union
 
-    def input_plan(self, x: Tensor, max_density: float) -> tuple[Tensor, list] | None:
+    def input_positions(self, x: Tensor, max_density: float) -> list | None:
         """For ``x``, a dense node attribute of the bound union (constant data, on the CPU):
-        a buffer holding ``x`` and, per copy, the flat positions of its rows' non-zeros in
-        the buffer with their values (:func:`~fedlightning.models.dropout.nonzero_positions`;
-        ``None``: standard dropout). A copy's positions are found once per graph tensor and
-        reused by every step and round while the tensor is unchanged; the buffer once per
-        bind. ``None`` when ``x`` is not such an attribute."""
+        per copy, the flat positions of its rows' non-zeros in ``x`` with their values
+        (:func:`~fedlightning.models.dropout.nonzero_positions`; ``None``: standard
+        dropout), found once per graph tensor and reused by every step and round while the
+        tensor is unchanged. ``None`` when ``x`` is not such an attribute."""
         entry = self._dense.get(id(x))
         if entry is None or entry[0] is not x or x.device.type != "cpu" or x.requires_grad:
             return None
-        key = (id(x), max_density)
+        key = ("positions", id(x), max_density)
         if key not in self._dropped:
             width, parts = x[0].numel() if len(x) else 0, []
             for (_, a, b), own in zip(self.ranges(), entry[1], strict=True):
@@ -122,8 +125,19 @@ class Segments:
                     return None
                 pos, values = nonzeros(own, max_density)
                 parts.append(None if pos is None else (pos + a * width, values))
-            self._dropped[key] = (x.clone(memory_format=torch.contiguous_format), parts)
+            self._dropped[key] = parts
         return self._dropped[key]
+
+    def input_plan(self, x: Tensor, max_density: float) -> tuple[Tensor, list] | None:
+        """:meth:`input_positions` of ``x`` and a buffer holding ``x`` (made once per bind)
+        that :class:`SegmentDropout` writes the dropped rows into."""
+        parts = self.input_positions(x, max_density)
+        if parts is None:
+            return None
+        key = (id(x), max_density)
+        if key not in self._dropped:
+            self._dropped[key] = x.clone(memory_format=torch.contiguous_format)
+        return self._dropped[key], parts
 
     @contextlib.contextmanager
     def stream(self, k: int, device: torch.device) -> Iterator[None]:
@@ -369,6 +383,36 @@ class SegmentDropout(nn.Module):
                 self._drop(xk, ok)  # into client k's rows: no concatenation
         return out
 
+    def masks(self, x: Tensor) -> list | None:
+        """The masks this input dropout draws for every copy's rows of ``x`` in this step,
+        as :meth:`forward` draws them (the same streams, order and values), without the
+        dropped input: per copy ``(keep, None)`` (standard dropout, ``keep`` the bool mask
+        of its rows) or ``(keep, (positions, values))`` (its non-zeros' masks). ``None``
+        where :meth:`forward` takes another path (no streams, evaluation, a sparse or
+        gradient-taking input, one not a bound union's: :meth:`Segments.input_positions`)."""
+        seg = self.segments[0]
+        if (
+            not self.training
+            or self.max_density is None
+            or not 0.0 < self.p < 1.0
+            or seg.streams is None
+            or x.layout != torch.strided
+            or (x.requires_grad and torch.is_grad_enabled())
+            or not drawn_as_torch(x, self.p)  # so is every row block of it
+        ):
+            return None
+        parts = seg.input_positions(x, self.max_density)
+        if parts is None:
+            return None
+        out = []
+        for k, xk in enumerate(seg.split(x)):
+            with seg.stream(k, x.device):
+                if parts[k] is None:
+                    out.append((dropout_keep(xk.shape, self.p), None))
+                else:
+                    out.append((nonzero_keep(parts[k][0].shape, self.p, x), parts[k]))
+        return out
+
     def _drop_planned(self, x: Tensor, out: Tensor, parts: list) -> Tensor:
         """:func:`~fedlightning.models.dropout.nonzero_dropout` of every copy's rows of the
         constant input ``x`` into ``out`` (:meth:`Segments.input_plan`): the same values and
@@ -387,7 +431,93 @@ class SegmentDropout(nn.Module):
         return out
 
 
+def _dropped_rows(x: Tensor, a: int, b: int, mask: tuple, p: float) -> Tensor:
+    """Rows ``a:b`` of ``x`` after the input dropout drawn as ``mask``
+    (:meth:`SegmentDropout.masks`): the values the unfused dropout writes for them."""
+    keep, nonzero = mask
+    if nonzero is None:  # dropout(x_k, p): x_k * (m / (1-p))
+        return x[a:b] * scaled(keep, p, x.dtype)
+    pos, values = nonzero  # nonzero_dropout: the non-zeros' values * (m / (1-p))
+    rows = x[a:b].clone(memory_format=torch.contiguous_format)
+    rows.view(-1)[pos - a * x[0].numel()] = values * scaled(keep, p, x.dtype)
+    return rows
+
+
+class _DropAffine(torch.autograd.Function):
+    """Input dropout and the first linear map in one step: copy ``k``'s rows of the data
+    ``x`` dropped with its mask (:meth:`SegmentDropout.masks`), then through its weight, as
+    :class:`_SegmentAffine` maps the dropped input. The backward recomputes each copy's
+    dropped rows from ``x`` and the mask for the weight's gradient ``g_k^T x_k`` instead of
+    keeping the dropped input (the size of the features; the masks are bools, a quarter of
+    it): the same operations on the same values, so every output and gradient is bitwise
+    the unfused one's. ``x`` takes no gradient (it is data)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, ptr: list, masks: list, p: float
+    ) -> Tensor:
+        blocks = _blocks(ptr)
+        out = x.new_empty((x.shape[0], weight.shape[1]))
+        for k, rows in enumerate(blocks):
+            xk = _dropped_rows(x, rows.start, rows.stop, masks[k], p)
+            if bias is None:
+                torch.mm(xk, weight[k].t(), out=out[rows])
+            else:
+                torch.addmm(bias[k], xk, weight[k].t(), out=out[rows])
+            del xk  # one copy's dropped rows at a time
+        ctx.save_for_backward(x, weight)
+        ctx.blocks, ctx.masks, ctx.p, ctx.has_bias = blocks, masks, p, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, _ = ctx.saved_tensors
+        gw = gb = None
+        if ctx.needs_input_grad[1]:
+            parts = []
+            for k, rows in enumerate(ctx.blocks):
+                xk = _dropped_rows(x, rows.start, rows.stop, ctx.masks[k], ctx.p)
+                parts.append(g[rows].t().mm(xk))
+                del xk
+            gw = torch.stack(parts)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = torch.stack([g[rows].sum(0) for rows in ctx.blocks])
+        return None, gw, gb, None, None, None
+
+
+class SegmentEncoders(nn.Module):
+    """:class:`~fedlightning.models.multimodal.ModalityEncoders` of a stack (the same
+    parameter names): each dense modality's input dropout and linear map as one step
+    (:class:`_DropAffine`), which keeps the dropout's masks for the backward instead of the
+    dropped input; otherwise (evaluation, a sparse input, no streams) the stacked dropout
+    and linear layers one after the other."""
+
+    def __init__(self, encoders: ModalityEncoders, segments: Segments) -> None:
+        super().__init__()
+        self.modalities = list(encoders.modalities)
+        self.encoders = nn.ModuleDict(
+            {m: SegmentLinear(lin, segments) for m, lin in encoders.encoders.items()}
+        )
+        self.dropout = SegmentDropout(encoders.dropout, segments)
+        self.train(encoders.training)
+
+    def forward(self, features: dict[str, Tensor]) -> list[Tensor]:
+        return [torch.relu(self.encode(m, features[m])) for m in self.modalities]
+
+    def encode(self, m: str, x: Tensor) -> Tensor:
+        """Modality ``m``'s linear map of its dropped input (Eq. (10)'s encoder)."""
+        lin = self.encoders[m]
+        masks = self.dropout.masks(x) if x.dim() == 2 else None
+        if masks is None:
+            return lin(self.dropout(x))
+        return _DropAffine.apply(
+            x, lin.weight, lin.bias, self.dropout.segments[0].ptr, masks, self.dropout.p
+        )
+
+
 def _replacement(module: nn.Module, segments: Segments) -> nn.Module | None:
+    if isinstance(module, ModalityEncoders) and type(module).forward is ModalityEncoders.forward:
+        return SegmentEncoders(module, segments)
     if isinstance(module, GCNConv):
         return SegmentGCNConv(module, segments)
     if isinstance(module, nn.Linear | PygLinear):
