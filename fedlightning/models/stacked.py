@@ -37,12 +37,43 @@ from fedlightning.models.dropout import (
     keep_scale,
     nonzero_dropout,
     nonzero_keep,
+    nonzero_positions,
     nonzeros,
     scaled,
 )
 from fedlightning.models.multimodal import ModalityEncoders
 from fedlightning.models.sparse import _SparseAffine
 from fedlightning.utils.seeding import manual_seed
+
+
+class GatheredRows:
+    """Node features given as rows of other tensors, not gathered: part ``k`` is
+    ``source_k[index_k]`` (a stage batch's rows of its client's features), the whole the
+    parts' rows one after the other. :class:`SegmentEncoders` gathers one part at a time
+    inside its first linear map (:class:`_DropAffine`), so a stack's union of stage batches
+    never holds a copy of the features; anything else reads :meth:`materialize`."""
+
+    def __init__(self, parts: Sequence[tuple[Tensor, Tensor]]) -> None:
+        self.parts = list(parts)
+        self.positions: dict[float, list] = {}  # max_density -> per part (SegmentDropout)
+
+    def __len__(self) -> int:
+        return sum(int(index.numel()) for _, index in self.parts)
+
+    def part(self, k: int) -> Tensor:
+        """Part ``k``'s rows, gathered (a new contiguous tensor)."""
+        source, index = self.parts[k]
+        return source.index_select(0, index)
+
+    def materialize(self) -> Tensor:
+        """Every part's rows in one tensor (what a gathered copy would hold)."""
+        if len(self.parts) == 1:
+            return self.part(0)
+        return torch.cat([self.part(k) for k in range(len(self.parts))])
+
+    def __repr__(self) -> str:  # what graphs_identity compares: the sources and their versions
+        seen = ", ".join(f"{id(s):x}:{s._version}/{id(i):x}:{i._version}" for s, i in self.parts)
+        return f"GatheredRows({seen})"
 
 
 class Segments:
@@ -383,7 +414,7 @@ class SegmentDropout(nn.Module):
                 self._drop(xk, ok)  # into client k's rows: no concatenation
         return out
 
-    def masks(self, x: Tensor) -> list | None:
+    def masks(self, x: Tensor | GatheredRows) -> list | None:
         """The masks this input dropout draws for every copy's rows of ``x`` in this step,
         as :meth:`forward` draws them (the same streams, order and values), without the
         dropped input: per copy ``(keep, None)`` (standard dropout, ``keep`` the bool mask
@@ -391,26 +422,35 @@ class SegmentDropout(nn.Module):
         where :meth:`forward` takes another path (no streams, evaluation, a sparse or
         gradient-taking input, one not a bound union's: :meth:`Segments.input_positions`)."""
         seg = self.segments[0]
+        gathered = isinstance(x, GatheredRows)
+        probe = x.parts[0][0] if gathered and x.parts else x
         if (
             not self.training
             or self.max_density is None
             or not 0.0 < self.p < 1.0
             or seg.streams is None
-            or x.layout != torch.strided
-            or (x.requires_grad and torch.is_grad_enabled())
-            or not drawn_as_torch(x, self.p)  # so is every row block of it
+            or not isinstance(probe, Tensor)
+            or probe.layout != torch.strided
+            or probe.dim() != 2
+            or (not gathered and x.requires_grad and torch.is_grad_enabled())
+            or (not gathered and not drawn_as_torch(x, self.p))  # nor is a row block of it
+            or probe.device.type != "cpu"
+            or probe.dtype not in (torch.float32, torch.float64)
         ):
             return None
-        parts = seg.input_positions(x, self.max_density)
+        if gathered:
+            parts = gathered_positions(x, seg, self.max_density)
+        else:
+            parts = seg.input_positions(x, self.max_density)
         if parts is None:
             return None
         out = []
-        for k, xk in enumerate(seg.split(x)):
-            with seg.stream(k, x.device):
+        for k, a, b in seg.ranges():
+            with seg.stream(k, probe.device):
                 if parts[k] is None:
-                    out.append((dropout_keep(xk.shape, self.p), None))
+                    out.append((dropout_keep((b - a, probe.shape[1]), self.p), None))
                 else:
-                    out.append((nonzero_keep(parts[k][0].shape, self.p, x), parts[k]))
+                    out.append((nonzero_keep(parts[k][0].shape, self.p, probe), parts[k]))
         return out
 
     def _drop_planned(self, x: Tensor, out: Tensor, parts: list) -> Tensor:
@@ -431,21 +471,44 @@ class SegmentDropout(nn.Module):
         return out
 
 
-def _dropped_rows(x: Tensor, a: int, b: int, mask: tuple, p: float) -> Tensor:
-    """Rows ``a:b`` of ``x`` after the input dropout drawn as ``mask``
-    (:meth:`SegmentDropout.masks`): the values the unfused dropout writes for them."""
+def gathered_positions(x: GatheredRows, segments: Segments, max_density: float) -> list | None:
+    """:meth:`Segments.input_positions` of gathered rows (one part per copy of
+    ``segments``), found once per part from its gathered rows and kept with ``x``;
+    ``None`` when the parts are not the copies' rows."""
+    sizes = [b - a for _, a, b in segments.ranges()]
+    if [int(i.numel()) for _, i in x.parts] != sizes:
+        return None
+    if max_density not in x.positions:
+        parts = []
+        for k, a, _ in segments.ranges():
+            flat = x.part(k).reshape(-1)
+            pos = nonzero_positions(flat, max_density) if flat.numel() else None
+            parts.append(None if pos is None else (pos + a * x.parts[k][0].shape[1], flat[pos]))
+        x.positions[max_density] = parts
+    return x.positions[max_density]
+
+
+def _dropped_rows(x: Tensor | GatheredRows, k: int, a: int, b: int, mask: Any, p: float) -> Tensor:
+    """Copy ``k``'s rows ``a:b`` of ``x`` after the input dropout drawn as ``mask``
+    (:meth:`SegmentDropout.masks`; ``None``: no dropout): the values the unfused dropout
+    writes for them (gathered rows: part ``k``, gathered here)."""
+    rows = x.part(k) if isinstance(x, GatheredRows) else x[a:b]
+    if mask is None:
+        return rows
     keep, nonzero = mask
     if nonzero is None:  # dropout(x_k, p): x_k * (m / (1-p))
-        return x[a:b] * scaled(keep, p, x.dtype)
+        return rows * scaled(keep, p, rows.dtype)
     pos, values = nonzero  # nonzero_dropout: the non-zeros' values * (m / (1-p))
-    rows = x[a:b].clone(memory_format=torch.contiguous_format)
-    rows.view(-1)[pos - a * x[0].numel()] = values * scaled(keep, p, x.dtype)
+    if not isinstance(x, GatheredRows):
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    rows.view(-1)[pos - a * rows.shape[1]] = values * scaled(keep, p, rows.dtype)
     return rows
 
 
 class _DropAffine(torch.autograd.Function):
     """Input dropout and the first linear map in one step: copy ``k``'s rows of the data
-    ``x`` dropped with its mask (:meth:`SegmentDropout.masks`), then through its weight, as
+    ``x`` (a tensor, or :class:`GatheredRows` gathered one copy at a time) dropped with its
+    mask (:meth:`SegmentDropout.masks`; ``None``: not dropped), then through its weight, as
     :class:`_SegmentAffine` maps the dropped input. The backward recomputes each copy's
     dropped rows from ``x`` and the mask for the weight's gradient ``g_k^T x_k`` instead of
     keeping the dropped input (the size of the features; the masks are bools, a quarter of
@@ -454,29 +517,35 @@ class _DropAffine(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, ptr: list, masks: list, p: float
+        ctx: Any,
+        x: Tensor | GatheredRows,
+        weight: Tensor,
+        bias: Tensor | None,
+        ptr: list,
+        masks: list,
+        p: float,
     ) -> Tensor:
         blocks = _blocks(ptr)
-        out = x.new_empty((x.shape[0], weight.shape[1]))
+        like = x if isinstance(x, Tensor) else weight
+        out = like.new_empty((ptr[-1], weight.shape[1]))
         for k, rows in enumerate(blocks):
-            xk = _dropped_rows(x, rows.start, rows.stop, masks[k], p)
+            xk = _dropped_rows(x, k, rows.start, rows.stop, masks[k], p)
             if bias is None:
                 torch.mm(xk, weight[k].t(), out=out[rows])
             else:
                 torch.addmm(bias[k], xk, weight[k].t(), out=out[rows])
             del xk  # one copy's dropped rows at a time
-        ctx.save_for_backward(x, weight)
-        ctx.blocks, ctx.masks, ctx.p, ctx.has_bias = blocks, masks, p, bias is not None
+        ctx.x, ctx.blocks, ctx.masks, ctx.p = x, blocks, masks, p  # x: constant data
+        ctx.has_bias = bias is not None
         return out
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        x, _ = ctx.saved_tensors
         gw = gb = None
         if ctx.needs_input_grad[1]:
             parts = []
             for k, rows in enumerate(ctx.blocks):
-                xk = _dropped_rows(x, rows.start, rows.stop, ctx.masks[k], ctx.p)
+                xk = _dropped_rows(ctx.x, k, rows.start, rows.stop, ctx.masks[k], ctx.p)
                 parts.append(g[rows].t().mm(xk))
                 del xk
             gw = torch.stack(parts)
@@ -504,15 +573,19 @@ class SegmentEncoders(nn.Module):
     def forward(self, features: dict[str, Tensor]) -> list[Tensor]:
         return [torch.relu(self.encode(m, features[m])) for m in self.modalities]
 
-    def encode(self, m: str, x: Tensor) -> Tensor:
+    def encode(self, m: str, x: Tensor | GatheredRows) -> Tensor:
         """Modality ``m``'s linear map of its dropped input (Eq. (10)'s encoder)."""
-        lin = self.encoders[m]
-        masks = self.dropout.masks(x) if x.dim() == 2 else None
+        lin, drop = self.encoders[m], self.dropout
+        seg = drop.segments[0]
+        gathered = isinstance(x, GatheredRows)
+        if gathered and [int(i.numel()) for _, i in x.parts] != [b - a for _, a, b in seg.ranges()]:
+            x, gathered = x.materialize(), False  # not one part per copy
+        masks = drop.masks(x) if gathered or x.dim() == 2 else None
+        if masks is None and gathered and (not drop.training or drop.p == 0):
+            masks = [None] * seg.copies  # no dropout: each copy's rows as they are
         if masks is None:
-            return lin(self.dropout(x))
-        return _DropAffine.apply(
-            x, lin.weight, lin.bias, self.dropout.segments[0].ptr, masks, self.dropout.p
-        )
+            return lin(drop(x.materialize() if gathered else x))
+        return _DropAffine.apply(x, lin.weight, lin.bias, seg.ptr, masks, drop.p)
 
 
 def _replacement(module: nn.Module, segments: Segments) -> nn.Module | None:
@@ -572,7 +645,8 @@ def disjoint_union(graphs: Sequence[Data]) -> tuple[Data, list[int]]:
     """The disjoint union of ``graphs`` (node attributes concatenated, edges offset) and
     ``ptr``: graph ``k``'s nodes are rows ``ptr[k]:ptr[k+1]``.
 
-    A dense floating node attribute ``[n_k, d]`` (a modality's features: most of a graph's
+    A :class:`GatheredRows` attribute (one part per graph) stays one: the graphs' parts in
+    order. A dense floating node attribute ``[n_k, d]`` (a modality's features: most of a graph's
     bytes) is joined by :func:`joined_rows`: when the graphs' tensors are already adjacent
     rows of one storage (:func:`share_rows` made them so), the union's is a view of it and
     nothing is copied; otherwise one concatenation, with no second transient copy (PyG's
@@ -580,16 +654,21 @@ def disjoint_union(graphs: Sequence[Data]) -> tuple[Data, list[int]]:
     graphs = list(graphs)
     rows = [k for k, v in graphs[0].items() if _row_block(v, graphs[0].num_nodes)]
     rows = [k for k in rows if all(_row_block(g[k], g.num_nodes) for g in graphs)]
+    gathered = [k for k, v in graphs[0].items() if isinstance(v, GatheredRows)]
+    if any(not isinstance(g[k], GatheredRows) for g in graphs for k in gathered):
+        raise ValueError(f"a union of graphs needs {gathered} gathered in every graph")
     light = []
     for g in graphs:
         h = copy.copy(g)  # shallow: the graph keeps its attributes
-        for k in rows:
+        for k in rows + gathered:
             del h[k]
         h.num_nodes = g.num_nodes
         light.append(h)
     union = Batch.from_data_list(light)
     for k in rows:
         union[k] = joined_rows([g[k] for g in graphs])
+    for k in gathered:  # still not gathered: one part per graph
+        union[k] = GatheredRows([part for g in graphs for part in g[k].parts])
     return union, [int(v) for v in union.ptr]
 
 
