@@ -18,6 +18,7 @@ process's resident and peak memory (docs/scaling.md, "Memory").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -117,10 +118,8 @@ def run_census(extra: list[str]) -> None:
 
     with tempfile.TemporaryDirectory() as out:
         sys.argv = ["fedlightning", "train", *COMMAND, *extra, f"hydra.run.dir={out}"]
-        try:
+        with contextlib.suppress(SystemExit):
             main()
-        except SystemExit:
-            pass
     census("end")
 
 
