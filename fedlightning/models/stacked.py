@@ -646,17 +646,15 @@ def disjoint_union(graphs: Sequence[Data]) -> tuple[Data, list[int]]:
     ``ptr``: graph ``k``'s nodes are rows ``ptr[k]:ptr[k+1]``.
 
     A :class:`GatheredRows` attribute (one part per graph) stays one: the graphs' parts in
-    order. A dense floating node attribute ``[n_k, d]`` (a modality's features: most of a graph's
+    order (gathered where some graphs hold it as a tensor: :func:`gathered_alike`). A dense floating node attribute ``[n_k, d]`` (a modality's features: most of a graph's
     bytes) is joined by :func:`joined_rows`: when the graphs' tensors are already adjacent
     rows of one storage (:func:`share_rows` made them so), the union's is a view of it and
     nothing is copied; otherwise one concatenation, with no second transient copy (PyG's
     collation of the other attributes never sees them)."""
-    graphs = list(graphs)
+    graphs = gathered_alike(list(graphs))
     rows = [k for k, v in graphs[0].items() if _row_block(v, graphs[0].num_nodes)]
     rows = [k for k in rows if all(_row_block(g[k], g.num_nodes) for g in graphs)]
     gathered = [k for k, v in graphs[0].items() if isinstance(v, GatheredRows)]
-    if any(not isinstance(g[k], GatheredRows) for g in graphs for k in gathered):
-        raise ValueError(f"a union of graphs needs {gathered} gathered in every graph")
     light = []
     for g in graphs:
         h = copy.copy(g)  # shallow: the graph keeps its attributes
@@ -670,6 +668,27 @@ def disjoint_union(graphs: Sequence[Data]) -> tuple[Data, list[int]]:
     for k in gathered:  # still not gathered: one part per graph
         union[k] = GatheredRows([part for g in graphs for part in g[k].parts])
     return union, [int(v) for v in union.ptr]
+
+
+def gathered_alike(graphs: list[Data]) -> list[Data]:
+    """``graphs``, where an attribute is :class:`GatheredRows` in some of them and not in
+    all, with those gathered (shallow copies of the graphs concerned)."""
+    kinds: dict[str, set[bool]] = {}
+    for g in graphs:
+        for k, v in g.items():
+            kinds.setdefault(k, set()).add(isinstance(v, GatheredRows))
+    mixed = [k for k, seen in kinds.items() if seen == {True, False}]
+    if not mixed:
+        return graphs
+    out = []
+    for g in graphs:
+        keys = [k for k in mixed if isinstance(g[k], GatheredRows)]
+        if keys:
+            g = copy.copy(g)
+            for k in keys:
+                g[k] = g[k].materialize()
+        out.append(g)
+    return out
 
 
 def _row_block(value: Any, num_nodes: int | None) -> bool:
@@ -724,7 +743,7 @@ def share_rows(
         whole = union[key]
         for g, a, b in zip(graphs, ptr[:-1], ptr[1:], strict=True):
             own = g[key]
-            if own is whole or not owns_storage(own):
+            if not isinstance(own, Tensor) or own is whole or not owns_storage(own):
                 continue
             if own.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
                 continue
