@@ -554,6 +554,11 @@ class _DropAffine(torch.autograd.Function):
         return None, gw, gb, None, None, None
 
 
+# an input this large drops and maps in one step (its masks kept, not its dropped copy);
+# a smaller one takes the two plain steps, which are faster (the same values either way)
+FUSE_MIN_BYTES = 64 * 2**20
+
+
 class SegmentEncoders(nn.Module):
     """:class:`~fedlightning.models.multimodal.ModalityEncoders` of a stack (the same
     parameter names): each dense modality's input dropout and linear map as one step
@@ -580,7 +585,8 @@ class SegmentEncoders(nn.Module):
         gathered = isinstance(x, GatheredRows)
         if gathered and [int(i.numel()) for _, i in x.parts] != [b - a for _, a, b in seg.ranges()]:
             x, gathered = x.materialize(), False  # not one part per copy
-        masks = drop.masks(x) if gathered or x.dim() == 2 else None
+        big = gathered or x.numel() * x.element_size() >= FUSE_MIN_BYTES
+        masks = drop.masks(x) if gathered or (big and x.dim() == 2) else None
         if masks is None and gathered and (not drop.training or drop.p == 0):
             masks = [None] * seg.copies  # no dropout: each copy's rows as they are
         if masks is None:

@@ -9,6 +9,8 @@ import json
 import torch
 from torch_geometric.data import Data
 
+import fedlightning.methods.continual.continual as continual
+import fedlightning.models.stacked as stacked
 from fedlightning.clients.replay import stage_batch
 from fedlightning.federation.stacking import StackedClients
 from fedlightning.methods.continual.continual import (
@@ -96,6 +98,8 @@ def test_stacked_fedogl_on_gathered_rows_is_bitwise_the_gathered_copies(
     """FedOGL's demo, three stages stacked: metrics, history and the server's state
     (global model, bases, prototypes) bitwise the same whether the stage batches hold
     gathered copies or ``GatheredRows``, and the stacked steps saw ``GatheredRows``."""
+    monkeypatch.setattr(continual, "GATHER_MIN_BYTES", 0)  # the demo's graphs are small
+    monkeypatch.setattr(stacked, "FUSE_MIN_BYTES", 0)
     overrides = ["experiment=demo", "federation.rounds=1", "runner.stack_clients=true"]
     seen: list[set] = []  # per stacked step: the types of its features
     step = StackedClients.training_step

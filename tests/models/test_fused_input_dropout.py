@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch_geometric.data import Data
 
+import fedlightning.models.stacked as stacked
 from fedlightning.models import ModalityEncoders
 from fedlightning.models.stacked import SegmentDropout, SegmentEncoders, seeded_streams, stack_net
 
@@ -51,6 +52,12 @@ def run(stack, segments, union, upstream, steps: int = 2):
         grads = {n: p.grad.clone() for n, p in stack.named_parameters()}
         got.append(([o.detach().clone() for o in outs], grads))
     return got, [s["cpu"].clone() for s in segments.streams]
+
+
+@pytest.fixture(autouse=True)
+def fuse_every_input(monkeypatch):
+    """These tiny inputs take the fused step (by default only inputs of 64 MiB or more)."""
+    monkeypatch.setattr(stacked, "FUSE_MIN_BYTES", 0)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -111,3 +118,18 @@ def test_fused_step_keeps_masks_not_the_dropped_input():
     assert type(node).__name__ == "_DropAffineBackward"
     assert node.x is union.x_dense and not node.saved_tensors
     assert all(keep.dtype == torch.bool and nz is None for keep, nz in node.masks)
+
+
+def test_a_small_input_takes_the_plain_steps(monkeypatch):
+    """Below ``FUSE_MIN_BYTES`` the stack drops and maps in two plain steps (faster on a
+    small input); above it, the fused step."""
+    monkeypatch.setattr(stacked, "FUSE_MIN_BYTES", 20 * 32 * 4 + 1)  # the union's bytes + 1
+    torch.manual_seed(0)
+    stack, segments = stack_net(Net({"dense": 32}, dropout=0.5), 2)
+    union = segments.bind([Data(x_dense=torch.randn(n, 32), num_nodes=n) for n in (12, 8)])
+    segments.streams = seeded_streams([1, 2])
+    node = stack({"dense": union.x_dense})[0].grad_fn.next_functions[0][0]
+    assert type(node).__name__ != "_DropAffineBackward"
+    monkeypatch.setattr(stacked, "FUSE_MIN_BYTES", 20 * 32 * 4)
+    node = stack({"dense": union.x_dense})[0].grad_fn.next_functions[0][0]
+    assert type(node).__name__ == "_DropAffineBackward"

@@ -56,6 +56,24 @@ def gathered_stage_batch(data: Any, known: Tensor, supervised: Tensor, replay: T
     return batch
 
 
+# a stacked fit gathers its clients' rows only when their dense features are this large: below
+# it the copies cost little memory and gathering them step by step costs time (docs/scaling.md)
+GATHER_MIN_BYTES = 256 * 2**20
+
+
+def dense_feature_bytes(data: Any) -> int:
+    """The bytes of ``data``'s dense floating node features (``[N, d]`` tensors)."""
+    return sum(
+        v.numel() * v.element_size()
+        for _, v in data.items()
+        if isinstance(v, Tensor)
+        and v.layout == torch.strided
+        and v.is_floating_point()
+        and v.dim() == 2
+        and v.shape[0] == data.num_nodes
+    )
+
+
 def with_rows(batch: Any) -> Any:
     """``batch`` with every :class:`~fedlightning.models.stacked.GatheredRows` attribute
     gathered (a shallow copy; ``batch`` itself when it has none)."""
@@ -286,7 +304,9 @@ class ContinualFedAvg(Algorithm):
         model), teacher and dropout stream (``seeds[k]``); their updates, in order, each
         from :meth:`finish` with what :meth:`from_stack` computed for it."""
         batches, starts = [], []
-        self._gather_rows = self.gathers_rows(module, executor)
+        self._gather_rows = self.gathers_rows(module, executor) and (
+            sum(dense_feature_bytes(c.data) for c in clients) >= GATHER_MIN_BYTES
+        )
         try:
             for c in clients:
                 batches.append(self.prepare(module, c, broadcast))
