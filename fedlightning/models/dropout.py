@@ -26,8 +26,18 @@ _COMPRESSED = {  # layout -> its compressed and its plain index getters
 def keep_scale(shape: torch.Size, p: float, like: Tensor) -> Tensor:
     """``m / (1-p)`` with ``m ~ Bernoulli(1-p)`` i.i.d., drawn from torch's global generator
     of ``like``'s device; ``1/(1-p)`` is rounded as standard dropout rounds it."""
-    keep = torch.rand(shape, device=like.device) >= p  # P(u >= p) = 1 - p
-    return keep.to(like.dtype).div_(1.0 - p)
+    return scaled(nonzero_keep(shape, p, like), p, like.dtype)
+
+
+def nonzero_keep(shape: torch.Size, p: float, like: Tensor) -> Tensor:
+    """The mask ``m`` of :func:`keep_scale` (bool): ``u >= p`` for one uniform ``u`` of
+    torch's default dtype per entry, from the global generator of ``like``'s device."""
+    return torch.rand(shape, device=like.device) >= p  # P(u >= p) = 1 - p
+
+
+def scaled(keep: Tensor, p: float, dtype: torch.dtype) -> Tensor:
+    """The multiplier ``m / (1-p)`` of a bool mask ``m`` (a new tensor of ``dtype``)."""
+    return keep.to(dtype).div_(1.0 - p)
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
@@ -60,10 +70,16 @@ def dropout_noise(
     """The multiplier :func:`torch.nn.functional.dropout` draws on the CPU, ``m / (1-p)``
     with ``m = [u < 1-p]`` for one float64 uniform ``u`` per entry from torch's global
     generator (into ``out`` when given: a contiguous block of ``dtype``)."""
-    keep = torch.rand(shape, dtype=torch.float64) < 1.0 - p
+    keep = dropout_keep(shape, p)
     if out is None:
-        return keep.to(dtype).div_(1.0 - p)
+        return scaled(keep, p, dtype)
     return out.copy_(keep).div_(1.0 - p)
+
+
+def dropout_keep(shape: torch.Size, p: float) -> Tensor:
+    """The mask ``m`` of :func:`dropout_noise` (bool): ``u < 1-p`` for one float64 uniform
+    ``u`` per entry from torch's global CPU generator."""
+    return torch.rand(shape, dtype=torch.float64) < 1.0 - p
 
 
 def _dropped(values: Tensor, p: float) -> Tensor:

@@ -32,13 +32,48 @@ from fedlightning.models.dropout import (
     InputDropout,
     drawn_as_torch,
     dropout,
+    dropout_keep,
     dropout_noise,
     keep_scale,
     nonzero_dropout,
+    nonzero_keep,
+    nonzero_positions,
     nonzeros,
+    scaled,
 )
+from fedlightning.models.multimodal import ModalityEncoders
 from fedlightning.models.sparse import _SparseAffine
 from fedlightning.utils.seeding import manual_seed
+
+
+class GatheredRows:
+    """Node features given as rows of other tensors, not gathered: part ``k`` is
+    ``source_k[index_k]`` (a stage batch's rows of its client's features), the whole the
+    parts' rows one after the other. :class:`SegmentEncoders` gathers one part at a time
+    inside its first linear map (:class:`_DropAffine`), so a stack's union of stage batches
+    never holds a copy of the features; anything else reads :meth:`materialize`."""
+
+    def __init__(self, parts: Sequence[tuple[Tensor, Tensor]]) -> None:
+        self.parts = list(parts)
+        self.positions: dict[float, list] = {}  # max_density -> per part (SegmentDropout)
+
+    def __len__(self) -> int:
+        return sum(int(index.numel()) for _, index in self.parts)
+
+    def part(self, k: int) -> Tensor:
+        """Part ``k``'s rows, gathered (a new contiguous tensor)."""
+        source, index = self.parts[k]
+        return source.index_select(0, index)
+
+    def materialize(self) -> Tensor:
+        """Every part's rows in one tensor (what a gathered copy would hold)."""
+        if len(self.parts) == 1:
+            return self.part(0)
+        return torch.cat([self.part(k) for k in range(len(self.parts))])
+
+    def __repr__(self) -> str:  # what graphs_identity compares: the sources and their versions
+        seen = ", ".join(f"{id(s):x}:{s._version}/{id(i):x}:{i._version}" for s, i in self.parts)
+        return f"GatheredRows({seen})"
 
 
 class Segments:
@@ -51,7 +86,7 @@ class Segments:
         self.streams: list[dict[str, Tensor]] | None = None
         self._cut: list[tuple[Tensor, list[Tensor]]] = []  # sparse tensors and their rows
         self._dense: dict[int, tuple[Tensor, list[Tensor]]] = {}  # union attribute -> graphs'
-        self._dropped: dict[tuple[int, float], tuple[Tensor, list]] = {}  # buffer, per copy
+        self._dropped: dict[tuple, Any] = {}  # an input's positions per copy, its buffer
         self._bound: tuple[list, Data] | None = None  # the graphs' identity, their union
 
     def ranges(self) -> Iterator[tuple[int, int, int]]:
@@ -104,17 +139,16 @@ class Segments:
                 self._dense[id(value)] = (value, [g[key] for g in graphs])
         return union
 
-    def input_plan(self, x: Tensor, max_density: float) -> tuple[Tensor, list] | None:
+    def input_positions(self, x: Tensor, max_density: float) -> list | None:
         """For ``x``, a dense node attribute of the bound union (constant data, on the CPU):
-        a buffer holding ``x`` and, per copy, the flat positions of its rows' non-zeros in
-        the buffer with their values (:func:`~fedlightning.models.dropout.nonzero_positions`;
-        ``None``: standard dropout). A copy's positions are found once per graph tensor and
-        reused by every step and round while the tensor is unchanged; the buffer once per
-        bind. ``None`` when ``x`` is not such an attribute."""
+        per copy, the flat positions of its rows' non-zeros in ``x`` with their values
+        (:func:`~fedlightning.models.dropout.nonzero_positions`; ``None``: standard
+        dropout), found once per graph tensor and reused by every step and round while the
+        tensor is unchanged. ``None`` when ``x`` is not such an attribute."""
         entry = self._dense.get(id(x))
         if entry is None or entry[0] is not x or x.device.type != "cpu" or x.requires_grad:
             return None
-        key = (id(x), max_density)
+        key = ("positions", id(x), max_density)
         if key not in self._dropped:
             width, parts = x[0].numel() if len(x) else 0, []
             for (_, a, b), own in zip(self.ranges(), entry[1], strict=True):
@@ -122,8 +156,19 @@ class Segments:
                     return None
                 pos, values = nonzeros(own, max_density)
                 parts.append(None if pos is None else (pos + a * width, values))
-            self._dropped[key] = (x.clone(memory_format=torch.contiguous_format), parts)
+            self._dropped[key] = parts
         return self._dropped[key]
+
+    def input_plan(self, x: Tensor, max_density: float) -> tuple[Tensor, list] | None:
+        """:meth:`input_positions` of ``x`` and a buffer holding ``x`` (made once per bind)
+        that :class:`SegmentDropout` writes the dropped rows into."""
+        parts = self.input_positions(x, max_density)
+        if parts is None:
+            return None
+        key = (id(x), max_density)
+        if key not in self._dropped:
+            self._dropped[key] = x.clone(memory_format=torch.contiguous_format)
+        return self._dropped[key], parts
 
     @contextlib.contextmanager
     def stream(self, k: int, device: torch.device) -> Iterator[None]:
@@ -369,6 +414,45 @@ class SegmentDropout(nn.Module):
                 self._drop(xk, ok)  # into client k's rows: no concatenation
         return out
 
+    def masks(self, x: Tensor | GatheredRows) -> list | None:
+        """The masks this input dropout draws for every copy's rows of ``x`` in this step,
+        as :meth:`forward` draws them (the same streams, order and values), without the
+        dropped input: per copy ``(keep, None)`` (standard dropout, ``keep`` the bool mask
+        of its rows) or ``(keep, (positions, values))`` (its non-zeros' masks). ``None``
+        where :meth:`forward` takes another path (no streams, evaluation, a sparse or
+        gradient-taking input, one not a bound union's: :meth:`Segments.input_positions`)."""
+        seg = self.segments[0]
+        gathered = isinstance(x, GatheredRows)
+        probe = x.parts[0][0] if gathered and x.parts else x
+        if (
+            not self.training
+            or self.max_density is None
+            or not 0.0 < self.p < 1.0
+            or seg.streams is None
+            or not isinstance(probe, Tensor)
+            or probe.layout != torch.strided
+            or probe.dim() != 2
+            or (not gathered and x.requires_grad and torch.is_grad_enabled())
+            or (not gathered and not drawn_as_torch(x, self.p))  # nor is a row block of it
+            or probe.device.type != "cpu"
+            or probe.dtype not in (torch.float32, torch.float64)
+        ):
+            return None
+        if gathered:
+            parts = gathered_positions(x, seg, self.max_density)
+        else:
+            parts = seg.input_positions(x, self.max_density)
+        if parts is None:
+            return None
+        out = []
+        for k, a, b in seg.ranges():
+            with seg.stream(k, probe.device):
+                if parts[k] is None:
+                    out.append((dropout_keep((b - a, probe.shape[1]), self.p), None))
+                else:
+                    out.append((nonzero_keep(parts[k][0].shape, self.p, probe), parts[k]))
+        return out
+
     def _drop_planned(self, x: Tensor, out: Tensor, parts: list) -> Tensor:
         """:func:`~fedlightning.models.dropout.nonzero_dropout` of every copy's rows of the
         constant input ``x`` into ``out`` (:meth:`Segments.input_plan`): the same values and
@@ -387,7 +471,132 @@ class SegmentDropout(nn.Module):
         return out
 
 
+def gathered_positions(x: GatheredRows, segments: Segments, max_density: float) -> list | None:
+    """:meth:`Segments.input_positions` of gathered rows (one part per copy of
+    ``segments``), found once per part from its gathered rows and kept with ``x``;
+    ``None`` when the parts are not the copies' rows."""
+    sizes = [b - a for _, a, b in segments.ranges()]
+    if [int(i.numel()) for _, i in x.parts] != sizes:
+        return None
+    if max_density not in x.positions:
+        parts = []
+        for k, a, _ in segments.ranges():
+            flat = x.part(k).reshape(-1)
+            pos = nonzero_positions(flat, max_density) if flat.numel() else None
+            parts.append(None if pos is None else (pos + a * x.parts[k][0].shape[1], flat[pos]))
+        x.positions[max_density] = parts
+    return x.positions[max_density]
+
+
+def _dropped_rows(x: Tensor | GatheredRows, k: int, a: int, b: int, mask: Any, p: float) -> Tensor:
+    """Copy ``k``'s rows ``a:b`` of ``x`` after the input dropout drawn as ``mask``
+    (:meth:`SegmentDropout.masks`; ``None``: no dropout): the values the unfused dropout
+    writes for them (gathered rows: part ``k``, gathered here)."""
+    rows = x.part(k) if isinstance(x, GatheredRows) else x[a:b]
+    if mask is None:
+        return rows
+    keep, nonzero = mask
+    if nonzero is None:  # dropout(x_k, p): x_k * (m / (1-p))
+        return rows * scaled(keep, p, rows.dtype)
+    pos, values = nonzero  # nonzero_dropout: the non-zeros' values * (m / (1-p))
+    if not isinstance(x, GatheredRows):
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    rows.view(-1)[pos - a * rows.shape[1]] = values * scaled(keep, p, rows.dtype)
+    return rows
+
+
+class _DropAffine(torch.autograd.Function):
+    """Input dropout and the first linear map in one step: copy ``k``'s rows of the data
+    ``x`` (a tensor, or :class:`GatheredRows` gathered one copy at a time) dropped with its
+    mask (:meth:`SegmentDropout.masks`; ``None``: not dropped), then through its weight, as
+    :class:`_SegmentAffine` maps the dropped input. The backward recomputes each copy's
+    dropped rows from ``x`` and the mask for the weight's gradient ``g_k^T x_k`` instead of
+    keeping the dropped input (the size of the features; the masks are bools, a quarter of
+    it): the same operations on the same values, so every output and gradient is bitwise
+    the unfused one's. ``x`` takes no gradient (it is data)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor | GatheredRows,
+        weight: Tensor,
+        bias: Tensor | None,
+        ptr: list,
+        masks: list,
+        p: float,
+    ) -> Tensor:
+        blocks = _blocks(ptr)
+        like = x if isinstance(x, Tensor) else weight
+        out = like.new_empty((ptr[-1], weight.shape[1]))
+        for k, rows in enumerate(blocks):
+            xk = _dropped_rows(x, k, rows.start, rows.stop, masks[k], p)
+            if bias is None:
+                torch.mm(xk, weight[k].t(), out=out[rows])
+            else:
+                torch.addmm(bias[k], xk, weight[k].t(), out=out[rows])
+            del xk  # one copy's dropped rows at a time
+        ctx.x, ctx.blocks, ctx.masks, ctx.p = x, blocks, masks, p  # x: constant data
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        gw = gb = None
+        if ctx.needs_input_grad[1]:
+            parts = []
+            for k, rows in enumerate(ctx.blocks):
+                xk = _dropped_rows(ctx.x, k, rows.start, rows.stop, ctx.masks[k], ctx.p)
+                parts.append(g[rows].t().mm(xk))
+                del xk
+            gw = torch.stack(parts)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = torch.stack([g[rows].sum(0) for rows in ctx.blocks])
+        return None, gw, gb, None, None, None
+
+
+# an input this large drops and maps in one step (its masks kept, not its dropped copy);
+# a smaller one takes the two plain steps, which are faster (the same values either way)
+FUSE_MIN_BYTES = 64 * 2**20
+
+
+class SegmentEncoders(nn.Module):
+    """:class:`~fedlightning.models.multimodal.ModalityEncoders` of a stack (the same
+    parameter names): each dense modality's input dropout and linear map as one step
+    (:class:`_DropAffine`), which keeps the dropout's masks for the backward instead of the
+    dropped input; otherwise (evaluation, a sparse input, no streams) the stacked dropout
+    and linear layers one after the other."""
+
+    def __init__(self, encoders: ModalityEncoders, segments: Segments) -> None:
+        super().__init__()
+        self.modalities = list(encoders.modalities)
+        self.encoders = nn.ModuleDict(
+            {m: SegmentLinear(lin, segments) for m, lin in encoders.encoders.items()}
+        )
+        self.dropout = SegmentDropout(encoders.dropout, segments)
+        self.train(encoders.training)
+
+    def forward(self, features: dict[str, Tensor]) -> list[Tensor]:
+        return [torch.relu(self.encode(m, features[m])) for m in self.modalities]
+
+    def encode(self, m: str, x: Tensor | GatheredRows) -> Tensor:
+        """Modality ``m``'s linear map of its dropped input (Eq. (10)'s encoder)."""
+        lin, drop = self.encoders[m], self.dropout
+        seg = drop.segments[0]
+        gathered = isinstance(x, GatheredRows)
+        if gathered and [int(i.numel()) for _, i in x.parts] != [b - a for _, a, b in seg.ranges()]:
+            x, gathered = x.materialize(), False  # not one part per copy
+        big = gathered or x.numel() * x.element_size() >= FUSE_MIN_BYTES
+        masks = drop.masks(x) if gathered or (big and x.dim() == 2) else None
+        if masks is None and gathered and (not drop.training or drop.p == 0):
+            masks = [None] * seg.copies  # no dropout: each copy's rows as they are
+        if masks is None:
+            return lin(drop(x.materialize() if gathered else x))
+        return _DropAffine.apply(x, lin.weight, lin.bias, seg.ptr, masks, drop.p)
+
+
 def _replacement(module: nn.Module, segments: Segments) -> nn.Module | None:
+    if isinstance(module, ModalityEncoders) and type(module).forward is ModalityEncoders.forward:
+        return SegmentEncoders(module, segments)
     if isinstance(module, GCNConv):
         return SegmentGCNConv(module, segments)
     if isinstance(module, nn.Linear | PygLinear):
@@ -442,25 +651,50 @@ def disjoint_union(graphs: Sequence[Data]) -> tuple[Data, list[int]]:
     """The disjoint union of ``graphs`` (node attributes concatenated, edges offset) and
     ``ptr``: graph ``k``'s nodes are rows ``ptr[k]:ptr[k+1]``.
 
-    A dense floating node attribute ``[n_k, d]`` (a modality's features: most of a graph's
+    A :class:`GatheredRows` attribute (one part per graph) stays one: the graphs' parts in
+    order (gathered where some graphs hold it as a tensor: :func:`gathered_alike`). A dense floating node attribute ``[n_k, d]`` (a modality's features: most of a graph's
     bytes) is joined by :func:`joined_rows`: when the graphs' tensors are already adjacent
     rows of one storage (:func:`share_rows` made them so), the union's is a view of it and
     nothing is copied; otherwise one concatenation, with no second transient copy (PyG's
     collation of the other attributes never sees them)."""
-    graphs = list(graphs)
+    graphs = gathered_alike(list(graphs))
     rows = [k for k, v in graphs[0].items() if _row_block(v, graphs[0].num_nodes)]
     rows = [k for k in rows if all(_row_block(g[k], g.num_nodes) for g in graphs)]
+    gathered = [k for k, v in graphs[0].items() if isinstance(v, GatheredRows)]
     light = []
     for g in graphs:
         h = copy.copy(g)  # shallow: the graph keeps its attributes
-        for k in rows:
+        for k in rows + gathered:
             del h[k]
         h.num_nodes = g.num_nodes
         light.append(h)
     union = Batch.from_data_list(light)
     for k in rows:
         union[k] = joined_rows([g[k] for g in graphs])
+    for k in gathered:  # still not gathered: one part per graph
+        union[k] = GatheredRows([part for g in graphs for part in g[k].parts])
     return union, [int(v) for v in union.ptr]
+
+
+def gathered_alike(graphs: list[Data]) -> list[Data]:
+    """``graphs``, where an attribute is :class:`GatheredRows` in some of them and not in
+    all, with those gathered (shallow copies of the graphs concerned)."""
+    kinds: dict[str, set[bool]] = {}
+    for g in graphs:
+        for k, v in g.items():
+            kinds.setdefault(k, set()).add(isinstance(v, GatheredRows))
+    mixed = [k for k, seen in kinds.items() if seen == {True, False}]
+    if not mixed:
+        return graphs
+    out = []
+    for g in graphs:
+        keys = [k for k in mixed if isinstance(g[k], GatheredRows)]
+        if keys:
+            g = copy.copy(g)
+            for k in keys:
+                g[k] = g[k].materialize()
+        out.append(g)
+    return out
 
 
 def _row_block(value: Any, num_nodes: int | None) -> bool:
@@ -515,7 +749,7 @@ def share_rows(
         whole = union[key]
         for g, a, b in zip(graphs, ptr[:-1], ptr[1:], strict=True):
             own = g[key]
-            if own is whole or not owns_storage(own):
+            if not isinstance(own, Tensor) or own is whole or not owns_storage(own):
                 continue
             if own.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
                 continue

@@ -12,20 +12,78 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from fedlightning.clients.continual_client import DISTILL_ON, ContinualNodeClassifier
 from fedlightning.clients.replay import class_balanced_sample, stage_batch
 from fedlightning.data.streams import ClassStream
 from fedlightning.errors import ConfigError
 from fedlightning.federation.algorithm import Algorithm, FederatedClient, check_bounds
-from fedlightning.federation.stacking import StackedFit, fit_stacked
+from fedlightning.federation.stacking import StackedFit, defined_by, fit_stacked
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.models.constant import graphs_identity, unchanged
+from fedlightning.models.multimodal import ModalityEncoders, MultimodalGNN
+from fedlightning.models.stacked import GatheredRows
 from fedlightning.server.aggregate import model_state
 from fedlightning.utils.seeding import torch_generator
 
 SCORES = ("msp", "energy")
+
+
+def gathered_stage_batch(data: Any, known: Tensor, supervised: Tensor, replay: Tensor) -> Any:
+    """:func:`~fedlightning.clients.replay.stage_batch` whose dense floating node features
+    (``[N, d]``: the modalities) are not gathered: each is
+    :class:`~fedlightning.models.stacked.GatheredRows` of ``data``'s own rows at the batch's
+    nodes (the nodes of ``known`` classes, in order), which :func:`with_rows` gathers."""
+    keys = [
+        k
+        for k, v in data.items()
+        if isinstance(v, Tensor)
+        and v.layout == torch.strided
+        and v.is_floating_point()
+        and v.dim() == 2
+        and v.shape[0] == data.num_nodes
+        and not v.requires_grad
+    ]
+    light = copy.copy(data)  # shallow: data keeps its attributes
+    for k in keys:
+        del light[k]
+    light.num_nodes = data.num_nodes
+    batch = stage_batch(light, known, supervised, replay)
+    index = torch.isin(data.y, known).nonzero().view(-1)
+    for k in keys:
+        batch[k] = GatheredRows([(data[k], index)])
+    return batch
+
+
+# a stacked fit gathers its clients' rows only when their dense features are this large: below
+# it the copies cost little memory and gathering them step by step costs time (docs/scaling.md)
+GATHER_MIN_BYTES = 256 * 2**20
+
+
+def dense_feature_bytes(data: Any) -> int:
+    """The bytes of ``data``'s dense floating node features (``[N, d]`` tensors)."""
+    return sum(
+        v.numel() * v.element_size()
+        for _, v in data.items()
+        if isinstance(v, Tensor)
+        and v.layout == torch.strided
+        and v.is_floating_point()
+        and v.dim() == 2
+        and v.shape[0] == data.num_nodes
+    )
+
+
+def with_rows(batch: Any) -> Any:
+    """``batch`` with every :class:`~fedlightning.models.stacked.GatheredRows` attribute
+    gathered (a shallow copy; ``batch`` itself when it has none)."""
+    keys = [k for k, v in batch.items() if isinstance(v, GatheredRows)]
+    if not keys:
+        return batch
+    out = copy.copy(batch)
+    for k in keys:
+        out[k] = batch[k].materialize()
+    return out
 
 
 class ContinualFedAvg(Algorithm):
@@ -152,12 +210,41 @@ class ContinualFedAvg(Algorithm):
         parts = [memory[s] for s in range(t - q, t) if s in memory]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    def batch_at(self, client: FederatedClient, t: int, replay: bool = True) -> Any:
+    def batch_at(
+        self, client: FederatedClient, t: int, replay: bool = True, rows: bool | None = None
+    ) -> Any:
         """The client's training batch of stage ``t`` (:func:`stage_batch`), with its replay
         memory (``replay=False``: without). Every round of a stage asks for the same batch:
         it is built once and given again while the client's graph and memory are unchanged
         (:func:`~fedlightning.models.constant.graphs_identity`), so the work kept per graph
-        tensor (GCN normalisation, the input's non-zeros) carries over from round to round."""
+        tensor (GCN normalisation, the input's non-zeros) carries over from round to round.
+
+        While a stacked fit gathers rows (:meth:`gathers_rows`), a new batch's dense
+        features are :class:`~fedlightning.models.stacked.GatheredRows` of the client's own
+        (:func:`gathered_stage_batch`: no copy of them is kept); such a batch is given with
+        its rows gathered (a copy for this call alone) unless ``rows`` is false (``None``:
+        not while a stacked fit gathers rows)."""
+        batch = self._stage_batch(client, t, replay)
+        if rows is None:
+            rows = not self.__dict__.get("_gather_rows", False)
+        return with_rows(batch) if rows else batch
+
+    def gathers_rows(self, module: Any, executor: Any) -> bool:
+        """Whether a stacked fit of ``module`` reads its stage batches' dense features as
+        :class:`~fedlightning.models.stacked.GatheredRows` (issue 49's memory, docs/scaling.md
+        "Memory"): the client's batch is :meth:`prepare`'s own, the net a
+        :class:`~fedlightning.models.multimodal.MultimodalGNN` whose features go to its
+        :class:`~fedlightning.models.multimodal.ModalityEncoders` alone, on the CPU."""
+        net, device = module.net, getattr(executor, "device", None)
+        return (
+            defined_by(self, "prepare") is ContinualFedAvg
+            and isinstance(net, MultimodalGNN)
+            and defined_by(net, "gnn_inputs") is MultimodalGNN
+            and type(net.encoders) is ModalityEncoders
+            and (device is None or torch.device(device).type == "cpu")
+        )
+
+    def _stage_batch(self, client: FederatedClient, t: int, replay: bool) -> Any:
         nodes = self.replay_nodes(client, t) if replay else torch.zeros(0, dtype=torch.long)
         built = self.__dict__.setdefault("_stage_batches", {})  # (client, replay) -> last one
         hit = built.get((client.client_id, replay))
@@ -184,7 +271,10 @@ class ContinualFedAvg(Algorithm):
         else:
             known = torch.tensor(self.stream.known(t), dtype=torch.long)
             sup = self.supervised_classes(client.client_id, t)
-            batch = stage_batch(client.data, known, sup, nodes)
+            if self.__dict__.get("_gather_rows", False):
+                batch = gathered_stage_batch(client.data, known, sup, nodes)
+            else:
+                batch = stage_batch(client.data, known, sup, nodes)
         built[(client.client_id, replay)] = (t, graphs_identity([client.data]), nodes, batch)
         return batch
 
@@ -214,9 +304,15 @@ class ContinualFedAvg(Algorithm):
         model), teacher and dropout stream (``seeds[k]``); their updates, in order, each
         from :meth:`finish` with what :meth:`from_stack` computed for it."""
         batches, starts = [], []
-        for c in clients:
-            batches.append(self.prepare(module, c, broadcast))
-            starts.append({n: p.detach().clone() for n, p in module.net.named_parameters()})
+        self._gather_rows = self.gathers_rows(module, executor) and (
+            sum(dense_feature_bytes(c.data) for c in clients) >= GATHER_MIN_BYTES
+        )
+        try:
+            for c in clients:
+                batches.append(self.prepare(module, c, broadcast))
+                starts.append({n: p.detach().clone() for n, p in module.net.named_parameters()})
+        finally:
+            self._gather_rows = False
         teachers = [c.state.get("teacher") for c in clients] if module._teacher else None
         fitted = fit_stacked(
             module, batches, executor, epochs, self.callbacks(), seeds, teachers, starts

@@ -269,7 +269,7 @@ class FedOGL(ContinualFedAvg):
         ``banks``: the :meth:`descriptors` of the client's stage batch (its training graph;
         the replay nodes change no descriptor or support mask), else computed here."""
         t = self.stage_of(round)
-        batch = self.batch_at(client, t, replay=False)
+        batch = self.batch_at(client, t, replay=False, rows=banks is None)  # labels alone
         if banks is None:
             module.net.eval()  # batched beyond federation.minibatch's budget
             fn, sup = partial(self.descriptors, module.net), batch.sup_mask
