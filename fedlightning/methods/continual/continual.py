@@ -35,16 +35,7 @@ def gathered_stage_batch(data: Any, known: Tensor, supervised: Tensor, replay: T
     (``[N, d]``: the modalities) are not gathered: each is
     :class:`~fedlightning.models.stacked.GatheredRows` of ``data``'s own rows at the batch's
     nodes (the nodes of ``known`` classes, in order), which :func:`with_rows` gathers."""
-    keys = [
-        k
-        for k, v in data.items()
-        if isinstance(v, Tensor)
-        and v.layout == torch.strided
-        and v.is_floating_point()
-        and v.dim() == 2
-        and v.shape[0] == data.num_nodes
-        and not v.requires_grad
-    ]
+    keys = list(dense_features(data))
     light = copy.copy(data)  # shallow: data keeps its attributes
     for k in keys:
         del light[k]
@@ -61,17 +52,24 @@ def gathered_stage_batch(data: Any, known: Tensor, supervised: Tensor, replay: T
 GATHER_MIN_BYTES = 256 * 2**20
 
 
-def dense_feature_bytes(data: Any) -> int:
-    """The bytes of ``data``'s dense floating node features (``[N, d]`` tensors)."""
-    return sum(
-        v.numel() * v.element_size()
-        for _, v in data.items()
+def dense_features(data: Any) -> dict[str, Tensor]:
+    """``data``'s dense floating node features (``[N, d]`` tensors that take no gradient:
+    the modalities), by name."""
+    return {
+        k: v
+        for k, v in data.items()
         if isinstance(v, Tensor)
         and v.layout == torch.strided
         and v.is_floating_point()
         and v.dim() == 2
         and v.shape[0] == data.num_nodes
-    )
+        and not v.requires_grad
+    }
+
+
+def dense_feature_bytes(data: Any) -> int:
+    """The bytes of ``data``'s dense floating node features (:func:`dense_features`)."""
+    return sum(v.numel() * v.element_size() for v in dense_features(data).values())
 
 
 def with_rows(batch: Any) -> Any:
