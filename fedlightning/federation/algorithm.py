@@ -97,6 +97,9 @@ class Algorithm:
             one at a time). A subclass that overrides :meth:`local_fit` without it fits one
             at a time
             (:func:`~fedlightning.federation.stacking.why_not_stacked`).
+        task_robust: ``federation.robust`` on a temporal run (set by the program; ``None``:
+            the method's own aggregation): every task's server aggregates the adapter
+            deltas by this rule (docs/security.md, "FedTIP's adapter").
     """
 
     name = "base"
@@ -115,6 +118,7 @@ class Algorithm:
     release: Any = None
     flower_nodes: ClassVar[bool] = True
     local_fit_share: Any = None
+    task_robust: Any = None
 
     def client_module(self, net: nn.Module, optimizer: Any) -> pl.LightningModule:
         raise NotImplementedError
@@ -168,7 +172,9 @@ class Algorithm:
         raise NotImplementedError(f"{type(self).__name__} runs no tasks")
 
     def task_server(self, module: pl.LightningModule) -> Any:
-        """The task's server, starting from ``module``'s initial weights."""
+        """The task's server, starting from ``module``'s initial weights. With
+        :attr:`task_robust` set, the task loop hands it the rule
+        (:func:`~fedlightning.server.reliability.with_robust`)."""
         raise NotImplementedError(f"{type(self).__name__} runs no tasks")
 
     def task_work(

@@ -24,6 +24,7 @@ from fedlightning.federation.loop import Schedule, check_min_clients
 from fedlightning.federation.round import ClientWork, federated_round
 from fedlightning.federation.task_pool import task_results
 from fedlightning.messages import ServerBroadcast
+from fedlightning.server.reliability import with_robust
 from fedlightning.utils.seeding import derive_seed, manual_seed
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class TaskLoop(Schedule):
         context = TaskContext(self.seed, self.epochs, self.runner.executor)
         if self.pooled:
             return alg.pooled_fit(context, task, family, module, adapter, self.rounds)
-        server = alg.task_server(module)
+        server = with_robust(alg.task_server(module), alg.task_robust)
         params = {"task": task.task, "family": family, "ids": task.active, "length": task.longest}
 
         def work(broadcast: ServerBroadcast) -> ClientWork:

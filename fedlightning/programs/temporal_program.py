@@ -33,7 +33,6 @@ from fedlightning.runs import (
     run_tags,
     summary_table,
 )
-from fedlightning.server.reliability import RobustTaskServers
 from fedlightning.server.robust import robust_setting
 from fedlightning.temporal.contexts import cached_contexts, event_batch, load_bank
 from fedlightning.temporal.encoders import time_encoder
@@ -103,9 +102,8 @@ def make_algorithm(cfg: DictConfig) -> FedTIP:
     if secure:
         bound = cfg.algorithm.get("max_update_norm")
         algorithm.use_secure_sum(int(cfg.seed), None if bound is None else float(bound))
-    robust = robust_setting(cfg.federation.get("robust"), True, secure, temporal=True)
-    if robust is not None:  # docs/security.md: every task's server aggregates by the rule
-        algorithm.task_server = RobustTaskServers(algorithm.task_server, robust)
+    # docs/security.md: every task's server aggregates by the rule (None: the method's own)
+    algorithm.task_robust = robust_setting(cfg.federation.get("robust"), True, secure, True)
     return algorithm
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -228,7 +228,7 @@ class FedTIPServer:
     The server reads a client's update norm and coverage off the delta and the counts it
     received (:func:`read_update`), never off the scalars the client reports.
 
-    :attr:`robust` (``federation.robust``, set by :class:`RobustTaskServers`; ``None``: off)
+    :attr:`robust` (``federation.robust``, set by :func:`with_robust`; ``None``: off)
     aggregates the deltas by a robust rule (:func:`robust_adapter`).
     """
 
@@ -314,24 +314,21 @@ def robust_adapter(
     return robust_deltas(rule, x, ids, previous)
 
 
-class RobustTaskServers:
-    """A method's ``task_server`` with ``federation.robust`` set on every task's server (a
-    :class:`FedTIPServer`; any other server is refused in one line)."""
-
-    def __init__(self, make: Callable[[Any], Any], rule: RobustRule) -> None:
-        self.make, self.rule = make, rule
-
-    def __call__(self, module: Any) -> Any:
-        server = self.make(module)
-        if not isinstance(server, FedTIPServer):
-            raise ConfigError(
-                "federation.robust",
-                f"{self.rule.rule} reads each client's adapter update, and this method's "
-                f"server ({type(server).__name__}) aggregates otherwise; use "
-                "federation.robust=none",
-            )
-        server.robust = self.rule
+def with_robust(server: Any, rule: RobustRule | None) -> Any:
+    """A task's ``server`` aggregating by ``rule`` (``federation.robust``; ``None``: as it
+    is): a :class:`FedTIPServer`'s :attr:`~FedTIPServer.robust`; any other server is refused
+    in one line."""
+    if rule is None:
         return server
+    if not isinstance(server, FedTIPServer):
+        raise ConfigError(
+            "federation.robust",
+            f"{rule.rule} reads each client's adapter update, and this method's "
+            f"server ({type(server).__name__}) aggregates otherwise; use "
+            "federation.robust=none",
+        )
+    server.robust = rule
+    return server
 
 
 ANCHOR = "anchor."

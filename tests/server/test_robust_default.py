@@ -20,9 +20,9 @@ from fedlightning.methods.fedavg.fedavg import FedAvg
 from fedlightning.server.aggregate import as_model_fields, fedavg
 from fedlightning.server.reliability import (
     FedTIPServer,
-    RobustTaskServers,
     aggregate,
     read_update,
+    with_robust,
 )
 from fedlightning.server.robust import (
     PRESETS,
@@ -385,11 +385,12 @@ def test_fedtip_adapter_median_bounds_a_hostile_client_by_hand():
 
 
 def test_fedtip_robust_is_wired_per_task_server_and_refuses_other_servers():
-    make = RobustTaskServers(lambda module: tip_server(None), robust_rule("krum"))
-    assert make(None).robust == robust_rule("krum")
-    other = RobustTaskServers(lambda module: object(), robust_rule("krum"))
+    server = tip_server(None)
+    assert with_robust(server, robust_rule("krum")) is server
+    assert server.robust == robust_rule("krum")
+    assert with_robust(object, None) is object  # no rule: the method's own server
     with pytest.raises(ConfigError, match=r"federation\.robust.*aggregates otherwise"):
-        other(None)
+        with_robust(object(), robust_rule("krum"))
 
 
 def test_fedtip_robust_through_the_round_records_hostile_clients_as_suspicious():
