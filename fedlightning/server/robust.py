@@ -48,6 +48,7 @@ from fedlightning.errors import ConfigError
 from fedlightning.messages import ClientUpdate
 from fedlightning.server.aggregate import fedavg, model_state
 
+PEER_VOTERS = 5  # the fewest clients a peer vote is taken among
 RULES = ("none", "median", "trimmed_mean", "krum", "screen", "centered_clip")
 REFERENCES = ("median", "previous")
 MEASURES = ("cosine", "sign")
@@ -320,9 +321,10 @@ def chance_margin(x: Tensor) -> float:
 def peer_outvoted(agreement: Tensor, low: float) -> list[tuple[int, int]]:
     r"""``(row, votes)`` for each row whose ``agreement`` (:func:`pairwise`) with more than
     half of the other rows is below ``low``: :math:`|\{j \ne k : a_{kj} < low\}| > (n-1)/2`.
-    Needs three rows or more (two rows cannot outvote each other)."""
+    Needs :data:`PEER_VOTERS` rows or more: in a smaller round one dissenting honest
+    client is outvoted by two peers (measured on SCAFFOLD's three-client runs)."""
     n = agreement.size(0)
-    if n < 3:
+    if n < PEER_VOTERS:
         return []
     below = (agreement < low).fill_diagonal_(False).sum(dim=1)
     return [(i, int(v)) for i, v in enumerate(below.tolist()) if v > (n - 1) / 2]

@@ -194,7 +194,7 @@ CASES: dict[str, Case] = {
     "continual experiment with a plain algorithm": train(
         "experiment=cil_cora",
         "logger=none",
-        "algorithm=fedavg",
+        "algorithm=fedtip",
         needle="algorithm",
     ),
     "replay budget negative": train(

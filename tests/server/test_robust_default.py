@@ -183,17 +183,18 @@ def test_two_colluders_are_outvoted_by_their_peers():
     assert [i for i, _ in peer_outvoted(pairwise(x, "cosine"), -0.1)] == [0, 1]
 
 
-def test_the_peer_vote_keeps_independent_honest_updates_and_needs_three_clients():
+def test_the_peer_vote_keeps_independent_honest_updates_and_needs_five_clients():
     """Five independent random updates of 10,000 weights agree in sign about 0 +- 0.01
     with each other: about half of the pairs are below 0, but none below the chance
     margin 0.03, so the default sets nobody aside (without the margin, some client would
-    be outvoted). Two clients never outvote each other, even pointing in opposite
-    directions."""
+    be outvoted). Fewer than five clients take no vote: two never outvote each other,
+    even pointing in opposite directions, nor do three outvote one."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 10_000, generator=g, dtype=F64)
     assert peer_outvoted(pairwise(x, "sign"), 0.0) != []
     assert screened(robust_rule("auto"), x, range(5), None) == []
     assert peer_outvoted(pairwise(rows([1, 1], [-1, -1]), "sign"), -0.1) == []
+    assert peer_outvoted(pairwise(rows([1, 1], [1, 1], [-1, -1]), "sign"), -0.1) == []
 
 
 # ------------------------------------------------------------- settings and stepping aside
