@@ -91,9 +91,10 @@ class RobustRule:
             alone); the threshold is the larger of the two.
         peers: ``screen``: a client is also set aside when its ``measure`` to more than
             half of the other clients' updates is below this value by more than chance
-            (:func:`chance_margin`; :func:`peer_outvoted`; ``None``: no peer test). A
-            sign-flipped update disagrees with every honest one, so colluders up to a
-            minority are outvoted, however far they pull the median.
+            (:func:`chance_margin`; :func:`peer_outvoted`; ``None``: no peer test), and those
+            clients agree with each other above it by more than chance. A sign-flipped
+            update disagrees with every honest one, so colluders up to a minority are
+            outvoted, however far they pull the median.
         tau: ``centered_clip``: the clipping radius :math:`\tau` (``None``: the median norm
             of the round's deviations from the centre).
         iters: ``centered_clip``: the clipping iterations :math:`L` (default 3).
@@ -318,16 +319,31 @@ def chance_margin(x: Tensor) -> float:
     return 3.0 / math.sqrt(max(1, x.size(1)))
 
 
-def peer_outvoted(agreement: Tensor, low: float) -> list[tuple[int, int]]:
+def peer_outvoted(agreement: Tensor, low: float, high: float = -math.inf) -> list[tuple[int, int]]:
     r"""``(row, votes)`` for each row whose ``agreement`` (:func:`pairwise`) with more than
-    half of the other rows is below ``low``: :math:`|\{j \ne k : a_{kj} < low\}| > (n-1)/2`.
-    Needs :data:`PEER_VOTERS` rows or more: in a smaller round one dissenting honest
-    client is outvoted by two peers (measured on SCAFFOLD's three-client runs)."""
+    half of the other rows is below ``low``, :math:`V_k = \{j \ne k : a_{kj} < low\}`,
+    :math:`|V_k| > (n-1)/2`, when those voters agree among themselves: the mean of
+    :math:`a_{jl}` over the pairs :math:`j \ne l` of :math:`V_k` above ``high``. A sign-flipped
+    update is outvoted by honest clients that agree with each other; clients that each
+    pull their own way (disjoint classes) disagree with most peers, but their voters are
+    no consensus, so nobody is outvoted. Needs :data:`PEER_VOTERS` rows or more: in a
+    smaller round one dissenting honest client is outvoted by two peers (measured on
+    SCAFFOLD's three-client runs)."""
     n = agreement.size(0)
     if n < PEER_VOTERS:
         return []
-    below = (agreement < low).fill_diagonal_(False).sum(dim=1)
-    return [(i, int(v)) for i, v in enumerate(below.tolist()) if v > (n - 1) / 2]
+    against = (agreement < low).fill_diagonal_(False)
+    out = []
+    for k, row in enumerate(against):
+        voters = row.nonzero().flatten()
+        m = voters.numel()
+        if m <= (n - 1) / 2:
+            continue
+        among = agreement[voters][:, voters]
+        consensus = (among.sum() - among.diagonal().sum()) / (m * (m - 1))
+        if float(consensus) > high:
+            out.append((k, m))
+    return out
 
 
 def screened(
@@ -345,8 +361,10 @@ def screened(
     what = "cosine" if rule.measure == "cosine" else "sign agreement"
     outvoted = {}
     if rule.peers is not None:
-        low_peer = float(rule.peers) - chance_margin(x)
-        outvoted = dict(peer_outvoted(pairwise(x, rule.measure), low_peer))
+        margin = chance_margin(x)
+        peers = float(rule.peers)
+        votes = peer_outvoted(pairwise(x, rule.measure), peers - margin, peers + margin)
+        outvoted = dict(votes)
     low = float(rule.cosine)
     if rule.relative is not None:  # a fraction of the round's median cosine
         low = max(low, float(rule.relative) * float(cos.median()))
@@ -360,7 +378,7 @@ def screened(
             flagged.append((k, f"update norm {float(norms[i]):.3g} > {rule.norm_ratio:g} x median"))
         elif i in outvoted:
             votes = f"{outvoted[i]} of its {len(ids) - 1} peers"
-            flagged.append((k, f"{what} < {low_peer:.3g} with {votes}"))
+            flagged.append((k, f"{what} < {peers - margin:.3g} with {votes}"))
     return flagged
 
 

@@ -197,6 +197,28 @@ def test_the_peer_vote_keeps_independent_honest_updates_and_needs_five_clients()
     assert peer_outvoted(pairwise(rows([1, 1], [1, 1], [-1, -1]), "sign"), -0.1) == []
 
 
+def test_clients_that_each_pull_their_own_way_are_not_outvoted():
+    """Five updates that each pull away from the others' mean (rows of independent
+    Gaussians minus their mean: pairwise correlation -1/4, so sign agreement about
+    (2/pi) asin(-1/4) = -0.161 for every pair) are below the margin with all 4 peers; each
+    client's voters disagree among themselves just as much, so they are no consensus and
+    nobody is set aside. The colluders of the hand-computed case are still outvoted: their
+    voters h1, h2, h3 agree with a mean of (3 + 3 + 1) / 15 = 0.467."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(5, 10_000, generator=g, dtype=F64)
+    x = v - v.mean(dim=0)
+    a = pairwise(x, "sign")
+    off = a[~torch.eye(5, dtype=torch.bool)]
+    assert off.max() < -0.03 and abs(float(off.mean()) + 2 / math.pi * math.asin(0.25)) < 0.02
+    assert [v for _, v in peer_outvoted(a, -0.03)] == [4] * 5  # no consensus asked: all five
+    assert peer_outvoted(a, -0.03, 0.03) == []
+    assert screened(robust_rule("auto"), x, range(5), None) == []
+    h = rows([1, 1, 1, 1, 1], [1, 1, 1, -1, 1], [1, 1, 1, 1, -1])
+    colluders = torch.cat([-h[:2], h])
+    assert peer_outvoted(pairwise(colluders, "sign"), -0.1, 0.466) == [(0, 3), (1, 3)]
+    assert peer_outvoted(pairwise(colluders, "sign"), -0.1, 0.467) == []
+
+
 # ------------------------------------------------------------- settings and stepping aside
 def test_auto_is_the_relative_screen_and_presets_take_overrides():
     auto = robust_rule("auto")
