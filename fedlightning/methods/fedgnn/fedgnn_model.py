@@ -3,7 +3,6 @@ history that FedGNN and FedLink read (docs/fedtip.md, "FedGNN")."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
+from fedlightning.methods.history.history import tensor_digest
 
 
 @dataclass
@@ -91,14 +91,6 @@ class RowMean:
         )
 
 
-def _digest(*parts: np.ndarray | Tensor) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        arr = np.ascontiguousarray(p.numpy() if isinstance(p, Tensor) else p)
-        h.update(str(arr.dtype).encode() + str(arr.shape).encode() + arr.tobytes())
-    return h.hexdigest()[:16]
-
-
 @torch.no_grad()
 def history_graph(protocol, snapshot, chunk: int = 1024) -> HistoryGraph:
     """The protocol's :class:`HistoryGraph`, states from a fork of the bank's ``snapshot``."""
@@ -124,7 +116,7 @@ def history_graph(protocol, snapshot, chunk: int = 1024) -> HistoryGraph:
 
     us, its = states(user_ids), states(item_ids)
     eu, ei = user_row[src], item_row[dst]
-    digest = _digest(user_ids, item_ids, eu, ei, owner, us, its)
+    digest = tensor_digest(user_ids, item_ids, eu, ei, owner, us, its)
     return HistoryGraph(user_ids, item_ids, user_row, item_row, eu, ei, owner, us, its, digest)
 
 
@@ -258,4 +250,4 @@ def mse_link_loss(pos: Tensor, neg: Tensor, ok: Tensor) -> Tensor:
 
 def bce_node_loss(logit: Tensor, y: Tensor) -> Tensor:
     """The added node classification head's binary cross-entropy."""
->>>    return F.binary_cross_entropy_with_logits(logit, y.float())
+    return F.binary_cross_entropy_with_logits(logit, y.float())

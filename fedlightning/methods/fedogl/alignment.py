@@ -87,7 +87,7 @@ def refine_heads(
     lr: float = 0.05,
 ) -> dict[str, float]:
     """:func:`sgd_refine` of both heads on :func:`alignment_loss`."""
->>>    params = [*head_q.parameters(), *head_v.parameters()]
+    params = [*head_q.parameters(), *head_v.parameters()]
     A, B = A.detach().to(params[0]), B.detach().to(params[0])
 
     def loss_fn() -> Tensor:

@@ -145,7 +145,7 @@ def aggregate_bases(
 
 def project_out(grad: Tensor, basis: Tensor) -> Tensor:
     """Eq. (9): ``G - (G U) U^T`` for ``grad`` [out, in] and orthonormal ``basis`` [in, r]."""
->>>    if grad.dim() != 2 or basis.dim() != 2 or basis.size(0) != grad.size(1):
+    if grad.dim() != 2 or basis.dim() != 2 or basis.size(0) != grad.size(1):
         raise ValueError(
             f"project_out needs grad [out, in] and basis [in, r], got {tuple(grad.shape)} "
             f"and {tuple(basis.shape)}"

@@ -145,7 +145,7 @@ class PrototypeMemory(ServerModule):
 class AlignmentMemory(PrototypeMemory):
     """Retrieval's Eqs. (12)-(14): a bank per modality ``sides = (query, item)``; the heads
     ``heads.<query>``, ``heads.<item>`` aligned on the class descriptors (:mod:`~.alignment`)."""
->>>
+
     secure_sum = "retrieval's per-modality prototype banks are not summed securely"
 
     def __init__(self, sides: Sequence[str], temperature: float = 0.1, **kw: Any) -> None:

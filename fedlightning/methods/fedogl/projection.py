@@ -17,7 +17,7 @@ class GradientProjection(pl.Callback):
     with ``project_update`` each step's change is projected too (Adam and weight decay move
     inside the span) and ``frozen_biases`` are reverted. A stacked [K, out, in] weight is
     projected copy by copy."""
->>>
+
     def __init__(
         self,
         bases: Mapping[str, Tensor] | None = None,

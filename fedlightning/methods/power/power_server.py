@@ -263,7 +263,7 @@ class PowerMemory(ServerModule):
 
     def add(self, t: int, round: int, uploads: Sequence[tuple[int, int, dict, float]]) -> None:
         """Labels, counts and pseudo-prototypes of ``(client, slot, fields, count)`` uploads."""
->>>        params = self.ge()
+        params = self.ge()
         width = params["lin4.bias"].numel()
         labels = torch.tensor([gradient_label(g) for _, _, g, _ in uploads])
         for (client, _, _, count), label in zip(uploads, labels.tolist(), strict=True):
