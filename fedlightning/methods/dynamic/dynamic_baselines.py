@@ -19,20 +19,12 @@ from fedlightning.methods.dynamic.dynamic_client import DynamicBaselineClient
 from fedlightning.methods.dynamic.dynamic_model import StackedNet
 from fedlightning.methods.dynamic.snapshots import SnapshotView, snapshot_view
 from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.methods.fulltune.fulltune import fedavg_server
+from fedlightning.methods.history.graph_task import event_nodes
 from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.utils.seeding import derive_seed, manual_seed
 
 SIDES = {"u": "src", "i": "dst", "j": "neg"}
-
-
-def event_nodes(batch: Batch, stream: Any) -> dict[str, Tensor]:
-    """Node ids of each event's ``u``, ``i`` and ``j`` (a failed negative reads node 0)."""
-    idx = batch["events"].numpy()
-    return {
-        "u": torch.from_numpy(stream.src[idx]),
-        "i": torch.from_numpy(stream.dst[idx]),
-        "j": batch["neg_id"].clamp(min=0),
-    }
 
 
 @dataclass
@@ -77,7 +69,8 @@ class DynamicBaseline(FedTIP):
 
     def augmented(self, batch: Batch) -> Batch:
         """``batch`` with :meth:`event_inputs` of its events."""
-        return {**batch, **self.event_inputs(event_nodes(batch, self.protocol.stream))}
+        nodes = event_nodes(self.protocol.stream.src, self.protocol.stream.dst, batch)
+        return {**batch, **self.event_inputs(dict(zip("uij", nodes, strict=True)))}
 
     # ------------------------------------------------------------------ task verbs
     def net(self, d_h: int) -> StackedNet:
@@ -97,10 +90,7 @@ class DynamicBaseline(FedTIP):
         return {}
 
     def task_server(self, module: DynamicBaselineClient) -> FedTIPServer:
-        start = {n: p.detach().clone() for n, p in module.net.named_parameters()}
-        return FedTIPServer(
-            start, eta_s=1.0, reliability_weights=False, anchors=False, field="model"
-        )
+        return fedavg_server(module.net)
 
     def client_extras(self, context: TaskContext, clients: list[int]) -> Batch:
         """The method's per-client inputs for a stack of ``clients`` (none by default)."""

@@ -22,9 +22,10 @@ from fedlightning.methods.fedsage.fedsage_model import (
     mend,
     relabel,
 )
+from fedlightning.methods.fulltune.fulltune import fedavg_server
 from fedlightning.methods.history.graph_task import ClientGraph
 from fedlightning.methods.history.history_baseline import HistoryBaseline, client_nodes
-from fedlightning.server.reliability import FedTIPServer, unflatten
+from fedlightning.server.reliability import unflatten
 from fedlightning.server.validation import Field, MessageSpec
 from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
@@ -72,8 +73,7 @@ class FedSagePlus(HistoryBaseline):
         manual_seed(derive_seed(loop.seed, "fedsage", "init"))
         gen = NeighGen(d, self.latent, self.num_pred)
         module = NeighGenClient(gen, self.gen_lr, self.lambda_feat)
-        start = {n: p.detach().clone() for n, p in gen.named_parameters()}
-        server = FedTIPServer(start, 1.0, reliability_weights=False, anchors=False, field="model")
+        server = fedavg_server(gen)
         shapes = {n: p.shape for n, p in gen.named_parameters()}
         batches = {k: self.impaired(k, loop.seed) for k in self.clients}
         spec = MessageSpec(

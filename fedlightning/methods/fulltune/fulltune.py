@@ -57,6 +57,12 @@ def model_update(
     )  # fmt: skip
 
 
+def fedavg_server(model: nn.Module) -> FedTIPServer:
+    """Support-weighted FedAvg of ``model``'s parameters, sent whole as ``model``."""
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return FedTIPServer(start, 1.0, reliability_weights=False, anchors=False, field="model")
+
+
 @dataclass
 class FullTuneFedAvg(FedTIP):
     """``fulltune_fedavg``."""
@@ -84,10 +90,7 @@ class FullTuneFedAvg(FedTIP):
         )  # fmt: skip
 
     def task_server(self, module: FullTuneClient) -> FedTIPServer:
-        start = {n: p.detach().clone() for n, p in module.named_parameters()}
-        return FedTIPServer(
-            start, eta_s=1.0, reliability_weights=False, anchors=False, field="model"
-        )
+        return fedavg_server(module)
 
     def task_work(
         self,

@@ -21,7 +21,7 @@ from fedlightning.federation.task_loop import (
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.methods.fedtip.fedtip import FedTIP
-from fedlightning.methods.fulltune.fulltune import model_update
+from fedlightning.methods.fulltune.fulltune import fedavg_server, model_update
 from fedlightning.methods.history.graph_task import (
     ClientGraph,
     GraphTaskClient,
@@ -126,8 +126,7 @@ class HistoryBaseline(FedTIP):
         )  # fmt: skip
 
     def task_server(self, module: GraphTaskClient) -> FedTIPServer:
-        start = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-        return FedTIPServer(start, 1.0, reliability_weights=False, anchors=False, field="model")
+        return fedavg_server(module.model)
 
     def task_work(
         self,
