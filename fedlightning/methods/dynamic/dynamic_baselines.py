@@ -44,8 +44,6 @@ class DynamicBaseline(FedTIP):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.protocol: Any = None
-        self.snapshot: Any = None
         self.view: SnapshotView | None = None
         self._segments: dict[str, Batch] | None = None
         self._stacks: dict[tuple[int, ...], Batch] = {}
@@ -53,8 +51,8 @@ class DynamicBaseline(FedTIP):
 
     # ------------------------------------------------------------------ the history view
     def attach(self, snapshot: Any, protocol: Any) -> None:
-        self.snapshot, self.protocol, self._segments = snapshot, protocol, None
-        self._stacks, self._stacks_task = {}, None
+        super().attach(snapshot, protocol)
+        self._segments, self._stacks, self._stacks_task = None, {}, None
 
     def materialize_views(self, cache_dir: Any = None) -> dict[str, str]:
         """The history's snapshot view (built per run); its hash joins the protocol's."""
@@ -178,11 +176,6 @@ class DynamicBaseline(FedTIP):
         if self._segments is None:
             self._segments = {k: self.augmented(b) for k, b in segments.items()}
         return self._segments
-
-    def message_size(self, adapter: StackedNet, family: str, classes: int = 2) -> int:
-        """Float32 values of one message: the model, a count and a prototype per class."""
-        n = adapter.num_values() + classes
-        return n + (classes * adapter.d_h if "prototypes" in self.message_fields(family) else 0)
 
     # ------------------------------------------------------------------ view lookups
     def snapshot_means(self, nodes: dict[str, Tensor], back: int) -> dict[str, Tensor]:

@@ -30,7 +30,7 @@ from fedlightning.methods.fedgnn.fedgnn_server import (
     row_upload_problem,
     unflatten_keys,
 )
-from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.methods.fedtip.fedtip import FedTIP, support_size
 from fedlightning.server.validation import Field, MessageSpec, Rule
 from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
@@ -178,15 +178,10 @@ class FedGNN(FedTIP):
     ) -> MessageSpec:
         """``dense``, the rows of :meth:`row_fields`, ``count`` within the support."""
         table, rows, also = self.row_fields(broadcast)
-
-        def support(k: int) -> float:
-            b = task.clients.get(k)
-            return float(len(b["h_u"])) if b is not None else float("inf")
-
         declared = (
             Field("dense", dtype="like", like=lambda m: "dense"),
             *rows,
-            Field("count", tensor=False, low=1.0, high=support, integral=True),
+            Field("count", tensor=False, low=1.0, high=support_size(task), integral=True),
         )
         n_rows = broadcast.tensors[table].shape[0]
 

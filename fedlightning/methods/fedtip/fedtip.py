@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -46,6 +46,16 @@ NEGATIVES = ("protocol", "unfiltered")
 CLASSES = (0, 1)  # the label set of Eq. (27): node states, or negative/positive links
 
 
+def support_size(task: TaskBatches) -> Callable[[int], float]:
+    """A client's support size in ``task`` (the server knows it from the task manifest)."""
+
+    def support(k: int) -> float:
+        batch = task.clients.get(k)
+        return float(len(batch["h_u"])) if batch is not None else math.inf
+
+    return support
+
+
 @dataclass
 class FedTIP(Algorithm):
     """One FedTIP configuration (settings: docs/fedtip.md), run by the task loop through its
@@ -84,6 +94,7 @@ class FedTIP(Algorithm):
     modes = MODES
     secure_seed = None  # federation.secure_sum: the run's seed (set by the program)
     max_update_norm = None  # under secure sums, each client's clip of its delta
+    snapshot = protocol = None  # the bank's snapshot encoder and the protocol (attach)
 
     def __post_init__(self) -> None:
         for key, value, allowed in (
@@ -157,6 +168,7 @@ class FedTIP(Algorithm):
 
     def attach(self, snapshot: Any, protocol: Any) -> None:
         """The bank's snapshot encoder and the protocol, before the first task."""
+        self.snapshot, self.protocol = snapshot, protocol
 
     def task_server(self, module: FedTIPClient) -> FedTIPServer:
         """The task's server, starting from the module's initial adapter."""
@@ -213,12 +225,7 @@ class FedTIP(Algorithm):
         whole ``count.<c>`` within the support (twice it for ``lp``); ``proto.<c>`` with its
         count; ``coverage`` and ``norm`` as the server recomputes them (Eq. 27)."""
         fields = self.message_fields(family)
-        classes = frozenset(CLASSES)
-
-        def support(k: int) -> float:
-            batch = task.clients.get(k)
-            return float(len(batch["h_u"])) if batch is not None else math.inf
-
+        classes, support = frozenset(CLASSES), support_size(task)
         declared = [
             Field("delta", dtype="like", like=lambda m: field),
             Field(r"count\.(?P<c>\d+)", tensor=False, low=1.0, high=support, integral=True,

@@ -76,12 +76,7 @@ class FullTuneFedAvg(FedTIP):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.snapshot: Any = None
-        self.protocol: Any = None
         self.tuned: Any = None
-
-    def attach(self, snapshot: Any, protocol: Any) -> None:
-        self.snapshot, self.protocol = snapshot, protocol
 
     def task_module(self, adapter: PromptAdapter, family: str) -> FullTuneClient:
         return FullTuneClient(

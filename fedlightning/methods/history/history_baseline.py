@@ -62,16 +62,11 @@ class HistoryBaseline(FedTIP):
         super().__post_init__()
         if self.features not in FEATURES:
             raise ValueError(f"algorithm.features must be one of {FEATURES}, got {self.features!r}")
-        self.snapshot: Any = None
-        self.protocol: Any = None
         self.history: HistoryGraph | None = None
         self.trained: nn.Module | None = None
         self.local: dict[int, Tensor] = {}
 
     # ------------------------------------------------------------------ the history view
-    def attach(self, snapshot: Any, protocol: Any) -> None:
-        self.snapshot, self.protocol = snapshot, protocol
-
     def materialize_views(self, cache_dir: Any) -> dict[str, str]:
         """The history graph and each client's edges; its hash joins the run's."""
         graph, _, _ = cached_history(
