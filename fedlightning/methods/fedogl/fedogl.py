@@ -7,7 +7,6 @@ switch (paper Table 2).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -182,36 +181,15 @@ class FedOGL(ContinualFedAvg):
     def callbacks(self) -> list:
         return [self.projector] if self.projection and self.projector.bases else []
 
-    def shield(self, module: Any, broadcast: ServerBroadcast) -> None:
-        """The round's bases (Eq. (9)) and frozen biases into the gradient projection."""
+    def prepare(self, module: Any, client: FederatedClient, broadcast: ServerBroadcast) -> Any:
+        """Before a client's fit: the round's bases (Eq. 9) and frozen biases into the
+        gradient projection, then the stage's preparation."""
         bases = {"net." + k: v for k, v in strip_prefix(broadcast.tensors, BASIS_PREFIX).items()}
         self.projector.set_bases(bases)
         self.projector.frozen_biases = (
             ["net." + n for n in protected_biases(module.net)] if bases else []
         )
-
-    def local_fit(
-        self,
-        module: Any,
-        client: FederatedClient,
-        broadcast: ServerBroadcast,
-        executor: Any,
-        epochs: int,
-    ) -> ClientUpdate:
-        self.shield(module, broadcast)
-        return super().local_fit(module, client, broadcast, executor, epochs)
-
-    def local_fit_share(
-        self,
-        module: Any,
-        clients: Sequence[FederatedClient],
-        broadcast: ServerBroadcast,
-        executor: Any,
-        epochs: int,
-        seeds: Sequence[int],
-    ) -> list[ClientUpdate]:
-        self.shield(module, broadcast)
-        return super().local_fit_share(module, clients, broadcast, executor, epochs, seeds)
+        return super().prepare(module, client, broadcast)
 
     def from_stack(self, fitted: StackedFit) -> list[dict[str, Any]]:
         """Every client's :meth:`descriptors` as ``banks``, from one pass of the fitted stack."""
