@@ -154,11 +154,7 @@ class DynamicBaseline(FedTIP):
             if "prototypes" in fields:
                 tensors.update({f"proto.{c}": q[k, c].clone() for c in observed})
             scalars = {f"count.{c}": float(n) for c, n in observed.items()}
-            out.append(
-                ClientUpdate(
-                    round=broadcast.round, client_id=client, tensors=tensors, scalars=scalars
-                )
-            )
+            out.append(ClientUpdate(broadcast.round, tensors, scalars, client_id=client))
         self.after_fit(module, clients)
         return out
 

@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedlightning.temporal.adapter import StackedLinear
+from fedlightning.temporal.adapter import StackedCopies, StackedLinear
 
 Batch = dict[str, Tensor]
 EDGES = ("interaction", "knn")  # STFL's per-event adjacency
 
 
-class StackedNet(nn.Module):
+class StackedNet(StackedCopies, nn.Module):
     """Copies, loading and sizes shared by the nets (each keeps its ``config``)."""
 
     config: dict
@@ -40,9 +40,6 @@ class StackedNet(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(torch.cat([s[name] for s in states]))
-
-    def copy_state(self, k: int) -> dict[str, Tensor]:
-        return {n: p.detach()[k : k + 1].clone() for n, p in self.named_parameters()}
 
     def represent(self, batch: Batch, side: str) -> Tensor:
         """[K, N, d_h]: the pair (u, ``side``)'s representation."""

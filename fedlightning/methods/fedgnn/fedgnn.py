@@ -161,12 +161,7 @@ class FedGNN(FedTIP):
         tensors = {"dense": noisy[0], "items.idx": rows[order], "items.delta": noisy[1]}
         if round == 1:
             tensors["expansion.idx"] = real.clone()
-        return ClientUpdate(
-            round=round,
-            client_id=client,
-            tensors=tensors,
-            scalars={"count": float(len(batch["u"]))},
-        )
+        return ClientUpdate(round, tensors, {"count": float(len(batch["u"]))}, client_id=client)
 
     def task_uplink(
         self,

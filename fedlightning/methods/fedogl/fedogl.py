@@ -298,12 +298,8 @@ class FedOGL(ContinualFedAvg):
                 tensors[BASIS_PREFIX + name] = u
         if not tensors:
             return None
-        return ClientUpdate(
-            round=broadcast.round,
-            client_id=client.client_id,
-            tensors=tensors,
-            scalars={"basis_nodes": float(m.sum())},
-        )
+        scalars = {"basis_nodes": float(m.sum())}
+        return ClientUpdate(broadcast.round, tensors, scalars, client_id=client.client_id)
 
 
 def _paired_prototypes(update: ClientUpdate) -> str | None:

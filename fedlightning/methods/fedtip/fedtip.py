@@ -405,7 +405,5 @@ class FedTIP(Algorithm):
             if "coverage" in fields:
                 scalars["coverage"] = label_coverage(observed, CLASSES) if observed else 0.0
                 scalars["norm"] = float(deltas[k].norm())
-            out.append(
-                ClientUpdate(round=round, client_id=client, tensors=tensors, scalars=scalars)
-            )
+            out.append(ClientUpdate(round, tensors, scalars, client_id=client))
         return out

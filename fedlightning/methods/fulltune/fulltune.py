@@ -51,10 +51,8 @@ def model_update(
     tensors = {"delta": delta}
     if family == "nc":
         tensors.update({f"proto.{c}": q[c].clone() for c in observed})
-    return ClientUpdate(
-        round=round, client_id=client, tensors=tensors,
-        scalars={f"count.{c}": float(n) for c, n in observed.items()},
-    )  # fmt: skip
+    scalars = {f"count.{c}": float(n) for c, n in observed.items()}
+    return ClientUpdate(round, tensors, scalars, client_id=client)
 
 
 def fedavg_server(model: nn.Module) -> FedTIPServer:
