@@ -160,6 +160,7 @@ class PrototypeBank:
         self.eta = float(state["eta"])
         P, labels, counts = state["prototypes"], state["labels"], state["counts"]
         self._bank = {}
+        # saved in slot order, so appending restores every slot index (which breaks ties)
         for q, c, n in zip(P, labels.tolist(), counts.tolist(), strict=True):
             self._bank.setdefault(int(c), []).append((q.clone(), int(n)))
         self._dim = int(P.shape[1]) if P.shape[0] > 0 else None
