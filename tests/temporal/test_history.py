@@ -17,6 +17,7 @@ from fedlightning.methods.history.history import (
     history_events,
     raw_features,
 )
+from fedlightning.methods.history.history_baseline import both_ways
 from fedlightning.temporal.bank import BankConfig, build_snapshot, pretrain
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -81,7 +82,7 @@ def test_graph_helpers_by_hand():
         np.array([0, 1]), np.array([2, 3]), ei, torch.zeros(4), torch.arange(4), torch.zeros(4, 1)
     )
     assert g.degree().tolist() == [3, 1, 3, 1]
-    und = {tuple(p) for p in g.undirected().t().tolist()}
+    und = {tuple(p) for p in both_ways(g.edge_index).t().tolist()}
     assert und == {(0, 2), (2, 0), (0, 3), (3, 0), (1, 2), (2, 1)}
     assert g.edges_of(np.array([1])).tolist() == [2]
 

@@ -1,11 +1,5 @@
-"""The part FedMVP and PRISM share: FedAvg + replay + MSP in the class-incremental stream,
-with a server-averaged class prototype bank in the global model (docs/fedogl.md).
-
-The bank lives in two buffers of the net (``bank_buffer`` and ``seen_buffer``); the server
-(:class:`~fedlightning.methods.class_bank.class_bank_server.ClassBank`) writes them after every aggregation, so
-the clients upload the model without them and, per class of their training nodes, one
-prototype ``<bank_prefix><c>`` with its support ``<count_prefix><c>``.
-"""
+"""What FedMVP and PRISM share: FedAvg + replay + MSP with a class bank in two buffers of the
+net that the server writes; clients send one prototype and its count per class instead."""
 
 from __future__ import annotations
 
@@ -33,11 +27,7 @@ from fedlightning.server.validation import (
 
 
 class ClassBankFedAvg(ContinualFedAvg):
-    """:class:`ContinualFedAvg` whose net holds a server-written class bank.
-
-    Subclasses set the buffer names, the field prefixes, ``net_class`` (the net the method
-    needs, refused otherwise with its ``model=`` name) and :meth:`class_rows` (the
-    prototypes a client sends after its fit)."""
+    """Subclasses set the buffers, prefixes, ``net_class`` and :meth:`class_rows`."""
 
     bank_buffer, seen_buffer = "", ""
     bank_prefix, count_prefix = "", ""
@@ -71,10 +61,8 @@ class ClassBankFedAvg(ContinualFedAvg):
 
     # ---------------------------------------------------------------- declared messages
     def uplink(self, broadcast: ServerBroadcast) -> MessageSpec:
-        """The model's fields less the bank's two buffers, ``num_examples`` (and
-        ``train_loss``), and per known class of the round's stage ``<bank_prefix><c>`` (one
-        row of the bank) with ``<count_prefix><c>`` (a whole number >= 1); a prototype and
-        its count travel together and the counts are each at most ``num_examples``."""
+        """The model less the bank's buffers, and per known class a bank row with its whole
+        count within ``num_examples``."""
         skip = self.bank_fields()
         reference = ServerBroadcast(
             broadcast.round, {k: v for k, v in broadcast.tensors.items() if k not in skip}
@@ -122,7 +110,6 @@ class ClassBankFedAvg(ContinualFedAvg):
 
     # ---------------------------------------------------------------- client side
     def make_update(self, module: Any, client: FederatedClient, round: int) -> ClientUpdate:
-        """FedAvg's message less the bank buffers (the server's, not the client's)."""
         update = super().make_update(module, client, round)
         for key in self.bank_fields():
             update.tensors.pop(key, None)
@@ -142,5 +129,4 @@ class ClassBankFedAvg(ContinualFedAvg):
         return update
 
     def class_rows(self, net: Any, batch: Any) -> dict[int, tuple[torch.Tensor, int]]:
-        """``class -> (prototype, support)`` of a client's training batch after its fit."""
         raise NotImplementedError

@@ -1,10 +1,4 @@
-"""Server-averaged class prototypes written into the global model (no Lightning).
-
-FedMVP's class text prototypes and PRISM's paired class prototypes travel up as one field
-per class, ``<prefix><c>`` with its support ``<count_prefix><c>``; the server keeps each
-class's count-weighted mean of the latest round that carried it and writes the bank into
-the global model's buffers, so that every client and the evaluation read the same bank.
-"""
+"""Server-averaged class prototypes written into the global model's buffers."""
 
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ from fedlightning.server.server import ServerModule
 
 
 def class_mean(prototypes: Sequence[Tensor], counts: Sequence[float]) -> Tensor:
-    r"""The federation's prototype of a class: :math:`\bar p_c = \sum_k n_{k,c} p_{k,c} /
-    \sum_k n_{k,c}` over the clients ``k`` that sent one."""
+    """The count-weighted mean of the clients' prototypes of a class."""
     w = torch.tensor([float(n) for n in counts], dtype=torch.float64)
     stacked = torch.stack([p.double() for p in prototypes])
     mean = (w.view(-1, *[1] * (stacked.dim() - 1)) * stacked).sum(0) / w.sum()
@@ -40,9 +33,7 @@ def read_class_fields(
 
 
 class ClassBank(ServerModule):
-    """Per class the :func:`class_mean` of a round's ``<prefix><c>`` fields (a class no
-    client sent keeps its last mean); the bank goes into the global state as the buffers
-    ``buffer`` (rows by class, zero where unseen) and ``seen`` (1 where a mean exists)."""
+    """Per class the latest round's :func:`class_mean`, written as ``buffer`` and ``seen``."""
 
     def __init__(self, template: Tensor, buffer: str, seen: str, prefix: str, count_prefix: str):
         self.template = torch.zeros_like(template)
@@ -72,8 +63,7 @@ class ClassBank(ServerModule):
 
 
 def class_means(x: Tensor, y: Tensor, mask: Tensor) -> dict[int, tuple[Tensor, int]]:
-    r"""A client's prototype of each class among the nodes ``mask`` selects: :math:`p_{k,c} =
-    \frac{1}{n_{k,c}} \sum_{i: y_i = c} x_i` with its support :math:`n_{k,c}`."""
+    """Each class's mean of ``x`` over the nodes ``mask`` selects, with its support."""
     out = {}
     for c in torch.unique(y[mask]).tolist():
         sel = mask & (y == c)

@@ -1,13 +1,5 @@
-r"""CLIPN's learned "no" branch at embedding level, and the local training that teaches it.
-
-The classifier's rows are the class prototypes :math:`t_c` ("a photo of a {c}"); the "no"
-prototypes are :math:`\bar t_c = g(t_c) + o_c` with :math:`g` a two-layer MLP and
-:math:`o_c` a learnable offset per class (CLIPN's "no" text encoder and its learnable
-no-prompts). The backbone trains with Eq. (5) as FedAvg + replay does; the branch trains on
-the same nodes with :math:`\tfrac{1}{2}(\mathcal{L}_{yes} + \mathcal{L}_{no} +
-\mathcal{L}_{tso})` (:mod:`fedlightning.methods.clipn.clipn_score`), with the node embeddings and the
-class prototypes detached, as CLIPN keeps CLIP's encoders frozen.
-"""
+"""CLIPN's "no" branch and the local training that teaches it, on detached embeddings and
+class prototypes (CLIP's encoders stay frozen), beside Eq. (5)."""
 
 from __future__ import annotations
 
@@ -25,12 +17,7 @@ __all__ = ["CLIPNClassifier", "CLIPNRetrievalClient", "NoBranch"]
 
 
 class NoBranch(nn.Module):
-    r"""The "no" prototypes :math:`\bar t_c = W_2\,\mathrm{ReLU}(W_1 t_c + b_1) + b_2 + o_c`.
-
-    Args:
-        dim: prototype dimension (the classifier's input width).
-        num_classes: classes of the graph (one offset each, zero at the start).
-    """
+    """The "no" prototypes ``MLP(t_c) + o_c`` (one offset per class, zero at the start)."""
 
     def __init__(self, dim: int, num_classes: int) -> None:
         super().__init__()
@@ -38,19 +25,11 @@ class NoBranch(nn.Module):
         self.offset = nn.Parameter(torch.zeros(num_classes, dim))
 
     def forward(self, t: Tensor, classes: Tensor) -> Tensor:
-        """``t`` ``[C, d]``: the prototypes of class ids ``classes`` ``[C]``; their "no"
-        prototypes ``[C, d]``."""
         return self.mlp(t) + self.offset[classes]
 
 
 class CLIPNClassifier(ContinualNodeClassifier):
-    """:class:`ContinualNodeClassifier` plus CLIPN's "no"-branch losses.
-
-    ``net`` has ``embed``, ``dropout``, ``head`` (a linear classifier) and ``no_branch``
-    (:class:`NoBranch`), as ``MultimodalGNN`` with the branch attached. ``lambda_no``
-    weighs the branch's losses (CLIPN: ``0.5``), ``scale`` is the cosine scale :math:`s`.
-    Other arguments: as :class:`ContinualNodeClassifier`.
-    """
+    """:class:`ContinualNodeClassifier` plus the "no"-branch losses (``net.no_branch``)."""
 
     stackable = False  # the branch's loss is not in ``objective``
 
@@ -61,8 +40,7 @@ class CLIPNClassifier(ContinualNodeClassifier):
         self.lambda_no, self.scale = lambda_no, scale
 
     def no_loss(self, z: Tensor, batch: Data) -> Tensor:
-        """ITBO (yes and no) and TSO on the supervised and replayed nodes, over the known
-        classes, without their weight."""
+        """ITBO and TSO of the supervised and replayed nodes over the known classes."""
         mask = batch.sup_mask | batch.replay_mask
         t = self.net.head.weight[self.known].detach()
         t_no = self.net.no_branch(t, self.known)
@@ -79,15 +57,8 @@ class CLIPNClassifier(ContinualNodeClassifier):
 
 
 class CLIPNRetrievalClient(ContinualRetrievalClient):
-    """:class:`ContinualRetrievalClient` plus CLIPN's "no"-branch losses over the items.
-
-    ``net`` returns ``(q, k)`` and has ``pair_mask`` and ``no_branch`` (:class:`NoBranch`
-    with one offset). On the paired supervised and replayed nodes, query :math:`i`'s
-    matched "text" is its own item :math:`k_i`, the other items are its unmatched ones;
-    the branch trains with ITBO (yes and no) and TSO on the detached embeddings, weighted by
-    ``lambda_no``, at cosine scale ``scale``. Other arguments: as
-    :class:`ContinualRetrievalClient`.
-    """
+    """:class:`ContinualRetrievalClient` plus the "no"-branch losses, a query's own item its
+    matched one."""
 
     stackable = False  # the branch's loss is not in the objective
 
@@ -98,8 +69,7 @@ class CLIPNRetrievalClient(ContinualRetrievalClient):
         self.lambda_no, self.scale = lambda_no, scale
 
     def no_loss(self, q: Tensor, k: Tensor, batch: Data) -> Tensor:
-        """ITBO (yes and no) and TSO of the paired supervised and replayed nodes, without
-        their weight; ``0`` without such a node."""
+        """ITBO and TSO of the paired supervised and replayed nodes (0 without any)."""
         mask = (batch.sup_mask | batch.replay_mask) & self.net.pair_mask(batch)
         n = int(mask.sum())
         if n == 0:

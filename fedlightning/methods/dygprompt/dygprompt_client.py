@@ -1,17 +1,5 @@
-r"""DyGPrompt's local fit: the similarity template of its Eq. (11) on the prompted
-representations of every node of an event.
-
-.. math::
-    \mathcal{L} = -\sum_{(v, t, y)} \ln \frac{\exp(\mathrm{sim}(\tilde{\mathbf{h}}_{t,v},
-    \bar{\mathbf{h}}_{y})/\tau)}{\sum_{c} \exp(\mathrm{sim}(\tilde{\mathbf{h}}_{t,v},
-    \bar{\mathbf{h}}_{c})/\tau)}
-
-for node classification (class prototypes :math:`\bar{\mathbf{h}}_c` of the support: FedTIP's
-prototypical loss, Eqs. 18-19 of paper 001), and for link prediction the same softmax over the
-prompted destination and the prompted negative (FedTIP's two-way loss, Eqs. 20-21, with both
-ends prompted). Cosine similarity, :math:`\tau` from the config. Adam with the released code's
-two step sizes: ``lr`` for the prompts, ``cn_lr`` for the condition-nets.
-"""
+"""DyGPrompt's local fit: its Eq. (11) template on the prompted nodes, read as FedTIP's losses
+(Eqs. 18-21 of paper 001); Adam with the released code's two step sizes."""
 
 from __future__ import annotations
 
@@ -26,8 +14,7 @@ Batch = dict[str, Tensor]
 
 
 class DyGPromptClient(FedTIPClient):
-    """FedTIP's stacked client (round start, stacking, dropout windows) with DyGPrompt's
-    views (:meth:`DyGPromptModule.views`) and optimiser; no anchor term."""
+    """FedTIP's stacked client with DyGPrompt's views and optimiser; no anchor term."""
 
     def __init__(
         self,

@@ -1,33 +1,7 @@
-r"""DyGPrompt's dual prompts and dual condition-nets (Yu et al., "Node-Time Conditional Prompt
-Learning in Dynamic Graphs", ICLR 2025, Sec. 4), read on a frozen bank's outputs.
-
-The paper prompts the encoder's *inputs* (node features :math:`\mathbf{x}_v`, time features
-:math:`\mathbf{f}_t`) and runs the frozen encoder on them (its Eq. 10). Here the bank's states
-and time encodings are precomputed once per protocol (docs/temporal.md), so the prompts act
-on the frozen *outputs*: the node's state :math:`\mathbf{h}_v` stands for
-:math:`\mathbf{x}_v`, the event's time encoding :math:`\mathrm{TE}(\Delta t)` for
-:math:`\mathbf{f}_t` (one per event, shared by its source, destination and negative), and the
-encoder of Eq. (10) is replaced by the sum :func:`fuse`. Per node :math:`v` at event time
-:math:`t`:
-
-.. math::
-    \tilde{\mathbf{x}}_v = \mathbf{p}^{node} \odot \mathbf{h}_v \quad (4), \qquad
-    \tilde{\mathbf{f}}_t = \mathbf{p}^{time} \odot \mathbf{f}_t \quad (5),
-
-    \tilde{\mathbf{x}}_{t,v} = \mathrm{TCN}(\tilde{\mathbf{f}}_t) \odot \tilde{\mathbf{x}}_v
-    \quad (6\text{-}7), \qquad
-    \tilde{\mathbf{f}}_{t,v} = \mathrm{NCN}(\tilde{\mathbf{x}}_v) \odot \tilde{\mathbf{f}}_t
-    \quad (8\text{-}9), \qquad
-    \tilde{\mathbf{h}}_{t,v} = \tilde{\mathbf{x}}_{t,v} + \tilde{\mathbf{f}}_{t,v} \quad (10).
-
-TCN (time condition-net: a time-conditioned node prompt) and NCN (node condition-net: a
-node-conditioned time prompt) are two-layer bottleneck MLPs (ReLU), as the released code's
-``meta_net`` (``d -> d/4 -> d``; ``bottleneck`` is the hidden width). Equation numbers: (9)-(11)
-as the paper prints them; (4)-(8) by their order between the pre-training loss (3) and (9).
-
-Stacked like FedTIP's adapter (:class:`~fedlightning.temporal.adapter.PromptAdapter`, whose
-verbs this module shares): ``copies`` parameter sets on a leading axis, inputs ``[K, N, d]``.
-"""
+"""DyGPrompt's dual prompts and condition-nets (Yu et al., ICLR 2025, Sec. 4) on the frozen
+bank's outputs: the state stands for the node feature, the event's time encoding for the time
+feature, and Eq. (10)'s encoder pass is a sum (docs/temporal.md). Stacked like FedTIP's
+adapter: ``copies`` parameter sets, inputs [K, N, d]."""
 
 from __future__ import annotations
 
@@ -51,49 +25,33 @@ def condition_net(copies: int, d_in: int, width: int, d_out: int, dropout: float
 
 
 def node_prompt(p_node: Tensor, h: Tensor) -> Tensor:
-    r"""Eq. (4): :math:`\tilde{\mathbf{x}}_v = \mathbf{p}^{node} \odot \mathbf{h}_v`
-    (``p_node`` ``[K, d_h]``, ``h`` ``[K, N, d_h]``)."""
+    """Eq. (4): ``p_node * h``."""
     return p_node.unsqueeze(1) * h
 
 
 def time_prompt(p_time: Tensor, te: Tensor) -> Tensor:
-    r"""Eq. (5): :math:`\tilde{\mathbf{f}}_t = \mathbf{p}^{time} \odot \mathbf{f}_t`."""
+    """Eq. (5): ``p_time * te``."""
     return p_time.unsqueeze(1) * te
 
 
 def time_conditioned_node(tcn: nn.Module, f: Tensor, x: Tensor) -> Tensor:
-    r"""Eqs. (6)-(7): the time-conditioned node prompt :math:`\mathrm{TCN}(\tilde{\mathbf{f}}_t)`
-    applied to the prompted node feature, :math:`\tilde{\mathbf{x}}_{t,v}`."""
+    """Eqs. (6)-(7): ``TCN(f) * x``."""
     return tcn(f) * x
 
 
 def node_conditioned_time(ncn: nn.Module, x: Tensor, f: Tensor) -> Tensor:
-    r"""Eqs. (8)-(9): the node-conditioned time prompt :math:`\mathrm{NCN}(\tilde{\mathbf{x}}_v)`
-    applied to the prompted time feature, :math:`\tilde{\mathbf{f}}_{t,v}`."""
+    """Eqs. (8)-(9): ``NCN(x) * f``."""
     return ncn(x) * f
 
 
 def fuse(x_tv: Tensor, f_tv: Tensor) -> Tensor:
-    r"""Eq. (10) with the frozen encoder's pass replaced by a sum (the bank has already
-    encoded the node): :math:`\tilde{\mathbf{h}}_{t,v} = \tilde{\mathbf{x}}_{t,v} +
-    \tilde{\mathbf{f}}_{t,v}`."""
+    """Eq. (10), the encoder's pass read as a sum."""
     return x_tv + f_tv
 
 
 class DyGPromptModule(StackedCopies, nn.Module):
-    r"""The node prompt, the time prompt, TCN and NCN (module docstring): all that trains
-    and travels.
-
-    Args:
-        d_h, d_t: the bank's state and time-encoding widths (equal: the sum of Eq. 10).
-        bottleneck: the condition-nets' hidden width.
-        dropout: a :class:`~fedlightning.temporal.adapter.StackDropout` on their hidden layer.
-        copies: parameter sets (clients) stacked on a leading axis.
-        init: ``identity`` (:math:`\mathbf{p}^{node} = 1`, :math:`\mathbf{p}^{time} = 0`,
-            both condition-nets' output layers at weight 0 and bias 1: the prompted state
-            starts at the frozen state, the bank's own similarity) or ``xavier`` (the released
-            code's: Xavier-uniform prompts, PyTorch's default linear layers).
-    """
+    """The two prompts, TCN and NCN: all that trains and travels. ``init``: ``identity``
+    (starts at the frozen state) or ``xavier`` (the released code's)."""
 
     def __init__(
         self,
@@ -130,8 +88,7 @@ class DyGPromptModule(StackedCopies, nn.Module):
                 nn.init.uniform_(p.data, -bound, bound)
 
     def prompted(self, h: Tensor, te: Tensor) -> Tensor:
-        r""":math:`\tilde{\mathbf{h}}_{t,v}` (Eqs. 4-10) of states ``h`` ``[K, N, d_h]`` at
-        their events' time encodings ``te`` ``[K, N, d_t]``."""
+        """Eqs. (4)-(10) of states ``h`` at their events' time encodings ``te``."""
         x = node_prompt(self.p_node, h)
         f = time_prompt(self.p_time, te)
         return fuse(time_conditioned_node(self.tcn, f, x), node_conditioned_time(self.ncn, x, f))
@@ -139,17 +96,13 @@ class DyGPromptModule(StackedCopies, nn.Module):
     def forward(
         self, h_u: Tensor, h_i: Tensor, te: Tensor, x: Tensor, delta_u: Tensor, delta_i: Tensor
     ) -> Tensor:
-        """The prompted source :math:`\\tilde{\\mathbf{h}}_{t,u}` in FedTIP's adapter call
-        (``h_i``, the event features ``x`` and the recencies are not DyGPrompt's inputs):
-        ``[K, N, d_h]`` (``[N, d_h]`` for 2-D inputs of a single copy)."""
+        """The prompted source in FedTIP's adapter call (2-D inputs: one copy)."""
         if h_u.dim() == 2:
             return self.prompted(h_u.unsqueeze(0), te.unsqueeze(0)).squeeze(0)
         return self.prompted(h_u, te)
 
     def views(self, batch: Batch, family: str) -> tuple[Tensor, ...]:
-        """What the family's loss and the server's scorer read (FedTIP's ``family_views``
-        order), every node prompted: ``nc`` the source's; ``lp`` the source's, the
-        destination's and the negative's at the event's time (Eq. 11's similarities)."""
+        """FedTIP's ``family_views`` tuple, every node prompted (Eq. 11's similarities)."""
         b, te = batch, batch["te"]
         h_u = self.prompted(b["h_u"], te)
         if family == "nc":
@@ -163,11 +116,9 @@ class DyGPromptModule(StackedCopies, nn.Module):
 
     # ------------------------------------------------------------------ FedTIP's adapter verbs
     def num_values(self) -> int:
-        """Float32 values of one copy (one client's delta)."""
         return sum(p.numel() for p in self.parameters()) // self.copies
 
     def stacked(self, copies: int) -> DyGPromptModule:
-        """A module of ``copies`` stacked parameter sets (initialised from copy 0)."""
         out = DyGPromptModule(**self.config, copies=copies)
         out.load_copies(self.state_dict())
         return out

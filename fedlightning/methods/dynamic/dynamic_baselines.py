@@ -1,12 +1,6 @@
-"""What the dynamic-graph baselines of FedTIP's Table 2 share (Feddy, STFL, FedDGL;
-docs/fedtip.md, "Published baselines"): the history's snapshot view, materialized once per
-run from the bank and hashed (:mod:`~fedlightning.methods.dynamic.snapshots`); the per-event inputs
-read from it; the stacked local fit of the task's clients; FedAvg of the whole model
-(support-weighted, :class:`~fedlightning.server.reliability.FedTIPServer` without
-reliability or anchors) with the model's delta, the class counts and, for node
-classification, the prototypes as the message; the server's segments scored with the
-task's global model.
-"""
+"""What Feddy, STFL and FedDGL share (docs/fedtip.md, "Published baselines"): the hashed
+snapshot view of the history, per-event inputs from it, a stacked local fit, support-weighted
+FedAvg of the whole model, the server's segments scored by the task's global model."""
 
 from __future__ import annotations
 
@@ -25,28 +19,17 @@ from fedlightning.methods.dynamic.dynamic_client import DynamicBaselineClient
 from fedlightning.methods.dynamic.dynamic_model import StackedNet
 from fedlightning.methods.dynamic.snapshots import SnapshotView, snapshot_view
 from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.methods.fulltune.fulltune import fedavg_server
+from fedlightning.methods.history.graph_task import event_nodes
 from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.utils.seeding import derive_seed, manual_seed
 
 SIDES = {"u": "src", "i": "dst", "j": "neg"}
 
 
-def event_nodes(batch: Batch, stream: Any) -> dict[str, Tensor]:
-    """The node ids of each event's source ``u``, destination ``i`` and negative ``j`` (a
-    failed negative, ``-1``, reads node 0; its events are masked out by ``neg_ok``)."""
-    idx = batch["events"].numpy()
-    return {
-        "u": torch.from_numpy(stream.src[idx]),
-        "i": torch.from_numpy(stream.dst[idx]),
-        "j": batch["neg_id"].clamp(min=0),
-    }
-
-
 @dataclass
 class DynamicBaseline(FedTIP):
-    """The shared part (module docstring). ``windows``, ``recent``: the snapshot view's;
-    ``hidden``: the net's width; ``tau``, ``lr``, ``weight_decay``: the family loss's and
-    Adam's."""
+    """The shared part; ``windows``, ``recent``: the snapshot view's; ``hidden``: the net's."""
 
     name: str = "dynamic_baseline"
     aggregation: str = "fedavg"
@@ -61,8 +44,6 @@ class DynamicBaseline(FedTIP):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.protocol: Any = None
-        self.snapshot: Any = None
         self.view: SnapshotView | None = None
         self._segments: dict[str, Batch] | None = None
         self._stacks: dict[tuple[int, ...], Batch] = {}
@@ -70,32 +51,30 @@ class DynamicBaseline(FedTIP):
 
     # ------------------------------------------------------------------ the history view
     def attach(self, snapshot: Any, protocol: Any) -> None:
-        """The bank's encoder and the protocol (the view is built by :meth:`materialize_views`)."""
-        self.snapshot, self.protocol, self._segments = snapshot, protocol, None
-        self._stacks, self._stacks_task = {}, None
+        super().attach(snapshot, protocol)
+        self._segments, self._stacks, self._stacks_task = None, {}, None
 
     def materialize_views(self, cache_dir: Any = None) -> dict[str, str]:
-        """Build the snapshot view of the history from the bank's encoder; its hash joins
-        the protocol's (a changed view refuses a resume). Built per run (seconds), not cached."""
+        """The history's snapshot view (built per run); its hash joins the protocol's."""
         self.view = snapshot_view(
             self.snapshot, self.protocol.stream, self.protocol.manifest, self.windows, self.recent
         )
         return {"history_view": self.view.hash}
 
     def event_inputs(self, nodes: dict[str, Tensor]) -> Batch:
-        """The method's per-event inputs from the view, keyed by side (``u``, ``i``, ``j``)."""
+        """The method's per-event inputs from the view for the sides' ``nodes``."""
         raise NotImplementedError
 
     def augmented(self, batch: Batch) -> Batch:
         """``batch`` with :meth:`event_inputs` of its events."""
-        return {**batch, **self.event_inputs(event_nodes(batch, self.protocol.stream))}
+        nodes = event_nodes(self.protocol.stream.src, self.protocol.stream.dst, batch)
+        return {**batch, **self.event_inputs(dict(zip("uij", nodes, strict=True)))}
 
     # ------------------------------------------------------------------ task verbs
     def net(self, d_h: int) -> StackedNet:
         raise NotImplementedError
 
     def adapter(self, d_h: int, d_t: int, d_e: int) -> StackedNet:
-        """The task's initial model (one copy), in place of FedTIP's adapter."""
         return self.net(d_h)
 
     def task_module(self, adapter: StackedNet, family: str) -> DynamicBaselineClient:
@@ -109,10 +88,7 @@ class DynamicBaseline(FedTIP):
         return {}
 
     def task_server(self, module: DynamicBaselineClient) -> FedTIPServer:
-        start = {n: p.detach().clone() for n, p in module.net.named_parameters()}
-        return FedTIPServer(
-            start, eta_s=1.0, reliability_weights=False, anchors=False, field="model"
-        )
+        return fedavg_server(module.net)
 
     def client_extras(self, context: TaskContext, clients: list[int]) -> Batch:
         """The method's per-client inputs for a stack of ``clients`` (none by default)."""
@@ -149,8 +125,7 @@ class DynamicBaseline(FedTIP):
         return ClientWork(share=fit, uplink=uplink)
 
     def client_stack(self, task: TaskBatches, clients: list[int]) -> Batch:
-        """The stacked supports of ``clients`` with the method's inputs, built once per task
-        (every round of a task fits the same supports)."""
+        """The stacked supports of ``clients`` with the method's inputs, once per task."""
         if self._stacks_task != task.task:
             self._stacks, self._stacks_task = {}, task.task
         key = tuple(clients)
@@ -167,8 +142,7 @@ class DynamicBaseline(FedTIP):
         broadcast: ServerBroadcast,
         clients: list[int],
     ) -> list[ClientUpdate]:
-        """Each client's message: the delta from the global model, the class counts and
-        (:meth:`message_fields`) the prototypes."""
+        """Each client's message: the model's delta, class counts, prototypes if sent."""
         q, counts = module.prototypes(stack)
         omega = broadcast.tensors["model"]
         fields = self.message_fields(module.family)
@@ -180,11 +154,7 @@ class DynamicBaseline(FedTIP):
             if "prototypes" in fields:
                 tensors.update({f"proto.{c}": q[k, c].clone() for c in observed})
             scalars = {f"count.{c}": float(n) for c, n in observed.items()}
-            out.append(
-                ClientUpdate(
-                    round=broadcast.round, client_id=client, tensors=tensors, scalars=scalars
-                )
-            )
+            out.append(ClientUpdate(broadcast.round, tensors, scalars, client_id=client))
         self.after_fit(module, clients)
         return out
 
@@ -194,7 +164,6 @@ class DynamicBaseline(FedTIP):
     def task_result(
         self, module: DynamicBaselineClient, adapter: StackedNet, server: Any
     ) -> tuple[StackedNet, dict[int, Tensor]]:
-        """The task's global model and the prototypes node classification is scored by."""
         adapter.load_copies([server.state()])
         return adapter, server.class_prototypes()
 
@@ -204,23 +173,15 @@ class DynamicBaseline(FedTIP):
             self._segments = {k: self.augmented(b) for k, b in segments.items()}
         return self._segments
 
-    def message_size(self, adapter: StackedNet, family: str, classes: int = 2) -> int:
-        """Float32 values of one message: the model, a count and (if sent) a ``d_h``-wide
-        prototype per observed class."""
-        n = adapter.num_values() + classes
-        return n + (classes * adapter.d_h if "prototypes" in self.message_fields(family) else 0)
-
     # ------------------------------------------------------------------ view lookups
     def snapshot_means(self, nodes: dict[str, Tensor], back: int) -> dict[str, Tensor]:
-        """``m_<side>``-style lookups: the neighbour means of the window ``back`` from the
-        last (0: the last)."""
+        """The neighbour means of the window ``back`` from the last, by side."""
         w = self.view.windows - 1 - back
         return {s: self.view.means[w][v] for s, v in nodes.items()}
 
 
 def stack_rows(rows: list[Batch]) -> Batch:
-    """Per-client sample tables ``[M_k, ...]`` stacked to ``[K, M, ...]`` (zero-padded) with
-    their ``mask``."""
+    """Per-client tables [M_k, ...] zero-padded to [K, M, ...] with their ``mask``."""
     m = max(1, *(len(next(iter(r.values()))) for r in rows))
     out = {}
     for key in rows[0]:

@@ -1,11 +1,5 @@
-r"""The client of the dynamic-graph baselines (Feddy, STFL, FedDGL; docs/fedtip.md, "Published
-baselines"): a stack of one net per active client (:mod:`~fedlightning.methods.dynamic.dynamic_model`)
-fitted at once on the stacked supports with the protocol's family loss (Eq. 19 or Eqs. 20-21
-of paper 001, on the net's representations), plus the method's own term:
-
-- Feddy: ``lambda_traj`` times the trajectory term on the client's history samples;
-- FedDGL: ``lambda_proto`` times :func:`prototype_gap` to the server's global prototypes.
-"""
+"""The client of Feddy, STFL and FedDGL: one net per client, stacked, fitted on the family's
+loss (Eqs. 19-21 of paper 001) plus Feddy's trajectory or FedDGL's prototype term."""
 
 from __future__ import annotations
 
@@ -20,19 +14,15 @@ Batch = dict[str, Tensor]
 
 
 def prototype_gap(q: Tensor, counts: Tensor, glob: Tensor, has: Tensor) -> Tensor:
-    r"""FedDGL's prototype term: :math:`\sum_k \frac{1}{|\mathcal{C}_k|} \sum_{c \in
-    \mathcal{C}_k} \lVert \mathbf{q}_{k,c} - \mathbf{q}^{glob}_c \rVert_2`, over the classes
-    :math:`\mathcal{C}_k` the client observed that have a global prototype (``has``); a
-    client with none contributes 0. ``q`` ``[K, C, d]``, ``counts`` ``[K, C]``, ``glob``
-    ``[C, d]``."""
+    """FedDGL's prototype term: per client the mean distance of its observed classes'
+    prototypes to the global ones (where ``has``), summed over clients."""
     keep = (counts > 0) & has.unsqueeze(0)
     dist = (q - glob.unsqueeze(0)).norm(dim=-1)
     return ((dist * keep).sum(1) / keep.sum(1).clamp(min=1)).sum()
 
 
 class DynamicBaselineClient(pl.LightningModule):
-    """The stacked local fit (module docstring); ``tau`` the family loss's temperature,
-    ``lr`` and ``weight_decay`` Adam's."""
+    """The stacked local fit."""
 
     def __init__(
         self,
@@ -54,8 +44,7 @@ class DynamicBaselineClient(pl.LightningModule):
         self.last_loss = float("nan")
 
     def receive(self, states: list[dict[str, Tensor]], extras: Batch | None = None) -> None:
-        """Start copy ``k`` from ``states[k]``; ``extras``: the method's per-client inputs
-        (Feddy's history samples, FedDGL's global prototypes)."""
+        """Copy ``k`` from ``states[k]``; ``extras``: the method's per-client inputs."""
         if self.net.copies != len(states):
             self.net = self.net.stacked(len(states))
         self.net.load_copies(states)
@@ -79,7 +68,7 @@ class DynamicBaselineClient(pl.LightningModule):
 
     @torch.no_grad()
     def prototypes(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Eq. (18) of paper 001 per copy after the fit: ``([K, C, d], [K, C])``."""
+        """Eq. (18) of paper 001 per copy after the fit."""
         self.eval()
         return family_prototypes(self.net.views(batch, self.family), self.family)
 

@@ -1,22 +1,5 @@
-r"""The models of three published dynamic-graph baselines of FedTIP's Table 2 (docs/fedtip.md,
-"Published baselines"), on the frozen bank's states and the history's snapshot view
-(:mod:`~fedlightning.methods.dynamic.snapshots`):
-
-- :class:`FeddyNet` (Jiang et al., Feddy): a node aggregates its own state, its neighbours in
-  the current snapshot and in the previous one; a linear trajectory head predicts the next
-  snapshot's neighbourhood (the self-supervised term).
-- :class:`STFLNet` (Lou et al., STFL): a small graph per event (the two endpoints and their
-  recent neighbours), two GraphSAGE-mean layers, a mean readout.
-- :class:`FedDGLNet` (Xie et al., FedDGL): a GCN whose weights evolve over the history's
-  snapshots (EvolveGCN-O: a GRU on the weight matrix), then a decoder.
-
-Every net is *stacked* like FedTIP's adapter (:class:`~fedlightning.temporal.adapter.
-StackedLinear`): ``copies`` independent parameter sets, inputs ``[K, N, ...]``, so one fit of
-the stack is K independent client fits. :meth:`StackedNet.views` returns what the protocol's
-family losses and scores read (:func:`~fedlightning.clients.temporal_prompt.family_views`'s
-tuple): a representation per event scored by cosine against the target's (link prediction)
-or the class prototypes (node classification).
-"""
+"""The nets of Feddy, STFL and FedDGL (docs/fedtip.md, "Published baselines") on the bank's
+states, each stacked: ``copies`` parameter sets over inputs [K, N, ...], one per client."""
 
 from __future__ import annotations
 
@@ -24,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedlightning.temporal.adapter import StackedLinear
+from fedlightning.temporal.adapter import StackedCopies, StackedLinear
 
 Batch = dict[str, Tensor]
 EDGES = ("interaction", "knn")  # STFL's per-event adjacency
 
 
-class StackedNet(nn.Module):
+class StackedNet(StackedCopies, nn.Module):
     """Copies, loading and sizes shared by the nets (each keeps its ``config``)."""
 
     config: dict
@@ -58,11 +41,8 @@ class StackedNet(nn.Module):
             for name, p in self.named_parameters():
                 p.copy_(torch.cat([s[name] for s in states]))
 
-    def copy_state(self, k: int) -> dict[str, Tensor]:
-        return {n: p.detach()[k : k + 1].clone() for n, p in self.named_parameters()}
-
     def represent(self, batch: Batch, side: str) -> Tensor:
-        """``[K, N, d_h]``: the event's representation for the pair (u, ``side``)."""
+        """[K, N, d_h]: the pair (u, ``side``)'s representation."""
         raise NotImplementedError
 
     def target(self, batch: Batch, side: str, rep: Tensor) -> Tensor:
@@ -88,22 +68,19 @@ class StackedNet(nn.Module):
 def feddy_layer(
     w_0: StackedLinear, w_s: StackedLinear, w_d: StackedLinear, s: Tensor, m: Tensor, p: Tensor
 ) -> Tensor:
-    r"""Feddy's aggregation: :math:`\mathbf{h}_v = \mathrm{ReLU}(W_0 \mathbf{s}_v + W_s
-    \mathbf{m}^{T}_v + W_d \mathbf{m}^{T-1}_v)` from the node's own state, its current and
-    its previous snapshot's neighbour means."""
+    """Feddy's ``ReLU(W_0 s + W_s m^T + W_d m^(T-1))`` of a node's state and its current and
+    previous snapshots' neighbour means."""
     return F.relu(w_0(s) + w_s(m) + w_d(p))
 
 
 def trajectory_loss(pred: Tensor, target: Tensor, mask: Tensor) -> Tensor:
-    r"""The self-supervised trajectory term: :math:`\sum_k \frac{1}{M_k} \sum_{(v, w)}
-    \lVert P\mathbf{z}^w_v - \mathbf{m}^{w+1}_v \rVert_2^2` over each client's masked samples."""
+    """Feddy's trajectory term: each client's mean squared error, summed over clients."""
     err = ((pred - target) ** 2).sum(-1) * mask
     return (err.sum(1) / mask.sum(1).clamp(min=1)).sum()
 
 
 class FeddyNet(StackedNet):
-    """Feddy (module docstring): :func:`feddy_layer` to ``hidden``, a linear map back to
-    ``d_h`` (:math:`\\mathbf{z}_v`), and the trajectory head :math:`P` (``d_h -> d_h``)."""
+    """Feddy: :func:`feddy_layer` to ``hidden``, back to ``d_h``; a trajectory head ``P``."""
 
     def __init__(self, d_h: int, hidden: int = 128, copies: int = 1) -> None:
         super().__init__()
@@ -131,15 +108,13 @@ class FeddyNet(StackedNet):
 
 # ----------------------------------------------------------------------------------- STFL
 def event_graph(u: Tensor, v: Tensor, nb_u: Tensor, nb_v: Tensor) -> Tensor:
-    """STFL's per-event node features ``[..., 2 + 2L, d]``: the source, the target, then each
-    one's recent neighbours."""
+    """STFL's per-event nodes [..., 2 + 2L, d]: source, target, their recent neighbours."""
     return torch.cat([u.unsqueeze(-2), v.unsqueeze(-2), nb_u, nb_v], -2)
 
 
 def interaction_adjacency(ok_u: Tensor, ok_v: Tensor) -> Tensor:
-    """Adjacency ``[..., n, n]`` of :func:`event_graph`'s nodes by real interactions: the
-    source with the target, each endpoint with its own recent neighbours (``ok_*``
-    ``[..., L]``: the neighbour exists); symmetric, no self loops."""
+    """:func:`event_graph`'s adjacency by real interactions: source-target, each endpoint
+    with its existing neighbours (``ok_*``)."""
     shape, L = ok_u.shape[:-1], ok_u.size(-1)
     n = 2 + 2 * L
     a = torch.zeros(*shape, n, n, dtype=torch.bool, device=ok_u.device)
@@ -150,8 +125,7 @@ def interaction_adjacency(ok_u: Tensor, ok_v: Tensor) -> Tensor:
 
 
 def knn_adjacency(x: Tensor, ok: Tensor, k: int) -> Tensor:
-    """Adjacency of each valid node to its ``k`` most cosine-similar valid others (made
-    symmetric), STFL's kNN graph construction."""
+    """STFL's kNN graph: each valid node to its ``k`` most cosine-similar (symmetrised)."""
     sim = F.normalize(x, dim=-1) @ F.normalize(x, dim=-1).transpose(-1, -2)
     invalid = ~(ok.unsqueeze(-1) & ok.unsqueeze(-2))
     eye = torch.eye(x.size(-2), dtype=torch.bool, device=x.device)
@@ -162,9 +136,7 @@ def knn_adjacency(x: Tensor, ok: Tensor, k: int) -> Tensor:
 
 
 def sage_mean(root: StackedLinear, nbr: StackedLinear, x: Tensor, adj: Tensor) -> Tensor:
-    r"""GraphSAGE-mean on dense per-event graphs: :math:`\mathrm{ReLU}(W_r \mathbf{x}_v +
-    W_n \frac{1}{|N(v)|}\sum_{n \in N(v)} \mathbf{x}_n)` (a node without neighbours: its root
-    term alone). ``x`` ``[K, N, n, d]``, ``adj`` ``[K, N, n, n]``."""
+    """GraphSAGE-mean ``ReLU(W_r x + W_n mean of N(v))`` on dense graphs [K, N, n, ...]."""
     a = adj.to(x.dtype)
     mean = (a @ x) / a.sum(-1, keepdim=True).clamp(min=1)
     k, n_ev, n, d = x.shape
@@ -179,9 +151,8 @@ def mean_readout(h: Tensor, ok: Tensor) -> Tensor:
 
 
 class STFLNet(StackedNet):
-    """STFL (module docstring): two :func:`sage_mean` layers of ``hidden`` (the paper's 32),
-    :func:`mean_readout`, a linear map to ``d_h``; link prediction scores the pair's graph
-    by cosine against a learned direction :math:`\\mathbf{w}` (the readout's score)."""
+    """STFL: two :func:`sage_mean` layers, :func:`mean_readout`, a map to ``d_h``; link
+    prediction scores against a learned direction ``w``."""
 
     def __init__(
         self, d_h: int, hidden: int = 32, edges: str = "interaction", knn: int = 3, copies: int = 1
@@ -236,11 +207,8 @@ class StackedGRU(nn.Module):
 
 
 def self_input_gates(gru: StackedGRU) -> tuple[Tensor, Tensor]:
-    r"""The GRU's gate weights when its input is its hidden state (EvolveGCN-O feeds
-    :math:`W` as both): the reset and update gates need only :math:`W_{x} + W_{h}` (and the
-    summed biases), the candidate keeps :math:`W_{xn}` and :math:`W_{hn}` apart. Returns
-    ``[K, 4H, H]`` rows ``[r+z summed | xn | hn]`` and their biases ``[K, 4H]``; a third
-    fewer products than the two ``3H`` maps."""
+    """The GRU's fused gates when input = hidden: rows ``[r+z summed | xn | hn]`` [K, 4H, H]
+    and their biases."""
     width = gru.x.weight.size(-1)
     wx, wh, bx, bh = gru.x.weight, gru.h.weight, gru.x.bias, gru.h.bias
     rz = 2 * width
@@ -250,10 +218,7 @@ def self_input_gates(gru: StackedGRU) -> tuple[Tensor, Tensor]:
 
 
 def evolve_weights(w0: Tensor, gru: StackedGRU, steps: int) -> Tensor:
-    r"""EvolveGCN-O: :math:`W^{(w)} = \mathrm{GRU}(W^{(w-1)}, W^{(w-1)})` row by row, ``steps``
-    times from :math:`W^{(0)}` ``[K, d_in, d_out]``; returns the last. Equal to ``steps``
-    calls of :class:`StackedGRU` with input = hidden (up to float rounding), with one fused
-    product per step (:func:`self_input_gates`, built once per call)."""
+    """EvolveGCN-O: ``W <- GRU(W, W)`` ``steps`` times from ``w0`` [K, d_in, d_out]."""
     if steps == 0:
         return w0
     weight, bias = self_input_gates(gru)
@@ -269,16 +234,13 @@ def evolve_weights(w0: Tensor, gru: StackedGRU, steps: int) -> Tensor:
 
 
 def gcn_mean(s: Tensor, m: Tensor, deg: Tensor) -> Tensor:
-    r"""A node's GCN input with a self loop, row-normalised: :math:`(\mathbf{s}_v + d_v
-    \mathbf{m}_v) / (d_v + 1)` (its own state and the sum of its neighbours')."""
+    """The row-normalised GCN input with a self loop, ``(s + d m) / (d + 1)``."""
     d = deg.unsqueeze(-1)
     return (s + d * m) / (d + 1)
 
 
 class FedDGLNet(StackedNet):
-    """FedDGL (module docstring): :math:`\\mathbf{z}_v = \\mathrm{dec}(\\mathrm{ReLU}(
-    \\mathrm{gcn\\_mean}_v W^{(W)}))` with :math:`W^{(W)}` the weight evolved over the
-    ``windows`` snapshots (:func:`evolve_weights`), ``hidden`` wide."""
+    """FedDGL: ``z = dec(ReLU(gcn_mean W))``, ``W`` evolved over ``windows`` snapshots."""
 
     def __init__(self, d_h: int, hidden: int = 128, windows: int = 10, copies: int = 1) -> None:
         super().__init__()
@@ -294,10 +256,8 @@ class FedDGLNet(StackedNet):
         return self.dec(F.relu(torch.bmm(gcn_mean(s, m, deg), w)))
 
     def views(self, batch: Batch, family: str) -> tuple[Tensor, ...]:
-        r""":class:`StackedNet`'s views with the weights evolved once per call (they depend
-        on the parameters only) and every side's nodes in one product: the pair's
-        representation is the source's, :math:`\mathbf{z}_u`, scored against
-        :math:`\mathbf{z}_i` and :math:`\mathbf{z}_j`."""
+        """The views with the weights evolved once and all sides in one product: ``z_u``
+        scored against ``z_i`` and ``z_j``."""
         w = evolve_weights(self.w0, self.gru, self.windows)
         sides = ("u",) if family == "nc" else ("u", "i", "j")
         n = batch["h_u"].size(1)

@@ -1,20 +1,6 @@
-r"""A snapshot view of the pre-training history for the dynamic-graph baselines (Feddy, STFL,
-FedDGL; docs/fedtip.md, "Published baselines").
-
-The history is what the frozen bank ingested: the ``pretrain`` and ``preval`` events of the
-manifest, nothing later. It is cut into ``W`` windows of equal event count; the frozen
-encoder re-streams it from an empty state and, at each window's end, the states of every
-node are read (:math:`\mathbf{s}^w_v`, the bank's states as node features). Per window:
-each node's number of interactions :math:`d^w_v` and the mean state of its neighbours in
-that window,
-
-.. math::
-    \mathbf{m}^w_v = \frac{1}{d^w_v} \sum_{(v, n) \in \mathcal{E}_w} \mathbf{s}^w_n
-    \quad (\mathbf{0} \text{ when } d^w_v = 0),
-
-and, over the whole history, each node's ``L`` most recent distinct neighbours. The view is
-materialized once per run and hashed like every protocol object (:attr:`SnapshotView.hash`).
-"""
+"""The snapshot view of the bank's history for Feddy, STFL and FedDGL (docs/fedtip.md): ``W``
+equal windows re-streamed by the frozen encoder; per window every node's state, degree and
+neighbour-mean state; each node's ``L`` most recent neighbours; hashed."""
 
 from __future__ import annotations
 
@@ -39,8 +25,7 @@ def history_events(manifest: Manifest) -> np.ndarray:
 
 
 def neighbour_means(src: np.ndarray, dst: np.ndarray, states: Tensor) -> tuple[Tensor, Tensor]:
-    r"""One window's :math:`\mathbf{m}_v` ``[N, d]`` and :math:`d_v` ``[N]`` (module docstring)
-    from its events ``src -> dst`` (undirected, each interaction counted once per side)."""
+    """One window's neighbour-mean states [N, d] and degrees [N] (undirected)."""
     a = torch.from_numpy(np.concatenate([src, dst]))
     b = torch.from_numpy(np.concatenate([dst, src]))
     deg = torch.zeros(states.size(0)).index_add_(0, a, torch.ones(len(a)))
@@ -49,8 +34,7 @@ def neighbour_means(src: np.ndarray, dst: np.ndarray, states: Tensor) -> tuple[T
 
 
 def recent_neighbours(src: np.ndarray, dst: np.ndarray, num_nodes: int, size: int) -> Tensor:
-    """Each node's ``size`` most recent distinct neighbours over events ``src -> dst`` (time
-    order), most recent first, ``-1`` where it has fewer: ``[N, size]``."""
+    """[N, size]: each node's most recent distinct neighbours, newest first, ``-1`` padded."""
     out = np.full((num_nodes, size), -1, dtype=np.int64)
     fill = np.zeros(num_nodes, dtype=np.int64)
     order_a = np.stack([src, dst], 1)[::-1].reshape(-1)  # newest event first, src then dst side
@@ -65,9 +49,7 @@ def recent_neighbours(src: np.ndarray, dst: np.ndarray, num_nodes: int, size: in
 
 @dataclass
 class SnapshotView:
-    """The view of the module docstring: ``states``, ``means`` ``[W, N, d]``, ``degree``
-    ``[W, N]``, ``recent`` ``[N, L]``, ``bounds`` (each window's ``[start, end)`` into
-    :func:`history_events`)."""
+    """``states``, ``means`` [W, N, d], ``degree`` [W, N], ``recent`` [N, L], window ``bounds``."""
 
     states: Tensor
     means: Tensor
@@ -81,7 +63,6 @@ class SnapshotView:
 
     @property
     def hash(self) -> str:
-        """sha256 (16 hex chars) of every array and the window bounds."""
         h = hashlib.sha256(repr(self.bounds).encode())
         for t in (self.states, self.means, self.degree, self.recent):
             h.update(t.contiguous().numpy().tobytes())
@@ -94,8 +75,7 @@ def snapshot_view(
     snapshot, stream: EventStream, manifest: Manifest, windows: int = 10, recent: int = 5,
     batch_size: int = 200,
 ) -> SnapshotView:  # fmt: skip
-    """Materialize the view (module docstring) with ``snapshot``'s frozen weights: a fork of
-    it, reset, re-streams the history; the bank itself is not changed."""
+    """The view, re-streamed by a reset fork of ``snapshot`` (the bank is not changed)."""
     idx = history_events(manifest)
     if windows < 2 or len(idx) < windows:
         raise ValueError(f"snapshot_view needs 2 <= windows <= {len(idx)} history events")

@@ -20,16 +20,8 @@ from fedlightning.server.validation import MessageSpec
 
 
 class ClassIncremental(Algorithm):
-    """``method`` at stage ``t`` of the stream: a client's fit is ``method``'s own
-    (``local_fit``, or its stacked ``local_fit_share``), run on the client's stage batch (its
-    nodes of known classes, the classes it observes at ``t`` supervised:
-    :func:`~fedlightning.clients.replay.stage_batch`) through the known-class head of
-    :class:`ContinualNodeClassifier` (Eq. (5) with no replay and no teacher, ``method``'s
-    proximal term kept); its FedAvg weight is the stage's supervised nodes. The stage wiring
-    is ``cil_fedavg``'s (:class:`ContinualFedAvg` without replay), so ``algorithm=fedavg``
-    under ``protocol=cil`` runs as ``algorithm=cil_fedavg``. The messages, the server and the
-    optimizer's check are ``method``'s; a client's ``state`` is its own, carried across
-    stages (SCAFFOLD's control variate)."""
+    """``method``'s own fit, messages and server on each client's stage batch, through the
+    known-class head (Eq. 5 without replay or teacher) and ``cil_fedavg``'s stage wiring."""
 
     continual = True
     score = "msp"
@@ -101,12 +93,10 @@ class ClassIncremental(Algorithm):
 
 
 def at_stage(client: FederatedClient, batch: Any) -> FederatedClient:
-    """``client`` with its stage batch as its data, and its own state (the same dict)."""
     return FederatedClient(client.client_id, batch, client.state)
 
 
 def weighted(update: ClientUpdate, batch: Any) -> ClientUpdate:
-    """``update`` weighted by the stage's supervised and replayed nodes, as
-    :meth:`ContinualFedAvg.finish` weighs it."""
+    """``update`` weighted by the stage's supervised and replayed nodes."""
     update.scalars["num_examples"] = float(int(batch.sup_mask.sum()) + int(batch.replay_mask.sum()))
     return update

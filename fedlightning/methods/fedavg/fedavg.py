@@ -16,13 +16,7 @@ from fedlightning.server.aggregate import model_state
 
 
 class FedAvg(Algorithm):
-    """Local cross-entropy training; the server averages models weighted by training nodes.
-
-    Args:
-        max_update_norm: clip each client's update to this L2 norm around the broadcast
-            global model (``None``: off; docs/security.md).
-        max_client_weight: cap on a client's ``num_examples`` (``None``: off).
-    """
+    """Local cross-entropy, models averaged by training nodes; the bounds: docs/security.md."""
 
     name = "fedavg"
 
@@ -37,8 +31,6 @@ class FedAvg(Algorithm):
         return NodeClassifier(net, optimizer)
 
     def class_incremental(self) -> Algorithm:
-        """In the class-incremental stream: this method's fit on each stage's batch
-        (:class:`~fedlightning.methods.fedavg.class_incremental.ClassIncremental`)."""
         from fedlightning.methods.fedavg.class_incremental import ClassIncremental
 
         return ClassIncremental(self)
@@ -52,8 +44,7 @@ class FedAvg(Algorithm):
         epochs: int,
         seeds: Sequence[int],
     ) -> list[ClientUpdate]:
-        """:meth:`local_fit` of ``clients`` as one stacked fit (client ``k``'s dropout seeded
-        by ``seeds[k]``): their updates, in order (docs/scaling.md, "Stacked graph clients")."""
+        """:meth:`local_fit` of ``clients`` as one stacked fit (docs/scaling.md)."""
         module.receive(model_state(broadcast.tensors))
         graphs = [c.data for c in clients]
         fitted = fit_stacked(module, graphs, executor, epochs, self.callbacks(), seeds)

@@ -1,13 +1,5 @@
-"""FedDGL (Xie et al., ACML 2024), a published baseline of FedTIP's Table 2 (docs/fedtip.md,
-"FedDGL"): a GCN whose weights evolve over the history's snapshots
-(:class:`~fedlightning.methods.dynamic.dynamic_model.FedDGLNet`), trained with the protocol's
-family loss plus ``lambda_proto`` times the distance of the client's prototypes to the
-server's generated global ones; the client uploads its model and prototypes; the server
-(:class:`~fedlightning.methods.feddgl.feddgl_server.FedDGLServer`) averages the models, fits its prototype
-generator and weighs each client by the cosine of its prototypes with the global ones; each
-client starts the next round from its personalised mixture of the FedAvg model and its own.
-The server's segments are scored with the FedAvg model and the generated prototypes.
-"""
+"""FedDGL (Xie et al., ACML 2024; docs/fedtip.md, "FedDGL"): an evolving GCN with a prototype
+term; each client starts a round from its personalised mixture of FedAvg's model and its own."""
 
 from __future__ import annotations
 
@@ -30,8 +22,7 @@ CLASSES = (0, 1)
 
 @dataclass
 class FedDGL(DynamicBaseline):
-    """FedDGL (module docstring). ``lambda_proto``: the prototype term's weight;
-    ``mix_temperature``, ``margin_cap``, ``gen_lr``, ``gen_steps``: the server's."""
+    """FedDGL; ``lambda_proto``: the prototype term's weight; the rest the server's."""
 
     name: str = "feddgl"
     lambda_proto: float = 0.1
@@ -53,17 +44,14 @@ class FedDGL(DynamicBaseline):
         return {"lambda_proto": self.lambda_proto}
 
     def event_inputs(self, nodes: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``m_*``, ``d_*``: the last window's neighbour means and degrees."""
         last = self.snapshot_means(nodes, 0)
         deg = {f"d_{s}": self.view.degree[-1][v] for s, v in nodes.items()}
         return {**{f"m_{s}": v for s, v in last.items()}, **deg}
 
     def message_fields(self, family: str) -> tuple[str, ...]:
-        """The model's delta, the class counts and the prototypes (both families)."""
         return ("delta", "counts", "prototypes")
 
     def task_server(self, module: DynamicBaselineClient) -> FedDGLServer:
-        """A fresh server; the clients' own models are forgotten (a new task)."""
         self.personal = {}
         start = {n: p.detach().clone() for n, p in module.net.named_parameters()}
         return FedDGLServer(
@@ -74,9 +62,7 @@ class FedDGL(DynamicBaseline):
     def starts(
         self, broadcast: ServerBroadcast, module: DynamicBaselineClient, clients: list[int]
     ) -> list[dict[str, Tensor]]:
-        """Client ``k`` starts from :func:`~fedlightning.methods.feddgl.feddgl_server.personalise` of the
-        FedAvg model and its own last model with its broadcast weight (the FedAvg model in
-        its first round of the task); the broadcast global prototypes go to the loss."""
+        """Each client's :func:`personalise` start; the global prototypes go to the loss."""
         shapes = {n: (1, *p.shape[1:]) for n, p in module.net.named_parameters()}
         omega = broadcast.tensors["model"]
         mix = {int(k): float(w) for k, w in strip_prefix(broadcast.scalars, MIX).items()}
@@ -98,6 +84,5 @@ class FedDGL(DynamicBaseline):
         return dict(self._glob) if bool(self._glob.get("has_glob", torch.zeros(1)).any()) else {}
 
     def after_fit(self, module: DynamicBaselineClient, clients: list[int]) -> None:
-        """Each client keeps its trained model for the next round's mixture."""
         for i, k in enumerate(clients):
             self.personal[k] = torch.cat([p.reshape(-1) for p in module.net.copy_state(i).values()])

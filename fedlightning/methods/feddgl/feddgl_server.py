@@ -1,17 +1,6 @@
-r"""FedDGL's server (Xie et al., ACML 2024; docs/fedtip.md, "FedDGL"), Lightning-free.
-
-Each round: FedAvg of the uploaded models (support-weighted, :class:`~fedlightning.server.
-reliability.FedTIPServer`); the trainable prototype generator (FedTGP's, which FedDGL's code
-uses) fitted to the uploaded client prototypes with cross-entropy over negative distances and
-an adaptive margin (:func:`generator_loss`, :func:`adaptive_margin`); and each client's
-personalisation weight from the cosine of its prototypes with the global ones
-(:func:`mixing_weights`), with which the client starts the next round from
-:math:`\theta_k \leftarrow (1 - w_k)\,\theta_{FedAvg} + w_k\,\theta_k` (:func:`personalise`).
-
-Single-class clients (node classification: most clients hold one label) are guarded: the
-margin is 0 and the generator is not trained while fewer than two classes were uploaded, and
-a client's cosine reads only the classes it observed.
-"""
+"""FedDGL's server (Xie et al., ACML 2024; docs/fedtip.md, "FedDGL"): FedAvg, FedTGP's
+prototype generator fitted with an adaptive margin, each client's personalisation weight
+from its prototypes' cosine with the global ones (guarded for single-class clients)."""
 
 from __future__ import annotations
 
@@ -30,9 +19,7 @@ MIX = "mix."  # broadcast: a client's personalisation weight
 
 
 def adaptive_margin(class_means: Mapping[int, Tensor], cap: float = 100.0) -> float:
-    r"""FedTGP's margin: :math:`\min(\max_{c \ne c'} \lVert \bar{\mathbf{q}}_c -
-    \bar{\mathbf{q}}_{c'} \rVert_2, \mathrm{cap})` over the classes' mean uploaded prototypes;
-    0 with fewer than two classes (the single-class guard)."""
+    """FedTGP's margin: the largest gap of the class means, capped; 0 below two classes."""
     qs = list(class_means.values())
     if len(qs) < 2:
         return 0.0
@@ -41,10 +28,7 @@ def adaptive_margin(class_means: Mapping[int, Tensor], cap: float = 100.0) -> fl
 
 
 def generator_loss(q: Tensor, y: Tensor, glob: Tensor, margin: float) -> Tensor:
-    r"""Mean over the uploaded prototypes :math:`\mathbf{q}_i` (class :math:`y_i`) of
-    :math:`-\log \frac{e^{-(\phi_{i,y_i} + m)}}{e^{-(\phi_{i,y_i} + m)} + \sum_{c \ne y_i}
-    e^{-\phi_{i,c}}}`, :math:`\phi_{i,c} = \lVert \mathbf{q}_i - \hat{\mathbf{q}}_c \rVert_2`
-    (``glob`` ``[C, d]``: the generated prototypes), :math:`m` the margin."""
+    """Cross-entropy over negative distances to ``glob``, the true class's raised by ``margin``."""
     logits = -torch.cdist(q, glob)
     logits = logits - margin * F.one_hot(y, glob.size(0)).to(logits.dtype)
     return F.cross_entropy(logits, y)
@@ -53,10 +37,8 @@ def generator_loss(q: Tensor, y: Tensor, glob: Tensor, margin: float) -> Tensor:
 def mixing_weights(
     client_protos: Sequence[Mapping[int, Tensor]], glob: Mapping[int, Tensor], temp: float = 0.5
 ) -> list[float]:
-    r""":math:`w_k = \exp(t \cos(\mathbf{q}_k, \mathbf{q}^{glob})) / \sum_j \exp(t
-    \cos(\mathbf{q}_j, \mathbf{q}^{glob}))` with :math:`\mathbf{q}_k` the client's prototypes
-    of the classes it observed (that have a global one) concatenated, and :math:`\mathbf{q}^{glob}`
-    the global ones of the same classes; a client with no such class has cosine 0."""
+    """The softmax over clients of ``temp`` times the cosine of each client's concatenated
+    prototypes with the global ones of the same classes (0 without any)."""
     cos = []
     for protos in client_protos:
         shared = sorted(c for c in protos if c in glob)
@@ -71,13 +53,12 @@ def mixing_weights(
 
 
 def personalise(glob: Tensor, own: Tensor, w: float) -> Tensor:
-    r""":math:`(1 - w_k)\,\theta_{FedAvg} + w_k\,\theta_k`."""
+    """``(1 - w) glob + w own``."""
     return (1 - w) * glob + w * own
 
 
 class PrototypeGenerator(nn.Module):
-    """FedTGP's generator: a learned embedding per class (``d`` wide) through a two-layer MLP
-    (``hidden`` wide)."""
+    """FedTGP's generator: a learned embedding per class through a two-layer MLP."""
 
     def __init__(self, classes: int, d: int, hidden: int = 256) -> None:
         super().__init__()
@@ -135,8 +116,7 @@ class FedDGLServer:
         return ServerBroadcast(round=round, tensors=tensors, scalars=scalars)
 
     def fit_generator(self, protos: Sequence[Mapping[int, Tensor]]) -> None:
-        """``gen_steps`` SGD steps of :func:`generator_loss` on the uploaded prototypes (none
-        with fewer than two classes uploaded)."""
+        """``gen_steps`` SGD steps of :func:`generator_loss` (none below two classes)."""
         rows = [(c, q) for p in protos for c, q in sorted(p.items())]
         present = sorted({c for c, _ in rows})
         means = {c: torch.stack([q for cc, q in rows if cc == c]).mean(0) for c in present}
@@ -165,6 +145,5 @@ class FedDGLServer:
         self.mix = {u.client_id: w for u, w in zip(updates, weights, strict=True)}
 
     def class_prototypes(self) -> dict[int, Tensor]:
-        """The generated prototypes node classification is scored against (the uploads'
-        count-weighted mean while the generator is untrained)."""
+        """The generated prototypes (the uploads' mean while the generator is untrained)."""
         return self.global_prototypes() or self.fedavg.class_prototypes()

@@ -1,11 +1,5 @@
-"""Feddy (Jiang et al., ACM TIST 2022), a published baseline of FedTIP's Table 2 (docs/fedtip.md,
-"Feddy"): each node aggregates its own bank state with its neighbours in the current and the
-previous snapshot of the history (:class:`~fedlightning.methods.dynamic.dynamic_model.FeddyNet`);
-the local loss adds to the protocol's family loss a self-supervised trajectory term, the
-next snapshot's neighbourhood predicted from the current one on the client's own users'
-history; FedAvg of the whole model (secure aggregation leaves the average unchanged and is
-not simulated).
-"""
+"""Feddy (Jiang et al., ACM TIST 2022; docs/fedtip.md, "Feddy"): :class:`FeddyNet` with a
+self-supervised trajectory term on the client's own users' history; FedAvg."""
 
 from __future__ import annotations
 
@@ -24,10 +18,8 @@ from fedlightning.utils.seeding import derive_seed
 def trajectory_samples(
     view, users: np.ndarray, size: int, seed: int
 ) -> dict[str, Tensor]:  # fmt: skip
-    r"""Up to ``size`` (node, window) pairs of ``users`` with neighbours in windows
-    :math:`w` and :math:`w+1` (:math:`1 \le w \le W-2`), drawn with ``seed``: own state
-    :math:`\mathbf{s}^w_v`, means :math:`\mathbf{m}^w_v`, :math:`\mathbf{m}^{w-1}_v` and the
-    target :math:`\mathbf{m}^{w+1}_v` (``traj_s``, ``traj_m``, ``traj_p``, ``traj_next``)."""
+    """Up to ``size`` seeded (node, window ``w``) pairs of ``users`` with neighbours in ``w``
+    and ``w + 1``: state, means at ``w`` and ``w - 1``, and the target mean at ``w + 1``."""
     deg = view.degree[:, users]
     w, k = np.nonzero(((deg[1:-1] > 0) & (deg[2:] > 0)).numpy())
     w = w + 1
@@ -46,8 +38,7 @@ def trajectory_samples(
 
 @dataclass
 class Feddy(DynamicBaseline):
-    """Feddy (module docstring). ``lambda_traj``: the trajectory term's weight;
-    ``samples``: history samples per client."""
+    """Feddy; ``lambda_traj``: the trajectory term's weight; ``samples`` per client."""
 
     name: str = "feddy"
     lambda_traj: float = 1.0
@@ -64,12 +55,10 @@ class Feddy(DynamicBaseline):
         return {"lambda_traj": self.lambda_traj}
 
     def event_inputs(self, nodes: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``m_*``: the last window's neighbour means; ``p_*``: the window before's."""
         last, prev = self.snapshot_means(nodes, 0), self.snapshot_means(nodes, 1)
         return {**{f"m_{s}": v for s, v in last.items()}, **{f"p_{s}": v for s, v in prev.items()}}
 
     def client_extras(self, context: TaskContext, clients: list[int]) -> dict[str, Tensor]:
-        """Each client's trajectory samples from its own users' history (drawn once)."""
         owner = self.protocol.ownership.owner
         for k in clients:
             if k not in self._traj:

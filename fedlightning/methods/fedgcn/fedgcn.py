@@ -1,12 +1,6 @@
-"""FedGCN (Yao et al., NeurIPS 2023) on FedTIP's protocol (docs/fedtip.md, "FedGCN").
-
-Before the first task every client uploads, once, the neighbour-feature sums of its own
-history edges (:func:`~fedlightning.methods.fedgcn.fedgcn_model.neighbour_sums`, rows of the nodes it has
-an edge at, with their counts); the server adds them and returns the global rows. Then, per
-task and family, a 2-layer GCN (:class:`~fedlightning.methods.fedgcn.fedgcn_model.FedGCNNet`) whose first
-layer reads the global :math:`\\hat{A}X` and whose second layer aggregates over the client's
-own edges is trained with FedAvg. ``exchange=false`` is the 0-hop reading (local sums only).
-"""
+"""FedGCN (Yao et al., NeurIPS 2023) on FedTIP's protocol (docs/fedtip.md, "FedGCN"): a one-off
+exchange of neighbour sums before the first task, then a GCN per task with FedAvg;
+``exchange=false``: local sums only."""
 
 from __future__ import annotations
 
@@ -30,8 +24,7 @@ EXCHANGE = "exchange"  # the ledger prefix of the one-off exchange
 
 @dataclass
 class FedGCN(HistoryBaseline):
-    """``fedgcn`` (module docstring). ``hidden``/``out``: the GCN's widths; SGD as the
-    paper's, at ``lr`` 0.02 (the paper's 0.5 diverges here; docs/fedtip.md)."""
+    """``fedgcn``: SGD at ``lr`` 0.02 (the paper's 0.5 diverges here; docs/fedtip.md)."""
 
     name: str = "fedgcn"
     exchange: bool = True
@@ -49,8 +42,7 @@ class FedGCN(HistoryBaseline):
         return FedGCNNet(d_in, self.hidden, self.out, self.dropout)
 
     def client_sums(self, k: int) -> ClientUpdate:
-        """Client ``k``'s upload: ``nodes`` (int32) with a local edge, their ``sum`` and
-        ``count`` over the client's own edges."""
+        """Client ``k``'s ``nodes`` with a local edge, their ``sum`` and ``count``."""
         g = self.history
         s, c = neighbour_sums(g.x, self.local[k], g.num_nodes)
         nodes = client_nodes(self.local[k])
@@ -78,8 +70,7 @@ class FedGCN(HistoryBaseline):
         )
 
     def before_tasks(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
-        """The one-off exchange (module docstring), as round 0 of the first task's scope;
-        the returned rows (every node's sum and count) are counted as downlink."""
+        """The exchange as round 0 of the first task's scope, the returned rows as downlink."""
         g = self.history
         server = SumExchangeServer(g.num_nodes, g.x.size(1))
         members = [Member(k) for k in self.clients]
@@ -111,6 +102,5 @@ class FedGCN(HistoryBaseline):
         return ClientGraph(self.inputs[-1], self.everything)
 
     def exchange_values(self) -> dict[int, int]:
-        """Float32 values of each client's exchange upload (nodes, sums, counts)."""
         d = self.history.x.size(1)
         return {k: len(client_nodes(self.local[k])) * (d + 2) for k in self.clients}

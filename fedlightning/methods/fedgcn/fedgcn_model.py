@@ -1,13 +1,5 @@
-r"""FedGCN's model pieces (Yao et al., NeurIPS 2023; docs/fedtip.md, "FedGCN").
-
-Before training, each client uploads its local neighbour-feature sums
-:math:`S^{(k)}_v = \sum_{j} A^{(k)}_{vj} \mathbf{x}_j` and counts
-:math:`c^{(k)}_v = \sum_j A^{(k)}_{vj}` over its own edges; the server adds them
-(:func:`exchange_total`). The 2-layer GCN's first layer then reads the global mean
-:math:`\mathbf{m}_v = (\mathbf{x}_v + \sum_k S^{(k)}_v) / (1 + \sum_k c^{(k)}_v)`
-(:func:`first_layer_input`, the row-normalised :math:`\hat{A}X` with self loops); its second
-layer aggregates over the client's own edges.
-"""
+"""FedGCN's model pieces (Yao et al., NeurIPS 2023; docs/fedtip.md, "FedGCN"): the exchanged
+neighbour sums and counts, a first layer on their global mean, a second on the own edges."""
 
 from __future__ import annotations
 
@@ -18,9 +10,7 @@ from fedlightning.models.dropout import Dropout
 
 
 def neighbour_sums(x: Tensor, edge_index: Tensor, num_nodes: int) -> tuple[Tensor, Tensor]:
-    r""":math:`S_v = \sum_{(v, j) \in E} \mathbf{x}_j` ``[N, d]`` and :math:`c_v = |\{(v, j)
-    \in E\}|` ``[N]`` over the directed ``edge_index`` (give both directions for an
-    undirected graph)."""
+    """Neighbour sums [N, d] and counts [N] along the directed ``edge_index``."""
     src, dst = edge_index
     s = torch.zeros(num_nodes, x.size(1), dtype=x.dtype).index_add_(0, src, x[dst])
     c = torch.zeros(num_nodes, dtype=x.dtype).index_add_(
@@ -32,8 +22,7 @@ def neighbour_sums(x: Tensor, edge_index: Tensor, num_nodes: int) -> tuple[Tenso
 def exchange_total(
     parts: list[tuple[Tensor, Tensor, Tensor]], num_nodes: int, dim: int
 ) -> tuple[Tensor, Tensor]:
-    r"""The server's sum of the clients' uploads ``(nodes, sums, counts)``:
-    :math:`\sum_k S^{(k)}` ``[N, d]`` and :math:`\sum_k c^{(k)}` ``[N]``."""
+    """The server's sums of the clients' ``(nodes, sums, counts)``."""
     s = torch.zeros(num_nodes, dim, dtype=torch.float64)
     c = torch.zeros(num_nodes, dtype=torch.float64)
     for nodes, sums, counts in parts:
@@ -43,21 +32,18 @@ def exchange_total(
 
 
 def first_layer_input(x: Tensor, sums: Tensor, counts: Tensor) -> Tensor:
-    r""":math:`\mathbf{m}_v = (\mathbf{x}_v + S_v) / (1 + c_v)` (module docstring)."""
+    """``(x + S) / (1 + c)``."""
     return (x + sums) / (1.0 + counts).unsqueeze(1)
 
 
 def mean_aggregate(h: Tensor, edge_index: Tensor) -> Tensor:
-    r""":math:`(\mathbf{h}_v + \sum_{(v, j) \in E} \mathbf{h}_j) / (1 + c_v)`: a mean over
-    the node and its neighbours along ``edge_index``."""
+    """The mean over each node and its neighbours."""
     s, c = neighbour_sums(h, edge_index, h.size(0))
     return first_layer_input(h, s, c)
 
 
 class FedGCNNet(nn.Module):
-    r"""Two GCN layers: :math:`\mathbf{h}_v = \mathrm{ReLU}(W_1 \mathbf{m}_v + b_1)`, then
-    :math:`\mathbf{z}_v = W_2\,\mathrm{mean}(\mathbf{h}_v, \mathbf{h}_{N(v)}) + b_2` over
-    the graph's edges (a client's own; the server's whole history)."""
+    """Two GCN layers: ``ReLU(W_1 m + b_1)``, then ``W_2`` of the neighbour mean ``+ b_2``."""
 
     hops = 1  # the receptive field: the first layer reads precomputed rows
 

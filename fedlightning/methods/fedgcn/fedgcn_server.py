@@ -1,6 +1,4 @@
-"""FedGCN's server side of the one-off exchange (docs/fedtip.md, "FedGCN"): it adds the
-clients' neighbour-feature sums (:func:`~fedlightning.methods.fedgcn.fedgcn_model.exchange_total`) and
-returns each client the rows of the global sums."""
+"""FedGCN's server side of the one-off exchange (docs/fedtip.md, "FedGCN")."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from fedlightning.methods.fedgcn.fedgcn_model import exchange_total
 
 
 class SumExchangeServer:
-    """One exchange over ``num_nodes`` nodes of feature width ``dim``: the broadcast asks for
-    the sums; :meth:`aggregate` keeps :attr:`sums` ``[N, d]`` and :attr:`counts` ``[N]``."""
+    """One exchange: keeps the summed :attr:`sums` and :attr:`counts`."""
 
     def __init__(self, num_nodes: int, dim: int) -> None:
         self.num_nodes, self.dim = num_nodes, dim

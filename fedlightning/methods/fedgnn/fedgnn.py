@@ -1,10 +1,6 @@
-"""FedGNN (Wu et al., arXiv 2102.04925) on FedTIP's protocol (docs/fedtip.md, "FedGNN"):
-each client (a set of users) fits a GNN over its users' history graph and the item
-embeddings, and uploads the GNN's update and the rows of the items it touched plus
-pseudo-interacted items with fake gradients, all with Laplace noise (local DP). The server
-averages the gradients (a table row over the clients that sent it) and scores its segments
-with the global model.
-"""
+"""FedGNN (Wu et al., arXiv 2102.04925) on FedTIP's protocol (docs/fedtip.md, "FedGNN"): the
+GNN's update and touched plus pseudo item rows uploaded with Laplace noise, averaged row by
+row; the server scores with the global model."""
 
 from __future__ import annotations
 
@@ -34,15 +30,13 @@ from fedlightning.methods.fedgnn.fedgnn_server import (
     row_upload_problem,
     unflatten_keys,
 )
-from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.methods.fedtip.fedtip import FedTIP, support_size
 from fedlightning.server.validation import Field, MessageSpec, Rule
 from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
 
 def event_rows(graph: HistoryGraph, stream: Any, batch: Batch) -> dict[str, Tensor]:
-    """A client's (``[n]``) or a segment's (``[1, n]``) event batch as graph rows: ``u``
-    (source), ``i`` (destination), ``j`` (negative, row 0 where it failed), ``ok``, ``y``,
-    ``h_u`` (the event-time bank state), flattened to ``[n]``."""
+    """An event batch as flat graph rows ``u``, ``i``, ``j`` (0 if failed), ``ok``, ``y``, ``h_u``."""
     events = batch["events"].reshape(-1).numpy()
     neg = batch["neg_id"].reshape(-1).numpy()
     u, i = graph.rows(stream.src[events], stream.dst[events])
@@ -54,14 +48,8 @@ def event_rows(graph: HistoryGraph, stream: Any, batch: Batch) -> dict[str, Tens
 
 @dataclass
 class FedGNN(FedTIP):
-    """FedGNN (module docstring); :meth:`attach` builds the history graph.
-
-    Args:
-        lr: SGD's step (paper: 0.01). ldp_clip: :math:`\\delta`, the gradient norm bound
-            (0.1). epsilon: the LDP budget :math:`\\epsilon` (1; ``0``: no noise).
-        pseudo_items: pseudo-interacted items per upload (1000; at most the untouched).
-        init: the item embeddings' start, ``bank`` (the frozen bank's states) or ``random``.
-    """
+    """FedGNN; ``ldp_clip``, ``epsilon``: the local DP (``0``: no noise); ``pseudo_items`` per
+    upload; ``init``: the item table from the ``bank`` or ``random``."""
 
     name: str = "fedgnn"
     prototype_bound = None  # a published baseline: without FedTIP's prototype bound
@@ -87,13 +75,11 @@ class FedGNN(FedTIP):
         self.trained: tuple[str, Any] | None = None
 
     def attach(self, snapshot: Any, protocol: Any) -> dict[str, str]:
-        """The history graph of the protocol's pre-training history, with the bank's states;
-        returns its hash (recorded with the protocol's)."""
+        """The history graph; its hash joins the protocol's."""
         self.graph, self.stream = history_graph(protocol, snapshot), protocol.stream
         return {"history_graph": self.graph.hash}
 
     def adapter(self, d_h: int, d_t: int, d_e: int) -> FedGNNModel:
-        """The task's initial model (seeded by the task loop)."""
         return FedGNNModel(self.graph, self.init)
 
     def task_module(self, adapter: FedGNNModel, family: str) -> FedGNNClient:
@@ -104,20 +90,17 @@ class FedGNN(FedTIP):
         return RowSparseServer(state, FAMILY_KEYS[module.family], ["items"], weighted=False)
 
     def dense_keys(self, model: nn.Module, family: str) -> tuple[str, ...]:
-        """The dense parameters a family trains and sends (:data:`FAMILY_KEYS`)."""
         return FAMILY_KEYS[family]
 
     def start_state(
         self, model: nn.Module, family: str, broadcast: ServerBroadcast
     ) -> dict[str, Tensor]:
-        """The round's global parameters: the dense ones (:meth:`dense_keys`, flattened in
-        the broadcast's ``dense``) and the :attr:`tables`."""
+        """The round's global dense parameters and :attr:`tables`."""
         like = dict(model.named_parameters())
         dense = unflatten_keys(broadcast.tensors["dense"], like, self.dense_keys(model, family))
         return {**dense, **{t: broadcast.tensors[t] for t in self.tables}}
 
     def dense_size(self, family: str) -> int:
-        """Values of the family's dense update (:data:`FAMILY_KEYS`)."""
         d = self.graph.item_state.size(1)
         return {"lp": 2 * (2 * d * d + d), "nc": 2 * d * d + d + d + 1}[family]
 
@@ -144,8 +127,7 @@ class FedGNN(FedTIP):
         return ClientWork(one=fit, uplink=self.task_uplink(task, family, broadcast, 0))
 
     def touched(self, model: FedGNNModel, batch: dict[str, Tensor], family: str) -> Tensor:
-        """The item rows a fit reads: the users' history items (and for link prediction the
-        events' items and negatives)."""
+        """The item rows a fit reads."""
         cols = model.user_items.neighbours(batch["u"])
         if family == "lp":
             cols = torch.cat([cols, batch["i"], batch["j"][batch["ok"]]])
@@ -160,9 +142,8 @@ class FedGNN(FedTIP):
         client: int,
         gen: torch.Generator,
     ) -> ClientUpdate:
-        """FedGNN's message: the dense update, the touched and pseudo-item rows (fake
-        Gaussian updates for the pseudo ones), every value with Laplace noise; in round 1
-        also ``expansion.idx``, the item ids sent for the graph expansion."""
+        """FedGNN's noisy message: the dense update, the touched and pseudo-item rows; in
+        round 1 also ``expansion.idx`` (the graph expansion's items)."""
         model, family = module.model, module.family
         keys = FAMILY_KEYS[family]
         with torch.no_grad():
@@ -180,12 +161,7 @@ class FedGNN(FedTIP):
         tensors = {"dense": noisy[0], "items.idx": rows[order], "items.delta": noisy[1]}
         if round == 1:
             tensors["expansion.idx"] = real.clone()
-        return ClientUpdate(
-            round=round,
-            client_id=client,
-            tensors=tensors,
-            scalars={"count": float(len(batch["u"]))},
-        )
+        return ClientUpdate(round, tensors, {"count": float(len(batch["u"]))}, client_id=client)
 
     def task_uplink(
         self,
@@ -195,18 +171,12 @@ class FedGNN(FedTIP):
         width: int,
         field: str = "",
     ) -> MessageSpec:
-        """``dense`` as the broadcast's; the table rows of :meth:`row_fields`; ``count`` the
-        client's support size."""
+        """``dense``, the rows of :meth:`row_fields`, ``count`` within the support."""
         table, rows, also = self.row_fields(broadcast)
-
-        def support(k: int) -> float:
-            b = task.clients.get(k)
-            return float(len(b["h_u"])) if b is not None else float("inf")
-
         declared = (
             Field("dense", dtype="like", like=lambda m: "dense"),
             *rows,
-            Field("count", tensor=False, low=1.0, high=support, integral=True),
+            Field("count", tensor=False, low=1.0, high=support_size(task), integral=True),
         )
         n_rows = broadcast.tensors[table].shape[0]
 
@@ -218,9 +188,7 @@ class FedGNN(FedTIP):
     def row_fields(
         self, broadcast: ServerBroadcast
     ) -> tuple[str, tuple[Field, ...], tuple[str, ...]]:
-        """The table whose rows a client sends, their fields, and the other index fields
-        into it: ``items.idx`` distinct rows of the table with one ``items.delta`` row
-        each; ``expansion.idx`` (round 1) rows of the table."""
+        """The table whose rows a client sends, their fields, the other index fields."""
         d = broadcast.tensors["items"].shape[1]
         fields = (
             Field("items.idx", shape=(-1,), dtype=torch.int64),
@@ -232,7 +200,6 @@ class FedGNN(FedTIP):
     def task_result(
         self, module: FedGNNClient, adapter: FedGNNModel, server: RowSparseServer
     ) -> tuple[ScoreView, dict[int, Tensor]]:
-        """The global model (kept for :meth:`task_segments`) and the score view."""
         module.receive(server.state())
         self.trained = (module.family, module.model)
         return ScoreView(), ScoreView.prototypes()
@@ -245,14 +212,11 @@ class FedGNN(FedTIP):
         return (out[0], None) if family == "nc" else (out[0], out[1])
 
     def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
-        """The server's segments scored by the task's global model (:class:`ScoreView`)."""
         family, model = self.trained
         return {s: scored_segment(b, *self.scores(model, b, family)) for s, b in segments.items()}
 
     def message_size(self, adapter: Any, family: str, classes: int = 2) -> int:
-        """Float32 values of a message whose item rows cover the table (the pseudo-items
-        reach every untouched row once ``pseudo_items`` >= the table): the dense update, a
-        row id and ``d`` values per item, the count."""
+        """Float32 values of a message: the dense update, up to ``pseudo_items`` rows, count."""
         d = self.graph.item_state.size(1)
         rows = min(self.graph.num_items, self.pseudo_items)
         return self.dense_size(family) + rows * (d + 1) + 1

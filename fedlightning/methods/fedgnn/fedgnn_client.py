@@ -1,8 +1,5 @@
-r"""FedGNN's client (docs/fedtip.md, "FedGNN"): the local fit of the GNN and the item
-embeddings on one client's support, SGD with each gradient clipped to norm :math:`\delta`
-(Keras' ``clipnorm``, FedGNN's LDP clip), the loss of the family: the rating MSE read as
-link prediction (target 1 for the event, 0 for its negative) or the added node head's BCE.
-"""
+"""FedGNN's client (docs/fedtip.md, "FedGNN"): SGD with each gradient clipped (the LDP clip) on
+the family's loss."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ FAMILY_KEYS = {  # the dense parameters each family trains (and sends)
 
 
 def fedgnn_forward(model: FedGNNModel, batch: dict[str, Tensor], family: str) -> tuple[Tensor, ...]:
-    """Scores of a batch (``u``, ``i``, ``j`` rows, ``h_u`` states): ``lp`` the positives' and
-    negatives' dot products, ``nc`` the node logits."""
+    """``lp``: the positives' and negatives' dot products; ``nc``: the node logits."""
     z_u = model.users(batch["h_u"], model.aggregate(batch["u"]))
     if family == "nc":
         return (model.head(z_u).squeeze(-1),)
@@ -36,9 +32,8 @@ def fedgnn_forward(model: FedGNNModel, batch: dict[str, Tensor], family: str) ->
 
 
 class TableClient(pl.LightningModule):
-    """What FedGNN's and FedLink's clients share: the model and its family, the server's
-    parameters received by name, and the family's loss on the scores of
-    :meth:`step_scores` (the node head's BCE, or the class's :attr:`link_loss`)."""
+    """What FedGNN's and FedLink's clients share: parameters received by name, the family's
+    loss on :meth:`step_scores`."""
 
     link_loss = staticmethod(mse_link_loss)
 
@@ -48,14 +43,12 @@ class TableClient(pl.LightningModule):
         self.last_loss = float("nan")
 
     def receive(self, state: dict[str, Tensor]) -> None:
-        """Start from the server's parameters (any subset of the model's)."""
         with torch.no_grad():
             own = dict(self.model.named_parameters())
             for k, v in state.items():
                 own[k].copy_(v)
 
     def step_scores(self, batch: dict) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
-        """A step's scores and the rows they score (with ``y`` and ``ok``)."""
         return fedgnn_forward(self.model, batch, self.family), batch
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
@@ -69,8 +62,7 @@ class TableClient(pl.LightningModule):
 
 
 class FedGNNClient(TableClient):
-    """One client's fit of :class:`FedGNNModel` (module docstring); ``clip`` the gradient
-    norm bound :math:`\\delta` (per parameter tensor), ``lr`` SGD's step."""
+    """One client's fit of :class:`FedGNNModel`; ``clip`` bounds each gradient's norm."""
 
     def __init__(
         self, model: FedGNNModel, family: str, lr: float = 0.01, clip: float = 0.1

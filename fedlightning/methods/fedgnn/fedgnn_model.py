@@ -1,23 +1,8 @@
-r"""FedGNN (Wu et al., arXiv 2102.04925) over FedTIP's protocol, and the graph view of the
-pre-training history it (and FedLink) reads (docs/fedtip.md, "FedGNN").
-
-* :func:`history_graph`: the user-item graph of the pre-training history :math:`H_{pre}`
-  (pre-training and pre-validation segments) with every node's frozen bank state at its end,
-  materialized once per run and hashed like a protocol object. (A private copy until the
-  shared history view lands; :class:`HistoryGraph` is the API to swap.)
-* :class:`FedGNNModel`: item embeddings (initialised from the bank) and a one-layer GNN on
-  each side of the bipartite graph; the score is a dot product.
-* :func:`clip_norm`, :func:`laplace`, :func:`ldp_update`: the local differential privacy of
-  the uploads (gradient norm clip :math:`\delta`, Laplace noise of scale
-  :math:`2\delta \cdot lr / \epsilon`).
-* :func:`pseudo_items`, :func:`fake_gradients`: the pseudo-interacted items whose rows are
-  uploaded with fake Gaussian gradients so the server cannot tell which items a user touched.
-* :class:`ScoreView`: how the task loop's server-side AUC reads a baseline's own scores.
-"""
+"""FedGNN's model, its local DP and pseudo-items, and the user-item graph of the pre-training
+history that FedGNN and FedLink read (docs/fedtip.md, "FedGNN")."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,23 +11,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedlightning.data.temporal.manifest import PRETRAIN, PREVAL
+from fedlightning.methods.history.history import tensor_digest
 
 
 @dataclass
 class HistoryGraph:
-    """The bipartite user-item graph of :math:`H_{pre}` (a non-bipartite stream: a node's
-    source role is its user row, its destination role its item row).
-
-    Attributes:
-        user_ids, item_ids: the node id of each user / item row (every source / destination
-            node of the stream: ids are public, interactions are not).
-        user_row, item_row: ``[num_nodes]`` node id -> row (``-1``: not of that role).
-        edge_u, edge_i: ``[E]`` the user and item rows of every :math:`H_{pre}` event.
-        owner: ``[E]`` the client owning each edge's user (``-1``: nobody).
-        user_state, item_state: ``[rows, d]`` each node's bank state at the end of
-            :math:`H_{pre}`.
-        hash: content hash of all of the above.
-    """
+    """The user-item graph of the pre-training history (a node's source role is its user row,
+    its destination role its item row; ``-1``: none), each edge's user's ``owner`` and each
+    row's bank state at the history's end."""
 
     user_ids: np.ndarray
     item_ids: np.ndarray
@@ -68,8 +44,7 @@ class HistoryGraph:
         return torch.from_numpy(self.user_row[src]), torch.from_numpy(self.item_row[dst])
 
     def adjacency(self, keep: np.ndarray | None = None, items_to_users: bool = False) -> RowMean:
-        r"""The row-normalised adjacency (users x items, or items x users) of the edges ``keep``
-        (a boolean mask; default all) as a :class:`RowMean`."""
+        """The :class:`RowMean` adjacency (users x items, or items x users) of edges ``keep``."""
         u, i = self.edge_u, self.edge_i
         if keep is not None:
             u, i = u[keep], i[keep]
@@ -79,9 +54,7 @@ class HistoryGraph:
 
 
 class RowMean:
-    r"""A row-normalised adjacency :math:`\hat{A}_{vw} = c_{vw}/\deg(v)` (``c``: the edge's
-    multiplicity; an isolated row stays zero), stored by rows: ``A @ X`` is each row's
-    neighbour mean; :meth:`rows` the sparse rows of a selection."""
+    """A row-normalised adjacency (multiplicity over degree), stored by rows."""
 
     def __init__(self, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> None:
         order = np.argsort(rows, kind="stable")
@@ -118,19 +91,9 @@ class RowMean:
         )
 
 
-def _digest(*parts: np.ndarray | Tensor) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        arr = np.ascontiguousarray(p.numpy() if isinstance(p, Tensor) else p)
-        h.update(str(arr.dtype).encode() + str(arr.shape).encode() + arr.tobytes())
-    return h.hexdigest()[:16]
-
-
 @torch.no_grad()
 def history_graph(protocol, snapshot, chunk: int = 1024) -> HistoryGraph:
-    """:class:`HistoryGraph` of a temporal protocol (stream, manifest, ownership) and the
-    bank's snapshot encoder (a fork of it embeds every node at the last time of
-    :math:`H_{pre}`)."""
+    """The protocol's :class:`HistoryGraph`, states from a fork of the bank's ``snapshot``."""
     from fedlightning.temporal.contexts import fork
 
     stream, manifest = protocol.stream, protocol.manifest
@@ -153,19 +116,15 @@ def history_graph(protocol, snapshot, chunk: int = 1024) -> HistoryGraph:
 
     us, its = states(user_ids), states(item_ids)
     eu, ei = user_row[src], item_row[dst]
-    digest = _digest(user_ids, item_ids, eu, ei, owner, us, its)
+    digest = tensor_digest(user_ids, item_ids, eu, ei, owner, us, its)
     return HistoryGraph(user_ids, item_ids, user_row, item_row, eu, ei, owner, us, its, digest)
 
 
 # ---------------------------------------------------------------------- evaluation
 class ScoreView(nn.Module):
-    r"""A baseline's scores as the task loop's server-side evaluation reads an adapter
-    (:func:`fedlightning.clients.temporal_prompt.score_segment`): the segments carry each event's score
-    in the recency slots (``r_i`` positive / node logit, ``r_j`` negative, float64) and unit
-    reference vectors in ``h_i``, ``h_j``; the view maps a score ``s`` to ``[s, 1]``
-    (link prediction: cosine with ``[1, 0]`` is :math:`s/\sqrt{1+s^2}`) or ``[s, -s, 1]``
-    (node classification: cosine with the prototypes ``e_1``, ``e_2`` differs by
-    :math:`2s/\sqrt{2s^2+1}`), both strictly increasing in ``s``: the AUC is the score's."""
+    """A baseline's own scores read as an adapter by ``score_segment``: a score ``s`` in the
+    recency slots maps to ``[s, 1]`` (link prediction) or ``[s, -s, 1]`` (node
+    classification), whose cosines are increasing in ``s``: the AUC is the score's."""
 
     def forward(self, h_u, h_side, te, x, r_u, r_side) -> Tensor:  # noqa: ANN001
         s = r_side.to(torch.float64)
@@ -181,8 +140,7 @@ class ScoreView(nn.Module):
 
 
 def scored_segment(batch: dict[str, Tensor], pos: Tensor, neg: Tensor | None) -> dict[str, Tensor]:
-    """A one-client segment with its scores in place for :class:`ScoreView`: ``pos`` the
-    positives' (or node logits, ``neg=None``), ``neg`` their negatives'."""
+    """A one-client segment with ``pos`` (node logits if ``neg=None``), ``neg`` in place."""
     out = dict(batch)
     n = batch["mask"].size(1)
     width = 3 if neg is None else 2
@@ -196,32 +154,26 @@ def scored_segment(batch: dict[str, Tensor], pos: Tensor, neg: Tensor | None) ->
 
 # ---------------------------------------------------------------------- privacy
 def clip_norm(grad: Tensor, delta: float) -> Tensor:
-    r"""A gradient tensor clipped to L2 norm :math:`\delta` (Keras' ``clipnorm``, FedGNN's
-    :math:`\mathrm{clip}(g, \delta)`)."""
+    """FedGNN's ``clip(g, delta)``: the tensor clipped to L2 norm ``delta``."""
     norm = float(grad.norm())
     return grad * (delta / norm) if norm > delta else grad
 
 
 def laplace(shape: tuple[int, ...], scale: float, generator: torch.Generator | None) -> Tensor:
-    r"""Laplace(0, ``scale``) noise by the inverse CDF:
-    :math:`-b\,\mathrm{sign}(u)\log(1 - 2|u|)`, :math:`u \sim U(-\frac12, \frac12)`."""
+    """Laplace(0, ``scale``) noise by the inverse CDF."""
     u = torch.rand(shape, generator=generator, dtype=torch.float64) - 0.5
     return (-scale * u.sign() * torch.log1p(-2 * u.abs())).float()
 
 
 def ldp_scale(lr: float, delta: float, epsilon: float) -> float:
-    r"""FedGNN's Laplace scale on an uploaded update: :math:`\lambda = 2\delta \cdot lr/\epsilon`
-    (a gradient clipped to :math:`\delta` moves a value by at most :math:`lr\,\delta`, so two
-    uploads differ by at most :math:`2\,lr\,\delta`; budget :math:`\epsilon`)."""
+    """FedGNN's Laplace scale ``2 delta lr / epsilon`` (two uploads differ by <= 2 lr delta)."""
     return 2.0 * delta * lr / epsilon
 
 
 def ldp_update(
     delta: Tensor, lr: float, clip: float, epsilon: float, generator: torch.Generator | None
 ) -> Tensor:
-    """An uploaded update with :func:`laplace` noise of :func:`ldp_scale` added to every value
-    (the local steps already clipped each gradient, :func:`clip_norm`); ``epsilon <= 0``:
-    no noise."""
+    """``delta`` plus :func:`laplace` noise of :func:`ldp_scale` (none for ``epsilon <= 0``)."""
     if epsilon <= 0:
         return delta
     return delta + laplace(tuple(delta.shape), ldp_scale(lr, clip, epsilon), generator)
@@ -230,8 +182,7 @@ def ldp_update(
 def pseudo_items(
     touched: Tensor, num_items: int, count: int, generator: torch.Generator | None
 ) -> Tensor:
-    """``count`` item rows (at most every untouched one) drawn uniformly without replacement
-    from those not in ``touched``: FedGNN's pseudo-interacted items."""
+    """FedGNN's pseudo-interacted items: ``count`` untouched rows drawn without replacement."""
     free = torch.ones(num_items, dtype=torch.bool)
     free[touched] = False
     pool = torch.nonzero(free).flatten()
@@ -240,27 +191,16 @@ def pseudo_items(
 
 
 def fake_gradients(real: Tensor, rows: int, generator: torch.Generator | None) -> Tensor:
-    """Fake item-embedding updates ``[rows, d]`` ~ N(0, sigma^2), sigma the standard deviation
-    of the ``real`` rows' values (FedGNN: drawn like real gradients)."""
+    """Fake updates [rows, d] ~ N(0, sigma^2), sigma the ``real`` rows' standard deviation."""
     sigma = float(real.std()) if real.numel() > 1 else 0.0
     return torch.randn((rows, real.size(-1)), generator=generator) * sigma
 
 
 # ---------------------------------------------------------------------- model
 class FedGNNModel(nn.Module):
-    r"""FedGNN's model at FedTIP's widths (hidden = ``d`` = the bank's 64):
-
-    .. math::
-        \mathbf{z}_u = \tanh(W_u[\mathbf{h}_u \| \textstyle\mathrm{mean}_{i \in N(u)} E_i]),
-        \quad \mathbf{z}_i = \tanh(W_i[E_i \| \mathbf{n}_i]), \quad s(u, i) = \mathbf{z}_u^\top
-        \mathbf{z}_i
-
-    :math:`\mathbf{h}_u` the user's frozen bank state at the event, :math:`N(u)` its
-    :math:`H_{pre}` items, :math:`E` the item embedding table (initialised from the bank's
-    item states, ``init="bank"``, or N(0, 0.1^2), ``init="random"``), :math:`\mathbf{n}_i`
-    the mean bank state of the item's :math:`H_{pre}` users (FedGNN's graph expansion,
-    fixed). Node classification: a logistic head on :math:`\mathbf{z}_u`.
-    """
+    """FedGNN's model: ``z_u = tanh(W_u [h_u | mean of N(u)'s item rows])``, ``z_i =
+    tanh(W_i [E_i | n_i])`` (``n_i``: the graph expansion), ``s = z_u . z_i``; a logistic head
+    on ``z_u`` for node classification; ``E`` from the bank or N(0, 0.1^2) (``init``)."""
 
     def __init__(self, graph: HistoryGraph, init: str = "bank") -> None:
         super().__init__()
@@ -285,31 +225,29 @@ class FedGNNModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def users(self, h_u: Tensor, agg: Tensor) -> Tensor:
-        r""":math:`\mathbf{z}_u` from the event-time states and the rows of
-        :math:`\hat{A}E` (``agg``)."""
+        """``z_u`` of the event-time states and their item means ``agg``."""
         return torch.tanh(self.gnn_u(torch.cat([h_u, agg], -1)))
 
     def item_side(self, rows: Tensor) -> Tensor:
-        r""":math:`\mathbf{z}_i` of item ``rows``."""
+        """``z_i`` of item ``rows``."""
         return torch.tanh(self.gnn_i(torch.cat([self.items[rows], self.expansion[rows]], -1)))
 
     def aggregate(self, user_rows: Tensor) -> Tensor:
-        r"""Rows ``user_rows`` of :math:`\hat{A}E` (the neighbour mean of each user's items)."""
+        """The item-embedding mean of each of ``user_rows``."""
         return torch.sparse.mm(self.user_items.rows(user_rows), self.items)
 
 
 def dot_scores(z_u: Tensor, z_v: Tensor) -> Tensor:
-    r""":math:`s = \mathbf{z}_u^\top \mathbf{z}_v`, row-wise."""
+    """Row-wise dot products."""
     return (z_u * z_v).sum(-1)
 
 
 def mse_link_loss(pos: Tensor, neg: Tensor, ok: Tensor) -> Tensor:
-    r"""FedGNN's rating loss read as link prediction: the mean of :math:`(s^+ - 1)^2` and
-    :math:`(s^-)^2` over the events whose negative exists."""
+    """FedGNN's rating loss as link prediction: mean ``(s+ - 1)^2`` and ``(s-)^2`` where ``ok``."""
     err = torch.cat([(pos - 1) ** 2, neg**2])[torch.cat([ok, ok])]
     return err.mean() if err.numel() else pos.sum() * 0
 
 
 def bce_node_loss(logit: Tensor, y: Tensor) -> Tensor:
-    """The added node classification head's loss: binary cross-entropy on the state label."""
+    """The added node classification head's binary cross-entropy."""
     return F.binary_cross_entropy_with_logits(logit, y.float())

@@ -1,14 +1,5 @@
-r"""The server of FedGNN and FedLink (docs/fedtip.md): dense parameters and embedding tables
-updated from clients' uploads, a table row only from the clients that sent it.
-
-.. math::
-    \theta \leftarrow \theta + \frac{\sum_k w_k \Delta\theta_k}{\sum_k w_k}, \qquad
-    E_r \leftarrow E_r + \frac{\sum_{k \ni r} w_k \Delta E_{k,r}}{\sum_{k \ni r} w_k}
-
-(FedGNN: :math:`w_k = 1`, the mean of the uploaded gradients; FedLink: :math:`w_k = n_k`,
-FedAvg.) An update carries ``dense`` (the flat delta of the family's ``keys``), and per table
-``<table>.delta`` with ``<table>.idx`` (its rows; without it, the whole table).
-"""
+"""The server of FedGNN (``w_k = 1``) and FedLink (``w_k = n_k``): the weighted mean of the
+``dense`` deltas, and of each table row's deltas over the clients that sent it."""
 
 from __future__ import annotations
 
@@ -23,8 +14,7 @@ from fedlightning.messages import ClientUpdate, ServerBroadcast
 def row_mean_update(
     table: Tensor, rows: Sequence[Tensor], deltas: Sequence[Tensor], weights: Sequence[float]
 ) -> Tensor:
-    r"""``table`` plus each row's weighted mean of the deltas sent for it (rows nobody sent:
-    unchanged): :math:`E_r + \sum_{k \ni r} w_k \Delta_{k,r} / \sum_{k \ni r} w_k`."""
+    """``table`` plus each row's weighted mean of the deltas sent for it."""
     num = torch.zeros_like(table, dtype=torch.float64)
     den = torch.zeros(len(table), dtype=torch.float64)
     for r, d, w in zip(rows, deltas, weights, strict=True):
@@ -39,9 +29,7 @@ def row_mean_update(
 def row_upload_problem(
     u: ClientUpdate, table: str, n_rows: int, also: Sequence[str] = ()
 ) -> str | None:
-    """Why ``u``'s rows of ``table`` (``<table>.idx``, ``<table>.delta``, and the index
-    fields ``also``) cannot be applied to a table of ``n_rows`` rows; ``None`` when they can
-    (one delta per index, indices in range, no row twice)."""
+    """Why ``u``'s rows of ``table`` (and index fields ``also``) cannot apply, or ``None``."""
     idx, delta = u.tensors[f"{table}.idx"], u.tensors[f"{table}.delta"]
     if len(idx) != len(delta):
         return f"{table}.delta: {len(delta)} rows for {len(idx)} {table}.idx"
@@ -55,9 +43,8 @@ def row_upload_problem(
 
 
 class RowSparseServer:
-    """One task's server (module docstring). ``state``: the model's initial state dict;
-    ``keys``: the dense parameters a family trains (in ``dense``'s order); ``tables``: the
-    embedding tables; ``weighted``: :math:`w_k` = the update's ``count`` scalar, else 1."""
+    """One task's server; ``keys``: the dense parameters in ``dense``'s order; ``weighted``:
+    ``w_k`` is the update's ``count``."""
 
     def __init__(
         self,
@@ -76,7 +63,6 @@ class RowSparseServer:
         return torch.cat([self.params[k].reshape(-1) for k in self.keys])
 
     def broadcast(self, round: int) -> ServerBroadcast:
-        """The family's dense parameters (``dense``) and every table."""
         tensors = {"dense": self.dense(), **{t: self.params[t] for t in self.tables}}
         return ServerBroadcast(round=round, tensors=tensors)
 
@@ -104,6 +90,5 @@ class RowSparseServer:
 def unflatten_keys(
     flat: Tensor, like: Mapping[str, Tensor], keys: Sequence[str]
 ) -> dict[str, Tensor]:
-    """A flat ``dense`` vector as ``key -> tensor`` shaped like ``like[key]``."""
     parts = flat.split([like[k].numel() for k in keys])
     return {k: p.view_as(like[k]) for k, p in zip(keys, parts, strict=True)}

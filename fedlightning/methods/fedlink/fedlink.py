@@ -1,9 +1,5 @@
-"""FedLink (Yao et al., NeurIPS 2025 NPGML workshop) on FedTIP's protocol (docs/fedtip.md,
-"FedLink"): ID embeddings initialised from the bank, a heterogeneous two-layer GraphSAGE,
-dot product and BCE with the protocol's negatives over chronological buffers of each
-client's support, FedAvg over all parameters (the item table whole, each user's row from
-its owner), a node classification head added.
-"""
+"""FedLink (Yao et al., NeurIPS 2025 workshop) on FedTIP's protocol (docs/fedtip.md,
+"FedLink"): a heterogeneous GraphSAGE over chronological buffers, FedAvg of every parameter."""
 
 from __future__ import annotations
 
@@ -31,9 +27,7 @@ from fedlightning.utils.seeding import derive_seed, manual_seed
 
 @dataclass
 class FedLink(FedGNN):
-    """FedLink (module docstring). ``lr``: Adam's (paper 1e-3); ``buffer_size``: support
-    events per chronological buffer; ``layers``: GraphSAGE layers (2); ``init``: the ID
-    embeddings' start, ``bank`` or ``random`` (the paper's)."""
+    """FedLink; ``buffer_size``: events per buffer; ``layers``: GraphSAGE's."""
 
     name: str = "fedlink"
     mode: str = "fedlink"
@@ -64,7 +58,6 @@ class FedLink(FedGNN):
         return RowSparseServer(state, keys, ["items", "users"], weighted=True)
 
     def local_users(self, client: int) -> Tensor:
-        """The user rows a client owns."""
         owner = np.asarray(self.protocol_owner)[self.graph.user_ids]
         return torch.from_numpy(np.flatnonzero(owner == client))
 
@@ -74,8 +67,7 @@ class FedLink(FedGNN):
         return out
 
     def client_buffers(self, client: int, batch: Batch) -> tuple[Tensor, list[dict[str, Tensor]]]:
-        """The client's user rows and its support's buffers: each with the local graph of
-        the client's history and the earlier buffers' events."""
+        """The client's user rows and its buffers, each with its local graph so far."""
         g = self.graph
         rows = self.local_users(client)
         ev = event_rows(g, self.stream, batch)
@@ -143,8 +135,6 @@ class FedLink(FedGNN):
     def row_fields(
         self, broadcast: ServerBroadcast
     ) -> tuple[str, tuple[Field, ...], tuple[str, ...]]:
-        """``items.delta`` the whole table, ``users.idx`` distinct user rows with a
-        ``users.delta`` row each."""
         d = broadcast.tensors["users"].shape[1]
         fields = (
             Field("items.delta", dtype="like", like=lambda m: "items"),
@@ -157,7 +147,6 @@ class FedLink(FedGNN):
     def scores(
         self, model: FedLinkModel, batch: Batch, family: str
     ) -> tuple[Tensor, Tensor | None]:
-        """Scores of a segment over the whole history graph (the server's view)."""
         model.eval()
         g = self.graph
         full = {"a_ui": g.adjacency().all(), "a_iu": g.adjacency(items_to_users=True).all()}
@@ -170,8 +159,7 @@ class FedLink(FedGNN):
         return layers * 2 * (2 * d * d + d) + (d + 1 if family == "nc" else 0)
 
     def message_size(self, adapter: Any, family: str, classes: int = 2) -> int:
-        """Float32 values of the largest client's message: the dense update, the item table,
-        a row id and ``d`` values per owned user, the count."""
+        """Float32 values of the largest client's message."""
         d = self.graph.item_state.size(1)
         owner = np.asarray(self.protocol_owner)[self.graph.user_ids]
         most = int(np.bincount(owner[owner >= 0]).max()) if (owner >= 0).any() else 0

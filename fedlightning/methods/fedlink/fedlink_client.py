@@ -1,8 +1,5 @@
-"""FedLink's client (docs/fedtip.md, "FedLink"): Adam over the whole local model (the
-client's user rows, the item table, the GNN and, for node classification, the head); each
-local step samples one chronological buffer of the client's support and predicts its edges
-from the graph of the client's history plus the support events of earlier buffers.
-"""
+"""FedLink's client (docs/fedtip.md, "FedLink"): Adam over the local model, each step on one
+random chronological buffer."""
 
 from __future__ import annotations
 
@@ -18,13 +15,12 @@ FAMILY_HEAD = {"lp": (), "nc": ("head.weight", "head.bias")}
 
 
 def dense_keys(model: FedLinkModel, family: str) -> tuple[str, ...]:
-    """The dense parameters a family trains and sends: the GNN's (and the node head)."""
+    """The dense parameters a family trains and sends."""
     gnn = tuple(n for n, _ in model.named_parameters() if n.startswith(GNN_KEYS))
     return gnn + FAMILY_HEAD[family]
 
 
 def fedlink_forward(model: FedLinkModel, buf: dict[str, Tensor], family: str) -> tuple[Tensor, ...]:
-    """One buffer's scores: ``lp`` positive and negative logits, ``nc`` node logits."""
     z_u, z_i = model.embed(buf["a_ui"], buf["a_iu"], buf.get("rows"))
     zu = z_u[buf["u"]]
     if family == "nc":
@@ -33,7 +29,7 @@ def fedlink_forward(model: FedLinkModel, buf: dict[str, Tensor], family: str) ->
 
 
 class FedLinkClient(TableClient):
-    """One client's fit (module docstring); the batch is ``{"buffers": [...]}``."""
+    """One client's fit on ``{"buffers": [...]}``."""
 
     link_loss = staticmethod(bce_link_loss)
 
@@ -41,7 +37,6 @@ class FedLinkClient(TableClient):
         super().__init__(model, family, lr)
 
     def step_scores(self, batch: dict) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
-        """The scores of one buffer of the support, drawn at random."""
         buffers = batch["buffers"]
         buf = buffers[int(torch.randint(len(buffers), (1,)))]
         return fedlink_forward(self.model, buf, self.family), buf

@@ -1,9 +1,5 @@
-r"""FedLink (Yao et al., *Federated Link Prediction on Dynamic Graphs*, NeurIPS 2025 NPGML
-workshop) at FedTIP's widths (docs/fedtip.md, "FedLink"): user and item ID embeddings
-(initialised from the bank's states), a heterogeneous two-layer GraphSAGE over the
-user-item graph, a dot-product score with BCE against negatives, trained over chronological
-buffers of the training edges.
-"""
+"""FedLink's model (docs/fedtip.md, "FedLink"): ID embeddings, a heterogeneous GraphSAGE, a
+dot-product score with BCE, chronological buffers."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ from fedlightning.methods.fedgnn.fedgnn_model import HistoryGraph, RowMean
 
 
 class SAGE(nn.Module):
-    r"""One GraphSAGE relation (mean aggregator, PyG's ``SAGEConv``):
-    :math:`W_{nb}\,\mathrm{mean}_{w \in N(v)} \mathbf{x}_w + b + W_{self}\mathbf{x}_v`."""
+    """One GraphSAGE relation as PyG's ``SAGEConv``: ``W_nb mean(N(v)) + b + W_self x_v``."""
 
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -29,8 +24,7 @@ class SAGE(nn.Module):
 
 
 class HeteroSAGE(nn.Module):
-    """``layers`` heterogeneous GraphSAGE layers (PyG's ``to_hetero``: one :class:`SAGE` per
-    relation, item -> user and user -> item), ReLU between layers."""
+    """``layers`` heterogeneous layers as PyG's ``to_hetero``, ReLU between."""
 
     def __init__(self, d: int, layers: int = 2) -> None:
         super().__init__()
@@ -40,7 +34,6 @@ class HeteroSAGE(nn.Module):
     def forward(
         self, a_ui: Tensor, a_iu: Tensor, x_u: Tensor, x_i: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """``a_ui`` ``[users, items]`` and ``a_iu`` ``[items, users]`` row-mean adjacencies."""
         for n, (fu, fi) in enumerate(zip(self.to_user, self.to_item, strict=True)):
             x_u, x_i = fu(a_ui, x_i, x_u), fi(a_iu, x_u, x_i)
             if n < len(self.to_user) - 1:
@@ -49,9 +42,7 @@ class HeteroSAGE(nn.Module):
 
 
 class FedLinkModel(nn.Module):
-    """The ID embedding tables (``users`` ``[U, d]``, ``items`` ``[I, d]``; ``init="bank"``:
-    the bank's end-of-history states, ``"random"``: N(0, 0.1^2)), the GNN and the node
-    classification head (ours) on the user's output."""
+    """The ID tables (from the ``bank`` or ``random``), the GNN, a node classification head."""
 
     def __init__(self, graph: HistoryGraph, init: str = "bank", layers: int = 2) -> None:
         super().__init__()
@@ -75,15 +66,13 @@ class FedLinkModel(nn.Module):
     def embed(
         self, a_ui: Tensor, a_iu: Tensor, user_rows: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Outputs of every user (or of ``user_rows``, the rows ``a_ui``/``a_iu`` index) and
-        every item."""
+        """Outputs of every user (or ``user_rows``) and every item."""
         x_u = self.users if user_rows is None else self.users[user_rows]
         return self.gnn(a_ui, a_iu, x_u, self.items)
 
 
 def chronological_buffers(n: int, size: int) -> list[np.ndarray]:
-    """Positions ``0..n-1`` of time-ordered training edges cut into consecutive buffers of
-    ``size`` (the last one shorter)."""
+    """Positions ``0..n-1`` cut into consecutive buffers of ``size``."""
     return [np.arange(s, min(s + size, n)) for s in range(0, n, size)]
 
 
@@ -95,15 +84,13 @@ def local_adjacency(
     users: int,
     items: int,
 ) -> tuple[Tensor, Tensor]:
-    """The two row-mean adjacencies (``[users, items]``, ``[items, users]``) of the edges
-    ``hist`` plus ``extra`` (local user and item rows)."""
+    """The two row-mean adjacencies of the edges ``hist`` plus ``extra``."""
     u, i = np.concatenate([hist_u, extra_u]), np.concatenate([hist_i, extra_i])
     return RowMean(u, i, (users, items)).all(), RowMean(i, u, (items, users)).all()
 
 
 def bce_link_loss(pos: Tensor, neg: Tensor, ok: Tensor) -> Tensor:
-    """FedLink's binary cross-entropy of the dot-product logits: positives 1, negatives 0
-    (the events whose negative exists)."""
+    """FedLink's BCE: positives 1, negatives 0 where ``ok``."""
     logits = torch.cat([pos[ok], neg[ok]])
     target = torch.cat([torch.ones(int(ok.sum())), torch.zeros(int(ok.sum()))])
     return F.binary_cross_entropy_with_logits(logits, target) if len(logits) else pos.sum() * 0

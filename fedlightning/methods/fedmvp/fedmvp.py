@@ -1,10 +1,5 @@
-"""FedMVP (Singha et al., ICCV 2025) at embedding level in FedOGL's class-incremental
-setting, as a composition (docs/fedogl.md, "FedMVP"): the prompted cosine classifier of
-:class:`~fedlightning.methods.fedmvp.fedmvp_model.FedMVPNet`, the consistency term of
-:class:`~fedlightning.methods.fedmvp.fedmvp_client.FedMVPClassifier`, the server-averaged class text
-prototypes (:class:`~fedlightning.methods.class_bank.class_bank_server.ClassBank`), FedAvg of the whole net
-(prompt module included), the shared replay budget and MSP rejection (Eq. (6)).
-"""
+"""FedMVP (Singha et al., ICCV 2025) in the class-incremental setting (docs/fedogl.md,
+"FedMVP"): the prompted cosine classifier, its consistency term, the class text bank."""
 
 from __future__ import annotations
 
@@ -24,13 +19,7 @@ TEXT_PREFIX, TEXT_COUNT_PREFIX = "text_proto.", "text_count."
 
 
 class FedMVP(ClassBankFedAvg):
-    """FedMVP + the adaptation rule.
-
-    Args:
-        alpha: weight of the consistency term (FedMVP's 10).
-        replay_budget, score, ...: as :class:`~fedlightning.methods.continual.continual.ContinualFedAvg`
-            (the shared replay budget, MSP).
-    """
+    """FedMVP; ``alpha``: the consistency term's weight."""
 
     bank_buffer, seen_buffer = TEXT_BUFFER, SEEN_BUFFER
     bank_prefix, count_prefix = TEXT_PREFIX, TEXT_COUNT_PREFIX
@@ -48,9 +37,7 @@ class FedMVP(ClassBankFedAvg):
         return FedMVPClassifier(net, optimizer, alpha=self.alpha, **self.retention_kwargs())
 
     def begin_stage(self, client: FederatedClient, t: int, global_state: dict) -> None:
-        """The parent's stage start, and the frozen view: the global model at the client's
-        first round of stage ``t > 0`` (a trained backbone, as FedMVP's frozen CLIP is; at
-        stage 0 there is none, and no consistency term)."""
+        """The frozen view: the global model at the client's first round of a stage ``t > 0``."""
         super().begin_stage(client, t, global_state)
         if t > 0 and self.alpha > 0:
             client.state["frozen_view"] = detach_state(global_state)
@@ -63,8 +50,7 @@ class FedMVP(ClassBankFedAvg):
         return batch
 
     def class_rows(self, net: FedMVPNet, batch: Any) -> dict[int, tuple[torch.Tensor, int]]:
-        """The mean text embedding of each class over the training nodes (current and
-        replayed) that have text, with its support."""
+        """Each class's mean text embedding over the training nodes that have text."""
         text = net.unprompted(batch)["text"]
         mask = (batch.sup_mask | batch.replay_mask) & net.text_available(batch)
         return class_means(text, batch.y, mask)

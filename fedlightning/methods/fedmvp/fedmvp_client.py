@@ -15,20 +15,15 @@ from fedlightning.clients.continual_client import ContinualNodeClassifier
 
 
 def consistency_loss(prompted: Tensor, frozen: Tensor) -> Tensor:
-    r"""FedMVP's consistency term without its weight: :math:`\frac{1}{n}\sum_i (1 -
-    \cos(f^{p}_i, f^{0}_i))` of the prompted features and the frozen view's, ``[n, d]``."""
+    """FedMVP's consistency term: the mean ``1 - cos`` of the prompted and frozen features."""
     if prompted.size(0) == 0:
         return prompted.sum() * 0.0
     return (1.0 - F.cosine_similarity(prompted, frozen, dim=-1)).mean()
 
 
 class FedMVPClassifier(ContinualNodeClassifier):
-    r""":class:`ContinualNodeClassifier`'s objective on the prompted logits plus
-    :math:`\alpha\,(1 - \cos(z_i, f^{0}_i))` on the training nodes (current and replayed),
-    ``f^0`` the unprompted feature of the frozen view (:meth:`set_frozen`: the task-start
-    global model, in eval mode on the clean input, while the trained net sees the
-    input-dropout view; FedMVP's frozen CLIP on the flipped image). ``alpha``: FedMVP's 10;
-    the rest as the parent's."""
+    """The parent's objective plus ``alpha`` times the consistency of ``z`` with the frozen
+    view's unprompted ``f`` (eval mode, clean input) on the training nodes."""
 
     stackable = False  # the loss reads the frozen view's features
 
@@ -39,7 +34,6 @@ class FedMVPClassifier(ContinualNodeClassifier):
         self._view: tuple[Data, Tensor] | None = None  # (batch, frozen f) of the current fit
 
     def set_frozen(self, state: dict[str, Tensor] | None) -> None:
-        """The frozen view's weights for this fit (``None``: no consistency term)."""
         self._view = None
         if state is None or self.alpha <= 0:
             self._frozen = []
@@ -65,8 +59,7 @@ class FedMVPClassifier(ContinualNodeClassifier):
 
     @torch.no_grad()
     def frozen_view(self, batch: Data) -> Tensor:
-        """The frozen view's unprompted ``f`` on ``batch``, computed once per fit (the
-        frozen net and the batch do not change between its steps)."""
+        """The frozen view's unprompted ``f``, once per fit."""
         if self._view is None or self._view[0] is not batch:
             self._view = (batch, self._frozen[0].unprompted(batch)["f"])
         return self._view[1]

@@ -1,12 +1,5 @@
-"""FedMVP's prompted classifier at embedding level (docs/fedogl.md, "FedMVP").
-
-FedMVP (Singha et al., ICCV 2025) prompts a frozen CLIP image encoder with a PromptFormer
-whose queries are image patch tokens and whose keys/values are class attribute text
-features, and classifies by the cosine to the class text features. Here the query is the
-node's fused representation ``f`` (Eq. (10)'s ``z``) cut into ``T`` pseudo-tokens, the
-keys/values are the server-averaged class text prototypes (a buffer the server writes),
-``f_prompted = f + MLP(pool(attention))`` and the head is a cosine classifier.
-"""
+"""FedMVP's prompted classifier at embedding level (docs/fedogl.md, "FedMVP"): ``f`` cut into
+pseudo-tokens attends over the server's class text prototypes; a cosine head."""
 
 from __future__ import annotations
 
@@ -21,21 +14,18 @@ TEXT_BUFFER, SEEN_BUFFER = "class_text", "class_seen"
 
 
 def geglu(x: Tensor) -> Tensor:
-    r"""GEGLU (Shazeer, 2020), FedMVP's feed-forward gate: :math:`a \odot \mathrm{GELU}(b)`
-    of the two halves ``[a, b]`` of the last axis."""
+    """GEGLU: ``a * GELU(b)`` of the last axis' halves."""
     a, b = x.chunk(2, dim=-1)
     return a * F.gelu(b)
 
 
 def cosine_logits(f: Tensor, weight: Tensor, scale: float) -> Tensor:
-    r"""FedMVP's classifier: :math:`\ell_{ic} = s \cos(f_i, w_c)`, ``[N, C]``."""
+    """FedMVP's classifier ``s cos(f, w)`` [N, C]."""
     return scale * F.normalize(f, dim=-1) @ F.normalize(weight, dim=-1).t()
 
 
 def shared_key_attention(q: Tensor, k: Tensor, v: Tensor, heads: int) -> Tensor:
-    r"""Multi-head attention of every node's queries over one shared key/value set:
-    :math:`\mathrm{softmax}(q_h k_h^\top / \sqrt{d_h})\, v_h` per head ``h``, for ``q``
-    ``[N, T, d]`` and ``k``, ``v`` ``[C, d]``; ``[N, T, d]`` (heads concatenated)."""
+    """Multi-head attention of ``q`` [N, T, d] over one shared ``k``, ``v`` [C, d]."""
     n, t, d = q.shape
     dh = d // heads
     qh = q.reshape(n, t, heads, dh)
@@ -58,9 +48,8 @@ class CosineHead(nn.Module):
 
 
 class PromptFormer(nn.Module):
-    """Cross-attention of ``tokens`` pseudo-tokens of ``f`` (queries) over the class text
-    prototypes (keys and values), a GEGLU feed-forward, mean-pooled and mapped back to a
-    prompt of ``f``'s width; classes whose prototype the server has not seen are masked."""
+    """Pseudo-tokens of ``f`` attending over the seen class prototypes, a GEGLU feed-forward,
+    mean-pooled to a prompt of ``f``'s width."""
 
     def __init__(self, dim: int, tokens: int = 4, heads: int = 4, ff_mult: int = 2) -> None:
         super().__init__()
@@ -80,8 +69,7 @@ class PromptFormer(nn.Module):
         self.out = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
 
     def forward(self, f: Tensor, prototypes: Tensor, seen: Tensor) -> Tensor:
-        """The prompt ``[N, dim]`` of ``f`` ``[N, dim]`` over ``prototypes[seen]``; zeros
-        while no class has a prototype."""
+        """The prompt of ``f`` (zeros while no class is seen)."""
         if not bool(seen.any()):
             return torch.zeros_like(f)
         n = f.size(0)
@@ -97,15 +85,9 @@ class PromptFormer(nn.Module):
 
 
 class FedMVPNet(MultimodalGNN):
-    r"""Eq. (10)'s backbone whose ``z`` is prompted: :math:`z_i = f_i +
-    \mathrm{PromptFormer}(f_i; \{p_c\})`, logits :math:`s\cos(z_i, w_c)`.
-
-    The class text prototypes ``p_c`` (buffer ``class_text`` ``[C, hidden]``, with
-    ``class_seen`` ``[C]``) are the server's count-weighted means of the clients' means of
-    the ``text_modality`` encoder output (the first modality when the graph has no such
-    modality: Cora's bag of words is its text). ``tokens`` and ``heads`` are FedMVP's 4 and
-    4; ``scale`` the cosine classifier's ``s``; the rest as :class:`MultimodalGNN`.
-    """
+    """Eq. (10)'s backbone with ``z = f + PromptFormer(f; class_text)`` and a cosine head; the
+    buffer ``class_text`` holds the server's means of the ``text_modality`` encoder output
+    (the first modality when there is none)."""
 
     def __init__(
         self,
@@ -128,8 +110,7 @@ class FedMVPNet(MultimodalGNN):
         self.register_buffer(SEEN_BUFFER, torch.zeros(num_classes))
 
     def unprompted(self, data: Data) -> dict[str, Tensor]:
-        """``s``, ``g``, the unprompted ``f`` (Eq. (10)'s ``z``) and each node's text
-        embedding ``text`` (zeros where the node has no text), ``[N, hidden]``."""
+        """``s``, ``g``, the unprompted ``f`` and the text embedding ``text`` (zeros if absent)."""
         feats = {m: data[f"x_{m}"] for m in self.modalities}
         hs = self.encoders(feats)
         mask = data.modality_mask
@@ -140,11 +121,9 @@ class FedMVPNet(MultimodalGNN):
         return {"s": s, "g": g, "f": f, "text": hs[j] * mask[:, j : j + 1].to(s.dtype)}
 
     def representations(self, data: Data) -> dict[str, Tensor]:
-        """:meth:`unprompted`'s and the prompted ``z``, ``[N, hidden]``."""
         reps = self.unprompted(data)
         reps["z"] = reps["f"] + self.prompt(reps["f"], self.class_text, self.class_seen > 0)
         return reps
 
     def text_available(self, data: Data) -> Tensor:
-        """Which nodes have the text modality, ``[N]`` bool."""
         return data.modality_mask[:, self.modalities.index(self.text_modality)]

@@ -1,18 +1,6 @@
-r"""The retrieval reading of FedOGL's server refinement, Eqs. (13)-(14) (docs/fedogl.md).
-
-Per modality (own bank, Eq. (12), and graph, Eq. (13)), the class descriptors are the mean
-propagated prototypes :math:`\mathbf{a}_c, \mathbf{b}_c`; with :math:`S_{cc'} =
-\hat{H}_q(\mathbf{a}_c)^\top \hat{H}_v(\mathbf{b}_{c'})` (L2-normalised heads), only the
-heads are refined on
-
-.. math::
-    \mathcal{L}_{align} = \gamma_t \Big[\lambda_{lab}\, \mathcal{L}_{nce}(S / T)
-    + \lambda_{tr}\, \tfrac{1}{2}\big(\mathrm{KL}(\bar{\mathbf{q}}_{cli} \,\|\,
-    \sigma(S/T)) + \mathrm{KL}(\bar{\mathbf{q}}^{\top}_{cli} \,\|\, \sigma(S^\top/T))\big)
-    \Big]
-
-No Lightning here.
-"""
+"""Retrieval's reading of FedOGL's Eqs. (13)-(14) (docs/fedogl.md): the heads refined on
+``gamma [lambda_lab InfoNCE(S/T) + lambda_tr (KL rows + KL cols) / 2]`` over the class
+descriptors' similarity ``S``."""
 
 from __future__ import annotations
 
@@ -53,17 +41,8 @@ def similarity_consensus(
     B: Tensor,
     temperature: float,
 ) -> tuple[Tensor, Tensor]:
-    r"""Soft targets of the alignment, the counterpart of
-    :func:`~fedlightning.methods.fedogl.prototypes.client_consensus`:
-
-    .. math::
-        \bar{\mathbf{q}}_{cli} = \sum_r \frac{w_r}{\sum_s w_s}
-        \sigma\big(\hat{H}^r_q(\mathbf{A}) \hat{H}^r_v(\mathbf{B})^\top / T\big)
-
-    ``heads`` are the recent clients' ``(query, item)`` head state dicts; ``A``, ``B``
-    :math:`(n, d)` pair by row. Returns the row and the column (transposed) targets,
-    :math:`(n, n)` each, rows summing to 1.
-    """
+    """The alignment's ``q_cli`` (rows, columns) [n, n]: the weighted mean of the recent
+    ``(query, item)`` heads' softmax of ``A B^T / T``."""
     w = normalized_weights(heads, weights, "head pair")
     a, b = A.detach().double(), B.detach().double()
     rows = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64)
@@ -83,8 +62,7 @@ def alignment_loss(
     lambda_lab: float = 1.0,
     lambda_tr: float = 1.0,
 ) -> Tensor:
-    r"""The bracket of :math:`\mathcal{L}_{align}` on L2-normalised class embeddings ``eq``,
-    ``ev`` :math:`(n, d)` (row pairs); ``targets`` of :obj:`None` drops the KL term."""
+    """The bracket of the alignment loss; ``targets=None`` drops the KL term."""
     loss = lambda_lab * symmetric_info_nce(eq, ev, temperature)
     if targets is not None:
         s = eq @ ev.T / temperature
@@ -108,8 +86,7 @@ def refine_heads(
     steps: int = 5,
     lr: float = 0.05,
 ) -> dict[str, float]:
-    r""":func:`~fedlightning.methods.fedogl.prototypes.sgd_refine` on both projection heads, in
-    place, against :math:`\gamma_t \cdot` :func:`alignment_loss`."""
+    """:func:`sgd_refine` of both heads on :func:`alignment_loss`."""
     params = [*head_q.parameters(), *head_v.parameters()]
     A, B = A.detach().to(params[0]), B.detach().to(params[0])
 

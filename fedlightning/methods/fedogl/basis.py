@@ -1,12 +1,6 @@
-r"""Structure-basis memory shielding of FedOGL, Eqs. (7)-(9), as pure ``torch`` functions.
-
-A weight :math:`W` (``(out, in)``) maps its input :math:`X` to :math:`X W^\top`; a change with
-:math:`\Delta W U = 0` for an orthonormal basis :math:`U` of the old stages' rows of
-:math:`X` leaves their linear output unchanged. Clients extract residual bases (Eq. (7)),
-the server merges them (Eq. (8)), later stages project gradients (Eq. (9), training side:
-:class:`fedlightning.methods.fedogl.projection.GradientProjection`). Eigen-decompositions run in float64;
-results are cast back to the input's dtype.
-"""
+"""FedOGL's structure-basis shielding, Eqs. (7)-(9): a weight change with ``dW U = 0`` leaves
+the old stages' outputs unchanged. Eigen-decompositions in float64, results in the input's
+dtype."""
 
 from __future__ import annotations
 
@@ -36,14 +30,8 @@ def _check_basis(u: Tensor, d: int, what: str) -> None:
 
 
 def class_balanced_weights(y: Tensor) -> Tensor:
-    r"""Class-balanced sample weights :math:`\mathbf{W}_{k,t}` of Eq. (7) for labels ``[n]``.
-
-    .. math::
-        w_i = \frac{n}{\sum_j 1/n_{y_j}} \cdot \frac{1}{n_{y_i}}
-
-    (:math:`n_c` nodes of class :math:`c`): every present class gets the same total weight,
-    and the weights sum to :math:`n`.
-    """
+    """Eq. (7)'s class-balanced weights ``W_{k,t}`` of labels [n]: each present class the same
+    total, summing to n."""
     if y.dim() != 1:
         raise ValueError(f"y must have shape [n], got {tuple(y.shape)}")
     if y.numel() == 0:
@@ -60,33 +48,10 @@ def residual_basis(
     weights: Tensor | None = None,
     include_mean: bool = True,
 ) -> Tensor:
-    r"""A client's residual structural basis :math:`\mathbf{U}_{k,t}`, Eq. (7).
-
-    .. math::
-        \boldsymbol{\mu} = \frac{\sum_i w_i \mathbf{z}_i}{\sum_i w_i},\quad
-        \mathbf{H} = \mathbf{Z} - \mathbf{1}\boldsymbol{\mu}^\top,\quad
-        \widetilde{\mathbf{H}} = \mathbf{H}(\mathbf{I} - \mathbf{U}_{t-1}\mathbf{U}_{t-1}^\top),
-
-    .. math::
-        \mathbf{C} = \widetilde{\mathbf{H}}^\top \mathbf{W} \widetilde{\mathbf{H}},\quad
-        \mathbf{U}_{k,t} = \mathrm{TopEig}(\mathbf{C})
-
-    with :math:`\mathbf{W} = \mathrm{diag}(w)` (ones without ``weights``). ``z`` ``[n, d]``
-    is the protected weight's exact input (``models.structure.protected_input``), ``prev``
-    is :math:`\mathbf{U}_{t-1}` ``[d, r0]`` or ``None``. Eigenvalues at or below ``1e-8``
-    times the reference (the top eigenvalue of the non-residual
-    :math:`\mathbf{H}^\top\mathbf{W}\mathbf{H}`, or :math:`\sum_i w_i \lVert\boldsymbol{\mu}
-    \rVert^2` if larger and ``include_mean``) are dropped, so data spanned by ``prev``
-    gives no vectors.
-
-    ``include_mean`` appends the unit mean direction (removed by the centring, though the
-    inputs themselves must keep their outputs), residualised against ``prev`` and the
-    eigenvectors, in the last of the ``rank`` columns, unless its residual is negligible by
-    the same tolerance (then the ``rank``-th eigenvector takes the slot).
-
-    Returns:
-        ``[d, r]``, ``r <= rank``, orthonormal, orthogonal to ``prev``, :func:`fix_signs`.
-    """
+    """A client's residual basis ``U_{k,t}`` [d, <= rank] of Eq. (7): TopEig of the weighted
+    covariance of the centred inputs ``z`` [n, d] with ``prev`` projected out (eigenvalues
+    under ``EIG_RTOL`` of the non-residual top dropped); ``include_mean`` puts the unit mean
+    direction, residualised, in the last column unless negligible."""
     if z.dim() != 2:
         raise ValueError(f"z must have shape [n, d], got {tuple(z.shape)}")
     if rank < 0:
@@ -146,21 +111,8 @@ def aggregate_bases(
     rho: float,
     rank: int,
 ) -> Tensor:
-    r"""The server's global structural basis :math:`\mathbf{U}_t`, Eq. (8).
-
-    .. math::
-        \mathbf{S}_t = \rho\,\mathbf{U}_{t-1}\mathbf{U}_{t-1}^\top
-        + \sum_{k} \alpha_k \mathbf{U}_{k,t}\mathbf{U}_{k,t}^\top,\quad
-        \alpha_k = \frac{n_{k,t}}{\sum_j n_{j,t}},\quad
-        \mathbf{U}_t = \mathrm{TopEig}_r(\mathbf{S}_t)
-
-    Summing projectors makes the result independent of each client's choice of basis
-    for its subspace. ``prev`` ``[d, r0]`` may be ``None``; each ``U_{k,t}`` is ``[d, r_k]``
-    (``r_k`` may be 0). Eigenvalues at or below ``1e-8`` times the largest are dropped.
-
-    Returns:
-        ``[d, r']``, ``r' <= rank``, orthonormal, :func:`fix_signs`, in the inputs' dtype.
-    """
+    """The global basis ``U_t`` [d, <= rank] of Eq. (8): TopEig of ``rho U_{t-1} U_{t-1}^T``
+    plus the weight-normalised client projectors."""
     if len(client_bases) != len(client_weights):
         raise ValueError(
             f"{len(client_bases)} client bases but {len(client_weights)} client weights"
@@ -192,15 +144,7 @@ def aggregate_bases(
 
 
 def project_out(grad: Tensor, basis: Tensor) -> Tensor:
-    r"""Residual gradient projection, Eq. (9), in PyTorch's ``(out, in)`` weight layout.
-
-    .. math::
-        \mathcal{P}_\perp(\mathbf{G}) = \mathbf{G}(\mathbf{I} - \mathbf{U}\mathbf{U}^\top)
-        = \mathbf{G} - (\mathbf{G}\mathbf{U})\mathbf{U}^\top
-
-    ``grad`` ``[out, in]``, ``basis`` ``[in, r]`` orthonormal (``r`` may be 0); returns a
-    new ``[out, in]`` tensor.
-    """
+    """Eq. (9): ``G - (G U) U^T`` for ``grad`` [out, in] and orthonormal ``basis`` [in, r]."""
     if grad.dim() != 2 or basis.dim() != 2 or basis.size(0) != grad.size(1):
         raise ValueError(
             f"project_out needs grad [out, in] and basis [in, r], got {tuple(grad.shape)} "

@@ -7,7 +7,6 @@ switch (paper Table 2).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -38,18 +37,9 @@ from fedlightning.utils.seeding import torch_generator
 
 
 class FedOGL(ContinualFedAvg):
-    """FedOGL with switchable modules.
-
-    Args:
-        replay, distill, projection, prototypes: the four modules (ablations of Table 2).
-        replay_budget, replay_stages, lambda_rep, lambda_dis, tau, distill_on, prox_mu,
-            score: as :class:`ContinualFedAvg` (Eq. (5), Eq. (6)).
-        basis, proto: overrides of :attr:`BASIS_DEFAULTS` (``rank_local`` is ``r_l``,
-            ``rank`` is ``r``) and :attr:`PROTO_DEFAULTS` (``slots`` is ``S``).
-        dp: the prototype release, FedTIP's Eq. (7) on Eq. (11)'s class means:
-            ``{clip, sigma, delta}``
-            (:class:`~fedlightning.server.privacy.PrototypeRelease`; ``clip=None``: off).
-    """
+    """FedOGL; ``replay, distill, projection, prototypes`` switch its modules (Table 2);
+    ``basis``, ``proto`` override :attr:`BASIS_DEFAULTS`, :attr:`PROTO_DEFAULTS`; ``dp`` the
+    prototype release (FedTIP's Eq. 7 on Eq. 11's means); the rest as ContinualFedAvg."""
 
     stage_end_exchange = True
     BASIS_DEFAULTS = {
@@ -108,9 +98,7 @@ class FedOGL(ContinualFedAvg):
             )
 
     def privacy_budget(self, rounds: int) -> dict[str, Any]:
-        """The run's budget over all its prototype releases: one per round (every client
-        releases each class it observes once a round; a record belongs to one client, one
-        class), composed over ``rounds``."""
+        """The budget of one prototype release per round, composed over ``rounds``."""
         return self.release.budget(rounds if self.use_prototypes and self.release.on else 0)
 
     def server(self, global_state: dict) -> Server:
@@ -143,10 +131,9 @@ class FedOGL(ContinualFedAvg):
         return "model.head.weight"
 
     def uplink(self, broadcast: ServerBroadcast) -> MessageSpec:
-        """FedAvg's fields and, with prototypes, ``proto.[<bank>.]<c>.<q>`` (a known class of
-        the round's stage, ``q`` below ``modes``, as wide as the head's input) each with its
-        ``proto_count.`` (a whole number >= 1); a client's counts sum to at most its
-        ``num_examples`` (Eq. (11): prototypes of the stage's training nodes)."""
+        """FedAvg's fields and, with prototypes, ``proto.[<bank>.]<c>.<q>`` (a known class,
+        ``q < modes``) each with its whole ``proto_count.`` >= 1, summing to at most
+        ``num_examples`` (Eq. 11)."""
         spec = super().uplink(broadcast)
         if not self.use_prototypes:
             return spec
@@ -175,9 +162,8 @@ class FedOGL(ContinualFedAvg):
         )
 
     def stage_end_uplink(self, broadcast: ServerBroadcast) -> MessageSpec | None:
-        """Eq. (7)'s message: ``basis.<weight>`` (a matrix; as many rows as the broadcast's
-        basis of that weight, if any) and ``basis_nodes`` (a whole number >= 0); a client
-        may send nothing."""
+        """Eq. (7)'s optional message: ``basis.<weight>`` (rows as the broadcast's) and
+        ``basis_nodes``."""
         if not self.projection:
             return None
 
@@ -195,43 +181,18 @@ class FedOGL(ContinualFedAvg):
     def callbacks(self) -> list:
         return [self.projector] if self.projection and self.projector.bases else []
 
-    def shield(self, module: Any, broadcast: ServerBroadcast) -> None:
-        """The round's bases (Eq. (9)) and frozen biases into the gradient projection."""
+    def prepare(self, module: Any, client: FederatedClient, broadcast: ServerBroadcast) -> Any:
+        """Before a client's fit: the round's bases (Eq. 9) and frozen biases into the
+        gradient projection, then the stage's preparation."""
         bases = {"net." + k: v for k, v in strip_prefix(broadcast.tensors, BASIS_PREFIX).items()}
         self.projector.set_bases(bases)
         self.projector.frozen_biases = (
             ["net." + n for n in protected_biases(module.net)] if bases else []
         )
-
-    def local_fit(
-        self,
-        module: Any,
-        client: FederatedClient,
-        broadcast: ServerBroadcast,
-        executor: Any,
-        epochs: int,
-    ) -> ClientUpdate:
-        self.shield(module, broadcast)
-        return super().local_fit(module, client, broadcast, executor, epochs)
-
-    def local_fit_share(
-        self,
-        module: Any,
-        clients: Sequence[FederatedClient],
-        broadcast: ServerBroadcast,
-        executor: Any,
-        epochs: int,
-        seeds: Sequence[int],
-    ) -> list[ClientUpdate]:
-        """:meth:`local_fit` of ``clients`` as one stacked fit: the projection acts on every
-        client's slice of the stacked weights."""
-        self.shield(module, broadcast)
-        return super().local_fit_share(module, clients, broadcast, executor, epochs, seeds)
+        return super().prepare(module, client, broadcast)
 
     def from_stack(self, fitted: StackedFit) -> list[dict[str, Any]]:
-        """Every client's descriptors of Eq. (11) (:meth:`descriptors`) as ``banks``, from one
-        pass of the fitted stack over the union of the clients' batches (each client's rows
-        through its own fitted copy; the replay nodes change no descriptor or support mask)."""
+        """Every client's :meth:`descriptors` as ``banks``, from one pass of the fitted stack."""
         if not self.use_prototypes:
             return super().from_stack(fitted)
         return [{"banks": b} for b in fitted.outputs(self.descriptors)]
@@ -244,8 +205,7 @@ class FedOGL(ContinualFedAvg):
         batch: Any,
         banks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> ClientUpdate:
-        """The update of :meth:`ContinualFedAvg.finish`, with the prototypes of Eq. (11)
-        (from ``banks``, the client's :meth:`descriptors`, when they are known already)."""
+        """:meth:`ContinualFedAvg.finish`'s update with Eq. (11)'s prototypes (of ``banks``)."""
         update = super().finish(module, client, broadcast, batch)
         if self.use_prototypes:
             self.add_prototypes(module, client, broadcast.round, update, banks)
@@ -264,10 +224,8 @@ class FedOGL(ContinualFedAvg):
         update: ClientUpdate,
         banks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
-        """Eq. (11): prototypes of each bank's descriptors per observed class of this stage,
-        with their support, as fields ``proto.[<bank>.]<c>.<q>`` (and ``proto_count.``).
-        ``banks``: the :meth:`descriptors` of the client's stage batch (its training graph;
-        the replay nodes change no descriptor or support mask), else computed here."""
+        """Eq. (11): each bank's prototypes per observed class of the stage as
+        ``proto.[<bank>.]<c>.<q>`` and ``proto_count.``; ``banks`` computed if not given."""
         t = self.stage_of(round)
         batch = self.batch_at(client, t, replay=False, rows=banks is None)  # labels alone
         if banks is None:
@@ -302,9 +260,7 @@ class FedOGL(ContinualFedAvg):
         y: Any,
         t: int,
     ) -> None:
-        """Eq. (11) through Eq. (7): each observed class's clipped, noised mean
-        (:func:`~fedlightning.server.privacy.private_prototype`), drawn from
-        ``(seed, "release", round, client, side, class)``."""
+        """Eq. (11) through Eq. (7): each observed class's clipped, noised mean."""
         pre = f"{side}." if side else ""
         for c in self.stream.observed[client.client_id][t]:
             h = x[y == c]
@@ -342,17 +298,12 @@ class FedOGL(ContinualFedAvg):
                 tensors[BASIS_PREFIX + name] = u
         if not tensors:
             return None
-        return ClientUpdate(
-            round=broadcast.round,
-            client_id=client.client_id,
-            tensors=tensors,
-            scalars={"basis_nodes": float(m.sum())},
-        )
+        scalars = {"basis_nodes": float(m.sum())}
+        return ClientUpdate(broadcast.round, tensors, scalars, client_id=client.client_id)
 
 
 def _paired_prototypes(update: ClientUpdate) -> str | None:
-    """Each prototype comes with its count and each count with its prototype; the counts
-    sum to at most ``num_examples``."""
+    """Prototypes and counts come in pairs; the counts sum to at most ``num_examples``."""
     protos = {k[len(PROTO_PREFIX) :] for k in update.tensors if k.startswith(PROTO_PREFIX)}
     counts = {k[len(COUNT_PREFIX) :] for k in update.scalars if k.startswith(COUNT_PREFIX)}
     for name in sorted(protos ^ counts):
@@ -370,15 +321,8 @@ def _paired_prototypes(update: ClientUpdate) -> str | None:
 
 
 class RetrievalFedOGL(ContinualRetrieval, FedOGL):
-    """FedOGL for class-incremental cross-modal retrieval (docs/fedogl.md, "Retrieval"): Eq.
-    (5) with InfoNCE, the last GNN layer of each tower shielded (Eqs. (7)-(9)), prototypes
-    per class and modality (Eq. (11)) aligned on the server
-    (:class:`~fedlightning.methods.fedogl.fedogl_server.AlignmentMemory`), similarity rejection.
-
-    Args:
-        score, temperature: as :class:`~fedlightning.methods.continual.retrieval_baselines.ContinualRetrieval`.
-        **kw: as :class:`FedOGL`.
-    """
+    """FedOGL for class-incremental cross-modal retrieval (docs/fedogl.md, "Retrieval"):
+    prototypes per class and modality aligned on the server (:class:`AlignmentMemory`)."""
 
     def descriptors(self, net: Any, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per modality ``m``: the tower output ``g_m`` and the stage's nodes that have ``m``."""

@@ -30,11 +30,8 @@ BASIS_PREFIX = "basis."
 
 
 class BasisMemory(ServerModule):
-    """The global structural basis ``U_t`` per protected weight, FedOGL Eq. (8).
-
-    At a stage's end merges the clients' ``basis.<param>`` (weighted by ``basis_nodes``)
-    with :func:`aggregate_bases` (``rho``, ``rank``); broadcast as ``basis.<param>``.
-    """
+    """Eq. (8)'s ``U_t`` per protected weight: at a stage's end the clients' ``basis.<param>``
+    merged (weighted by ``basis_nodes``); broadcast as ``basis.<param>``."""
 
     def __init__(self, rank: int = 16, rho: float = 1.0) -> None:
         self.rank, self.rho = rank, rho
@@ -59,15 +56,9 @@ class BasisMemory(ServerModule):
 
 
 class PrototypeMemory(ServerModule):
-    """The bounded per-class prototype bank and the head refinement, FedOGL Eqs. (12)-(14).
-
-    Every round the uploaded prototypes enter the bank (Eq. (12)), then the global head is
-    refined (Eqs. (13)-(14)) against the client heads of the last ``window`` rounds, with
-    ``gamma_t = gamma`` once an old class exists, else ``0``. Arguments: docs/fedogl.md
-    (hyperparameters); ``head_prefix`` is the head's key prefix in the model state, and
-    ``sides`` names one bank per side (``""``: the single bank of node classification).
-    The bank is never broadcast; it reaches clients through the head.
-    """
+    """Eqs. (12)-(14): each round the uploads enter the bank, then the global head is refined
+    against the last ``window`` rounds' client heads once an old class exists (arguments:
+    docs/fedogl.md); one bank per ``sides`` entry (``""``: node classification)."""
 
     def summed_prototypes(self, global_state: dict[str, Tensor]) -> tuple[int, int] | None:
         head = global_state[self.head_prefix + "weight"]
@@ -109,8 +100,7 @@ class PrototypeMemory(ServerModule):
         self.heads.append((heads, [max(u.num_examples, 1e-12) for u in updates]))
 
     def known_prototypes(self, side: str, known: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """A bank's prototypes of known classes: raw, propagated on their graph (Eq. (13)),
-        and their labels."""
+        """A bank's known-class prototypes: raw, propagated (Eq. 13), and their labels."""
         P, labels, _ = self.banks[side].prototypes()
         keep = torch.isin(labels, torch.tensor(known, dtype=labels.dtype))
         P, labels = P[keep], labels[keep]
@@ -153,14 +143,8 @@ class PrototypeMemory(ServerModule):
 
 
 class AlignmentMemory(PrototypeMemory):
-    """The retrieval reading of Eqs. (12)-(14): a bank and a graph per modality
-    (``proto.<modality>.<c>.<q>``), then the projection heads ``heads.<query>`` and
-    ``heads.<item>`` are aligned on the class descriptors (:mod:`~.alignment`).
-
-    Args:
-        sides: ``(query, item)`` modality names. temperature: the InfoNCE ``T``.
-        **kw: as :class:`PrototypeMemory` (``head_prefix`` defaults to ``"heads."``).
-    """
+    """Retrieval's Eqs. (12)-(14): a bank per modality ``sides = (query, item)``; the heads
+    ``heads.<query>``, ``heads.<item>`` aligned on the class descriptors (:mod:`~.alignment`)."""
 
     secure_sum = "retrieval's per-modality prototype banks are not summed securely"
 

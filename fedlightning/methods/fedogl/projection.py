@@ -13,28 +13,10 @@ from fedlightning.methods.fedogl.basis import project_out
 
 
 class GradientProjection(pl.Callback):
-    r"""Keep protected weights from moving inside the span of their structural basis.
-
-    For every protected weight :math:`W` ``[out, in]`` with input-space basis :math:`U`
-    ``[in, r]`` (orthonormal columns), the gradient after the backward pass becomes Eq. (9):
-    :math:`\widetilde{\nabla}_W \mathcal{L} = \nabla_W \mathcal{L}\,(\mathbf{I} - UU^\top)`.
-    That keeps :math:`XW^\top` fixed on :math:`X \subset \mathrm{span}(U)` only for plain
-    SGD (Adam's scaling and weight decay move :math:`W` inside the span), so with
-    ``project_update`` each optimizer step's change is projected too, :math:`W \leftarrow
-    W_0 + (W - W_0)(\mathbf{I} - UU^\top)` (taken between ``on_before_optimizer_step`` and
-    ``on_train_batch_end``; the map is linear, so several steps of a batch project alike).
-    ``frozen_biases`` get a zero gradient and, with ``project_update``, their change is
-    reverted. Never reads ``trainer``: works in a ``lightning.Trainer`` and the LeanExecutor.
-    A stacked weight ``[K, out, in]`` (several clients fitted as one,
-    :mod:`fedlightning.federation.stacking`) is projected copy by copy, each exactly as a
-    one-client weight.
-
-    Args:
-        bases: parameter name as ``pl_module.named_parameters()`` names it (e.g.
-            ``"net.gnn.convs.1.lin.weight"``) -> basis ``[in, r]``.
-        project_update: also project each step's weight change and revert frozen biases.
-        frozen_biases: parameter names to freeze.
-    """
+    """Eq. (9) on each protected weight's gradient (``bases``: parameter name -> [in, r]);
+    with ``project_update`` each step's change is projected too (Adam and weight decay move
+    inside the span) and ``frozen_biases`` are reverted. A stacked [K, out, in] weight is
+    projected copy by copy."""
 
     def __init__(
         self,

@@ -1,8 +1,4 @@
-r"""Prototype-guided memory consolidation of the FedOGL paper, Eqs. (11)-(14), over tensors.
-
-Prototypes are plain vectors (the descriptor of Eq. (10) is the client model's business) in
-the input space of the head that :func:`refine_head` refines. No Lightning here.
-"""
+"""FedOGL's prototype memory, Eqs. (11)-(14), over plain tensors in the head's input space."""
 
 from __future__ import annotations
 
@@ -27,12 +23,10 @@ __all__ = [
 ]
 
 
-# Hand-written rather than scikit-learn's KMeans: a few rows a class, in torch, seeded by one
-# generator and bitwise the same on every runner (k-means++ draws and float64 copies would not be).
+# Hand-written (not scikit-learn's KMeans) to stay bitwise the same on every runner.
 def _kmeans(x: Tensor, k: int, seed: int, iters: int) -> Tensor:
-    """Cluster index of each row of ``x``: one row drawn with ``seed``, farthest-point
-    seeding (ties to the lowest index), then at most ``iters`` Lloyd iterations (a centre
-    that loses all its rows keeps its position)."""
+    """Cluster of each row: a seeded first row, farthest-point seeding, <= ``iters`` Lloyd
+    steps (an emptied centre stays put)."""
     n = x.shape[0]
     g = torch.Generator().manual_seed(int(seed))
     first = int(torch.randint(n, (1,), generator=g))
@@ -64,22 +58,8 @@ def local_prototypes(
     seed: int = 0,
     iters: int = 20,
 ) -> dict[int, list[tuple[Tensor, int]]]:
-    r"""A client's class prototypes and their support sizes, FedOGL Eq. (11).
-
-    .. math::
-        \mathbf{p}_{k,c,q} = \frac{1}{|\mathcal{V}_{k,c,q}|}
-        \sum_{i \in \mathcal{V}_{k,c,q}} \mathbf{z}_i, \qquad
-        n_{k,c,q} = |\mathcal{V}_{k,c,q}|
-
-    ``z`` holds the descriptors :math:`\mathbf{z}_i` of Eq. (10). With ``modes > 1`` a
-    class's nodes are split into :math:`\min(\text{modes}, n_c)` modes by the k-means of
-    :func:`_kmeans` (``seed``, ``iters``); empty modes are dropped, so every support is
-    positive. Classes without any node are left out.
-
-    Shapes:
-        - **input:** ``z`` :math:`(N, d)`, ``y`` :math:`(N,)`
-        - **output:** ``{c: [((d,), n_{c,q}), ...]}``, prototypes in ``z``'s dtype
-    """
+    """A client's prototypes ``{c: [(mean of z, support), ...]}``, Eq. (11): each class of
+    ``z`` [N, d] (Eq. 10) split into ``min(modes, n_c)`` k-means modes; empty ones dropped."""
     if z.dim() != 2 or y.shape != (z.shape[0],):
         raise ValueError(f"expected z [N, d] and y [N], got {tuple(z.shape)}, {tuple(y.shape)}")
     if modes < 1:
@@ -107,29 +87,9 @@ def local_prototypes(
 
 
 class PrototypeBank:
-    r"""Server-side bounded prototype memory, one bank of ``slots`` slots per class, Eq. (12).
-
-    For an incoming prototype :math:`\mathbf{p}` of class :math:`c` with support :math:`n_p`,
-
-    .. math::
-        j^* = \arg\max_{j \le S} \cos(\mathbf{p}, \bar{\mathbf{p}}_{c,j}),
-
-    and if :math:`\cos(\mathbf{p}, \bar{\mathbf{p}}_{c,j^*}) > \eta` the support-weighted
-    consolidation
-
-    .. math::
-        (\bar{\mathbf{p}}_{c,j^*}, n_{c,j^*}) \leftarrow
-        \Big(\frac{n_{c,j^*}\bar{\mathbf{p}}_{c,j^*} + n_p \mathbf{p}}{n_{c,j^*} + n_p},\;
-        n_{c,j^*} + n_p\Big);
-
-    otherwise :math:`\mathbf{p}` occupies an empty slot, or, when all :math:`S` slots are
-    taken, replaces the slot with the smallest support (ties to the lowest index). The
-    arg max runs over occupied slots; the merge averages raw vectors in float64 (choices
-    where the paper leaves room: docs/fedogl.md).
-
-    Args:
-        slots: :math:`S`, slots per class. eta: :math:`\eta`, the merge threshold.
-    """
+    """The server's prototype memory of Eq. (12): ``slots`` per class; a prototype merges
+    (support-weighted) into its most cosine-similar slot above ``eta``, else fills an empty
+    slot or replaces the smallest-support one (docs/fedogl.md)."""
 
     def __init__(self, slots: int = 4, eta: float = 0.8) -> None:
         if slots < 1:
@@ -143,8 +103,7 @@ class PrototypeBank:
         return sum(len(v) for v in self._bank.values())
 
     def update(self, c: int, p: Tensor, n: int) -> str:
-        """Consolidate prototype ``p`` of class ``c`` with support ``n``: ``"merged"``,
-        ``"filled"`` or ``"replaced"``."""
+        """Consolidate ``p`` of class ``c``: ``merged``, ``filled`` or ``replaced``."""
         p = p.detach()
         if p.dim() != 1:
             raise ValueError(f"a prototype is a vector [d], got shape {tuple(p.shape)}")
@@ -172,9 +131,7 @@ class PrototypeBank:
         return "replaced"
 
     def prototypes(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(P, labels, counts)`` :math:`(m, d)`, :math:`(m,)`, :math:`(m,)` of all occupied
-        slots, by class then slot index; an empty bank gives :math:`m = 0` (``d = 0`` if
-        it never saw a prototype)."""
+        """``(P [m, d], labels [m], counts [m])`` of the occupied slots, by class then slot."""
         rows = [(c, q, n) for c in sorted(self._bank) for q, n in self._bank[c]]
         if not rows:
             return (
@@ -203,27 +160,15 @@ class PrototypeBank:
         self.eta = float(state["eta"])
         P, labels, counts = state["prototypes"], state["labels"], state["counts"]
         self._bank = {}
-        # Slots are saved in slot order and empty slots are only ever at the end of a
-        # class's list, so appending restores every slot index (which breaks ties).
+        # saved in slot order, so appending restores every slot index (which breaks ties)
         for q, c, n in zip(P, labels.tolist(), counts.tolist(), strict=True):
             self._bank.setdefault(int(c), []).append((q.clone(), int(n)))
         self._dim = int(P.shape[1]) if P.shape[0] > 0 else None
 
 
 def prototype_graph(P: Tensor, labels: Tensor, kappa: int) -> Tensor:
-    r"""Adjacency of the prototype graph, FedOGL Eq. (13).
-
-    .. math::
-        \mathcal{E}_P = \mathrm{KNN}_\kappa(\mathcal{P}) \cup \mathcal{E}_{same}
-
-    :math:`\mathrm{KNN}_\kappa` links each prototype to its :math:`\kappa` most cosine-similar
-    others (ties to the lower index), symmetrised by maximum; :math:`\mathcal{E}_{same}`
-    links every two prototypes of a class. No self loops (:func:`propagate` adds them).
-
-    Shapes:
-        - **input:** ``P`` :math:`(m, d)`, ``labels`` :math:`(m,)`
-        - **output:** dense 0/1 adjacency :math:`(m, m)` in ``P``'s dtype
-    """
+    """The prototype graph of Eq. (13), dense 0/1 [m, m]: each row's ``kappa`` most
+    cosine-similar (symmetrised) plus every same-class pair; no self loops."""
     if P.dim() != 2 or labels.shape != (P.shape[0],):
         raise ValueError(
             f"expected P [m, d] and labels [m], got {tuple(P.shape)}, {tuple(labels.shape)}"
@@ -247,15 +192,7 @@ def prototype_graph(P: Tensor, labels: Tensor, kappa: int) -> Tensor:
 
 
 def propagate(P: Tensor, A: Tensor) -> Tensor:
-    r"""One step of symmetric-normalised propagation with self loops (FedOGL Eq. (13); docs/readings.md).
-
-    .. math::
-        \tilde{\mathbf{P}} = \mathbf{D}^{-1/2} (\mathbf{A}_P + \mathbf{I})
-        \mathbf{D}^{-1/2} \mathbf{P}, \qquad
-        \mathbf{D}_{ii} = \sum_j (\mathbf{A}_P + \mathbf{I})_{ij}
-
-    ``P`` :math:`(m, d)`; ``A`` :math:`(m, m)` from :func:`prototype_graph`.
-    """
+    """``D^-1/2 (A + I) D^-1/2 P``, Eq. (13) (docs/readings.md)."""
     m = P.shape[0]
     if A.shape != (m, m):
         raise ValueError(f"expected A [{m}, {m}] for P {tuple(P.shape)}, got {tuple(A.shape)}")
@@ -282,20 +219,8 @@ def client_consensus(
     P_tilde: Tensor,
     known: Tensor | Sequence[int],
 ) -> Tensor:
-    r"""Soft targets :math:`\bar{\mathbf{q}}_{cli}` of Eq. (14) from recent client heads.
-
-    .. math::
-        \bar{\mathbf{q}}_{cli} = \sum_r \frac{w_r}{\sum_s w_s}
-        \operatorname{softmax}\big(\tilde{\mathbf{P}} \mathbf{W}_r^\top + \mathbf{b}_r
-        \big)_{[:, \mathcal{C}_K]}
-
-    ``heads`` are ``Linear`` state dicts (``weight``, optional ``bias``) of the recent
-    rounds' clients, with non-negative ``weights``; columns follow ``known``.
-
-    Shapes:
-        - **input:** ``P_tilde`` :math:`(m, d)`, ``weight`` :math:`(C, d)`
-        - **output:** :math:`(m, |\mathcal{C}_K|)`, rows sum to 1
-    """
+    """Eq. (14)'s ``q_cli`` [m, |known|]: the weighted mean of the recent ``Linear`` heads'
+    softmax over the ``known`` columns of ``P_tilde``."""
     w = normalized_weights(heads, weights, "head")
     known = torch.as_tensor(known, dtype=torch.long, device=P_tilde.device)
     x = P_tilde.detach().double()
@@ -317,23 +242,8 @@ def refinement_loss(
     lambda_lab: float = 1.0,
     lambda_tr: float = 1.0,
 ) -> Tensor:
-    r"""The bracket of Eq. (14): label and trajectory terms on the propagated prototypes.
-
-    .. math::
-        \lambda_{lab} \mathcal{L}_{ce}(\mathcal{G}_P; \theta)
-        + \lambda_{tr} \mathrm{KL}\big(\bar{\mathbf{q}}_{cli} \,\|\, \mathbf{q}_\theta\big),
-        \qquad \mathbf{q}_\theta = \operatorname{softmax}\big(
-        h_\theta(\tilde{\mathbf{P}})_{[:, \mathcal{C}_K]}\big)
-
-    Logits are the head's columns ``known`` (in that order), every label must be in
-    ``known``, and both terms are means over prototypes. ``q_cli`` (from
-    :func:`client_consensus`) of :obj:`None` drops the KL term.
-
-    Shapes:
-        - **input:** ``P_tilde`` :math:`(m, d)`, ``labels`` :math:`(m,)`, ``q_cli``
-          :math:`(m, |\mathcal{C}_K|)`
-        - **output:** scalar
-    """
+    """Eq. (14)'s bracket: ``lambda_lab`` CE + ``lambda_tr`` KL(q_cli || softmax of the head's
+    ``known`` columns), means over prototypes; ``q_cli=None`` drops the KL."""
     m = P_tilde.shape[0]
     known = torch.as_tensor(known, dtype=torch.long, device=P_tilde.device)
     logits = head(P_tilde)[:, known]
@@ -366,18 +276,8 @@ def refine_head(
     steps: int = 5,
     lr: float = 0.01,
 ) -> dict[str, float]:
-    r"""Refine the global head on the prototype memory, FedOGL Eqs. (13)-(14).
-
-    .. math::
-        \mathcal{L}_{mem} = \gamma_t \big[\lambda_{lab} \mathcal{L}_{ce}(\mathcal{G}_P;
-        \theta) + \lambda_{tr} \mathrm{KL}(\bar{\mathbf{q}}_{cli} \,\|\, \mathbf{q}_\theta)
-        \big]
-
-    Propagates the bank prototypes ``P`` once on their graph (``kappa``), then takes
-    :func:`sgd_refine` steps on the head in place. ``q_cli`` must come from the same
-    :math:`\tilde{\mathbf{P}}` (same ``kappa``). Returns ``{"loss_before", "loss_after"}``,
-    NaN for an empty memory.
-    """
+    """Eqs. (13)-(14): propagate ``P`` once on its graph, then :func:`sgd_refine` the head in
+    place; ``{"loss_before", "loss_after"}`` (NaN for an empty memory)."""
     if P.shape[0] == 0:
         return {"loss_before": float("nan"), "loss_after": float("nan")}
     params = [p for p in head.parameters() if p.requires_grad]
@@ -395,12 +295,8 @@ def refine_head(
 def sgd_refine(
     loss_fn: Callable[[], Tensor], params: list[Tensor], gamma: float, steps: int, lr: float
 ) -> dict[str, float]:
-    r"""``steps`` plain SGD steps :math:`\theta \leftarrow \theta - \text{lr}\,
-    \nabla_\theta (\gamma_t \cdot \text{loss})`, in place, without touching ``.grad``.
-
-    Returns ``{"loss_before", "loss_after"}`` of ``loss_fn`` (without :math:`\gamma_t`);
-    nothing changes with ``gamma == 0``, ``steps <= 0`` or no parameters.
-    """
+    """``steps`` in-place SGD steps on ``gamma * loss_fn()`` (``.grad`` untouched);
+    ``{"loss_before", "loss_after"}`` of ``loss_fn``."""
     with torch.no_grad():
         before = float(loss_fn())
     if gamma == 0 or steps <= 0 or not params:

@@ -1,8 +1,4 @@
-"""Where the structural basis lives: the exact input that multiplies a GNN layer's weight.
-
-Client-side companion of :mod:`fedlightning.methods.fedogl.basis` (FedOGL Eqs. (7)-(9)): the basis of
-a protected weight is built from the tensor this module returns for the stage's nodes.
-"""
+"""The exact input that multiplies a GNN layer's weight: the space of its basis (Eq. 7)."""
 
 from __future__ import annotations
 
@@ -21,21 +17,8 @@ def protected_input(
     edge_index: Tensor,
     edge_weight: Tensor | None = None,
 ) -> Tensor | dict[str, Tensor]:
-    r"""The exact tensor that multiplies a PyG layer's weight, the space of its basis.
-
-    :class:`~torch_geometric.nn.conv.GCNConv` applies ``lin`` before propagating, so
-    ``lin.weight`` multiplies :math:`\hat{\mathbf{A}}\mathbf{X}`, :math:`\hat{\mathbf{A}}
-    = \mathbf{D}^{-1/2}(\mathbf{A}+\mathbf{I})\mathbf{D}^{-1/2}` (the layer's own
-    self-loop and normalisation settings): ``conv(x) == A_hat_x @ lin.weight.T + bias``.
-    :class:`~torch_geometric.nn.conv.SAGEConv`: :math:`\mathbf{x}'_i = \mathbf{W}_l
-    \mathrm{aggr}_{j\in\mathcal{N}(i)} \mathbf{x}_j + \mathbf{b}_l + \mathbf{W}_r
-    \mathbf{x}_i` (aggregated after ``project`` when set; before the final L2 normalisation
-    when ``normalize=True``), so the result is ``{"lin_l": aggr, "lin_r": x}`` (no
-    ``"lin_r"`` when ``root_weight=False``).
-
-    ``x`` is the layer's input ``[n, in]`` (dropout off); ``edge_weight`` ``[E]`` is for
-    ``GCNConv`` only. Returns ``[n, in]``, or a dict of ``[n, in]`` for ``SAGEConv``.
-    """
+    """The tensor that multiplies the layer's weight on input ``x`` [n, in]: ``A_hat x`` for
+    GCNConv; ``{"lin_l": aggr, "lin_r": x}`` for SAGEConv (no ``lin_r`` without root weight)."""
     if isinstance(conv, GCNConv):
         ei, ew = edge_index, edge_weight
         if conv.normalize:
@@ -63,9 +46,8 @@ def protected_input(
 
 
 def protected_inputs(net: nn.Module, data: Any, layer: int = -1) -> dict[str, Tensor]:
-    """Parameter name (relative to ``net``) -> the tensor that multiplies it on ``data``
-    (:func:`protected_input`), for layer ``layer`` of each GNN that ``net.gnn_inputs``
-    names: ``<gnn>.convs.L.lin.weight`` (GCN), ``<gnn>.convs.L.lin_{l,r}.weight`` (SAGE)."""
+    """Parameter name -> :func:`protected_input` on ``data``, for layer ``layer`` of each GNN
+    ``net.gnn_inputs`` names."""
     out = {}
     for name, x in net.gnn_inputs(data).items():
         gnn = net.get_submodule(name)

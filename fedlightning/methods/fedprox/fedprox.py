@@ -12,12 +12,7 @@ from fedlightning.methods.fedavg.fedavg import FedAvg
 
 
 class FedProx(FedAvg):
-    """FedAvg plus the proximal term ``mu/2 ||w - w^t||^2`` on the client.
-
-    Args:
-        mu: proximal coefficient (default ``0.01``); ``mu=0`` is FedAvg.
-        max_update_norm, max_client_weight: as :class:`FedAvg`'s.
-    """
+    """FedAvg plus the proximal term ``mu/2 ||w - w^t||^2`` on the client."""
 
     name = "fedprox"
 

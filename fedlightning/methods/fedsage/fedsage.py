@@ -1,15 +1,6 @@
-"""FedSage+ (Zhang et al., NeurIPS 2021) on FedTIP's protocol (docs/fedtip.md, "FedSage+").
-
-Before the first task, the generator round: ``gen_rounds`` FedAvg rounds of NeighGen
-(:class:`~fedlightning.methods.fedsage.fedsage_model.NeighGen`) over every client, each fitting
-:math:`L_{deg} + L_{feat}` on its own impaired history graph (a seeded ``hide`` fraction of
-its nodes hidden). The cross-client feature term :math:`\\sum_{j \\neq k} L^{cross}_{feat}` is
-read as the shared generator's averaged descent on every client's own feature loss (no raw
-feature leaves a client; docs/fedtip.md). Every client's graph, and the server's whole
-history, is then mended with the global generator
-(:func:`~fedlightning.methods.fedsage.fedsage_model.mend`), and per task and family a 2-layer GraphSAGE
-(:class:`~fedlightning.methods.fedsage.fedsage_model.SageNet`) is trained on the mended graphs with FedAvg.
-"""
+"""FedSage+ (Zhang et al., NeurIPS 2021) on FedTIP's protocol (docs/fedtip.md, "FedSage+"):
+``gen_rounds`` FedAvg rounds of NeighGen before the first task, the graphs mended by the
+global generator, then per task a GraphSAGE fitted by FedAvg."""
 
 from __future__ import annotations
 
@@ -31,9 +22,10 @@ from fedlightning.methods.fedsage.fedsage_model import (
     mend,
     relabel,
 )
+from fedlightning.methods.fulltune.fulltune import fedavg_server
 from fedlightning.methods.history.graph_task import ClientGraph
 from fedlightning.methods.history.history_baseline import HistoryBaseline, client_nodes
-from fedlightning.server.reliability import FedTIPServer, unflatten
+from fedlightning.server.reliability import unflatten
 from fedlightning.server.validation import Field, MessageSpec
 from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
@@ -42,9 +34,8 @@ GENERATOR = "generator"  # the ledger prefix of the generator round
 
 @dataclass
 class FedSagePlus(HistoryBaseline):
-    """``fedsage_plus`` (module docstring): ``latent`` NeighGen's encoder width, ``num_pred``
-    the most neighbours generated per node, ``hide`` the hidden fraction, ``gen_rounds`` and
-    ``gen_lr`` the generator round's; ``hidden``/``out`` the classifier's widths."""
+    """``fedsage_plus``; ``latent``, ``num_pred``: NeighGen's; ``hide``, ``gen_*``: the
+    generator round's."""
 
     name: str = "fedsage_plus"
     hidden: int = 128
@@ -70,23 +61,19 @@ class FedSagePlus(HistoryBaseline):
         return SageNet(d_in, self.hidden, self.out, self.dropout)
 
     def impaired(self, k: int, seed: int) -> dict[str, Tensor]:
-        """Client ``k``'s generator batch: its graph with a seeded ``hide`` of its nodes hidden,
-        restricted to what the loss reads (:func:`~fedlightning.methods.fedsage.fedsage_model.local_batch`:
-        the kept nodes and, as targets, their hidden neighbours' features)."""
+        """Client ``k``'s generator batch (:func:`local_batch` of its impaired graph)."""
         g, edges = self.history, self.local[k]
         gen = torch_generator(seed, "fedsage", "hide", k)
         kept, _, imp, missing = impair(edges, client_nodes(edges), g.num_nodes, self.hide, gen)
         return local_batch(g.x, kept, imp, missing)
 
     def before_tasks(self, loop: TaskLoop, ledger: CommLedger, scope: str) -> None:
-        """The generator round (module docstring), rounds ``1..gen_rounds`` of the first
-        task's scope under the ``generator`` prefix; then the mended graphs."""
+        """The generator round (ledger prefix ``generator``), then the mended graphs."""
         d = self.history.x.size(1)
         manual_seed(derive_seed(loop.seed, "fedsage", "init"))
         gen = NeighGen(d, self.latent, self.num_pred)
         module = NeighGenClient(gen, self.gen_lr, self.lambda_feat)
-        start = {n: p.detach().clone() for n, p in gen.named_parameters()}
-        server = FedTIPServer(start, 1.0, reliability_weights=False, anchors=False, field="model")
+        server = fedavg_server(gen)
         shapes = {n: p.shape for n, p in gen.named_parameters()}
         batches = {k: self.impaired(k, loop.seed) for k in self.clients}
         spec = MessageSpec(
@@ -124,8 +111,7 @@ class FedSagePlus(HistoryBaseline):
 
     @torch.no_grad()
     def mended(self, edges: Tensor) -> ClientGraph:
-        """The graph ``edges`` over the history's nodes mended by the global generator
-        (unchanged with ``mending=false``, the GraphSAGE-only reading)."""
+        """``edges`` mended by the global generator (unchanged with ``mending=false``)."""
         x = self.history.x
         if not self.mending:
             return ClientGraph(x, edges)

@@ -1,7 +1,4 @@
-"""FedSage+'s generator client (docs/fedtip.md, "FedSage+"): NeighGen fitted on the client's
-impaired history graph with :math:`L_{deg} + \\lambda L_{feat}`
-(:func:`~fedlightning.methods.fedsage.fedsage_model.degree_loss`,
-:func:`~fedlightning.methods.fedsage.fedsage_model.greedy_feature_loss`)."""
+"""FedSage+'s generator client (docs/fedtip.md, "FedSage+")."""
 
 from __future__ import annotations
 
@@ -13,9 +10,7 @@ from fedlightning.methods.fedsage.fedsage_model import NeighGen, degree_loss, gr
 
 
 def generator_loss(gen: NeighGen, batch: dict[str, Tensor], lambda_feat: float = 1.0) -> Tensor:
-    r"""NeighGen's loss on one impaired graph: :math:`L_{deg} + \lambda L_{feat}`, fGen run
-    on the kept nodes with a hidden neighbour only (the others add nothing to
-    :math:`L_{feat}`)."""
+    """``L_deg + lambda L_feat``, fGen run only where ``L_feat`` reads it."""
     kept, missing = batch["kept"], batch["missing"]
     rows, owner = torch.unique(missing[0], return_inverse=True)  # fGen where L_feat reads it
     deg, feats = gen(batch["x"], batch["impaired"], rows)

@@ -1,11 +1,5 @@
-r"""FedSage+'s model pieces (Zhang et al., NeurIPS 2021; docs/fedtip.md, "FedSage+").
-
-NeighGen: a GraphSAGE encoder, dGen (how many neighbours a node misses, smooth-L1) and fGen
-(up to ``num_pred`` missing neighbours' features, the greedy L2 loss). It is trained on an
-impaired graph (a seeded half of the nodes hidden, :func:`impair`); the graph is then mended
-(:func:`mend`: each node gets its predicted number of generated neighbours) and a 2-layer
-GraphSAGE (:class:`SageNet`) is trained on the mended graph.
-"""
+"""FedSage+'s model pieces (Zhang et al., NeurIPS 2021; docs/fedtip.md, "FedSage+"): NeighGen
+trained on an impaired graph, the graph mended, a 2-layer GraphSAGE trained on it."""
 
 from __future__ import annotations
 
@@ -18,14 +12,13 @@ from fedlightning.models.dropout import Dropout
 
 
 def sage_mean(h: Tensor, edge_index: Tensor) -> Tensor:
-    r"""GraphSAGE's mean aggregator: :math:`\frac{1}{|N(v)|}\sum_{j \in N(v)} \mathbf{h}_j`
-    along ``edge_index`` (zeros for a node without neighbours)."""
+    """GraphSAGE's mean aggregator (zeros for a node without neighbours)."""
     s, c = neighbour_sums(h, edge_index, h.size(0))
     return s / c.clamp(min=1).unsqueeze(1)
 
 
 class SageLayer(nn.Module):
-    r""":math:`W_s \mathbf{h}_v + W_n \,\mathrm{mean}_{j \in N(v)} \mathbf{h}_j + b`."""
+    """``W_s h_v + W_n mean of N(v) + b``."""
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
@@ -54,9 +47,8 @@ class SageNet(nn.Module):
 
 
 class NeighGen(nn.Module):
-    """NeighGen: SAGE encoder (``latent``), dGen (a linear degree regressor) and fGen (MLP
-    ``latent -> 256 -> 2048 -> num_pred * d``, the released widths, without the final tanh:
-    bank states are not bounded)."""
+    """NeighGen: a SAGE encoder, dGen (degree regressor) and fGen (the released widths, no
+    final tanh: bank states are unbounded)."""
 
     def __init__(self, d: int, latent: int = 128, num_pred: int = 5) -> None:
         super().__init__()
@@ -71,8 +63,7 @@ class NeighGen(nn.Module):
     def forward(
         self, x: Tensor, edge_index: Tensor, rows: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Predicted missing degree ``[N]`` and generated features ``[N, num_pred, d]``
-        (``[len(rows), num_pred, d]``: fGen on the nodes ``rows`` only)."""
+        """Predicted missing degree [N] and generated features [N or len(rows), num_pred, d]."""
         h = torch.relu(self.enc(x, edge_index))
         g = h if rows is None else h[rows]
         return self.dgen(h).squeeze(-1), self.fgen(g).view(-1, self.num_pred, self.d)
@@ -84,9 +75,8 @@ class NeighGen(nn.Module):
 def impair(
     edge_index: Tensor, nodes: Tensor, num_nodes: int, hide: float, generator: torch.Generator
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""Hide a seeded fraction ``hide`` of ``nodes``: ``(kept, hidden, impaired_edges,
-    missing)``, the impaired graph without any edge touching a hidden node, and each kept
-    node's hidden neighbours as a ``[2, M]`` list ``(kept node, hidden neighbour)``."""
+    """``(kept, hidden, impaired edges, missing [2, M] (kept, hidden neighbour))`` with a
+    seeded ``hide`` of ``nodes`` hidden."""
     perm = nodes[torch.randperm(len(nodes), generator=generator)]
     n_hide = int(round(hide * len(nodes)))
     hidden, kept = perm[:n_hide].sort().values, perm[n_hide:].sort().values
@@ -106,11 +96,8 @@ def relabel(edge_index: Tensor, nodes: Tensor, num_nodes: int) -> Tensor:
 
 
 def local_batch(x: Tensor, kept: Tensor, impaired: Tensor, missing: Tensor) -> dict[str, Tensor]:
-    """NeighGen's training batch on the kept nodes only (what :func:`impair`'s loss reads:
-    the impaired graph has edges between kept nodes only, and a kept node's targets are its
-    hidden neighbours): ``x`` the kept nodes' inputs, ``impaired`` renumbered to them,
-    ``kept`` all of them, ``missing`` ``(kept position, target row)`` and ``targets`` the
-    hidden neighbours' inputs. The losses equal those on the whole graph."""
+    """NeighGen's batch on the kept nodes only, renumbered, with the hidden neighbours'
+    inputs as ``targets``: the losses equal those on the whole graph."""
     hidden = torch.unique(missing[1])
     miss = torch.stack(
         [relabel(missing[0], kept, x.size(0)), relabel(missing[1], hidden, x.size(0))]
@@ -122,17 +109,14 @@ def local_batch(x: Tensor, kept: Tensor, impaired: Tensor, missing: Tensor) -> d
 
 
 def degree_loss(pred: Tensor, missing: Tensor, kept: Tensor, num_pred: int) -> Tensor:
-    r""":math:`L_{deg}`: smooth-L1 between dGen's output and each kept node's number of
-    hidden neighbours (capped at ``num_pred``), averaged over ``kept``."""
+    """``L_deg``: smooth-L1 to each kept node's hidden-neighbour count (capped at ``num_pred``)."""
     true = torch.bincount(missing[0], minlength=pred.size(0)).float().clamp(max=num_pred)
     return F.smooth_l1_loss(pred[kept], true[kept])
 
 
 def greedy_feature_loss(gen: Tensor, x: Tensor, missing: Tensor, kept: Tensor) -> Tensor:
-    r""":math:`L_{feat}` (the greedy L2 of FedSage+): for each kept node :math:`v` with
-    :math:`n_v` hidden neighbours :math:`M_v`, its first :math:`\min(n_v, P)` generated
-    features each take :math:`\min_{m \in M_v} \lVert \mathbf{g}_{v,s} - \mathbf{x}_m\rVert^2`;
-    summed per node, averaged over ``kept``."""
+    """``L_feat``, FedSage+'s greedy L2: each of a node's first ``min(n_v, P)`` generated
+    features takes its nearest hidden neighbour's squared distance; mean over ``kept``."""
     p = gen.size(1)
     total = gen.new_zeros(())
     if missing.size(1) == 0:
@@ -148,10 +132,8 @@ def greedy_feature_loss(gen: Tensor, x: Tensor, missing: Tensor, kept: Tensor) -
 def mend(
     x: Tensor, edge_index: Tensor, nodes: Tensor, degree: Tensor, features: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    r"""The mended graph: each node ``v`` of ``nodes`` gets :math:`n_v =
-    \mathrm{clamp}(\mathrm{round}(\mathrm{dGen}_v), 0, P)` new neighbours with features
-    ``features[v, :n_v]``, appended after the existing nodes and linked to ``v`` both ways.
-    Returns ``(x', edge_index', owner)``, ``owner[g]`` the node each generated node mends."""
+    """``(x', edge_index', owner)``: each of ``nodes`` gets its rounded predicted number of
+    generated neighbours, appended and linked both ways."""
     p = features.size(1)
     n = degree[nodes].round().clamp(0, p).long()
     owner = nodes.repeat_interleave(n)

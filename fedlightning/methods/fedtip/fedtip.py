@@ -1,14 +1,10 @@
-"""FedTIP (paper 001) and its comparators and ablations, each one config of :class:`FedTIP`
-(``prompt_fedavg``, ``prompt_central``, the switches of Table 4: docs/fedtip.md).
-
-The uplink message (Eq. 2) carries only the fields a configuration uses
-(:meth:`FedTIP.message_fields`).
-"""
+"""FedTIP (paper 001), its comparators and Table 4's ablations, each one config of
+:class:`FedTIP` (docs/fedtip.md)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -50,39 +46,28 @@ NEGATIVES = ("protocol", "unfiltered")
 CLASSES = (0, 1)  # the label set of Eq. (27): node states, or negative/positive links
 
 
+def support_size(task: TaskBatches) -> Callable[[int], float]:
+    """A client's support size in ``task`` (the server knows it from the task manifest)."""
+
+    def support(k: int) -> float:
+        batch = task.clients.get(k)
+        return float(len(batch["h_u"])) if batch is not None else math.inf
+
+    return support
+
+
 @dataclass
 class FedTIP(Algorithm):
-    """One FedTIP configuration (defaults: paper Sec. 5.1.4; docs/fedtip.md), run on the task
-    schedule (:class:`~fedlightning.federation.task_loop.TaskLoop`) through its task verbs.
-
-    Args:
-        name: the method's name in reports (``fedtip``, ``prompt_fedavg``, ``prompt_central``).
-        mode: ``federated`` or ``central`` (pooled support, no messages); ``fulltune`` is
-            :class:`~fedlightning.methods.fulltune.fulltune.FullTuneFedAvg`'s.
-        aggregation: ``reliability`` (Eqs. 27-30) or ``fedavg`` (:math:`r_k = 1`).
-        anchors: server anchor prototypes and the anchor term (Eqs. 22-24).
-        prompt: ``interaction`` (Eqs. 14-15) or ``static`` gates.
-        negatives: the support's training negatives: ``protocol`` (the protocol's
-            stage-valid mode, Eq. 25) or ``unfiltered`` (only the positive excluded; FTN).
-        tau, lambda_p, lambda_a, beta, eta_s: Eqs. (19)-(31).
-        bottleneck, rank, dropout: the adapter (``d_p = d_h``). template: the reading of
-            Eq. (16)'s psi: ``paper`` (the three-input map alone, as written) or
-            ``residual`` (the map added to the gated source state, the pre-training
-            similarity of Sec. 4.3; a deviation, docs/readings.md). tie: the reading of
-            Eq. (17)'s bottlenecks, ``none`` or ``phi`` (one shared; the paper-budget
-            setting ``algorithm=fedtip_budget``, docs/fedtip.md).
-        lr, weight_decay: Adam's. encoder_lr: the encoder's (``fulltune`` only).
-        dp: the prototype release of Eq. (7): ``{clip, sigma, delta}``
-            (:class:`~fedlightning.server.privacy.PrototypeRelease`; ``clip=None``: off).
-        clip, sigma: the old names of ``dp.clip`` and ``dp.sigma`` (still read).
-        residual: the old name of ``template`` (``true``: ``residual``, ``false``:
-            ``paper``; still read).
-    """
+    """One FedTIP configuration (settings: docs/fedtip.md), run by the task loop through its
+    task verbs. ``mode``: ``federated`` or ``central`` (pooled); ``aggregation``:
+    ``reliability`` (Eqs. 27-30) or ``fedavg``; ``anchors``: Eqs. (22)-(24); ``prompt``:
+    ``interaction`` (Eqs. 14-15) or ``static``; ``negatives``: ``protocol`` (Eq. 25) or
+    ``unfiltered``; ``template``, ``tie``: the readings of Eqs. (16)-(17)
+    (docs/readings.md); ``dp``: Eq. (7)'s release; ``clip``, ``sigma``, ``residual``: old
+    names, still read."""
 
     name: str = "fedtip"
-    # FedTIP's server defence against poisoned prototypes (docs/security.md): each upload is
-    # bounded by its class's median norm; a published baseline built on this class runs
-    # without it, as it was published and measured (None).
+    # the median-norm bound on prototype uploads (docs/security.md); None for baselines
     prototype_bound: float | None = PROTO_NORM_RATIO
     mode: str = "federated"
     aggregation: str = "reliability"
@@ -109,6 +94,7 @@ class FedTIP(Algorithm):
     modes = MODES
     secure_seed = None  # federation.secure_sum: the run's seed (set by the program)
     max_update_norm = None  # under secure sums, each client's clip of its delta
+    snapshot = protocol = None  # the bank's snapshot encoder and the protocol (attach)
 
     def __post_init__(self) -> None:
         for key, value, allowed in (
@@ -143,9 +129,7 @@ class FedTIP(Algorithm):
         self.pooled = self.mode == "central"  # pooled training: one client per task
 
     def variant(self, pretrained_bank: bool = True, filtered_bank: bool = True) -> str:
-        """The Table 4 ablation: ``no_`` and the removed components in the paper's order
-        (``tkb``, ``icp``, ``pa``, ``rwa``, ``ftn``; FTN when either the bank's or the
-        supports' negatives are unfiltered), or ``full``."""
+        """Table 4's ablation: ``no_`` and the removed components in order, or ``full``."""
         on = {
             "tkb": pretrained_bank,
             "icp": self.prompt == "interaction",
@@ -183,8 +167,8 @@ class FedTIP(Algorithm):
         )
 
     def attach(self, snapshot: Any, protocol: Any) -> None:
-        """The bank's snapshot encoder and the temporal protocol, before the first task (for
-        a comparator that tunes the encoder)."""
+        """The bank's snapshot encoder and the protocol, before the first task."""
+        self.snapshot, self.protocol = snapshot, protocol
 
     def task_server(self, module: FedTIPClient) -> FedTIPServer:
         """The task's server, starting from the module's initial adapter."""
@@ -204,15 +188,12 @@ class FedTIP(Algorithm):
         return server
 
     def use_secure_sum(self, seed: int, max_update_norm: float | None = None) -> None:
-        """``federation.secure_sum=true``: every task's server sums masked shares of Eq. (6);
-        with reliability weights a round has two phases (the clear scalars of Eq. 2, then
-        the shares weighted by the :math:`r_k` the server computed from them)."""
+        """Every task's server sums masked shares of Eq. (6) (with reliability weights in two
+        phases: Eq. 2's scalars, then the weighted shares)."""
         self.secure_seed, self.max_update_norm = int(seed), max_update_norm
 
     def privacy_budget(self, tasks: int, rounds: int, families: Sequence[str]) -> dict[str, Any]:
-        """The run's budget over all its prototype releases: one per task, family (that sends
-        prototypes) and round, each client's release of a class counted once (a record
-        belongs to one client and one class)."""
+        """The budget of one release per task, prototype-sending family and round."""
         sending = [f for f in families if "prototypes" in self.message_fields(f)]
         released = self.release.on and self.mode == "federated"
         return self.release.budget(tasks * rounds * len(sending) if released else 0)
@@ -240,20 +221,11 @@ class FedTIP(Algorithm):
         width: int,
         field: str = "adapter",
     ) -> MessageSpec:
-        r"""The declared message of Eq. (2) (:meth:`message_fields`): ``delta`` as the
-        broadcast's ``field``; ``count.<c>`` for a class of :attr:`CLASSES`, a whole number
-        from 1 to the client's support size (the server knows each client's support from
-        the task manifest; ``lp`` counts both the positives and the negatives, so the counts
-        sum to at most twice the support); ``proto.<c>`` (``width`` wide) with its count;
-        ``coverage`` in [0, 1] and ``norm`` >= 0, each equal to what the server recomputes
-        from the counts (Eq. 27) and the delta."""
+        """Eq. (2)'s declared message (:meth:`message_fields`): ``delta`` like ``field``;
+        whole ``count.<c>`` within the support (twice it for ``lp``); ``proto.<c>`` with its
+        count; ``coverage`` and ``norm`` as the server recomputes them (Eq. 27)."""
         fields = self.message_fields(family)
-        classes = frozenset(CLASSES)
-
-        def support(k: int) -> float:
-            batch = task.clients.get(k)
-            return float(len(batch["h_u"])) if batch is not None else math.inf
-
+        classes, support = frozenset(CLASSES), support_size(task)
         declared = [
             Field("delta", dtype="like", like=lambda m: field),
             Field(r"count\.(?P<c>\d+)", tensor=False, low=1.0, high=support, integral=True,
@@ -318,9 +290,8 @@ class FedTIP(Algorithm):
         anchors: dict[int, Tensor],
         share: range,
     ) -> list[ClientUpdate]:
-        """The updates of the task's clients at positions ``share`` after one local fit of
-        them as one stack, padded as the whole round's and with its dropout draws: each
-        client's update is bitwise the one it gets in the whole round's stack (on CPU)."""
+        """The updates of the clients at positions ``share`` from one stacked fit, padded as
+        the whole round's: bitwise each one's update in the whole stack (on CPU)."""
         ids = task.active
         mine = [ids[i] for i in share]
         module.receive(omega, anchors, len(mine), share.start, len(ids))
@@ -334,9 +305,8 @@ class FedTIP(Algorithm):
         return self.make_updates(module, stack, omega, round, mine, gens)
 
     def support_stack(self, task: TaskBatches, mine: Sequence[int]) -> dict[str, Tensor]:
-        """``stack_batches`` of the clients ``mine`` of ``task``, padded to the round's
-        longest support: the same every round and family of the task, so it is built once
-        and kept until another task or share asks (nothing writes into it)."""
+        """``stack_batches`` of the clients ``mine``, padded to the task's longest support,
+        kept until another task or share asks."""
         key = (id(task.clients), task.task, tuple(mine), task.longest)
         cached = getattr(self, "_stack", None)
         if cached is None or cached[0] != key:
@@ -360,9 +330,8 @@ class FedTIP(Algorithm):
         adapter: PromptAdapter,
         rounds: int,
     ) -> tuple[PromptAdapter, dict[int, Tensor]]:
-        """Pooled ("central") training: one client holding the union of the task's supports
-        fits ``rounds x epochs`` steps; the adapter after it and the pooled support's class
-        prototypes."""
+        """Central training: the union of the supports fitted ``rounds x epochs`` steps; the
+        adapter and the pooled class prototypes."""
         supports = list(task.clients.values())
         pooled = stack_batches([{k: torch.cat([b[k] for b in supports]) for k in supports[0]}])
         module.receive(adapter.state_dict(), {}, 1)
@@ -381,8 +350,7 @@ class FedTIP(Algorithm):
         return score_segment(adapter, prototypes, batch, family)
 
     def message_fields(self, family: str) -> tuple[str, ...]:
-        """The uplink fields: delta and class counts; prototypes for anchors or node
-        classification; coverage and norm for reliability weights."""
+        """Delta and counts; prototypes for anchors or ``nc``; coverage, norm for reliability."""
         fields = ["delta", "counts"]
         if self.anchors or family == "nc":
             fields.append("prototypes")
@@ -391,9 +359,7 @@ class FedTIP(Algorithm):
         return tuple(fields)
 
     def message_size(self, adapter: PromptAdapter, family: str, classes: int = 2) -> int:
-        r"""Float32 values of one uplink message (Eq. 2) with :meth:`message_fields`:
-        :math:`|\Delta\Omega|`, a count and (if sent) a :math:`d_p`-wide prototype per
-        observed class, and (if sent) :math:`b_k` and the update norm."""
+        """Float32 values of one Eq. (2) message with :meth:`message_fields`."""
         fields = self.message_fields(family)
         n = adapter.num_values() + classes
         n += classes * adapter.d_h if "prototypes" in fields else 0
@@ -408,8 +374,7 @@ class FedTIP(Algorithm):
         client_ids: Sequence[int],
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> list[ClientUpdate]:
-        """The stacked clients' messages of Eq. (2) (:meth:`message_fields` only), from the
-        trained adapter in eval mode."""
+        """The stacked clients' Eq. (2) messages from the trained adapter in eval mode."""
         module.eval()
         family, fields = module.family, self.message_fields(module.family)
         inputs = module.inputs_of(batch) if isinstance(module, FedTIPClient) else None
@@ -440,7 +405,5 @@ class FedTIP(Algorithm):
             if "coverage" in fields:
                 scalars["coverage"] = label_coverage(observed, CLASSES) if observed else 0.0
                 scalars["norm"] = float(deltas[k].norm())
-            out.append(
-                ClientUpdate(round=round, client_id=client, tensors=tensors, scalars=scalars)
-            )
+            out.append(ClientUpdate(round, tensors, scalars, client_id=client))
         return out

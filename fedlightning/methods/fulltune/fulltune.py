@@ -1,10 +1,5 @@
-"""Full-model FedAvg, FedTIP's uplink comparator (paper 001, Table 3 and Sec. 5.4).
-
-Every client fine-tunes the bank's encoder with the adapter; the server averages the whole
-model weighted by support size, and re-streams its validation and test segments with the
-task's final encoder before scoring them. The message is the whole model's delta with the
-class counts (and, for node classification, the prototypes).
-"""
+"""Full-model FedAvg, FedTIP's uplink comparator (paper 001, Table 3 and Sec. 5.4): the bank's
+encoder fine-tuned with the adapter, the segments re-streamed with the task's encoder."""
 
 from __future__ import annotations
 
@@ -45,10 +40,8 @@ def model_update(
     round: int,
     client: int,
 ) -> ClientUpdate:
-    """One client's whole-model FedAvg message (Eq. 2 with the whole model for the adapter):
-    ``module`` fitted on the client's support from the global weights ``omega``, then the
-    delta of every parameter of ``model`` (the weights ``omega`` names), a count per
-    observed class and, for node classification, the class means of its support."""
+    """One client's whole-model Eq. (2) message after its fit from ``omega``: ``model``'s
+    delta, class counts, class means (``nc``)."""
     module.receive(omega)
     manual_seed(derive_seed(context.seed, "fit", task.task, family, round, client))
     context.executor.fit(module, task.clients[client], context.epochs)
@@ -58,16 +51,19 @@ def model_update(
     tensors = {"delta": delta}
     if family == "nc":
         tensors.update({f"proto.{c}": q[c].clone() for c in observed})
-    return ClientUpdate(
-        round=round, client_id=client, tensors=tensors,
-        scalars={f"count.{c}": float(n) for c, n in observed.items()},
-    )  # fmt: skip
+    scalars = {f"count.{c}": float(n) for c, n in observed.items()}
+    return ClientUpdate(round, tensors, scalars, client_id=client)
+
+
+def fedavg_server(model: nn.Module) -> FedTIPServer:
+    """Support-weighted FedAvg of ``model``'s parameters, sent whole as ``model``."""
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return FedTIPServer(start, 1.0, reliability_weights=False, anchors=False, field="model")
 
 
 @dataclass
 class FullTuneFedAvg(FedTIP):
-    """``fulltune_fedavg`` (module docstring); :meth:`attach` hands it the bank's snapshot
-    encoder and the temporal protocol before the first task."""
+    """``fulltune_fedavg``."""
 
     name: str = "fulltune_fedavg"
     mode: str = "fulltune"
@@ -78,13 +74,7 @@ class FullTuneFedAvg(FedTIP):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.snapshot: Any = None
-        self.protocol: Any = None
         self.tuned: Any = None
-
-    def attach(self, snapshot: Any, protocol: Any) -> None:
-        """The bank's frozen snapshot encoder and the temporal protocol."""
-        self.snapshot, self.protocol = snapshot, protocol
 
     def task_module(self, adapter: PromptAdapter, family: str) -> FullTuneClient:
         return FullTuneClient(
@@ -93,10 +83,7 @@ class FullTuneFedAvg(FedTIP):
         )  # fmt: skip
 
     def task_server(self, module: FullTuneClient) -> FedTIPServer:
-        start = {n: p.detach().clone() for n, p in module.named_parameters()}
-        return FedTIPServer(
-            start, eta_s=1.0, reliability_weights=False, anchors=False, field="model"
-        )
+        return fedavg_server(module)
 
     def task_work(
         self,
@@ -106,7 +93,6 @@ class FullTuneFedAvg(FedTIP):
         module: FullTuneClient,
         broadcast: ServerBroadcast,
     ) -> ClientWork:
-        """Each client's fit on its own (the encoder is not stacked)."""
         shapes = {n: p.shape for n, p in module.named_parameters()}
         omega = unflatten(broadcast.tensors["model"], shapes)
         r = broadcast.round
@@ -125,7 +111,6 @@ class FullTuneFedAvg(FedTIP):
         return module.adapter, server.class_prototypes()
 
     def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
-        """The validation and test segments streamed with the task's fine-tuned encoder."""
         enc = fork(self.snapshot)
         enc.load_state_dict(
             {k: v for k, v in self.tuned.state_dict().items() if k in dict(enc.named_parameters())},

@@ -1,11 +1,5 @@
-r"""The full-model FedAvg comparator's client: the bank's encoder fine-tuned with the adapter.
-
-Paper 001, Table 3 and Sec. 5.4: the encoder trains too, so the message is the whole model.
-Every step restarts from the bank's snapshot state and embeds the client's support (Eq. 12)
-with the encoder's current weights (gradients flow through the states, TGN's memory updates
-and the time encoding). The task loss is the family's (Eqs. 19 or 20-21), as for FedTIP,
-without proximal or anchor terms.
-"""
+"""The full-model comparator's client: every step restarts from the bank's snapshot and embeds
+the support (Eq. 12) with the encoder's current weights; the family's loss (Eqs. 19-21)."""
 
 from __future__ import annotations
 
@@ -30,9 +24,8 @@ Batch = dict[str, Tensor]
 
 
 def stream_support(enc, stream: EventStream, batch: Batch) -> Batch:
-    """The adapter's inputs (:func:`~fedlightning.temporal.contexts.event_batch`'s, one client
-    stacked) of the support, embedded as one batch from ``enc``'s current state (gradients
-    to the encoder), which then ingests it."""
+    """The support's adapter inputs embedded from ``enc``'s state (with gradients), which
+    then ingests it."""
     idx = batch["events"].numpy()
     if len(idx) == 0:
         raise ValueError("a client's support has no event")
@@ -50,9 +43,7 @@ def stream_support(enc, stream: EventStream, batch: Batch) -> Batch:
 
 
 class FullTuneClient(pl.LightningModule):
-    """Encoder (a trainable copy of the bank's) and adapter (one copy) trained together on
-    one client's support; every step restarts from ``snapshot``'s state. ``lr`` is the
-    adapter's Adam step, ``encoder_lr`` the encoder's."""
+    """A trainable copy of the bank's encoder and the adapter, trained together."""
 
     def __init__(
         self,
@@ -78,18 +69,15 @@ class FullTuneClient(pl.LightningModule):
         self.last_loss = float("nan")
 
     def train(self, mode: bool = True) -> FullTuneClient:
-        """The adapter follows ``mode``; the encoder stays in evaluation mode, as the bank's
-        contexts were built (gradients still reach all of its parameters)."""
+        """The encoder stays in evaluation mode, as the bank's contexts were built."""
         super().train(mode)
         self.encoder.eval()
         return self
 
     def receive(self, state: dict[str, Tensor]) -> None:
-        """Start a round from the global encoder and adapter (``encoder.*``, ``adapter.*``)."""
         self.load_state_dict(state, strict=False)
 
     def streamed(self, batch: Batch) -> Batch:
-        """The support streamed from the bank's snapshot with the current weights."""
         restore_state(self.encoder, self._snapshot)
         return stream_support(self.encoder, self.stream, batch)
 
@@ -101,7 +89,7 @@ class FullTuneClient(pl.LightningModule):
 
     @torch.no_grad()
     def prototypes(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Eq. (18) after the fit: ``([C, d], [C])``."""
+        """Eq. (18) after the fit."""
         self.eval()
         q, counts = family_prototypes(
             family_views(self.adapter, self.streamed(batch), self.family), self.family

@@ -1,17 +1,5 @@
-r"""GRASP's post-hoc score propagation (Ma et al., *Revisiting Score Propagation in Graph
-OOD Detection*, NeurIPS 2024), one function per step.
-
-1. :func:`grasp_selection`: among the candidate (test-time) nodes, the top ``tau1`` by score
-   are predicted known, the bottom ``tau1`` predicted unknown; every training node gets the
-   ratio #known-predicted neighbours / (1 + #unknown-predicted neighbours) and the top
-   ``tau2`` of the training nodes form the set :math:`G`.
-2. :func:`grasp_propagate`: :math:`G` is fully connected and the score is propagated
-   ``K`` times over the augmented graph, :math:`G`'s edges weighted by ``delta``.
-
-With positive scores (MSP) the added edges raise the scores of :math:`G` and, from the
-second step on, of :math:`G`'s neighbours: nodes near the training nodes that sit among
-predicted-known nodes are pushed towards "known".
-"""
+"""GRASP's post-hoc score propagation (Ma et al., NeurIPS 2024): select the set ``G``, then
+propagate over the graph with ``G`` fully connected (docs/fedogl.md, "GRASP")."""
 
 from __future__ import annotations
 
@@ -37,18 +25,9 @@ def grasp_selection(
     tau1: float = 0.05,
     tau2: float = 0.5,
 ) -> Tensor:
-    r"""The node set :math:`G` (sorted node ids) of GRASP's augmentation.
-
-    :math:`S_{id}` = the :math:`\lceil \tau_1 |T| \rceil` candidates (bool mask ``candidates``,
-    :math:`T`) of highest score, :math:`S_{ood}` the as many of lowest score; for each
-    training node :math:`v` (bool mask ``train``)
-
-    .. math::
-        r_v = \frac{|\mathcal{N}(v) \cap S_{id}|}{1 + |\mathcal{N}(v) \cap S_{ood}|}
-
-    and :math:`G` = the :math:`\lceil \tau_2 |\mathrm{train}| \rceil` training nodes of
-    highest :math:`r_v` (ties by node id). Empty without candidates or training nodes.
-    """
+    """``G`` (sorted ids): the ``ceil(tau2 |train|)`` training nodes of highest
+    ``|N(v) & S_id| / (1 + |N(v) & S_ood|)``, ``S_id``/``S_ood`` the ``ceil(tau1 |T|)``
+    highest/lowest-scored ``candidates``."""
     n = scores.numel()
     cand = candidates.nonzero().squeeze(1)
     tr = train.nonzero().squeeze(1)
@@ -70,20 +49,8 @@ def grasp_selection(
 def grasp_propagate(
     scores: Tensor, edge_index: Tensor, g: Tensor, steps: int = 8, delta: float = 1.02
 ) -> Tensor:
-    r"""``steps`` rounds of propagation over the graph with :math:`G` fully connected.
-
-    .. math::
-        d_i = |\mathcal{N}(i)| + [i \in G]\,|G|, \qquad
-        s_i \leftarrow \frac{1}{d_i}\Big(\sum_{j \in \mathcal{N}(i)} s_j
-        + \delta\,[i \in G] \sum_{j \in G} s_j\Big)
-
-    (GRASP's propagation with :math:`\alpha = 0`; a node with :math:`d_i = 0` gets 0).
-    ``g``: node ids of :math:`G` (:func:`grasp_selection`).
-
-    Shapes:
-        - **input:** ``scores`` :math:`(N,)`, ``edge_index`` :math:`(2, E)`, ``g`` :math:`(|G|,)`
-        - **output:** :math:`(N,)`
-    """
+    """``steps`` rounds of ``s_i <- (sum_N(i) s_j + delta [i in G] sum_G s_j) / d_i`` with
+    ``G`` (ids ``g``) fully connected (GRASP with alpha = 0)."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     n = scores.numel()

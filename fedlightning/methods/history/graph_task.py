@@ -1,12 +1,5 @@
-r"""The client of the history-graph baselines (FedGCN, FedSage+; docs/fedtip.md): a GNN over
-the client's graph view of the pre-training history, trained on the task's support events.
-
-The GNN gives each node a static representation :math:`\mathbf{z}_v`; an event ``(u, i, t)``
-reads :math:`\mathbf{z}_u`, :math:`\mathbf{z}_i` and its negative's :math:`\mathbf{z}_j`. The
-task losses are FedTIP's (Eq. 19 for node classification on :math:`\mathbf{z}_u`,
-Eqs. 20-21 for link prediction with the cosine of :math:`\mathbf{z}_u` and
-:math:`\mathbf{z}_i`), so every method is scored by the same server-side rule.
-"""
+"""The client of FedGCN and FedSage+ (docs/fedtip.md): a GNN's static ``z`` over the client's
+history graph, read at each event's nodes and trained with FedTIP's task losses (Eqs. 19-21)."""
 
 from __future__ import annotations
 
@@ -27,25 +20,21 @@ Batch = dict[str, Tensor]
 
 @dataclass
 class ClientGraph:
-    """What a client's GNN runs on: node inputs ``x`` ``[N', d]`` and ``edge_index``
-    (both directions), ``N' >= N`` when generated nodes were appended."""
+    """A client's GNN input: ``x`` (generated nodes appended) and two-way ``edge_index``."""
 
     x: Tensor
     edge_index: Tensor
 
 
 class SourceState(nn.Module):
-    """The server-side scorer's "adapter" of a history-graph baseline: an event's
-    representation is its source's :math:`\\mathbf{z}_u` (the segments carry the GNN's
-    representations in ``h_u``, ``h_i``, ``h_j``)."""
+    """The scorer's "adapter": an event's representation is its source's ``h_u``."""
 
     def forward(self, h_u: Tensor, *_: Tensor) -> Tensor:
         return h_u
 
 
 def event_nodes(src: np.ndarray, dst: np.ndarray, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-    """The source, destination and negative node of each event of ``batch`` (any shape;
-    a failed negative, ``-1``, reads node 0 and is masked by ``neg_ok``)."""
+    """Each event's source, destination and negative node (a failed negative reads node 0)."""
     events = batch["events"].numpy()
     return (
         torch.from_numpy(src[events]),
@@ -55,8 +44,7 @@ def event_nodes(src: np.ndarray, dst: np.ndarray, batch: Batch) -> tuple[Tensor,
 
 
 def graph_views(z: Tensor, nodes: tuple[Tensor, Tensor, Tensor], batch: Batch, family: str):
-    """:func:`~fedlightning.clients.temporal_prompt.family_views` of one client's support
-    (stacked as one client) with :math:`\\mathbf{z}` in place of the prompted states."""
+    """``family_views`` of one client's support with ``z`` for the prompted states."""
     u, i, j = (z[n].unsqueeze(0) for n in nodes)
     mask = batch.get("mask", torch.ones(len(batch["events"]), dtype=torch.bool)).reshape(1, -1)
     if family == "nc":
@@ -72,8 +60,7 @@ def lp_prototypes(views: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
 
 
 class GraphTaskClient(pl.LightningModule):
-    """A GNN ``model(x, edge_index) -> z`` fitted on one client's support over its
-    :class:`ClientGraph` (set with :meth:`use_graph`); ``optimizer`` ``adam`` or ``sgd``."""
+    """A GNN ``model(x, edge_index) -> z`` fitted on a client's support over its graph."""
 
     def __init__(
         self,
@@ -101,9 +88,8 @@ class GraphTaskClient(pl.LightningModule):
         self._sub: tuple[Any, ...] | None = None
 
     def subgraph(self, nodes: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """The support's receptive field: the ``model.hops``-hop subgraph around its nodes
-        (the GNN's output at those nodes is the whole graph's), its nodes' inputs and each
-        support node's position in it; kept while the graph and the support stay."""
+        """The support's ``model.hops``-hop subgraph (inputs, edges, positions), kept while
+        the graph and the support stay."""
         key = tuple(id(n) for n in nodes)
         if self._sub is None or self._sub[0] != key:
             targets = torch.unique(torch.cat([n.flatten() for n in nodes]))
@@ -117,15 +103,12 @@ class GraphTaskClient(pl.LightningModule):
         return self._sub[1:]
 
     def receive(self, state: dict[str, Tensor]) -> None:
-        """Start a round from the global weights."""
         self.model.load_state_dict(state)
 
     def embed(self) -> Tensor:
-        """Every node's representation on the whole client graph."""
         return self.model(self.graph.x, self.graph.edge_index)
 
     def views(self, batch: Batch) -> tuple[Tensor, ...]:
-        """The family's views of the support, the GNN run on its receptive field only."""
         nodes = event_nodes(self.src, self.dst, batch)
         x, edges, where = self.subgraph(nodes)
         z = self.model(x, edges)
@@ -138,7 +121,7 @@ class GraphTaskClient(pl.LightningModule):
 
     @torch.no_grad()
     def prototypes(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        """The family's class means after the fit ``([C, d], [C])`` (Eq. 18)."""
+        """The family's class means and counts after the fit (Eq. 18)."""
         self.eval()
         views = self.views(batch)
         if self.family == "nc":

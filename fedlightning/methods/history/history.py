@@ -1,23 +1,7 @@
-r"""The graph view of the pre-training history :math:`\mathcal{H}_{pre}` (paper 001, Sec. 5.1.2:
-the "pre-downstream history-aggregated graph views" of FedSage+, FedGCN and FedGNN).
-
-Nodes are the stream's nodes (users and items keep their stream ids); edges are the events
-of the manifest's pre-training segment only (``segments``, default ``("pretrain",)``; the
-pre-validation segment may be added), one directed edge ``user -> item`` per event with its
-time (from the stream's start, as the bank's). Node features (``features``):
-
-- ``"bank"`` (default): each node's frozen bank state :math:`\mathbf{h}_v` at the end of
-  the bank snapshot (after pre-training and pre-validation, Eq. 11), read from the snapshot
-  encoder in evaluation mode;
-- ``"raw"``: :math:`[\log(1 + \deg_v) \,\|\, \text{mean edge feature of } v]` over the
-  history's edges (width 1 without edge features), for methods whose paper trains from
-  raw features.
-
-The graph is materialized under ``protocol.cache_dir/history/`` keyed by the protocol's
-hashes, the snapshot's digest and the parameters, and hashed (:attr:`HistoryGraph.hash`)
-like every protocol object: a method records the hash in ``summary.json`` and a resumed
-run refuses a changed one.
-"""
+"""The graph view of the pre-training history (paper 001, Sec. 5.1.2): the stream's nodes, one
+edge per event of ``segments``, node features the frozen bank states at the snapshot's end
+(``bank``) or degree and mean edge features (``raw``); cached and hashed like every protocol
+object (a resume refuses a changed one)."""
 
 from __future__ import annotations
 
@@ -57,17 +41,8 @@ def encoder_digest(enc: torch.nn.Module) -> str:
 
 @dataclass
 class HistoryGraph:
-    """The history graph (module docstring).
-
-    Attributes:
-        users, items: int64 node ids of each side (every stream node of that type; a
-            non-bipartite stream has every node in ``users`` and none in ``items``).
-        edge_index: int64 ``[2, E]`` ``(source, destination)`` of each history event.
-        t: float64 ``[E]`` the events' times from the stream's start.
-        events: int64 ``[E]`` the events' stream indices.
-        x: float32 ``[N, d]`` node features (``params["features"]``).
-        params: how it was made (segments, features, stream fingerprint, source hashes).
-    """
+    """The history graph: node ids by side, each event's ``edge_index`` [2, E], time ``t``
+    (from the stream's start) and stream index, node features ``x`` and ``params``."""
 
     users: np.ndarray
     items: np.ndarray
@@ -95,12 +70,6 @@ class HistoryGraph:
         """Undirected degree ``[N]`` (an event counts once for each endpoint)."""
         ei = self.edge_index
         return torch.bincount(torch.cat([ei[0], ei[1]]), minlength=self.num_nodes)
-
-    def undirected(self) -> Tensor:
-        """Distinct undirected edges ``[2, 2M]`` (each pair in both directions, no self loop)."""
-        ei = torch.cat([self.edge_index, self.edge_index.flip(0)], 1)
-        ei = ei[:, ei[0] != ei[1]]
-        return torch.unique(ei, dim=1)
 
     def edges_of(self, nodes: np.ndarray | Tensor) -> Tensor:
         """Positions of the events whose source is in ``nodes`` (a client's users)."""
@@ -141,8 +110,7 @@ def history_events(manifest: Any, segments: tuple[str, ...] = ("pretrain",)) -> 
 
 @torch.no_grad()
 def bank_features(enc: torch.nn.Module, stream: Any, t_ref: float) -> Tensor:
-    r"""Every node's state :math:`\mathbf{h}_v` from the frozen snapshot ``enc`` queried at
-    ``t_ref`` (from the stream's start), ``[N, d_h]``; ``enc`` stays as it was."""
+    """Every node's state [N, d_h] from the frozen snapshot ``enc`` at ``t_ref``."""
     was = enc.training
     enc.eval()
     out = []
@@ -154,8 +122,7 @@ def bank_features(enc: torch.nn.Module, stream: Any, t_ref: float) -> Tensor:
 
 
 def raw_features(stream: Any, events: np.ndarray) -> Tensor:
-    r""":math:`[\log(1 + \deg_v) \,\|\, \bar{\mathbf{x}}_v]`, ``[N, 1 + d_e]``: the undirected
-    degree and the mean edge feature of each node over ``events`` (zeros without any)."""
+    """``[log(1 + degree) | mean edge feature]`` [N, 1 + d_e] of each node over ``events``."""
     n = stream.num_nodes
     ends = np.concatenate([stream.src[events], stream.dst[events]])
     deg = np.bincount(ends, minlength=n).astype(np.float64)
@@ -174,8 +141,7 @@ def build_history(
     segments: tuple[str, ...] = ("pretrain",),
     features: str = "bank",
 ) -> HistoryGraph:
-    """The history graph of ``protocol`` (module docstring); ``snapshot`` is the bank's frozen
-    encoder (needed for ``features="bank"``)."""
+    """The history graph of ``protocol`` (``snapshot``: the bank's encoder, for ``bank``)."""
     if features not in FEATURES:
         raise ValueError(f"history features must be one of {FEATURES}, got {features!r}")
     stream, manifest = protocol.stream, protocol.manifest
@@ -211,9 +177,8 @@ def cached_history(
     segments: tuple[str, ...] = ("pretrain",),
     features: str = "bank",
 ) -> tuple[HistoryGraph, Path | None, bool]:
-    """The history graph, materialized once under ``cache_dir/history/`` (``None``: built,
-    not saved): ``(graph, path, reused)``. A cached file whose content no longer matches its
-    recorded hash is rebuilt."""
+    """``(graph, path, reused)``: the history graph, cached under ``cache_dir/history/``
+    (rebuilt when the file no longer matches its hash)."""
     if cache_dir is None:
         return build_history(protocol, snapshot, segments, features), None, False
     key = content_hash(

@@ -1,11 +1,6 @@
-"""What FedGCN and FedSage+ share (paper 001, Sec. 5.1.2: "history-aggregated graph views";
-docs/fedtip.md): the graph view of the pre-training history
-(:mod:`fedlightning.methods.history.history`, materialized and hashed before the first task), each
-client's part of it (the history edges of the users it owns), a one-off exchange before the
-first task (:meth:`HistoryBaseline.prepare`, counted in the ledger in that task's scope), then
-per task and family a GNN trained with support-weighted FedAvg on the task's supports and
-scored by the server on the whole history graph with FedTIP's scoring rule.
-"""
+"""What FedGCN and FedSage+ share (paper 001, Sec. 5.1.2; docs/fedtip.md): the history graph,
+each client's part of it, a one-off exchange before the first task, then per task and family
+a GNN fitted by support-weighted FedAvg and scored by the server on the whole history."""
 
 from __future__ import annotations
 
@@ -26,7 +21,7 @@ from fedlightning.federation.task_loop import (
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.methods.fedtip.fedtip import FedTIP
-from fedlightning.methods.fulltune.fulltune import model_update
+from fedlightning.methods.fulltune.fulltune import fedavg_server, model_update
 from fedlightning.methods.history.graph_task import (
     ClientGraph,
     GraphTaskClient,
@@ -46,10 +41,8 @@ def both_ways(edge_index: Tensor) -> Tensor:
 
 @dataclass
 class HistoryBaseline(FedTIP):
-    """The shared composition (module docstring). ``features``: the history's node inputs,
-    ``bank`` (frozen bank states, reported) or ``raw`` (degree and mean event features);
-    ``segments``: the history's segments; ``hidden``, ``out``: the GNN's widths; ``lr``,
-    ``weight_decay``, ``optimizer``: the local fit's."""
+    """The shared part; ``features``, ``segments``: the history's; ``hidden``, ``out``: the
+    GNN's widths; ``optimizer``: the local fit's."""
 
     flower_nodes = False  # a Flower node holds neither the history view nor the exchange
     name: str = "history_gnn"
@@ -69,20 +62,13 @@ class HistoryBaseline(FedTIP):
         super().__post_init__()
         if self.features not in FEATURES:
             raise ValueError(f"algorithm.features must be one of {FEATURES}, got {self.features!r}")
-        self.snapshot: Any = None
-        self.protocol: Any = None
         self.history: HistoryGraph | None = None
         self.trained: nn.Module | None = None
         self.local: dict[int, Tensor] = {}
 
     # ------------------------------------------------------------------ the history view
-    def attach(self, snapshot: Any, protocol: Any) -> None:
-        """The bank's frozen snapshot encoder and the temporal protocol."""
-        self.snapshot, self.protocol = snapshot, protocol
-
     def materialize_views(self, cache_dir: Any) -> dict[str, str]:
-        """The history graph (cached under ``cache_dir``) and each client's edges; returns
-        ``{"history": hash}`` for the run's hashes (a resume refuses a changed one)."""
+        """The history graph and each client's edges; its hash joins the run's."""
         graph, _, _ = cached_history(
             self.protocol, self.snapshot, cache_dir, tuple(self.segments), self.features
         )
@@ -90,7 +76,7 @@ class HistoryBaseline(FedTIP):
         return {"history": graph.hash}
 
     def use_history(self, graph: HistoryGraph) -> None:
-        """Set the history graph and split its edges by the owner of their source user."""
+        """The history graph, its edges split by their source's owner."""
         self.history = graph
         owner = torch.from_numpy(self.protocol.ownership.owner)
         src_owner = owner[graph.edge_index[0]]
@@ -112,16 +98,13 @@ class HistoryBaseline(FedTIP):
         """The one-off exchange before the first task (none here)."""
 
     def task_threads(self) -> Any:
-        """One torch thread for the tasks (a small graph's scatter on two threads of a busy
-        machine took 20x longer)."""
+        """One torch thread for the tasks (a small graph's scatter is slower on two)."""
         return streaming_threads()
 
     def client_graph(self, k: int) -> ClientGraph:
-        """Client ``k``'s GNN input."""
         return ClientGraph(self.history.x, self.local[k])
 
     def server_graph(self) -> ClientGraph:
-        """The server scorer's GNN input: the whole history."""
         return ClientGraph(self.history.x, self.everything)
 
     def model(self, d_in: int) -> nn.Module:
@@ -129,7 +112,6 @@ class HistoryBaseline(FedTIP):
 
     # ------------------------------------------------------------------ task verbs
     def adapter(self, d_h: int, d_t: int, d_e: int) -> nn.Module:
-        """The task's GNN (its initial weights drawn by the loop's seed)."""
         return self.model(self.d_in(d_h))
 
     def task_module(self, adapter: nn.Module, family: str) -> GraphTaskClient:
@@ -139,8 +121,7 @@ class HistoryBaseline(FedTIP):
         )  # fmt: skip
 
     def task_server(self, module: GraphTaskClient) -> FedTIPServer:
-        start = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-        return FedTIPServer(start, 1.0, reliability_weights=False, anchors=False, field="model")
+        return fedavg_server(module.model)
 
     def task_work(
         self,
@@ -150,8 +131,7 @@ class HistoryBaseline(FedTIP):
         module: GraphTaskClient,
         broadcast: ServerBroadcast,
     ) -> ClientWork:
-        """Each client's fit on its own graph: the GNN's delta, class counts and (node
-        classification) the class means of its support."""
+        """Each client's fit on its own graph (:func:`model_update`)."""
         shapes = {n: p.shape for n, p in module.model.named_parameters()}
         omega = unflatten(broadcast.tensors["model"], shapes)
         r = broadcast.round
@@ -173,8 +153,7 @@ class HistoryBaseline(FedTIP):
 
     @torch.no_grad()
     def task_segments(self, loop: TaskLoop, segments: dict[str, Batch]) -> dict[str, Batch]:
-        """The server's segments with the task's GNN representations of each event's
-        source, destination and negative in ``h_u``, ``h_i``, ``h_j``."""
+        """The segments with the GNN's representations in ``h_u``, ``h_i``, ``h_j``."""
         self.trained.eval()
         g = self.server_graph()
         z = self.trained(g.x, g.edge_index)
@@ -186,8 +165,7 @@ class HistoryBaseline(FedTIP):
         return out
 
     def message_size(self, adapter: nn.Module, family: str, classes: int = 2) -> int:
-        """Float32 values of one round's message: the GNN's delta, a count per class and,
-        for node classification, a class mean per class."""
+        """Float32 values of one message: the delta, class counts, class means (``nc``)."""
         n = adapter.num_values() + classes
         return n + (classes * adapter.d_out if family == "nc" else 0)
 

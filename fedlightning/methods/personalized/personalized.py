@@ -1,6 +1,5 @@
-"""Personalized class-incremental baselines (FedSSP, FedIIH): clients keep their own model
-between rounds and exchange only part of it; evaluation runs each client's own model (``personalized``: the schedule evaluates each client
-with :meth:`PersonalizedContinual.eval_state`)."""
+"""Personalized class-incremental baselines (FedSSP, FedIIH): clients keep their own model and
+exchange part of it; each client is evaluated on its own (:meth:`eval_state`)."""
 
 from __future__ import annotations
 
@@ -18,15 +17,8 @@ LOCAL = "local"  # the client-state entry holding its own model
 
 
 class PersonalizedContinual(ContinualFedAvg):
-    """:class:`~fedlightning.methods.continual.continual.ContinualFedAvg` whose clients keep their
-    whole model in their state (``state["local"]``, checkpointed) and load over it, at each
-    fit, only what the broadcast carries for them (:meth:`received`); they send back only the
-    weights :meth:`shared` names. Retention is FedOGL's adaptation rule for non-continual
-    methods: the shared class-balanced replay budget, MSP rejection (no teacher).
-
-    Every client starts from the same seeded initial model (captured by
-    :meth:`client_module`, which every process calls on the freshly built net).
-    """
+    """Clients keep their model in ``state["local"]``, load :meth:`received` over it and send
+    the :meth:`shared` weights; all start from the same seeded initial model."""
 
     personalized = True
 
@@ -48,8 +40,7 @@ class PersonalizedContinual(ContinualFedAvg):
         return model_state(broadcast.tensors)
 
     def eval_state(self, client: FederatedClient, broadcast: ServerBroadcast) -> dict:
-        """The model ``client`` starts a fit from: its own (the initial model before its
-        first fit) with :meth:`received` loaded over it."""
+        """The client's own model (initially the shared one) with :meth:`received` over it."""
         own = client.state.get(LOCAL) or self.init_state
         return {**own, **self.received(client, broadcast)}
 
@@ -70,7 +61,6 @@ class PersonalizedContinual(ContinualFedAvg):
         return super().finish(module, client, broadcast, batch)
 
     def make_update(self, module: Any, client: FederatedClient, round: int) -> ClientUpdate:
-        """The :meth:`shared` weights (and ``num_examples``, set by :meth:`finish`)."""
         state = {k: v for k, v in module.net.state_dict().items() if self.shared(k)}
         scalars = {"num_examples": float(client.num_train)}
         if self.report_train_loss:
@@ -78,5 +68,4 @@ class PersonalizedContinual(ContinualFedAvg):
         return ClientUpdate(round, as_model_fields(detach_state(state)), scalars, client.client_id)
 
     def shared_state(self, global_state: dict) -> dict:
-        """The part of the initial model the server holds."""
         return {k: v for k, v in global_state.items() if self.shared(k)}

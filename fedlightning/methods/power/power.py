@@ -1,9 +1,5 @@
-"""POWER (Zhu, Hu and Wu, *Federated Continual Graph Learning*, KDD 2025) as a composition
-(docs/fedogl.md, "POWER"): coverage-maximising replay and the beta-weighted loss on the
-clients; class gradients of a shared random encoder in each stage's first round; on the
-server, label inference, pseudo-prototype reconstruction by gradient matching,
-sample-weighted FedAvg and distillation on the pseudo-nodes; MSP rejection (Eq. (6)).
-"""
+"""POWER (Zhu, Hu and Wu, KDD 2025; docs/fedogl.md, "POWER"): coverage replay and class
+gradients of a shared encoder on the clients, reconstruction and distillation on the server."""
 
 from __future__ import annotations
 
@@ -39,24 +35,8 @@ from fedlightning.utils.seeding import torch_generator
 
 
 class POWER(ContinualFedAvg):
-    """POWER with two switches.
-
-    Args:
-        replay_per_class: nodes per class and stage in the client's buffer (POWER's own
-            replay, 1 in the original).
-        coverage: select them by :func:`~fedlightning.methods.power.power_client.coverage_max` (``False``:
-            uniformly, class-balanced).
-        eta: the coverage radius, ``eta x`` the mean pairwise distance.
-        alpha: the selection's embedding, ``alpha x`` local + ``(1 - alpha) x`` global.
-        beta: the new-task weight of the local loss.
-        server_kd: the server's reconstruction and distillation (``False``: plain FedAvg and
-            no gradient upload).
-        decay: ``q``, the weight of a past stage's class counts per stage of age.
-        server_lr, server_epochs, server_weight_decay: the server's Adam on the distillation.
-        recon: :func:`~fedlightning.methods.power.power_server.reconstruct_prototypes`'s ``steps``,
-            ``max_iter``, ``lr``, ``keep``.
-        score, max_update_norm, max_client_weight: as :class:`ContinualFedAvg`.
-    """
+    """POWER; ``coverage`` and ``server_kd`` switch coverage replay and the server's
+    reconstruction and distillation (settings: docs/fedogl.md, "POWER")."""
 
     RECON_DEFAULTS = {"steps": 20, "max_iter": 20, "lr": 1.0, "keep": 1}
 
@@ -127,8 +107,7 @@ class POWER(ContinualFedAvg):
         return PowerNodeClassifier(net, optimizer, beta=self.beta)
 
     def ge(self) -> dict[str, Tensor]:
-        """The run's shared gradient encoder, drawn from ``(seed, "power_ge")`` on every
-        party (the original broadcasts it once; a shared seed gives the same weights)."""
+        """The run's shared gradient encoder, drawn from ``(seed, "power_ge")``."""
         if self._ge is None or self._ge[0] != self.seed:
             g = torch_generator(self.seed, "power_ge")
             self._ge = (self.seed, ge_parameters(sum(self.dims.values()), self.classes, g))
@@ -159,9 +138,8 @@ class POWER(ContinualFedAvg):
 
     # ---------------------------------------------------------------- declared messages
     def uplink(self, broadcast: ServerBroadcast) -> MessageSpec:
-        """FedAvg's fields and, in a stage's first round, per class slot ``j``:
-        ``power_grad.<j>.<GE weight>`` (GE's shapes) and ``power_count.<j>`` (a whole number
-        >= 1); each slot whole, counts summing to at most ``num_examples``."""
+        """FedAvg's fields and, in a stage's first round, whole slots ``power_grad.<j>.*`` with
+        ``power_count.<j>`` summing to at most ``num_examples``."""
         spec = super().uplink(broadcast)
         if not self.server_kd or not self.stage_start(broadcast.round):
             return spec
@@ -181,8 +159,7 @@ class POWER(ContinualFedAvg):
 
     # ---------------------------------------------------------------- client side
     def begin_stage(self, client: FederatedClient, t: int, global_state: dict) -> None:
-        """A stage's start: a past stage the client has no buffer of (it missed that stage's
-        last round) gets one selected on the global model alone."""
+        """A past stage without a buffer gets one selected on the global model alone."""
         memory: dict[int, Tensor] = client.state.setdefault("replay", {})
         for s in range(t):
             if s not in memory:
@@ -192,9 +169,8 @@ class POWER(ContinualFedAvg):
     def finish(
         self, module: Any, client: FederatedClient, broadcast: ServerBroadcast, batch: Any
     ) -> ClientUpdate:
-        """The FedAvg update; in a stage's first round the class gradients; in its last,
-        the stage's buffer (selected with the trained local and the broadcast model, as the
-        original's ``task_done``)."""
+        """The FedAvg update; a stage's first round adds the class gradients, its last
+        selects the stage's buffer."""
         update = super().finish(module, client, broadcast, batch)
         t = self.stage_of(broadcast.round)
         if self.server_kd and self.stage_start(broadcast.round):
@@ -207,8 +183,7 @@ class POWER(ContinualFedAvg):
         return update
 
     def add_gradients(self, client: FederatedClient, t: int, update: ClientUpdate) -> None:
-        """Per observed class ``c`` with training nodes (slot ``j``, in class order): the GE
-        gradient at the class mean of :func:`fused_input` and the class's node count."""
+        """Per observed class (slot ``j``): GE's gradient at its fused-input mean, its count."""
         data = client.data
         sup = data.train_mask & torch.isin(data.y, self.supervised_classes(client.client_id, t))
         j = 0
@@ -233,9 +208,8 @@ class POWER(ContinualFedAvg):
     def select(
         self, client: FederatedClient, s: int, global_state: dict, local: nn.Module | None
     ) -> Tensor:
-        """Stage ``s``'s buffer: per observed class, ``replay_budget`` training nodes chosen
-        by :func:`coverage_max` on ``alpha`` local + ``(1 - alpha)`` global embeddings (the
-        global alone without a local model), or uniformly without ``coverage``; node ids."""
+        """Stage ``s``'s buffer (node ids): per class, ``replay_budget`` nodes by
+        :func:`coverage_max` on the ``alpha``-mixed local and global embeddings."""
         data = client.data
         batch = self.batch_at(client, s, replay=False)
         ids = torch.isin(data.y, torch.tensor(self.stream.known(s))).nonzero().view(-1)
@@ -258,8 +232,7 @@ class POWER(ContinualFedAvg):
 
 
 def _whole_slots(update: ClientUpdate, names: tuple[str, ...]) -> str | None:
-    """Each slot carries every GE gradient and its count; the counts sum to at most
-    ``num_examples``."""
+    """Whole slots with counts summing to at most ``num_examples``."""
     slots: dict[str, set[str]] = {}
     for k in update.tensors:
         if k.startswith(GRAD_PREFIX):

@@ -14,13 +14,8 @@ from fedlightning.clients.losses import restrict_logits
 
 
 def coverage_max(embedding: Tensor, budget: int, eta: float = 0.1) -> Tensor:
-    r"""POWER's coverage-maximising selection of ``budget`` of the ``n`` rows of
-    ``embedding`` ``[n, d]`` (one class's training nodes): node ``j`` covers node ``i`` when
-    :math:`\lVert e_i - e_j \rVert_2 < \eta \cdot \overline{d}` (``\overline{d}`` the mean
-    of the ``n x n`` distance matrix, diagonal included); greedily take the node covering
-    the most not-yet-covered nodes, remove what it covers; once 90% of the nodes are
-    covered, start over with only the chosen ones removed. Positions, in choice order
-    (unique; at most ``n``)."""
+    """POWER's greedy coverage selection of ``budget`` rows (positions, in choice order): a
+    row covers those nearer than ``eta`` times the mean distance; at 90% covered, restart."""
     n = embedding.size(0)
     if n == 0 or budget <= 0:
         return torch.zeros(0, dtype=torch.long)
@@ -48,19 +43,14 @@ def coverage_max(embedding: Tensor, budget: int, eta: float = 0.1) -> Tensor:
 
 
 def power_objective(ce_new: Tensor, ce_replay: Tensor | None, beta: float) -> Tensor:
-    r"""POWER's local loss: :math:`\beta\, \mathrm{CE}_{new} + (1 - \beta)\,
-    \mathrm{CE}_{replay}`, or :math:`\mathrm{CE}_{new}` alone while the buffer is empty
-    (``ce_replay=None``)."""
+    """POWER's local loss ``beta CE_new + (1 - beta) CE_replay`` (``CE_new`` alone if empty)."""
     if ce_replay is None:
         return ce_new
     return beta * ce_new + (1.0 - beta) * ce_replay
 
 
 class PowerNodeClassifier(ContinualNodeClassifier):
-    """Local training of POWER at a stage: :func:`power_objective` over the known-class
-    logits, ``batch.sup_mask`` the new nodes and ``batch.replay_mask`` the buffer. ``net``,
-    ``optimizer``: as :class:`~fedlightning.clients.continual_client.ContinualNodeClassifier`;
-    ``beta``: the new-task weight."""
+    """POWER's local training: :func:`power_objective` over the known-class logits."""
 
     def __init__(self, net: nn.Module, optimizer: Any, beta: float = 0.01) -> None:
         super().__init__(net, optimizer, lambda_dis=0.0)
@@ -75,8 +65,7 @@ class PowerNodeClassifier(ContinualNodeClassifier):
 
 
 def fused_input(data: Data, modalities: list[str], nodes: Tensor) -> Tensor:
-    """The GE input of ``nodes``: each modality's raw features (dense; zeros where the node
-    lacks the modality), concatenated in ``modalities`` order, ``[len(nodes), sum d_m]``."""
+    """GE's input: the modalities' raw features (zeros where absent), concatenated."""
     parts = []
     for j, m in enumerate(modalities):
         x = data[f"x_{m}"].index_select(0, nodes)
@@ -86,8 +75,7 @@ def fused_input(data: Data, modalities: list[str], nodes: Tensor) -> Tensor:
 
 
 def pseudo_graph(x: Tensor, dims: dict[str, int]) -> Data:
-    """Pseudo-nodes ``x`` ``[n, sum d_m]`` (:func:`fused_input`'s layout) as ``n`` isolated
-    nodes with every modality available: what the server feeds the models."""
+    """Pseudo-nodes ``x`` as isolated nodes with every modality available."""
     parts = torch.split(x, list(dims.values()), dim=1)
     graph = Data(edge_index=torch.zeros(2, 0, dtype=torch.long), num_nodes=x.size(0))
     for m, part in zip(dims, parts, strict=True):

@@ -1,9 +1,5 @@
-"""POWER's server part (Zhu, Hu and Wu, *Federated Continual Graph Learning*, KDD 2025;
-docs/fedogl.md, "POWER"): the shared gradient encoder GE, label inference from a class
-gradient, pseudo-prototype reconstruction by gradient matching, and server-side
-distillation of the aggregated model towards the clients' models on the pseudo-nodes. No
-Lightning here.
-"""
+"""POWER's server (docs/fedogl.md, "POWER"): the shared gradient encoder GE, labels from class
+gradients, pseudo-prototypes by gradient matching, distillation on the pseudo-nodes."""
 
 from __future__ import annotations
 
@@ -25,10 +21,8 @@ GE_WIDTHS = (128, 128, 64)  # the hidden widths of the original's GE
 
 
 def ge_parameters(in_dim: int, num_classes: int, generator: torch.Generator) -> dict[str, Tensor]:
-    """GE's weights, ``lin1..lin4`` (``in_dim -> 128 -> 128 -> 64 -> num_classes``), drawn
-    as :class:`torch.nn.Linear` draws them (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for the
-    weight and the bias) from ``generator``: every party that knows the seed holds the
-    same encoder."""
+    """GE's ``lin1..lin4`` (``in_dim -> 128 -> 128 -> 64 -> num_classes``), drawn as
+    ``nn.Linear`` draws them from ``generator``."""
     dims = (in_dim, *GE_WIDTHS, num_classes)
     out = {}
     for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True), start=1):
@@ -51,9 +45,7 @@ def ge_forward(params: dict[str, Tensor], x: Tensor) -> Tensor:
 def class_gradient(
     params: dict[str, Tensor], prototype: Tensor, label: int, create_graph: bool = False
 ) -> dict[str, Tensor]:
-    r"""The uploaded message of one class: :math:`\nabla_\theta \mathrm{CE}(GE_\theta(\bar
-    x_c), c)`, the gradient of GE's cross-entropy at the class prototype ``prototype``
-    ``[D]``, by parameter name."""
+    """One class's message: the gradient of GE's cross-entropy at ``prototype`` [D]."""
     leaves = {
         k: v if v.requires_grad else v.detach().requires_grad_(True) for k, v in params.items()
     }
@@ -63,31 +55,22 @@ def class_gradient(
 
 
 def gradient_label(grads: dict[str, Tensor]) -> int:
-    r"""The class of a one-sample CE gradient: the argmin of the last layer's bias gradient
-    :math:`\partial \mathrm{CE} / \partial b = \mathrm{softmax}(z) - e_c`, negative only at
-    the label."""
+    """The label of a one-sample CE gradient: the argmin of the last bias's (``softmax - e_c``)."""
     last = max(int(k[3:].split(".")[0]) for k in grads)
     return int(torch.argmin(grads[f"lin{last}.bias"]))
 
 
 def gradient_distance(a: dict[str, Tensor], b: dict[str, Tensor]) -> Tensor:
-    r""":math:`\sum_p \lVert a_p - b_p \rVert_2^2`, the gradient-matching loss."""
+    """The gradient-matching loss, the summed squared differences."""
     return sum(((a[k] - b[k]) ** 2).sum() for k in b)
 
 
 def gradient_match(
     params: dict[str, Tensor], x: Tensor, labels: Tensor, targets: dict[str, Tensor]
 ) -> Tensor:
-    r""":func:`gradient_distance` between :func:`class_gradient` at each row of ``x``
-    ``[n, D]`` (label ``labels[i]``) and the uploaded ``targets`` (fields ``[n, ...]``),
-    ``[n]``, without forming the per-row gradients: backpropagation written out, with
-    :math:`h_0 = x`, :math:`a_l = W_l h_{l-1} + b_l`, :math:`h_l = \mathrm{relu}(a_l)`,
-    :math:`\delta_L = \mathrm{softmax}(a_L) - e_c`, :math:`\delta_l = W_{l+1}^\top
-    \delta_{l+1} \odot [a_l > 0]`, a weight's gradient is :math:`\delta_l h_{l-1}^\top`,
-    so :math:`\lVert \delta_l h_{l-1}^\top - G_l \rVert^2 = \lVert \delta_l \rVert^2
-    \lVert h_{l-1} \rVert^2 - 2\, \delta_l^\top G_l h_{l-1} + \lVert G_l \rVert^2`, and a
-    bias's :math:`\lVert \delta_l - g_l \rVert^2`. In float64 (the three terms nearly
-    cancel at a match); differentiable in ``x``."""
+    """:func:`gradient_distance` [n] of :func:`class_gradient` at each row of ``x`` to
+    ``targets`` [n, ...], by backpropagation written out (``|d h^T - G|^2 = |d|^2 |h|^2 -
+    2 d^T G h + |G|^2``) without per-row gradients; float64, differentiable in ``x``."""
     f64 = {k: v.to(torch.float64) for k, v in params.items()}
     layers = len(f64) // 2
     h, pre = [x.to(torch.float64)], []
@@ -115,18 +98,10 @@ def batched_lbfgs(
     floor: Tensor | None = None,
     tolerance_grad: float = 1e-7,
 ) -> Iterator[tuple[int, Tensor]]:
-    r"""L-BFGS on ``n`` independent problems at once: ``fun(x)`` ``[n]`` is problem
-    ``i``'s loss at row ``x[i]`` (row ``i`` of its gradient depends on ``x[i]`` alone).
-    Each problem keeps its own curvature pairs (the last ``history`` iterations) and moves
-    as :class:`torch.optim.LBFGS` without line search would move it alone: first step
-    :math:`-\min(1, 1/\lVert g\rVert_1)\,\mathrm{lr}\, g`, then ``lr`` times the two-loop
-    direction; a pair with :math:`y^\top s \le 10^{-10}` is skipped. A problem stops (its row
-    frozen) once its loss is at most ``floor[i]``, its largest gradient entry at most
-    ``tolerance_grad``, or its direction is no descent direction (:math:`g^\top d >
-    -10^{-9}`; LBFGS would not move again: the next pair is skipped, the direction the
-    same). Yields ``(iteration, x)`` after each of ``iters`` iterations (and
-    stops early once every problem has stopped, yielding the final ``x`` once more as
-    iteration ``-1``)."""
+    """L-BFGS on the ``n`` independent rows of ``x`` (``fun(x)`` [n]), each moving as
+    ``torch.optim.LBFGS`` without line search would; a row stops at ``floor``, at
+    ``tolerance_grad`` or without a descent direction. Yields ``(iteration, x)``; ``(-1, x)``
+    once every row has stopped."""
     x = x.detach().clone()
     n = x.size(0)
     floor = torch.full((n,), -1.0) if floor is None else floor
@@ -189,15 +164,9 @@ def reconstruct_prototypes(
     keep: int = 1,
     tol: float = 1e-8,
 ) -> Tensor:
-    r"""Pseudo-prototypes ``[n, keep, D]``, for each of ``n`` uploads (``targets``: GE's
-    gradient fields ``[n, ...]``, ``labels`` ``[n]``) one whose GE gradient matches it:
-    :math:`\min_x \sum_p \lVert \nabla_p \mathrm{CE}(GE(x), c) - g_p \rVert^2` by L-BFGS
-    (:func:`batched_lbfgs`, all uploads at once, each its own problem) from ``start``
-    ``[n, D]`` (draws of :math:`\mathcal{N}(0, I)`): ``steps`` x ``max_iter`` iterations
-    of learning rate ``lr``; the iterates at the end of the last ``keep`` steps of
-    ``max_iter`` (the original's ``num_recon_nodes``). A problem stops once its loss is at
-    most ``tol`` x :math:`\sum_p \lVert g_p \rVert^2` (converged: its later iterates
-    would repeat it)."""
+    """Pseudo-prototypes [n, keep, D] whose GE gradients match the uploads ``targets``:
+    ``steps x max_iter`` :func:`batched_lbfgs` iterations from ``start``, the iterates ending
+    the last ``keep`` steps; a row stops below ``tol`` times its target's squared norm."""
     frozen = {k: v.detach().to(torch.float64) for k, v in params.items()}
     targets = {k: v.detach().to(torch.float64) for k, v in targets.items()}
     norms = sum((v**2).flatten(1).sum(1) for v in targets.values())
@@ -218,10 +187,8 @@ def reconstruct_prototypes(
 def distillation_weights(
     counts: dict[int, dict[int, Tensor]], stage: int, clients: Sequence[int], decay: float
 ) -> Tensor:
-    r"""The weight of client ``k`` and class ``c`` in the server's distillation, ``[K, C]``:
-    :math:`W = N_t + \sum_{s<t} q^{t-s} N_s` (``N_s[k, c]``: the count client ``k``
-    uploaded for class ``c`` at stage ``s``; ``q``: ``decay``), each class's column scaled
-    to sum to one over ``clients`` (a column of zeros stays zero)."""
+    """Distillation weights [K, C]: ``sum_s decay^(t-s) N_s`` of the uploaded class counts,
+    each column scaled to sum to one."""
     rows = []
     for k in clients:
         total = None
@@ -240,10 +207,8 @@ def distillation_weights(
 def distillation_loss(
     global_logits: Tensor, local_logits: Sequence[Tensor], weights: Tensor, labels: Tensor
 ) -> Tensor:
-    r"""POWER's server objective on the pseudo-nodes (labels ``labels`` ``[n]``):
-    :math:`\sum_k \sum_c W_{k,c} \frac{1}{n_c} \sum_{i: y_i = c} \frac{1}{C} \lVert
-    z^g_i - z^k_i \rVert_1`, ``z^g`` the global model's logits ``[n, C]``, ``z^k``
-    client ``k``'s, ``W`` ``[K, C]`` from :func:`distillation_weights`."""
+    """POWER's server objective: ``sum_k sum_c W[k, c]`` times class ``c``'s mean L1 logit gap
+    (per class) between the global model and client ``k``."""
     total = global_logits.sum() * 0.0
     for k, local in enumerate(local_logits):
         per_node = (global_logits - local).abs().mean(1)
@@ -255,25 +220,9 @@ def distillation_loss(
 
 
 class PowerMemory(ServerModule):
-    """The server's pseudo-node memory and distillation.
-
-    In a stage's first round each client's ``power_grad.<j>.*`` (one class's GE gradient)
-    and ``power_count.<j>`` are turned into a label (:func:`gradient_label`), a class count
-    (per stage and client) and ``keep`` pseudo-prototypes (:func:`reconstruct_prototypes`).
-    After every round's FedAvg the global model takes ``epochs`` Adam steps (``lr``) on
-    :func:`distillation_loss` against the round's client models on all pseudo-nodes so far.
-
-    Args:
-        net: a module of the global model's architecture (its forward is called with the
-            state dicts by :func:`torch.func.functional_call`; eval mode).
-        pseudo_graph: ``x [n, D] -> input of net`` (the pseudo-nodes as isolated nodes).
-        ge: ``() -> GE's parameters`` (the run's shared encoder).
-        stage_of: ``round -> stage``.
-        decay, lr, epochs, weight_decay: ``q``; the server's Adam (learning rate, steps per
-            round, weight decay).
-        recon: :func:`reconstruct_prototypes`'s ``steps``, ``max_iter``, ``lr``, ``keep``.
-        generator: ``(round, client, slot) -> torch.Generator`` of the start point.
-    """
+    """The pseudo-node memory: uploaded class gradients become labels, counts and
+    pseudo-prototypes; after each FedAvg the global model (``net``'s architecture) takes
+    ``epochs`` Adam steps of :func:`distillation_loss` on all pseudo-nodes so far."""
 
     def __init__(
         self,
@@ -313,8 +262,7 @@ class PowerMemory(ServerModule):
             self.add(t, round, uploads)
 
     def add(self, t: int, round: int, uploads: Sequence[tuple[int, int, dict, float]]) -> None:
-        """A round's uploaded class gradients ``(client, slot, fields, count)``: their
-        labels, their counts, their pseudo-prototypes (reconstructed together)."""
+        """Labels, counts and pseudo-prototypes of ``(client, slot, fields, count)`` uploads."""
         params = self.ge()
         width = params["lin4.bias"].numel()
         labels = torch.tensor([gradient_label(g) for _, _, g, _ in uploads])

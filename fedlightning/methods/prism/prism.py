@@ -1,11 +1,6 @@
-"""PRISM (Chen et al., modality-deficient federated graph learning) in FedOGL's
-class-incremental setting, as a composition (docs/fedogl.md, "PRISM"): whole clients miss
-one modality (:func:`deficient_clients`), the server keeps paired class prototypes of the
-clients that have every modality (:class:`~fedlightning.methods.class_bank.class_bank_server.ClassBank`), a
-node missing a modality retrieves it from them under a topology-aware gate with a
-structural prompt (:class:`~fedlightning.methods.prism.prism_model.PrismNet`); FedAvg of the whole net,
-the shared replay budget and MSP rejection (Eq. (6)).
-"""
+"""PRISM (Chen et al.) in the class-incremental setting (docs/fedogl.md, "PRISM"): whole
+clients miss a modality, the server's class bank holds paired prototypes, :class:`PrismNet`
+imputes; FedAvg, replay and MSP rejection (Eq. 6)."""
 
 from __future__ import annotations
 
@@ -29,17 +24,15 @@ PAIRED_PREFIX, PAIRED_COUNT_PREFIX = "paired_proto.", "paired_count."
 def deficient_clients(
     num_clients: int, modalities: list[str], fraction: float, seed: int
 ) -> dict[int, str]:
-    """Which client misses which modality: the first ``round(fraction * K)`` clients of a
-    permutation drawn from ``(seed, "prism", "deficient")`` (a hash of the keys, so the
-    same in every process), the ``j``-th of them missing ``modalities[j % M]``."""
+    """The first ``round(fraction * K)`` clients of a seeded permutation, the ``j``-th
+    missing ``modalities[j % M]``."""
     order = torch.randperm(num_clients, generator=torch_generator(seed, "prism", "deficient"))
     n = int(round(fraction * num_clients))
     return {int(k): modalities[j % len(modalities)] for j, k in enumerate(order[:n].tolist())}
 
 
 def drop_modality(data: Any, modalities: list[str], missing: str) -> None:
-    """Make ``missing`` unavailable on every node of a client's ``data`` (rows zeroed, mask
-    False; in place, idempotent)."""
+    """``missing`` zeroed and masked on every node of ``data`` (in place, idempotent)."""
     j = modalities.index(missing)
     mask = data.modality_mask.clone()
     mask[:, j] = False
@@ -49,16 +42,8 @@ def drop_modality(data: Any, modalities: list[str], missing: str) -> None:
 
 
 class Prism(ClassBankFedAvg):
-    """PRISM + the adaptation rule.
-
-    Args:
-        deficient_fraction: the fraction of clients that miss a whole modality (ours: 0.4,
-            2 of 5 clients, one per modality).
-        num_clients: ``federation.clients`` (the deficient clients are drawn among them).
-        deficiency_seed: the seed of the draw (``protocol.seed``: the deficiency is part of
-            the data protocol, like the partition).
-        replay_budget, score, ...: as :class:`~fedlightning.methods.continual.continual.ContinualFedAvg`.
-    """
+    """PRISM; ``deficient_fraction`` of ``num_clients`` miss a modality, drawn with
+    ``deficiency_seed`` (``protocol.seed``: part of the data protocol)."""
 
     bank_buffer, seen_buffer = PAIRED_BUFFER, PAIRED_SEEN_BUFFER
     bank_prefix, count_prefix = PAIRED_PREFIX, PAIRED_COUNT_PREFIX
@@ -101,8 +86,7 @@ class Prism(ClassBankFedAvg):
         return super().make_module(net, optimizer)
 
     def prepare_clients(self, clients: list[FederatedClient]) -> None:
-        """The deficient clients miss their modality in training and in every evaluation;
-        ``num_clients`` must be the run's."""
+        """The deficient clients miss their modality throughout."""
         if len(clients) != self.num_clients:
             raise ConfigError(
                 "algorithm.num_clients",
@@ -112,7 +96,6 @@ class Prism(ClassBankFedAvg):
             self.make_deficient(client)
 
     def make_deficient(self, client: FederatedClient) -> None:
-        """Hide the client's missing modality, if it has one (idempotent)."""
         missing = self.missing.get(client.client_id)
         if missing is not None and not getattr(client.data, "prism_deficient", False):
             drop_modality(client.data, self.modalities, missing)
@@ -123,9 +106,7 @@ class Prism(ClassBankFedAvg):
         return super().prepare(module, client, broadcast)
 
     def class_rows(self, net: PrismNet, batch: Any) -> dict[int, tuple[torch.Tensor, int]]:
-        """Per class the means ``[M, hidden]`` of every modality's embedding over the
-        training nodes (current and replayed) that have all modalities: none on a client
-        that misses one."""
+        """Per class the modality embeddings' means [M, hidden] over complete training nodes."""
         h = torch.stack(net.modality_embeddings(batch), dim=1)  # [N, M, hidden]
         mask = (batch.sup_mask | batch.replay_mask) & batch.modality_mask.all(dim=1)
         return class_means(h, batch.y, mask)

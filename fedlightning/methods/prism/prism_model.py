@@ -1,14 +1,6 @@
-"""PRISM's imputing backbone at node level (docs/fedogl.md, "PRISM").
-
-PRISM (Chen et al., modality-deficient federated graph learning) retrieves a missing
-modality's semantics from the federation and injects them into local message passing under
-topology-aware control. Our reading: the server holds per-class paired prototypes
-``P[c, m]`` (buffer ``paired`` ``[C, M, hidden]``, averaged from nodes that have every
-modality); a node missing modality ``m`` gets :func:`impute` of its top-``k`` retrieval
-weights (:func:`retrieval_weights`), scaled by a learned gate over its degree, its
-neighbours' agreement and its retrieval confidence (:func:`gate_features`), and the GNN
-input of a node with an imputed modality gets a learnable structural prompt.
-"""
+"""PRISM's imputing backbone (docs/fedogl.md, "PRISM"): a missing modality retrieved from the
+server's paired class prototypes ``paired`` [C, M, hidden] under a topology-aware gate, plus
+a structural prompt."""
 
 from __future__ import annotations
 
@@ -23,10 +15,7 @@ PAIRED_BUFFER, PAIRED_SEEN_BUFFER = "paired", "paired_seen"
 
 
 def retrieval_similarity(h: list[Tensor], mask: Tensor, paired: Tensor) -> Tensor:
-    r""":math:`\sigma_{ic} = \frac{1}{|A_i|}\sum_{o \in A_i} \cos(h_{i,o}, P_{c,o})`, the
-    cosine of a node's available modality embeddings ``h`` (``M`` of ``[N, d]``, available
-    where ``mask`` ``[N, M]``) to each class's paired prototype of that modality, ``[N, C]``
-    (zeros for a node with no modality)."""
+    """[N, C]: the mean cosine of a node's available modalities to each class's prototypes."""
     sims = torch.stack(
         [F.normalize(x, dim=-1) @ F.normalize(paired[:, j], dim=-1).t() for j, x in enumerate(h)],
         dim=1,
@@ -36,9 +25,7 @@ def retrieval_similarity(h: list[Tensor], mask: Tensor, paired: Tensor) -> Tenso
 
 
 def retrieval_weights(sim: Tensor, seen: Tensor, k: int, tau: float) -> Tensor:
-    r""":math:`w_{ic} = \mathrm{softmax}_{c \in \mathrm{top}_k(i)}(\sigma_{ic} / \tau)`, zero
-    outside the node's top-``k`` classes among those the server has a prototype of
-    (``seen``), ``[N, C]``; all zero while no class is seen."""
+    """[N, C]: the softmax of ``sim / tau`` over each node's top-``k`` ``seen`` classes."""
     n_seen = int(seen.sum())
     if n_seen == 0:
         return torch.zeros_like(sim)
@@ -49,14 +36,12 @@ def retrieval_weights(sim: Tensor, seen: Tensor, k: int, tau: float) -> Tensor:
 
 
 def impute(weights: Tensor, paired: Tensor, modality: int) -> Tensor:
-    r"""The retrieved embedding of ``modality``: :math:`\hat h_{i,m} = \sum_c w_{ic}
-    P_{c,m}`, ``[N, d]``."""
+    """The retrieved embedding of ``modality``, ``weights @ P[:, m]``."""
     return weights @ paired[:, modality]
 
 
 def neighbour_agreement(weights: Tensor, edge_index: Tensor) -> Tensor:
-    r""":math:`\rho_i = \cos(w_i, \frac{1}{|\mathcal{N}(i)|}\sum_{j \in \mathcal{N}(i)} w_j)`:
-    whether a node's neighbours retrieve the same classes, ``[N]`` (0 without neighbours)."""
+    """[N]: the cosine of a node's weights to its neighbours' mean."""
     src, dst = edge_index
     total = torch.zeros_like(weights).index_add(0, dst, weights[src])
     deg = torch.zeros(weights.size(0), dtype=weights.dtype, device=weights.device)
@@ -66,8 +51,7 @@ def neighbour_agreement(weights: Tensor, edge_index: Tensor) -> Tensor:
 
 
 def gate_features(weights: Tensor, edge_index: Tensor) -> Tensor:
-    r"""The gate's input :math:`\phi_i = [\log(1 + d_i), \rho_i, \max_c w_{ic}]`: degree,
-    :func:`neighbour_agreement`, retrieval confidence, ``[N, 3]``."""
+    """The gate's input [N, 3]: log degree, neighbour agreement, retrieval confidence."""
     deg = torch.zeros(weights.size(0), dtype=weights.dtype, device=weights.device)
     deg = deg.index_add(0, edge_index[1], torch.ones_like(edge_index[1], dtype=weights.dtype))
     conf = weights.max(dim=-1).values
@@ -75,9 +59,7 @@ def gate_features(weights: Tensor, edge_index: Tensor) -> Tensor:
 
 
 def gated_fusion(h: list[Tensor], imputed: list[Tensor], mask: Tensor, gate: Tensor) -> Tensor:
-    r""":math:`s_i = \frac{\sum_m a_{im} h_{im} + (1 - a_{im})\, g_i \hat h_{im}}{\max(1,
-    \sum_m a_{im} + (1 - a_{im})\, g_i)}`: masked fusion in which an imputed modality counts
-    with the node's gate ``g`` ``[N]``, ``[N, d]``."""
+    """Masked fusion [N, d] in which an imputed modality counts with the node's ``gate``."""
     a = mask.to(h[0].dtype)  # [N, M]
     soft = a + (1.0 - a) * gate.unsqueeze(-1)
     stacked = torch.stack(
@@ -89,15 +71,8 @@ def gated_fusion(h: list[Tensor], imputed: list[Tensor], mask: Tensor, gate: Ten
 
 
 class PrismNet(MultimodalGNN):
-    r"""Eq. (10)'s backbone with PRISM's imputation before the GNN:
-
-    .. math::
-        s_i = \mathrm{gated\_fusion}(h_i, \hat h_i, a_i, g_i) + u_i \pi,\quad
-        g_i = \sigma(v^\top \phi_i + b),\quad u_i = \tfrac{1}{M}\textstyle\sum_m (1 - a_{im})
-
-    then ``g``, ``z`` and the head as :class:`MultimodalGNN`. ``top_k`` and ``tau`` are the
-    retrieval's :func:`retrieval_weights`; the rest as :class:`MultimodalGNN`.
-    """
+    """Eq. (10)'s backbone with PRISM's gated imputation and the structural prompt (times the
+    missing fraction) before the GNN; ``top_k``, ``tau``: :func:`retrieval_weights`'."""
 
     def __init__(
         self,
@@ -120,11 +95,9 @@ class PrismNet(MultimodalGNN):
         self.register_buffer(PAIRED_SEEN_BUFFER, torch.zeros(num_classes))
 
     def modality_embeddings(self, data: Data) -> list[Tensor]:
-        """Each modality's encoder output ``[N, hidden]`` (a missing row: the encoder of zeros)."""
         return self.encoders({m: data[f"x_{m}"] for m in self.modalities})
 
     def imputation(self, data: Data, h: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-        """The retrieved embedding of every modality and the gate ``g`` ``[N]``."""
         mask = data.modality_mask
         w = retrieval_weights(
             retrieval_similarity(h, mask, self.paired), self.paired_seen > 0, self.top_k, self.tau

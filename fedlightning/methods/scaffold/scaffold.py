@@ -1,12 +1,6 @@
-r"""SCAFFOLD: Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated
-Learning, ICML 2020 (Algorithm 1, option II of line 12).
-
-A client corrects every local gradient by :math:`c - c_i` (line 10), then updates its control
-variate from the distance it travelled (line 12) and sends the change :math:`\Delta c_i` with
-its model; the server averages the models (FedAvg's weighting, :math:`\eta_g = 1`) and moves
-:math:`c` by :math:`\frac{1}{N}\sum_{i \in S} \Delta c_i` (line 17). Option II assumes plain SGD
-steps, so the method refuses another local optimizer before any data loads.
-"""
+"""SCAFFOLD (Karimireddy et al., ICML 2020, Algorithm 1, option II of line 12; docs/architecture.md's
+worked example): corrected local gradients, control variates and their change sent with the
+model; plain SGD only."""
 
 from __future__ import annotations
 
@@ -30,17 +24,13 @@ from fedlightning.server.validation import Field, MessageSpec, Rule
 
 
 def client_control(ci: Tensor, c: Tensor, x: Tensor, y: Tensor, steps: int, lr: float) -> Tensor:
-    r"""Option II of line 12: :math:`c_i^+ = c_i - c + \frac{1}{K \eta_l}(x - y_i)`, from the
-    global weights ``x`` the client started at and its weights ``y`` after ``K`` local steps of
-    size :math:`\eta_l`."""
+    """Line 12, option II: ``c_i - c + (x - y) / (K lr)``."""
     return ci - c + (x - y) / (steps * lr)
 
 
 class ControlCorrection(pl.Callback):
-    r"""Line 10: every local gradient :math:`g_i(y)` becomes :math:`g_i(y) - c_i + c`
-    (``corrections[k]`` maps a parameter's name to client ``k``'s :math:`c - c_i`), before
-    the optimizer step; on one client's module or, through :func:`client_grads`, on a stack
-    of clients."""
+    """Line 10: each client's gradients plus its ``c - c_i`` (``corrections[k]``), on one
+    module or a stack."""
 
     def __init__(self, *corrections: dict[str, Tensor]) -> None:
         self.corrections = corrections
@@ -68,7 +58,7 @@ def returns_every_control(broadcast: ServerBroadcast) -> Rule:
 
 
 class Scaffold(FedAvg):
-    """SCAFFOLD with FedAvg's model average. Args: as :class:`FedAvg`'s (the bounds)."""
+    """SCAFFOLD with FedAvg's model average."""
 
     name = "scaffold"
 
@@ -86,8 +76,7 @@ class Scaffold(FedAvg):
         return None
 
     def uplink(self, broadcast: ServerBroadcast) -> MessageSpec:
-        """FedAvg's message and ``control_delta.<key>``, each as the broadcast's
-        ``control.<key>`` (shape and dtype), every one of them."""
+        """FedAvg's message and every ``control_delta.<key>`` like ``control.<key>``."""
         plain = super().uplink(broadcast)
         delta = Field(
             re.escape(CONTROL_DELTA) + r"(.+)", dtype="like", like=lambda m: CONTROL + m[1]
@@ -96,8 +85,7 @@ class Scaffold(FedAvg):
         return MessageSpec((*plain.fields, delta), rules=rules, reference=broadcast)
 
     def downlink(self, global_state: dict) -> MessageSpec:
-        """FedAvg's model fields and ``control.<key>``, one for each floating model entry,
-        shaped and typed as it; nothing else."""
+        """FedAvg's model fields and ``control.<key>`` like each model entry."""
         plain = super().downlink(global_state)
         control = Field(re.escape(CONTROL) + r"(.+)", dtype="like", like=lambda m: MODEL + m[1])
         return replace(plain, fields=(plain.fields[0], control))
@@ -110,8 +98,7 @@ class Scaffold(FedAvg):
         executor: Any,
         epochs: int,
     ) -> ClientUpdate:
-        """Lines 8-13: ``epochs`` corrected full-batch SGD steps from the global model, the new
-        control variate (kept in the client's state) and its change sent with the model."""
+        """Lines 8-13: corrected SGD steps, the new control variate kept, its change sent."""
         x = model_state(broadcast.tensors)
         c = strip_prefix(broadcast.tensors, CONTROL)
         ci = client.state.get("control") or {k: torch.zeros_like(v) for k, v in c.items()}
@@ -135,7 +122,6 @@ class Scaffold(FedAvg):
 
 
 def learning_rate(factory: Any) -> float:
-    """The step size :math:`\\eta_l` of the local optimizer ``factory`` (``model.optimizer``,
-    as the client module holds it), read from the optimizer it builds."""
+    """The local optimizer's step size, read from one it builds."""
     probe = factory([torch.nn.Parameter(torch.zeros(1))])
     return float(probe.param_groups[0]["lr"])

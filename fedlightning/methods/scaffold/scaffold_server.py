@@ -16,17 +16,13 @@ CONTROL, CONTROL_DELTA = "control.", "control_delta."
 
 
 def control_update(c: Tensor, deltas: Sequence[Tensor], num_clients: int) -> Tensor:
-    r""":math:`c \leftarrow c + \frac{1}{N} \sum_{i \in S} \Delta c_i` (Algorithm 1, line 17):
-    the server's control variate moves by the sum of the sampled clients' changes over the
-    number of clients ``N`` of the federation."""
+    """Line 17: ``c + sum of the changes / N`` (``N`` the federation's clients)."""
     return c + torch.stack(list(deltas)).sum(0) / num_clients
 
 
 class ControlVariates(ServerModule):
-    """The global control variate :math:`c`, one tensor per floating model entry, zero at the
-    start; broadcast as ``control.<key>``, moved by the clients' ``control_delta.<key>``.
-    Line 17 reads the changes only through their sum, so a secure sum carries them
-    (:meth:`summed_fields`): the module then gets one update holding the sum."""
+    """The global control variate per floating model entry, broadcast as ``control.<key>``;
+    line 17 reads only the changes' sum, so a secure sum may carry them."""
 
     def __init__(self) -> None:
         self.control: dict[str, Tensor] = {}

@@ -1,9 +1,5 @@
-"""STFL (Lou et al., arXiv 2111.06750), a published baseline of FedTIP's Table 2 (docs/fedtip.md,
-"STFL"): a small graph per event, its source and target and each one's most recent history
-neighbours with their bank states, joined by real interactions (or kNN edges); two
-GraphSAGE layers, a readout to the event's score
-(:class:`~fedlightning.methods.dynamic.dynamic_model.STFLNet`); FedAvg of the whole model.
-"""
+"""STFL (Lou et al., arXiv 2111.06750; docs/fedtip.md, "STFL"): :class:`STFLNet` on a small
+graph per event; FedAvg."""
 
 from __future__ import annotations
 
@@ -16,9 +12,8 @@ from fedlightning.methods.dynamic.dynamic_model import EDGES, STFLNet
 
 
 def neighbour_inputs(view, nodes: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``nb_<side>`` ``[n, L, d]``: the bank states (the history's last window) of each
-    endpoint's ``L`` most recent history neighbours (zeros where it has fewer), and their
-    validity ``nm_<side>`` ``[n, L]``."""
+    """``nb_<side>``: the last window's states of each endpoint's recent neighbours (zeros
+    where absent), ``nm_<side>`` their validity."""
     out = {}
     states = view.states[-1]
     for side, v in nodes.items():
@@ -31,8 +26,7 @@ def neighbour_inputs(view, nodes: dict[str, Tensor]) -> dict[str, Tensor]:
 
 @dataclass
 class STFL(DynamicBaseline):
-    """STFL (module docstring). ``hidden``: the GraphSAGE width (the paper's 32); ``edges``:
-    ``interaction`` or ``knn`` (``knn`` neighbours per node)."""
+    """STFL; ``edges``: ``interaction`` or ``knn``."""
 
     name: str = "stfl"
     hidden: int = 32

@@ -1,12 +1,5 @@
-"""TopoOOD (Bao et al., ICML 2024) in the class-incremental stream, as a composition.
-
-FedOGL's adaptation rule: local training with FedAvg and the shared class-balanced replay
-budget (the backbone of ``cil_fedavg_replay``); the rejection score is the Dirichlet energy
-of the global model's degree-normalised known-class logits on each client's subgraph
-(:func:`~fedlightning.methods.topoood.topoood_score.dirichlet_energy`), optionally smoothed
-(:func:`~fedlightning.methods.topoood.topoood_score.mean_propagation`), its sign calibrated on validation
-after every stage. No extra communication (docs/fedogl.md, "TopoOOD").
-"""
+"""TopoOOD (Bao et al., ICML 2024) in the class-incremental stream (docs/fedogl.md,
+"TopoOOD"): FedAvg + replay rejecting by the known-class logits' Dirichlet energy."""
 
 from __future__ import annotations
 
@@ -20,14 +13,7 @@ from fedlightning.methods.topoood.topoood_score import dirichlet_energy, mean_pr
 
 
 class TopoOOD(ContinualFedAvg):
-    """FedAvg + replay whose rejection score is TopoOOD's topology energy.
-
-    Args:
-        prop_steps: ``K_d``, smoothing steps of the energy (default ``2``; ``0``: none).
-        prop_alpha: ``alpha`` of the smoothing (default ``0.5``).
-        **kw: as :class:`~fedlightning.methods.continual.continual.ContinualFedAvg` (its ``score``
-            is not used: the topology energy replaces it).
-    """
+    """FedAvg + replay with TopoOOD's energy smoothed ``prop_steps`` times (``prop_alpha``)."""
 
     calibrate_direction = True
 
@@ -45,6 +31,5 @@ class TopoOOD(ContinualFedAvg):
     def node_score(
         self, logits: Tensor, known: Tensor, data: Any, reps: dict, global_state: dict
     ) -> Tensor:
-        """Every node's topology energy over the known-class logits (before the sign)."""
         energy = dirichlet_energy(logits[:, known.bool()], data.edge_index)
         return mean_propagation(energy, data.edge_index, self.prop_steps, self.prop_alpha)

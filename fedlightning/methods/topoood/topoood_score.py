@@ -1,10 +1,5 @@
-r"""TopoOOD's topology score (Bao et al., ICML 2024): the Dirichlet energy of a node's
-degree-normalised logits against its neighbours', optionally smoothed over the graph.
-
-Higher energy means a node disagrees with its neighbourhood. Which way that points (known
-or unknown) is not fixed by the method: the loop calibrates the sign on validation
-(:func:`~fedlightning.metrics.open_set.score_sign`).
-"""
+"""TopoOOD's topology score (Bao et al., ICML 2024): the Dirichlet energy of degree-normalised
+logits, optionally smoothed; its sign is calibrated on validation."""
 
 from __future__ import annotations
 
@@ -21,19 +16,8 @@ def _degree(edge_index: Tensor, n: int, dtype: torch.dtype) -> Tensor:
 
 
 def dirichlet_energy(logits: Tensor, edge_index: Tensor) -> Tensor:
-    r"""Per-node Dirichlet energy of degree-normalised logits.
-
-    .. math::
-        E_i = \frac{1}{d_i} \sum_{j \in \mathcal{N}(i)} \Big\lVert
-        \frac{z_i}{\sqrt{1 + d_i}} - \frac{z_j}{\sqrt{1 + d_j}} \Big\rVert_2^2
-
-    ``edge_index`` ``[2, E]`` lists both directions of every undirected edge (``j -> i`` in
-    columns ``(j, i)``); :math:`d_i` is the in-degree. An isolated node has energy 0.
-
-    Shapes:
-        - **input:** ``logits`` :math:`(N, C)`, ``edge_index`` :math:`(2, E)`
-        - **output:** :math:`(N,)`
-    """
+    """[N]: the mean over in-neighbours of ``|z_i / sqrt(1 + d_i) - z_j / sqrt(1 + d_j)|^2``
+    (0 for an isolated node)."""
     n = logits.size(0)
     d = _degree(edge_index, n, logits.dtype).to(logits.device)
     zn = logits / (1 + d).sqrt().unsqueeze(1)
@@ -44,14 +28,7 @@ def dirichlet_energy(logits: Tensor, edge_index: Tensor) -> Tensor:
 
 
 def mean_propagation(scores: Tensor, edge_index: Tensor, steps: int, alpha: float) -> Tensor:
-    r"""``steps`` rounds of :math:`e \leftarrow \alpha e + (1 - \alpha) D^{-1} A e` (the
-    neighbourhood mean; an isolated node keeps :math:`\alpha e_i`), TopoOOD's optional
-    smoothing of the score (:math:`K_d = 2`, :math:`\alpha = 0.5` in its code).
-
-    Shapes:
-        - **input:** ``scores`` :math:`(N,)`, ``edge_index`` :math:`(2, E)`
-        - **output:** :math:`(N,)`
-    """
+    """TopoOOD's smoothing: ``steps`` rounds of ``e <- alpha e + (1 - alpha) D^-1 A e``."""
     if steps < 0 or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"steps must be >= 0 and alpha in [0, 1], got {steps}, {alpha}")
     n = scores.numel()
