@@ -9,8 +9,7 @@ the cursor; :func:`candidates` answers with Hydra's own completer
 (:class:`hydra.plugins.completion_plugin.CompletionPlugin`) over ``conf/train.yaml``, without
 importing torch. Hydra's ``-sc``/``--shell-completion`` flag, which Hydra documents in
 ``fedlightning train --help``, is answered here too: Hydra's own script would register
-``fedlightning train`` as the command and call ``fedlightning -sc``.
-"""
+``fedlightning train`` as the command and call ``fedlightning -sc``."""
 
 from __future__ import annotations
 

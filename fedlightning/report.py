@@ -5,8 +5,7 @@ older single one) or from the ``summary.json`` files under ``--dirs``; of runs w
 configuration, dataset and seed the newest counts. A cell is the mean and sample std (n - 1)
 over seeds of the runs' ``summary.json`` values, with n (a single FedTIP run: the std over
 its tasks, ``<metric>_std``); one table per dataset unless ``--dataset`` names several.
-Layouts, options and files: docs/experiments.md.
-"""
+Layouts, options and files: docs/experiments.md."""
 
 from __future__ import annotations
 

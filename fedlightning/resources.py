@@ -6,8 +6,7 @@ The repository's top-level ``conf/`` is the one source of the configs. A wheel s
 the folder ``conf`` inside the package (``setup.py`` maps ``fedlightning.conf`` onto ``conf/``);
 a source checkout (an editable install, or ``PYTHONPATH`` pointing at the checkout) reads
 ``conf/`` next to the package. Both are found from the imported package's own location, so
-the configs always belong to the ``fedlightning`` that runs them.
-"""
+the configs always belong to the ``fedlightning`` that runs them."""
 
 from __future__ import annotations
 

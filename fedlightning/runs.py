@@ -2,8 +2,7 @@
 protocol, the bank, ``data manifest``): the run directory and resume
 (:func:`prepare_run_dir`), the MLflow run (:meth:`Run.start`), ``summary.json``, final
 metrics, artifacts and console table (:meth:`Run.finish`), and the run identity that a
-resume checks (:func:`run_identity`, :func:`load_checkpoint`; docs/architecture.md).
-"""
+resume checks (:func:`run_identity`, :func:`load_checkpoint`; docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ it resumes and can be shared by several processes: a trial whose process died is
 failed (its MLflow run KILLED, linked to its retry) and its parameters run again, resuming
 its checkpointed runs under the retry's MLflow run; the sampler is seeded per trial number
 and a drawn parameter set that already ran or waits is drawn again, so none runs twice
-(docs/experiments.md, "Sweeps").
-"""
+(docs/experiments.md, "Sweeps")."""
 
 from __future__ import annotations
 
@@ -356,8 +355,7 @@ class Sweep:
         out_dir: where trial runs go: ``<out_dir>/<study>/trial_<n>/seed_<s>``.
         overrides: extra Hydra overrides for every run (after the file's own).
         compose: ``overrides -> DictConfig`` (:func:`fedlightning.config.compose`).
-        train: ``(cfg, run_dir, observe) -> summary``.
-    """
+        train: ``(cfg, run_dir, observe) -> summary``."""
 
     def __init__(self, spec: SweepSpec, out_dir: Path, overrides: list[str], compose, train):
         self.spec, self.out_dir, self.overrides = spec, Path(out_dir), list(overrides)

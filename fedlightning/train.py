@@ -34,8 +34,7 @@ def train(
     they are checkpointed and logged; raising :class:`~fedlightning.errors.RunStopped` there
     ends the run as ``KILLED`` (a pruned sweep trial). ``verbose=False`` leaves out the
     summary table on stdout. ``runner``, when given, replaces the one ``cfg.runner`` builds
-    (a Flower ServerApp passes its own).
-    """
+    (a Flower ServerApp passes its own)."""
     from fedlightning.config import check_trainer
 
     check_trainer(cfg)  # the Trainer settings against the runner, an absent GPU: at once

@@ -25,8 +25,7 @@ class NodeClassifier(pl.LightningModule):
 
     ``stackable``: its loss is :meth:`objective` plus the proximal term, so several clients
     can fit as one stack (:mod:`fedlightning.federation.stacking`); a subclass that
-    overrides ``training_step`` is not stackable unless it says so.
-    """
+    overrides ``training_step`` is not stackable unless it says so."""
 
     stackable: ClassVar[bool] = True
     #: the node masks the loss reads: a mini-batch fit seeds its batches on them

@@ -8,8 +8,7 @@ with the prototypical loss (Eqs. 18-19, ``family="nc"``) or the two-way softmax 
 positive and the client-visible negative (Eqs. 20-21, 25, ``family="lp"``, whose "classes"
 are the negative (0) and the positive pair (1)), and the anchor term (Eq. 22). Only the
 adapter :math:`\Omega` of Eq. (17) trains, on the bank's precomputed contexts
-(:func:`fedlightning.temporal.contexts.event_batch`), a round's clients stacked.
-"""
+(:func:`fedlightning.temporal.contexts.event_batch`), a round's clients stacked."""
 
 from __future__ import annotations
 

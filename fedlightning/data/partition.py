@@ -33,8 +33,7 @@ class Partition(ContentHashed):
     Args:
         assignment: long ``[N]``, the client of each node.
         split: long ``[N]``, ``0`` train / ``1`` val / ``2`` test inside the node's client.
-        meta: the inputs it was built from (method, parameters, seed, graph fingerprint).
-    """
+        meta: the inputs it was built from (method, parameters, seed, graph fingerprint)."""
 
     assignment: Tensor
     split: Tensor
@@ -327,8 +326,7 @@ class DirichletPartitioner(Partitioner):
     ``(seed, "dirichlet_partition")`` draws shares :math:`q_c \sim \mathrm{Dir}(\alpha
     \mathbf{1}_K)` (``alpha > 0``) and a permutation of the class's nodes, cut at
     ``round(cumsum(q_c) x n_c)``: client ``k`` gets the ``k``-th piece. Then
-    :func:`fill_small_clients` brings every client to ``MIN_CLIENT_NODES``.
-    """
+    :func:`fill_small_clients` brings every client to ``MIN_CLIENT_NODES``."""
 
     method = "dirichlet"
     param_names = ("alpha",)

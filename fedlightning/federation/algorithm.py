@@ -99,8 +99,7 @@ class Algorithm:
             (:func:`~fedlightning.federation.stacking.why_not_stacked`).
         task_robust: ``federation.robust`` on a temporal run (set by the program; ``None``:
             the method's own aggregation): every task's server aggregates the adapter
-            deltas by this rule (docs/security.md, "FedTIP's adapter").
-    """
+            deltas by this rule (docs/security.md, "FedTIP's adapter")."""
 
     name = "base"
     variant = "full"

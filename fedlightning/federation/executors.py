@@ -2,8 +2,7 @@
 ``configure_optimizers`` called afresh (docs/architecture.md, "Execution"). On a ``device``
 (``None``: where the module is) the fit runs on a shallow copy of the batch (never the
 client's own data) and the module returns to the CPU; tensors a module keeps outside its
-parameters move in its ``on_fit_start`` (e.g. a teacher, FedProx's anchor).
-"""
+parameters move in its ``on_fit_start`` (e.g. a teacher, FedProx's anchor)."""
 
 from __future__ import annotations
 
@@ -132,8 +131,7 @@ class LeanExecutor:
             that ``trainer``'s ``accelerator`` asks for).
         trainer: the ``trainer`` group's Trainer settings (conf/trainer); it honours cpu,
             auto or one GPU, 32-bit precision, ``deterministic`` and gradient clipping, and
-            refuses any other in one line (:func:`fedlightning.config.lean_refusal`).
-    """
+            refuses any other in one line (:func:`fedlightning.config.lean_refusal`)."""
 
     name = "lean"
 
@@ -308,8 +306,7 @@ class TrainerExecutor:
             decide); a CUDA device overrides them with that one GPU (set by
             ``runner=distributed``).
         trainer: the ``trainer`` group (conf/trainer): every other ``lightning.Trainer``
-            argument (``deterministic``, ``gradient_clip_val``, ...); the four above win.
-    """
+            argument (``deterministic``, ``gradient_clip_val``, ...); the four above win."""
 
     name = "trainer"
 

@@ -20,8 +20,7 @@ class CommLedger:
     Every message goes through :meth:`record`; totals are derived from one list of
     entries ``(direction, round, client, field, values, bytes, scope)``, so no count can
     drift from another. ``scope`` names the schedule step a round belongs to where rounds
-    restart (FedTIP's ``task=<id>``); it is empty for a run whose rounds never restart.
-    """
+    restart (FedTIP's ``task=<id>``); it is empty for a run whose rounds never restart."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[str, int, int, str, int, int, str]] = []

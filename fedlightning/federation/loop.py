@@ -140,8 +140,7 @@ class FederatedLoop(Schedule):
         checkpoint_path: where to write the state after every round (``None``: nowhere).
         on_round_end: ``(round, metrics) -> None`` after the checkpoint, e.g. MLflow logging.
         min_clients: ``federation.min_clients``: a round whose kept messages fall below it
-            after the server dropped some stops the run (docs/security.md).
-    """
+            after the server dropped some stops the run (docs/security.md)."""
 
     def __init__(
         self,

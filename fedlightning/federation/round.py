@@ -3,8 +3,7 @@
 Every schedule (:class:`~fedlightning.federation.loop.FederatedLoop`,
 :class:`~fedlightning.federation.stages.ContinualLoop` and its stage-end exchange,
 :class:`~fedlightning.federation.task_loop.TaskLoop`) calls :func:`federated_round`; whatever the
-runner, every message is counted here, in client order, once the runner returns the updates.
-"""
+runner, every message is counted here, in client order, once the runner returns the updates."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class ClientWork:
         uplink: the declaration every update of the round is checked against before
             aggregation (``None``: any fields, finite values; docs/security.md).
         downlink: the declaration the round's broadcast is checked against before any
-            client sees it (``Algorithm.downlink``; ``None``: unchecked).
-    """
+            client sees it (``Algorithm.downlink``; ``None``: unchecked)."""
 
     one: FitOne | None = None
     share: FitShare | None = None
@@ -117,8 +115,7 @@ def federated_round(
     ``min_clients`` messages remain after a drop, :class:`TooFewClients` ends the run
     before aggregation (the last checkpoint is the previous round's).
 
-    Returns the updates kept, in client order (a client that sends nothing is left out).
-    """
+    Returns the updates kept, in client order (a client that sends nothing is left out)."""
     broadcast = server.broadcast(round)
     fit = work(broadcast)
     fit.broadcast = broadcast

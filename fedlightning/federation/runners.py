@@ -1,6 +1,5 @@
 """Runners decide where a round's clients run (docs/scaling.md); same seed, same result,
-whichever runner (Flower's, :mod:`fedlightning.flower`, is one too).
-"""
+whichever runner (Flower's, :mod:`fedlightning.flower`, is one too)."""
 
 from __future__ import annotations
 
@@ -132,8 +131,7 @@ class SequentialRunner(Runner):
         client_timeout_s: seconds one client's fit may take (``None``: no limit); a fit
             that raises or runs longer is dropped from its round (:class:`ClientFailed`).
             A stacked share (several clients fitted at once) counts as one fit.
-        timeout_s: the old name of ``client_timeout_s`` (read, with a warning).
-    """
+        timeout_s: the old name of ``client_timeout_s`` (read, with a warning)."""
 
     name = "sequential"
 
@@ -220,8 +218,7 @@ class DistributedRunner(SequentialRunner):
         timeout_s: the old name of ``client_timeout_s`` (read, with a warning).
         progress, kill_at: as :class:`SequentialRunner`'s (the bar on rank 0; the rank
             that fits the N-th client of ROUND kills itself).
-        stack_clients: as :class:`SequentialRunner`'s (each rank stacks its share).
-    """
+        stack_clients: as :class:`SequentialRunner`'s (each rank stacks its share)."""
 
     name = "distributed"
 

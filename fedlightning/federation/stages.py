@@ -379,8 +379,7 @@ class ContinualLoop(FederatedLoop):
         the top-``r`` basis of ``g`` on each earlier stage's training nodes since that
         stage's end (Eq. (3), averaged over earlier stages), and the dispersion of the
         clients' class prototypes of ``z`` around their count-weighted mean (Eq. (4)), with
-        the spread of its client-by-class terms (kept in ``prototype_terms``, Fig. 3).
-        """
+        the spread of its client-by-class terms (kept in ``prototype_terms``, Fig. 3)."""
         if not reps_all or not reps_all[0][1]:
             return {}
         known = self.stream.known(t)

@@ -10,8 +10,7 @@ its ledger entries into the loop's, in that order. Each worker runs on one threa
 OpenMP thread pool does not survive a fork; the processes take the threads' place), so the
 metrics, the ledger, the checkpoints and the summary are bitwise those of one process with
 ``threads=1`` (``test_task_workers_give_the_one_process_run``). The schedule around it
-(checkpoint, progress, tracking) stays in the calling process.
-"""
+(checkpoint, progress, tracking) stays in the calling process."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ resolved config), ``client.pt`` (the client built at set-up from the node's data
 client's subgraph, input sizes and class stream, or a FedTIP client's support per task),
 ``state_<round>.pt`` (:class:`StateFiles`) and ``sent.jsonl`` (an audit log of every reply).
 A deployment starts a fresh ClientApp process per message, so a fit reads everything from
-this folder; a simulation reuses its processes and :func:`open_node`'s cache.
-"""
+this folder; a simulation reuses its processes and :func:`open_node`'s cache."""
 
 from __future__ import annotations
 

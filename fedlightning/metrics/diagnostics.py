@@ -1,8 +1,7 @@
 r"""Memory-drift diagnostics of the FedOGL paper: semantic, structural, federated (Eqs. 2-4).
 
 Pure functions; they compute in float64 and return floats (centroids and bases: tensors in
-the input dtype).
-"""
+the input dtype)."""
 
 from __future__ import annotations
 
@@ -133,8 +132,7 @@ def prototype_discrepancies(
 
     ``local[c]`` maps each client :math:`k \in \mathcal{K}_c` to its prototype
     :math:`\mathbf{p}_{k,c}`, ``global_[c]`` is :math:`\bar{\mathbf{p}}_c`; only the classes
-    with both appear, in ascending order (the clients in ``local[c]``'s order).
-    """
+    with both appear, in ascending order (the clients in ``local[c]``'s order)."""
     classes = sorted(c for c in set(local) & set(global_) if len(local[c]) > 0)
     return {c: {k: _cos_dist(p, global_[c]) for k, p in local[c].items()} for c in classes}
 

@@ -1,8 +1,7 @@
 r"""Cross-modal retrieval: Recall@k of paired embeddings and the max-similarity score.
 
 Query ``i`` and item ``i`` form a pair; every other item is a distractor. Similarity is
-cosine similarity.
-"""
+cosine similarity."""
 
 from __future__ import annotations
 

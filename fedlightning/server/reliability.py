@@ -3,8 +3,7 @@ r"""FedTIP's server mathematics (paper 001, Sec. 3.5 and 4.3-4.4), Lightning-fre
 One equation, one function: Eqs. (27)-(29); the prompt update (Eqs. 30-31) and anchors
 (Eqs. 23-24) go through the additive statistics of Eq. (6), so secure summation could
 replace the plain sums (:mod:`~fedlightning.server.secure_sum`); the private prototype of
-Eqs. (4), (5), (7) is :mod:`~fedlightning.server.privacy`'s.
-"""
+Eqs. (4), (5), (7) is :mod:`~fedlightning.server.privacy`'s."""
 
 from __future__ import annotations
 
@@ -123,8 +122,7 @@ def anchor_update(
     :math:`\bar{\mathbf{q}}_c \leftarrow \mathrm{norm}((1-\beta)\bar{\mathbf{q}}_c + \beta\hat{\mathbf{q}}_c)`.
 
     A class without an anchor yet takes :math:`\mathrm{norm}(\hat{\mathbf{q}}_c)` (the first
-    aggregate initialises it, docs/readings.md); classes nobody uploaded keep their anchor.
-    """
+    aggregate initialises it, docs/readings.md); classes nobody uploaded keep their anchor."""
     out = {c: a.clone() for c, a in anchors.items()}
     for c, s in stats.s_class.items():
         q_hat = s / (stats.z_class[c] + eps)
@@ -229,8 +227,7 @@ class FedTIPServer:
     received (:func:`read_update`), never off the scalars the client reports.
 
     :attr:`robust` (``federation.robust``, set by :func:`with_robust`; ``None``: off)
-    aggregates the deltas by a robust rule (:func:`robust_adapter`).
-    """
+    aggregates the deltas by a robust rule (:func:`robust_adapter`)."""
 
     def __init__(
         self,

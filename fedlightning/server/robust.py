@@ -30,8 +30,7 @@ and a run in which it sets no client aside is bit for bit the run without it.
 
 The rules mirror Flower's ``FedMedian``, ``FedTrimmedAvg`` and ``Krum`` strategies (the tests
 compare them with Flower's ``aggregate_*`` functions), written here over torch state dicts
-so that the core server needs no optional dependency and keeps every field's dtype.
-"""
+so that the core server needs no optional dependency and keeps every field's dtype."""
 
 from __future__ import annotations
 
@@ -100,8 +99,7 @@ class RobustRule:
         auto: the default's manners: where the rule cannot run (under secure sums, for an
             aggregation that is not FedAvg's, on a temporal run) it steps aside with one
             log line instead of being refused, and ``suspicious`` is reported once it has
-            set a client aside (a run in which it sets none aside is bit for bit FedAvg's).
-    """
+            set a client aside (a run in which it sets none aside is bit for bit FedAvg's)."""
 
     rule: str = "none"
     trim: float = 0.2

@@ -10,8 +10,7 @@ Each client turns its message into the *additive share* the aggregate sums (FedA
 :math:`-\mathbf{m}_{jk}` (:math:`k > j`), uniform on the ring and drawn from a seed agreed
 per pair. In the sum the masks cancel exactly; each share alone is uniform on the ring.
 The counts the weighting needs travel in the clear; the server sums the shares, decodes,
-divides, and hands the server's own aggregation one update: the aggregate.
-"""
+divides, and hands the server's own aggregation one update: the aggregate."""
 
 from __future__ import annotations
 
@@ -105,8 +104,7 @@ class ShareSpec:
         sums: the prefixes of extra fields a server module reads only as their plain sum
             over the round's clients (unweighted; SCAFFOLD's ``control_delta.``:
             :meth:`~fedlightning.server.server.ServerModule.summed_fields`); the aggregate
-            carries each such field's sum.
-    """
+            carries each such field's sum."""
 
     rule: str = "fedavg"
     classes: int = 0

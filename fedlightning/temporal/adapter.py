@@ -8,8 +8,7 @@ The losses: prototypical node classification (Eqs. 18-19), two-way link predicti
 Everything is *stacked*: ``copies`` independent parameter sets (one per client of a round),
 inputs ``[K, N, ...]`` with a mask ``[K, N]`` of real events, losses summed over clients: one
 stacked fit is K independent local fits (docs/fedtip.md, "Fast path"); ``copies=1`` takes 2-D
-inputs too.
-"""
+inputs too."""
 
 from __future__ import annotations
 
@@ -139,8 +138,7 @@ class PromptAdapter(StackedCopies, nn.Module):
     :math:`\varphi_f = \varphi_t = \varphi` (and one dropout draw) feeding both gates, which
     keep their own :math:`W_f, \mathbf{b}_f, W_t, \mathbf{b}_t`: Eqs. (14)-(15) still run in
     parallel on the same context, and the message loses one bottleneck's
-    :math:`(d_z + 1) \cdot` ``bottleneck`` values (the paper-budget setting, docs/fedtip.md).
-    """
+    :math:`(d_z + 1) \cdot` ``bottleneck`` values (the paper-budget setting, docs/fedtip.md)."""
 
     def __init__(
         self,
@@ -285,8 +283,7 @@ def anchor_loss(q: Tensor, counts: Tensor, anchors: Tensor, has_anchor: Tensor) 
 
     ``q``, ``counts``: :func:`class_prototypes`; ``anchors`` ``[C, d]`` with ``has_anchor``
     ``[C]``: a class the server has no anchor for yet is skipped (docs/readings.md), while
-    :math:`n_k` still counts all of the client's support.
-    """
+    :math:`n_k` still counts all of the client's support."""
     rho = counts / counts.sum(1, keepdim=True).clamp(min=1)
     cos = F.cosine_similarity(q, anchors.unsqueeze(0).to(q), dim=-1)
     keep = (counts > 0) & has_anchor.unsqueeze(0)

@@ -6,8 +6,7 @@ from the state before it, a step is taken on Eq. (10) with one negative of Eq. (
 (``negatives="filtered"``: a destination-side node :math:`j` with :math:`(u, j)` not seen up to
 :math:`t`; ``"unfiltered"``: any, an ablation), then the batch is ingested. Early stopping on
 the pre-validation AP. Every streaming stage runs on one thread (:func:`streaming_threads`;
-docs/fedtip.md, "Cold start") and reports its progress (:class:`StageProgress`).
-"""
+docs/fedtip.md, "Cold start") and reports its progress (:class:`StageProgress`)."""
 
 from __future__ import annotations
 

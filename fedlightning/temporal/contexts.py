@@ -1,8 +1,7 @@
 r"""Event contexts from the frozen bank (FedTIP Sec. 4.2, Eq. (12); docs/readings.md, "States";
 docs/temporal.md, "Event contexts"): the server's validation and test segments
 and each task client's support, streamed from the bank snapshot, computed once per (bank,
-protocol) on one thread.
-"""
+protocol) on one thread."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ Left behind in PyG (``tests/test_lean_imports.py`` checks both libraries still w
 annotation-only names (``BatchEncoding`` is ``Dict``, ``PreTrainedTokenizerBase`` is
 ``None``, the unused ``WITH_TRANSFORMERS`` is ``False``); PyG imports ``transformers`` where
 it needs it. A guarded package already imported is not guarded and a probed package already
-imported is never hidden.
-"""
+imported is never hidden."""
 
 from __future__ import annotations
 

@@ -351,8 +351,7 @@ def _read_edge_csv(
     """``(edges [E, 2] int64, "<src name>,<dst name>")`` from a comma-separated file.
 
     The first line is a header when a column name is asked for, or else when one of the two
-    edge columns on it is not an integer. Every line has as many columns as the first.
-    """
+    edge columns on it is not an integer. Every line has as many columns as the first."""
     rows = read_lines(path, "comma-separated edges")
     if not rows:
         return np.zeros((0, 2), dtype=np.int64), "src,dst"
@@ -486,8 +485,7 @@ def load_folder(
             none is), ``"ids"`` or ``"names"`` (e.g. years read as names).
 
     Raises a DataError naming the file, the field and the expectation for a missing or
-    malformed file; a ConfigError for a bad ``src_column``, ``dst_column`` or ``labels_as``.
-    """
+    malformed file; a ConfigError for a bad ``src_column``, ``dst_column`` or ``labels_as``."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise DataError(
@@ -514,8 +512,7 @@ def save_folder(graph: MultimodalGraph, path: str | os.PathLike[str]) -> None:
     only if the graph has ids.
 
     Raises a :class:`FolderExistsError` if ``path`` exists and is not an empty directory,
-    a ValueError if a modality name cannot be a file name.
-    """
+    a ValueError if a modality name cannot be a file name."""
     folder = Path(path).expanduser()
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FolderExistsError(

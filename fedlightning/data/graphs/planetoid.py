@@ -402,8 +402,7 @@ def load_planetoid(
         root: the data directory (:func:`data_root`).
 
     Raises a ValueError for an unknown ``name`` or ``source``, a DataError naming the file
-    and the field for a missing or malformed file.
-    """
+    and the field for a missing or malformed file."""
     key = str(name).lower()
     if key not in _NAMES:
         raise ValueError(f"load_planetoid: name must be one of {list(_NAMES)}, got {name!r}")

@@ -223,8 +223,7 @@ def make_synthetic(
     modality's features of a stream keyed by its name (so adding a modality or changing a
     dimension leaves the graph and the other modalities unchanged), and the missing
     modalities of :func:`apply_missing` with the same ``seed``. An invalid argument is a
-    ValueError naming it.
-    """
+    ValueError naming it."""
     n = _check_int("num_nodes", num_nodes, 1)
     c = _check_int("num_classes", num_classes, 1)
     if c > n:

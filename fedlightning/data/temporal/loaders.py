@@ -5,8 +5,7 @@ labels. ``docs/datasets.md`` gives the formats, the id mapping and the time orde
 Every reader returns an :class:`~fedlightning.data.temporal.events.EventStream` and raises
 :class:`~fedlightning.errors.DataError` naming the file, the line (1-based, as an editor
 shows it), the field and what was expected. Files are parsed in one vectorised pass; only
-when that fails is the file scanned line by line to find the offending line.
-"""
+when that fails is the file scanned line by line to find the offending line."""
 
 from __future__ import annotations
 
@@ -256,8 +255,7 @@ def load_jodie_csv(path: str | Path, name: str | None = None) -> EventStream:
     ``t`` int64 when every timestamp is integral, else float64; ``label`` int64 0/1; ``msg``
     float32 ``[E, d]`` or ``None``. Raises a DataError for an empty or header-only file, a
     row with another number of columns than the header (line 1), a non-finite value, a
-    non-integer id, a label other than 0/1, a time smaller than the one before.
-    """
+    non-integer id, a label other than 0/1, a time smaller than the one before."""
     path = Path(path)
     what = "JODIE CSV `user_id,item_id,timestamp,state_label,f1..fd` with one header line"
     rows = read_lines(path, what)
@@ -299,8 +297,7 @@ def load_wikipedia_txt(path: str | Path, name: str = "wikipedia") -> EventStream
     space-separated integers ``user item timestamp``, no header, sorted by time.
 
     Returns a bipartite stream (``t`` int64, no labels, no features). Raises a DataError
-    for an empty file, a line that is not 3 integers, a time smaller than the one before.
-    """
+    for an empty file, a line that is not 3 integers, a time smaller than the one before."""
     path = Path(path)
     m, rows = _integer_lines(path, ("user", "item", "timestamp"), None)
     _check_sorted(path, m[:, 2], rows, "timestamp", "the file is sorted by time")
@@ -318,8 +315,7 @@ def load_bitcoin_csv(
     (distrust). ``msg`` is ``None``, or with ``rating_feature`` the float32 ``[E, 1]``
     feature ``rating / 10``, which gives the label away: never an input when predicting
     it. Raises a DataError for an empty file, a line that is not 4 integers, a rating
-    outside ``-10..10``.
-    """
+    outside ``-10..10``."""
     path = Path(path)
     m, rows = _integer_lines(path, ("source", "target", "rating", "time"), ",")
     rating = m[:, 2]
@@ -365,8 +361,7 @@ def load_interactions(
     Returns an EventStream in time order (``t`` int64 when every time is integral, else
     float64; ``label`` int64 or ``None``; ``msg`` float32 or ``None``). Raises a DataError
     naming the file, line, field and expectation, a ConfigError for an argument of the
-    wrong kind.
-    """
+    wrong kind."""
     if not isinstance(bipartite, bool):
         raise ConfigError(
             "dataset.bipartite",
@@ -447,8 +442,7 @@ def make_synthetic_stream(
 
     Returns:
         EventStream: users ``0..num_users-1`` (``"u<k>"``), then items (``"i<k>"``); ``t``
-        int64, ``label`` int64, ``msg`` float32 ``[E, d]`` (``None`` when ``d == 0``).
-    """
+        int64, ``label`` int64, ``msg`` float32 ``[E, d]`` (``None`` when ``d == 0``)."""
     if num_users < 1 or num_items < 1 or num_events < 1:
         raise ValueError(
             f"make_synthetic_stream: need num_users, num_items, num_events >= 1, got "
