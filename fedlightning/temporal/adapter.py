@@ -114,31 +114,18 @@ class PromptAdapter(StackedCopies, nn.Module):
         \alpha^t \odot \mathrm{TE}(t),\ \mathbf{x})
 
     :math:`\varphi_f, \varphi_t` are one-layer ReLU bottlenecks of width ``bottleneck``.
-    :math:`\psi` (``template``, :data:`TEMPLATES`) concatenates its three inputs
-    :math:`[\alpha^f \odot [\mathbf{h}_u \| \mathbf{h}_i] \| \alpha^t \odot \mathrm{TE}(t)
-    \| \mathbf{x}]` (:math:`2 d_h + d_t + d_e` wide) and maps them to :math:`d_p = d_h` (so
-    that the cosine of Eq. (20) with a bank state is defined, docs/readings.md) by a
-    rank-``rank`` linear map :math:`B A \cdot + \mathbf{b}`: a linear map because the paper
-    calls :math:`\psi` "lightweight" and its budget (~1,050 values per message) leaves no
-    room for a full :math:`(2 d_h + d_t + d_e) \times d_p` matrix (12,352 values at
-    :math:`d_h = d_t = 64`), and a ReLU inside a rank-1 or rank-2 bottleneck would only
-    cut the map's rank further. ``template="paper"`` is Eq. (16) as written: :math:`\psi`
-    alone, both factors initialised as :class:`torch.nn.Linear`. ``template="residual"``
-    (the default; a deviation, docs/readings.md) adds the gated source state
-    :math:`\alpha^f_u \odot \mathbf{h}_u` to the map, whose output factor starts at zero:
-    training starts from the pre-training similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)`
-    of Eq. (10) (Sec. 4.3; docs/fedtip.md). The two have the same parameters.
-    ``static=True`` is the static-prompt ablation (gates that ignore the event). ``d_h``,
-    ``d_t``, ``d_e``: bank state, time-encoding and edge-feature widths; ``dropout``: a
-    :class:`StackDropout` on the bottleneck activations; ``copies``: parameter sets
-    (clients) stacked on a leading axis.
-
-    ``tie`` reads Eq. (17)'s :math:`\varphi_f, \varphi_t` (:data:`TIES`): ``"none"`` (the
-    default) two bottleneck networks; ``"phi"`` one shared bottleneck
-    :math:`\varphi_f = \varphi_t = \varphi` (and one dropout draw) feeding both gates, which
-    keep their own :math:`W_f, \mathbf{b}_f, W_t, \mathbf{b}_t`: Eqs. (14)-(15) still run in
-    parallel on the same context, and the message loses one bottleneck's
-    :math:`(d_z + 1) \cdot` ``bottleneck`` values (the paper-budget setting, docs/fedtip.md)."""
+    :math:`\psi` (``template``, :data:`TEMPLATES`) maps the concatenation of its three inputs
+    (:math:`2 d_h + d_t + d_e` wide) to :math:`d_p = d_h` by a rank-``rank`` linear map
+    :math:`B A \cdot + \mathbf{b}` (why linear and low-rank: docs/fedtip.md).
+    ``template="paper"`` is Eq. (16) as written; ``template="residual"`` (the default, a
+    deviation, docs/readings.md) adds the gated source state :math:`\alpha^f_u \odot
+    \mathbf{h}_u`, the map's output factor starting at zero, so training starts from the
+    pre-training similarity of Eq. (10). ``static=True`` is the static-prompt ablation (gates
+    that ignore the event). ``d_h``, ``d_t``, ``d_e``: bank state, time-encoding and
+    edge-feature widths; ``dropout``: a :class:`StackDropout` on the bottleneck activations;
+    ``copies``: parameter sets (clients) stacked on a leading axis. ``tie`` (:data:`TIES`):
+    ``"none"``, two bottlenecks, or ``"phi"``, one shared :math:`\varphi` (and one dropout
+    draw) feeding both gates, which keep their own :math:`W, \mathbf{b}` (docs/fedtip.md)."""
 
     def __init__(
         self,
