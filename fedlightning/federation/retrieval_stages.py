@@ -19,11 +19,7 @@ import torch
 from torch import Tensor
 
 from fedlightning.federation.stages import SPLITS, ClassEvaluation, ContinualLoop, Parts, Pooled
-from fedlightning.metrics import (
-    max_similarity,
-    open_accuracy,
-    recall_at_k,
-)
+from fedlightning.metrics import max_similarity, open_accuracy, recall_at_k
 
 WRONG = -2  # a known query's label when its paired item is not ranked first
 

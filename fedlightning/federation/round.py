@@ -16,13 +16,7 @@ from fedlightning.errors import FedLightningError, TooFewClients
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
 from fedlightning.federation.runners import ClientFailed, contiguous_shares
 from fedlightning.messages import ClientUpdate, ServerBroadcast, prefixed
-from fedlightning.server.validation import (
-    MessageSpec,
-    Rejection,
-    bounded_weights,
-    screen,
-    validate,
-)
+from fedlightning.server.validation import MessageSpec, Rejection, bounded_weights, screen, validate
 
 log = logging.getLogger(__name__)
 

@@ -309,10 +309,7 @@ def _short(value: Any) -> str:
 
 # ---------------------------------------------------------------- shared declarations
 ANY = MessageSpec(
-    fields=(
-        Field(r".+", dtype="any", required=False),
-        Field(r".+", tensor=False, required=False),
-    ),
+    fields=(Field(r".+", dtype="any", required=False), Field(r".+", tensor=False, required=False)),
     optional=True,
 )  # an undeclared kind of message: any field, finite values
 NUM_EXAMPLES = Field("num_examples", tensor=False, low=0.0, integral=True)

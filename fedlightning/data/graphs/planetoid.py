@@ -386,9 +386,7 @@ def _load_raw(name: str, root: Path) -> MultimodalGraph:
 
 
 def load_planetoid(
-    name: str = "cora",
-    source: str = "planetoid",
-    root: str | os.PathLike[str] | None = None,
+    name: str = "cora", source: str = "planetoid", root: str | os.PathLike[str] | None = None
 ) -> MultimodalGraph:
     """Load Cora or CiteSeer as a one-modality (``bow``, 0/1 word indicators, float32)
     :class:`MultimodalGraph`, edges undirected, coalesced and free of self loops (sizes and
