@@ -33,10 +33,8 @@ class AccuracyMatrix(Metric):
     introduced at stage :math:`j`: :meth:`update` once per client sums counts, so clients
     weigh by test nodes (``[T, T]`` sum states, so DDP reduces correctly too).
 
-    Shapes:
-        - **update input:** ``node_stage`` :math:`(N,)` int, ``correct`` :math:`(N,)` bool
-        - **compute output:** :math:`(T, T)` float64, NaN where nothing was counted
-    """
+    Shapes: update ``node_stage`` :math:`(N,)` int, ``correct`` :math:`(N,)` bool; compute
+    :math:`(T, T)` float64, NaN where nothing was counted."""
 
     is_differentiable = False
     higher_is_better = True

@@ -47,10 +47,7 @@ def msp_score(logits: Tensor, known: Tensor) -> Tensor:
 
     Logits outside :math:`\mathcal{C}_K` (bool mask ``known``) are dropped before the softmax.
 
-    Shapes:
-        - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
-        - **output:** :math:`(N,)`
-    """
+    Shapes: input ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`; output :math:`(N,)`."""
     return _known_logits(logits, known).softmax(dim=1).amax(dim=1)
 
 
@@ -60,10 +57,7 @@ def energy_score(logits: Tensor, known: Tensor, temperature: float = 1.0) -> Ten
     .. math::
         s_i = T \log \sum_{c \in \mathcal{C}_K} \exp(\ell_{i,c} / T), \qquad T > 0
 
-    Shapes:
-        - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
-        - **output:** :math:`(N,)`
-    """
+    Shapes: input ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`; output :math:`(N,)`."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return temperature * torch.logsumexp(_known_logits(logits, known) / temperature, dim=1)
