@@ -349,9 +349,8 @@ def load_interactions(
 
     Args:
         path: the text file.
-        bipartite: two id spaces (sources ``u<raw>``, destinations ``i<raw>``; a warning
-            counts the ids seen on both sides) or one; no default, as either reading of the
-            other's file is silently wrong.
+        bipartite: two id spaces (sources ``u<raw>``, destinations ``i<raw>``) or one; no
+            default, as either reading of the other's file is silently wrong.
         labels: whether column 4 is a 0/1 label (default: when the lines have 4 or more).
         sep: ``"\\t"``/``"tab"``, ``","``/``"comma"``, ``";"``/``"semicolon"``,
             ``" "``/``"space"``/``"whitespace"``, or ``None`` to detect (default).
@@ -359,9 +358,8 @@ def load_interactions(
         name: the dataset name (default: the file name without suffix).
 
     Returns an EventStream in time order (``t`` int64 when every time is integral, else
-    float64; ``label`` int64 or ``None``; ``msg`` float32 or ``None``). Raises a DataError
-    naming the file, line, field and expectation, a ConfigError for an argument of the
-    wrong kind."""
+    float64). Raises a DataError naming the file, line, field and expectation, a ConfigError
+    for an argument of the wrong kind."""
     if not isinstance(bipartite, bool):
         raise ConfigError(
             "dataset.bipartite",
