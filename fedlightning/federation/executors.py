@@ -43,10 +43,8 @@ FOREACH_SAME = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 def with_foreach(factory: Callable[..., torch.optim.Optimizer]) -> Callable[..., Any]:
     """``factory`` (``model.optimizer`` as Hydra builds it, a ``functools.partial`` of an
     optimizer class) with ``foreach=True`` when its class is in :data:`FOREACH_SAME` and it
-    sets neither ``foreach`` nor ``fused``. On the CPU torch's default is the per-tensor
-    update, the same bits as the multi-tensor one and slower (Adam's step on five stacked
-    CiteSeer-MM clients' weights: 7.85 ms against 3.66, ``benchmarks/optimizer_step.py``,
-    docs/scaling.md); on CUDA its default is ``foreach`` already."""
+    sets neither ``foreach`` nor ``fused``: on the CPU the same bits as torch's per-tensor
+    default, faster (docs/scaling.md)."""
     if (
         isinstance(factory, partial)
         and factory.func in FOREACH_SAME

@@ -372,11 +372,10 @@ def bank_state(enc, negatives: PretrainNegatives) -> dict[str, Any]:
 
 def pack_store(store: dict[int, tuple[Tensor, ...]], num_nodes: int) -> tuple[Tensor, ...]:
     """A TGN message store (node ``i`` -> ``(src, dst, t, msg)`` of its pending messages,
-    every node a key) as its four columns concatenated in node order. Saved as a dict, its
-    ~10^5 small tensors took seconds to save and to load (a Wikipedia bank: 3.7 s and 3.3 s);
-    as four tensors, milliseconds. Node ``i``'s messages all have ``src == i`` (TGN files a
-    message under its first node), so the first column alone splits the columns again
-    (:func:`unpack_store`): nothing is added to the bank's values."""
+    every node a key) as its four columns concatenated in node order (milliseconds to save
+    and load, where a dict of ~10^5 small tensors took seconds: docs/fedtip.md). Node ``i``'s
+    messages all have ``src == i``, so the first column alone splits the columns again
+    (:func:`unpack_store`)."""
     if sorted(store) != list(range(num_nodes)):
         raise ValueError(f"a message store must hold every node 0..{num_nodes - 1}")
     cols = tuple(torch.cat(col) for col in zip(*(store[i] for i in range(num_nodes)), strict=True))
