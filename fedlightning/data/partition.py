@@ -238,9 +238,8 @@ class LouvainPartitioner(Partitioner):
     """Louvain communities (networkx, seeded; ``resolution``) merged into K clients by size.
 
     A graph of more than ``large_above`` nodes (default :data:`LARGE_GRAPH_NODES`) is
-    partitioned by ``large_method`` instead: ``"metis"`` (default; :class:`MetisPartitioner`,
-    seconds) or ``"louvain"`` (networkx all the same: minutes at 100k nodes). The manifest
-    says which method made it (``method``)."""
+    partitioned by ``large_method`` instead: ``"metis"`` (default; :class:`MetisPartitioner`)
+    or ``"louvain"``; the manifest's ``method`` says which made it."""
 
     method = "louvain"
     param_names = ("resolution",)

@@ -484,8 +484,8 @@ def load_folder(
         labels_as: ``"auto"`` (integer ids when every label is an integer, class names when
             none is), ``"ids"`` or ``"names"`` (e.g. years read as names).
 
-    Raises a DataError naming the file, the field and the expectation for a missing or
-    malformed file; a ConfigError for a bad ``src_column``, ``dst_column`` or ``labels_as``."""
+    Raises a DataError naming the file, field and expectation, a ConfigError naming a bad
+    argument."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise DataError(

@@ -108,8 +108,7 @@ def _sbm_edges_by_block(
     :math:`m_{ab} \sim \mathrm{Binomial}(P_{ab}, p)` (:math:`P_{aa} = \binom{n_a}{2}`,
     :math:`P_{ab} = n_a n_b`; :math:`p = p_{in}` if :math:`a = b` else :math:`p_{out}`),
     then :math:`m_{ab}` distinct pairs uniformly (:func:`_block_pairs`). Work and memory
-    grow with the edges, not with :math:`N^2`; the graph is a different draw than the
-    per-pair sampler's for the same seed."""
+    grow with the edges, not with :math:`N^2` (a different draw than :func:`_sbm_edges`')."""
     members = [np.flatnonzero(y == c) for c in range(int(y.max()) + 1)]
     src, dst = [], []
     blocks = len(members) * (len(members) + 1) // 2

@@ -251,11 +251,9 @@ def load_jodie_csv(path: str | Path, name: str | None = None) -> EventStream:
     """Loads a JODIE CSV (Wikipedia, Reddit, MOOC): one header line, then
     ``user_id,item_id,timestamp,state_label,f1,...,fd`` lines (``d >= 0``), sorted by time.
 
-    Returns a bipartite stream named ``name`` (default: the file name without suffix);
-    ``t`` int64 when every timestamp is integral, else float64; ``label`` int64 0/1; ``msg``
-    float32 ``[E, d]`` or ``None``. Raises a DataError for an empty or header-only file, a
-    row with another number of columns than the header (line 1), a non-finite value, a
-    non-integer id, a label other than 0/1, a time smaller than the one before."""
+    Returns a bipartite stream named ``name`` (default: the file's stem); ``label`` int64
+    0/1; ``msg`` float32 ``[E, d]`` or ``None``. Raises a DataError for an empty file, a row
+    unlike the header, a bad value, id or label, or a time smaller than the one before."""
     path = Path(path)
     what = "JODIE CSV `user_id,item_id,timestamp,state_label,f1..fd` with one header line"
     rows = read_lines(path, what)
@@ -311,11 +309,9 @@ def load_bitcoin_csv(
     ``temporal/soc-sign-bitcoinalpha.csv``): lines ``source,target,rating,time`` of
     integers, no header, in any order (sorted stably by time here).
 
-    Returns a stream of one node type (``t`` int64) whose ``label`` is ``rating < 0``
-    (distrust). ``msg`` is ``None``, or with ``rating_feature`` the float32 ``[E, 1]``
-    feature ``rating / 10``, which gives the label away: never an input when predicting
-    it. Raises a DataError for an empty file, a line that is not 4 integers, a rating
-    outside ``-10..10``."""
+    Returns a stream of one node type whose ``label`` is ``rating < 0`` (distrust); with
+    ``rating_feature``, ``msg`` is ``rating / 10`` ``[E, 1]``, which gives the label away.
+    Raises a DataError for an empty file, a line not of 4 integers, a rating outside -10..10."""
     path = Path(path)
     m, rows = _integer_lines(path, ("source", "target", "rating", "time"), ",")
     rating = m[:, 2]
@@ -435,8 +431,7 @@ def make_synthetic_stream(
     features), so equal seeds give equal streams. ``positive_rate`` in ``[0, 1]`` is the
     target fraction of label-1 events, ``feature_dim >= 0`` the size of ``msg``, and
     ``label_shift`` the distance a label-1 event's features move along one random unit
-    direction (the default 0.75 is a weak signal; a larger one makes the event's own
-    features, which the bank's state before the event has not seen, tell the label).
+    direction (the default 0.75 is a weak signal).
 
     Returns:
         EventStream: users ``0..num_users-1`` (``"u<k>"``), then items (``"i<k>"``); ``t``
