@@ -170,10 +170,7 @@ class CommLedger:
     def state_dict(self) -> dict[str, Any]:
         """The entries as pickled chunks (``packed``), each holding the entries recorded
         since the previous call: a checkpoint after every round pickles only that round's
-        entries. ``torch.save`` of the entries as a list of tuples grew with the run (at
-        round ``r`` it pickled every earlier round's tuples again: 62 ms at round 80 of
-        ``cil_fedogl_citeseer_mm``, ``benchmarks/checkpoint_ledger.py``), so a run's
-        checkpoints cost time quadratic in its rounds."""
+        entries, not every earlier round's again (docs/scaling.md)."""
         if len(self.entries) < self._packed_upto:  # entries replaced: pack them anew
             self._packed, self._packed_upto = [], 0
         if len(self.entries) > self._packed_upto:

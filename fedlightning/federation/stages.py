@@ -213,10 +213,9 @@ class ContinualLoop(FederatedLoop):
         return out
 
     def _forward_own(self) -> list[tuple]:
-        """Client ``c`` evaluated with its own weights, ``algorithm.eval_state(c,
-        broadcast)``: what ``c`` would load from the server's current broadcast (its local
-        layers and the shared ones; FedIIH's personalized blocks), so a method whose clients
-        keep local parameters is measured on the models its clients use; one at a time."""
+        """Client ``c`` evaluated, one at a time, with the weights it would load from the
+        server's broadcast, ``algorithm.eval_state(c, broadcast)`` (FedIIH's personalized
+        blocks)."""
         broadcast = self.server.broadcast(self.completed_rounds + 1)
         net = self.module.net
         out = []
