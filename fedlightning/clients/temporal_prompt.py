@@ -61,8 +61,7 @@ def view_inputs(batch: Batch, family: str) -> dict[str, Any]:
     r"""What :func:`family_views` and :func:`family_prototypes` read of a stacked ``batch``
     (``[K, N, ...]``) that no parameter touches: each side's event context (Eq. 13) and
     :math:`[\mathbf{h}_u \| \mathbf{h}_\cdot]`, the family's mask, and the class masks
-    of Eq. (18). Every step of a fit reads the same, so a client builds them once a batch;
-    the views and prototypes built from them are bitwise those built without."""
+    of Eq. (18): built once a batch, the views and prototypes are bitwise those built without."""
     b = batch
     out: dict[str, Any] = {}
     for side in ("i",) if family == "nc" else ("i", "j"):

@@ -58,8 +58,7 @@ class StackedLinear(nn.Module):
 class StackDropout(nn.Module):
     """Dropout on ``[K, N, d]`` whose mask is drawn for a round of ``total`` stacked copies,
     of which this stack holds copies ``first .. first + K - 1`` (:attr:`window`), so a
-    copy's mask does not depend on how the round is split into stacks (one stack or one
-    per rank give bitwise the same adapters on CPU). With ``window=None`` (the whole round)
+    copy's mask does not depend on how the round is split into stacks. With ``window=None``
     it is :func:`torch.nn.functional.dropout` on CPU. ``p`` lies in ``[0, 1)``."""
 
     def __init__(self, p: float) -> None:
@@ -291,9 +290,8 @@ def flat_start(adapter: nn.Module, start: dict[str, Tensor]) -> Tensor:
 
 def proximal_flat(params: Sequence[Tensor], start: Tensor) -> Tensor:
     r"""The proximal term of Eq. (26) without its weight over all parameters at once
-    (``start``: :func:`flat_start`). Its gradient is bitwise :func:`proximal_adapter`'s,
-    :math:`2(\Omega_k - \Omega^{(r)})` element by element, from a dozen autograd nodes
-    instead of four per parameter; the loss value itself is summed in another order.
-    ``params``: the adapter's parameters, in order."""
+    (``start``: :func:`flat_start`; ``params``: the adapter's, in order). Its gradient is
+    bitwise :func:`proximal_adapter`'s from a dozen autograd nodes instead of four per
+    parameter; the loss value is summed in another order."""
     flat = torch.cat([p.reshape(-1) for p in params])
     return ((flat - start) ** 2).sum()

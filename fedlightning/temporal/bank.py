@@ -59,9 +59,8 @@ def streaming_threads(n: int = STREAMING_THREADS) -> Iterator[None]:
 class StageProgress:
     """Progress of one streaming stage over ``total`` events: a tqdm bar on an interactive
     terminal only, an INFO line when the stage starts and at most every
-    :data:`PROGRESS_LOG_EVERY_S` while it runs, and a summary line when it ends; with
-    ``summarized`` (a bank epoch, whose caller logs one line with its loss and rate) these
-    lines are DEBUG and the bar shows the progress."""
+    :data:`PROGRESS_LOG_EVERY_S` while it runs, and a summary line when it ends (DEBUG with
+    ``summarized``: a bank epoch, whose caller logs its own line)."""
 
     def __init__(
         self, stage: str, total: int, logger: logging.Logger | None = None, summarized: bool = False
