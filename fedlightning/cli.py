@@ -264,8 +264,7 @@ def _refuse_before_hydra(args: list[str]) -> None:
     finished one, and a fresh run whose ``hydra.run.dir`` already holds a run. Hydra's own
     modes (``--cfg``, ``--info``, ...) and the ranks Lightning starts are left to the run; a
     multirun (``-m``) into a ``hydra.sweep.dir`` whose job folders hold a run is refused.
-    :mod:`fedlightning.runs` (and so torch) is imported only where there is a folder to
-    check: a config error of a plain run is told in about a second."""
+    :mod:`fedlightning.runs` (and so torch) is imported only where there is a folder to check."""
     flags = {a for a in args if a.startswith("-")}
     if flags - {"-m", "--multirun"} or any(a.startswith(LIGHTNING_RANK_ARG) for a in args):
         return

@@ -201,10 +201,9 @@ def aggregate(runs: list[dict], metrics: list[str], layout: str) -> dict[str, di
 
 def value(summary: dict, metric: str) -> float | None:
     """A run's metric. ``s_per_round`` (``s_per_task``): the mean round (task) time the
-    run measured (``summary.json["timing"]``), or, for runs made before it did, its wall
-    time divided by its rounds (tasks); ``uplink_mib``, ``downlink_mib``: the run's totals of its
-    ledger, and ``recurrent_downlink_mib_per_task`` (FedTIP: adapter and anchors, the bank
-    left out), from ``summary.json["comm"]``."""
+    run measured (``summary.json["timing"]``), else its wall time over its rounds (tasks);
+    ``uplink_mib``, ``downlink_mib`` and ``recurrent_downlink_mib_per_task`` (FedTIP, the
+    bank left out): from ``summary.json["comm"]``."""
     if metric in ("s_per_round", "s_per_task"):
         measured = summary.get("timing", {}).get(metric)
         if _finite(measured):

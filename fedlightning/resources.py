@@ -1,12 +1,8 @@
 """Where the Hydra configs are: :func:`conf_dir`, the one function every reader of the
-configs goes through (the CLI, :func:`fedlightning.config.compose`, sweeps, the Flower apps,
-shell completion, the tests and benchmarks).
-
-The repository's top-level ``conf/`` is the one source of the configs. A wheel ships it as
-the folder ``conf`` inside the package (``setup.py`` maps ``fedlightning.conf`` onto ``conf/``);
-a source checkout (an editable install, or ``PYTHONPATH`` pointing at the checkout) reads
-``conf/`` next to the package. Both are found from the imported package's own location, so
-the configs always belong to the ``fedlightning`` that runs them."""
+configs goes through. The repository's ``conf/`` is their one source: a wheel ships it as
+the package's ``conf`` folder (``setup.py``), a source checkout reads ``conf/`` next to the
+package; both are found from the imported package's location, so the configs always belong
+to the ``fedlightning`` that runs them."""
 
 from __future__ import annotations
 
