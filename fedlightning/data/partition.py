@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 TRAIN, VAL, TEST = 0, 1, 2
 MIN_CLIENT_NODES = 10
 # Above this many nodes, `partition=louvain` partitions with METIS (`large_method`): Louvain
-# in networkx takes minutes there (261 s at 100k nodes). No shipped dataset comes near it.
+# in networkx takes minutes there (docs/scaling.md).
 LARGE_GRAPH_NODES = 50_000
 
 

@@ -143,8 +143,7 @@ class ContinualLoop(FederatedLoop):
         basis_rank: ``r`` of the structural-basis probe (Eq. (3)); default ``8``.
         on_stage_end: ``(stage, metrics) -> None`` (1-based stage), e.g. MLflow logging.
         evaluation: what a stage's end measures (default :class:`ClassEvaluation`).
-        **kw: as :class:`FederatedLoop`; ``rounds`` is set to ``T x rounds_per_stage``.
-    """
+        **kw: as :class:`FederatedLoop`; ``rounds`` is set to ``T x rounds_per_stage``."""
 
     # the last stage's metrics that the run's final metrics repeat
     final_stage_metrics: tuple[str, ...] = (

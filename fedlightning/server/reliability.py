@@ -163,8 +163,7 @@ def bound_prototypes(
     Norm: each :math:`\mathbf{q}_{k,c}` is clipped to
     :math:`\rho\,\mathrm{median}_j \lVert\mathbf{q}_{j,c}\rVert` over the round's uploads
     of class :math:`c` (the lower median; ``ratio`` :math:`\rho`; ``None``: off), as Eq. (28)
-    holds the deltas to their median norm: a prototype is a mean of representations, so an
-    honest one is of their scale. Direction: a prototype whose cosine to the class's
+    holds the deltas to their median norm. Direction: a prototype whose cosine to the class's
     reference is negative is set aside (the message keeps its other fields); the reference
     is the class's anchor where one exists, else the coordinate-wise median of the round's
     uploads of the class when there are at least three. A kept prototype's share of

@@ -45,8 +45,7 @@ def _is_int(s: str) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------------------
-# labels: integer ids or class names
+# -------------------------------------------------------------- labels: integer ids or class names
 
 
 def _read_label_csv(path: Path) -> tuple[list[str], list[int]]:

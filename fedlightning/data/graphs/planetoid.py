@@ -64,8 +64,7 @@ def data_root(root: str | os.PathLike[str] | None = None) -> Path:
     return path
 
 
-# ------------------------------------------------------------------------------------------
-# gnn-benchmark npz files
+# ------------------------------------------------------------------------- gnn-benchmark npz files
 
 
 @dataclass
@@ -224,8 +223,7 @@ def _load_npz(name: str, root: Path) -> MultimodalGraph:
     return _bow_graph(name, bow, coo.row, coo.col, z.labels, z.class_names, z.node_names)
 
 
-# ------------------------------------------------------------------------------------------
-# raw Planetoid files
+# ----------------------------------------------------------------------------- raw Planetoid files
 
 
 class _PlanetoidUnpickler(pickle.Unpickler):

@@ -149,8 +149,8 @@ def _gaussian_fast(
 ) -> torch.Tensor:
     """``means[y] + noise * N(0, I)`` as :func:`_gaussian`, drawn by torch's generator in
     float32 (seeded from ``rng``) and finished in place, chunk by chunk: no float64 draw and
-    no temporaries of the whole matrix; about 4x faster than :func:`_gaussian` (other
-    values, the same distribution). Used with the ``blocks`` sampler."""
+    no temporaries of the whole matrix (other values, the same distribution). Used with the
+    ``blocks`` sampler."""
     n, d = y.size, means.shape[1]
     g = torch.Generator().manual_seed(int(rng.integers(2**63 - 1)))
     out = torch.randn((n, d), generator=g)
