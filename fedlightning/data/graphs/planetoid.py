@@ -39,8 +39,15 @@ DATA_ENV = "FEDLIGHTNING_DATA"
 # Class names of the raw Planetoid label columns (the files carry none), found by matching
 # each node's word vector with the named gnn-benchmark npz files (docs/datasets.md).
 PLANETOID_CLASS_NAMES = {
-    "cora": "Theory Reinforcement_Learning Genetic_Algorithms Neural_Networks "
-    "Probabilistic_Methods Case_Based Rule_Learning".split(),
+    "cora": [
+        "Theory",
+        "Reinforcement_Learning",
+        "Genetic_Algorithms",
+        "Neural_Networks",
+        "Probabilistic_Methods",
+        "Case_Based",
+        "Rule_Learning",
+    ],
     "citeseer": ["AI", "ML", "IR", "DB", "Agents", "HCI"],
 }
 
