@@ -1,11 +1,8 @@
 """Paper-style tables and plots from finished runs: ``fedlightning report``.
 
-Runs come from MLflow (selected by their tags, across the task's family experiment and the
-older single one) or from the ``summary.json`` files under ``--dirs``; of runs with the same
-configuration, dataset and seed the newest counts. A cell is the mean and sample std (n - 1)
-over seeds of the runs' ``summary.json`` values, with n (a single FedTIP run: the std over
-its tasks, ``<metric>_std``); one table per dataset unless ``--dataset`` names several.
-Layouts, options and files: docs/experiments.md."""
+Runs come from MLflow (selected by their tags) or from the ``summary.json`` files under
+``--dirs``; a cell is the mean and sample std over seeds (docs/experiments.md, "Reports",
+gives the selection, layouts, options and files)."""
 
 from __future__ import annotations
 

@@ -5,10 +5,9 @@ bottleneck gates on the event context (Eqs. 13-15) and a low-rank task template 
 The losses: prototypical node classification (Eqs. 18-19), two-way link prediction
 (Eqs. 20-21), the anchor term (Eq. 22) and the proximal term of Eq. (26).
 
-Everything is *stacked*: ``copies`` independent parameter sets (one per client of a round),
-inputs ``[K, N, ...]`` with a mask ``[K, N]`` of real events, losses summed over clients: one
-stacked fit is K independent local fits (docs/fedtip.md, "Fast path"); ``copies=1`` takes 2-D
-inputs too."""
+Everything is *stacked*: ``copies`` parameter sets (one per client of a round), inputs
+``[K, N, ...]`` with a mask ``[K, N]``, losses summed over clients (docs/fedtip.md, "Fast
+path"); ``copies=1`` takes 2-D inputs too."""
 
 from __future__ import annotations
 

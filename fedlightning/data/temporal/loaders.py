@@ -3,9 +3,8 @@
 labels. ``docs/datasets.md`` gives the formats, the id mapping and the time order.
 
 Every reader returns an :class:`~fedlightning.data.temporal.events.EventStream` and raises
-:class:`~fedlightning.errors.DataError` naming the file, the line (1-based, as an editor
-shows it), the field and what was expected. Files are parsed in one vectorised pass; only
-when that fails is the file scanned line by line to find the offending line."""
+:class:`~fedlightning.errors.DataError` naming the file, the line (1-based), the field and
+what was expected; a file is scanned line by line only when the vectorised pass fails."""
 
 from __future__ import annotations
 
