@@ -24,8 +24,3 @@ def conf_dir() -> Path:
         "the package"
     )
 
-
-def config_names(group: str) -> list[str]:
-    """The options of a config group, e.g. ``config_names("experiment")``: the stems of
-    ``conf/<group>/*.yaml``, sorted."""
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
