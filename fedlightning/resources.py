@@ -23,4 +23,3 @@ def conf_dir() -> Path:
         f"wheel install) nor in {PACKAGE_DIR.parent / 'conf'} (a source checkout): reinstall "
         "the package"
     )
-
