@@ -168,9 +168,7 @@ def _train_lightning_rank(cfg: DictConfig) -> dict:
 
 def _wait_for_lightning_ranks(timeout_s: float = 60.0) -> None:
     """Wait for the ranks Lightning started (they end with the loop), so none outlives the
-    command; kill any still running after ``timeout_s`` (the caller's: the time rank 0's
-    run took, which the other ranks' same work needs too, so a loaded machine is waited
-    for)."""
+    command; kill any still running after ``timeout_s`` (the caller's: rank 0's run time)."""
     import psutil  # a dependency of torch-geometric
 
     ranks = [
