@@ -90,9 +90,7 @@ def _train(cfg: DictConfig) -> float:
             from fedlightning.runs import drop_stub_run_dir
 
             drop_stub_run_dir(Path(hydra_cfg.runtime.output_dir))
-        line = str(e) if isinstance(e, FedLightningError) else hydra_error_line(e)
-        print(f"error: {line}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(_error(str(e) if isinstance(e, FedLightningError) else hydra_error_line(e)))
     finally:
         os.environ[_FULL_ERROR] = "1"  # Hydra's own errors after the task: raised to main
     metrics = summary["metrics"]
@@ -170,9 +168,7 @@ def _train_lightning_rank(cfg: DictConfig) -> dict:
 
 def _wait_for_lightning_ranks(timeout_s: float = 60.0) -> None:
     """Wait for the ranks Lightning started (they end with the loop), so none outlives the
-    command; kill any still running after ``timeout_s`` (the caller's: the time rank 0's
-    run took, which the other ranks' same work needs too, so a loaded machine is waited
-    for)."""
+    command; kill any still running after ``timeout_s`` (the caller's: rank 0's run time)."""
     import psutil  # a dependency of torch-geometric
 
     ranks = [
@@ -266,8 +262,7 @@ def _refuse_before_hydra(args: list[str]) -> None:
     finished one, and a fresh run whose ``hydra.run.dir`` already holds a run. Hydra's own
     modes (``--cfg``, ``--info``, ...) and the ranks Lightning starts are left to the run; a
     multirun (``-m``) into a ``hydra.sweep.dir`` whose job folders hold a run is refused.
-    :mod:`fedlightning.runs` (and so torch) is imported only where there is a folder to
-    check: a config error of a plain run is told in about a second."""
+    :mod:`fedlightning.runs` (and so torch) is imported only where there is a folder to check."""
     flags = {a for a in args if a.startswith("-")}
     if flags - {"-m", "--multirun"} or any(a.startswith(LIGHTNING_RANK_ARG) for a in args):
         return
@@ -467,8 +462,7 @@ def _run_train(multirun: bool) -> None:
             from fedlightning.runs import drop_stub_run_dir
 
             drop_stub_run_dir(_named_dir[0])
-        print(f"error: {line}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(_error(line))
     finally:
         _show_user_errors_as_set()
         if _named_dir[0] is not None:  # the run is over: its folder's lock goes with it
@@ -679,20 +673,23 @@ def _run_tool(command: str, rest: list[str]) -> int:
     try:
         return TOOLS[command](rest)
     except FedLightningError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _error(e)
     except Exception as e:  # Hydra's composition errors (an unknown override, group, key)
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
         from yaml import YAMLError
 
         if isinstance(e, YAMLError):  # a file the command reads (a sweep file, say)
-            print(f"error: {yaml_error_line(e)}", file=sys.stderr, flush=True)
-            return 2
+            return _error(yaml_error_line(e))
         if not isinstance(e, (HydraException, OmegaConfBaseException)):
             raise
-        print(f"error: {hydra_error_line(e)}", file=sys.stderr, flush=True)
-        return 2
+        return _error(hydra_error_line(e))
+
+
+def _error(line: object) -> int:
+    """Print a user error as one line; the exit status of one (2)."""
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    return 2
 
 
 def _wants_shell_completion(args: list[str]) -> bool:
@@ -763,8 +760,7 @@ def _main(argv: list[str] | None = None) -> None:
     try:
         _refuse_before_hydra(rest)
     except FedLightningError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(_error(e))
     args = _resume_run_dir(rest)
     # Hydra reads its overrides from sys.argv; Lightning's DDP launcher later re-executes
     # the real program with `train` and the same overrides (see _train).

@@ -5,12 +5,9 @@ options, e.g. ``experiment=cil_cora algorithm=fedogl``, and keys of the composed
 
 Installed with ``eval "$(fedlightning completion bash)"`` (or ``zsh``; docs/experiments.md).
 The shell function calls ``fedlightning completion query LINE`` with the command line up to
-the cursor; :func:`candidates` answers with Hydra's own completer
-(:class:`hydra.plugins.completion_plugin.CompletionPlugin`) over ``conf/train.yaml``, without
-importing torch. Hydra's ``-sc``/``--shell-completion`` flag, which Hydra documents in
-``fedlightning train --help``, is answered here too: Hydra's own script would register
-``fedlightning train`` as the command and call ``fedlightning -sc``.
-"""
+the cursor; :func:`candidates` answers with Hydra's own completer over ``conf/train.yaml``,
+without importing torch. Hydra's ``-sc``/``--shell-completion`` flag is answered here too
+(Hydra's own script would register ``fedlightning train`` as the command)."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ def data_name(value: Any, kind: str = "name", override: Any = None) -> str:
     ``display_name`` (docs/datasets.md): ``override`` when set, else ``value`` read by
     ``kind``: ``file`` (its stem), ``folder`` (its ``meta.json`` name, else the folder's
     name), ``dir`` (the folder's name) or ``name`` (as is); characters other than letters,
-    digits, ``.``, ``-``, ``_`` become ``_``. An unreadable ``meta.json`` is left to the loader.
-    """
+    digits, ``.``, ``-``, ``_`` become ``_``. An unreadable ``meta.json`` is left to the loader."""
     if override is not None and str(override) != "":
         raw = str(override)
     elif kind == "file":

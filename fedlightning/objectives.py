@@ -21,8 +21,7 @@ def symmetric_info_nce(q: Tensor, k: Tensor, temperature: float = 0.1) -> Tensor
     i.e. the mean of ``CE(q k^T / T, arange(n))`` and ``CE(k q^T / T, arange(n))``; with
     L2-normalised rows :math:`S` is the cosine similarity. ``q`` :math:`(n, d)` pairs row
     by row with ``k`` :math:`(n, d)`; returns a scalar. One pair gives ``0`` (nothing to
-    contrast with); no pair gives a zero that keeps the graph.
-    """
+    contrast with); no pair gives a zero that keeps the graph."""
     if q.shape != k.shape:
         raise ValueError(f"q and k must pair row by row, got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.size(0) == 0:

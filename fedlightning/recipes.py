@@ -3,8 +3,7 @@
 An experiment is one protocol on one dataset (``cil_cora``, ``temporal_wikipedia``, ...) and the
 method is chosen by ``algorithm=`` (docs/experiments.md). A name of the older, one-file-per-
 method form (``cil_fedogl_cora``) is answered with the overrides that compose the same config,
-budgets included, so a user's command, sweep file or note can be mended in one step.
-"""
+budgets included, so a user's command, sweep file or note can be mended in one step."""
 
 from __future__ import annotations
 

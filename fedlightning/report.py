@@ -1,12 +1,8 @@
 """Paper-style tables and plots from finished runs: ``fedlightning report``.
 
-Runs come from MLflow (selected by their tags, across the task's family experiment and the
-older single one) or from the ``summary.json`` files under ``--dirs``; of runs with the same
-configuration, dataset and seed the newest counts. A cell is the mean and sample std (n - 1)
-over seeds of the runs' ``summary.json`` values, with n (a single FedTIP run: the std over
-its tasks, ``<metric>_std``); one table per dataset unless ``--dataset`` names several.
-Layouts, options and files: docs/experiments.md.
-"""
+Runs come from MLflow (selected by their tags) or from the ``summary.json`` files under
+``--dirs``; a cell is the mean and sample std over seeds (docs/experiments.md, "Reports",
+gives the selection, layouts, options and files)."""
 
 from __future__ import annotations
 
@@ -35,10 +31,9 @@ from fedlightning.tracking.plots import (
 )
 
 LOWER_IS_BETTER = {"fm", "fm_diag", "fpr95", "val_fm", "val_fpr95", "train_loss", "s_per_round"}
-LOWER_IS_BETTER |= {"s_per_task"}
-LOWER_IS_BETTER |= {"uplink_mib_per_task", "downlink_mib_per_task"}
-#: the drift diagnostics of FedOGL Eqs. (2)-(4) and the spread of Eq. (4)'s terms: less is
-#: the memory the paper wants kept
+LOWER_IS_BETTER |= {"s_per_task", "uplink_mib_per_task", "downlink_mib_per_task", "uplink_mib"}
+LOWER_IS_BETTER |= {"downlink_mib", "recurrent_downlink_mib_per_task"}
+#: the drift diagnostics of FedOGL Eqs. (2)-(4) and the spread of Eq. (4)'s terms
 LOWER_IS_BETTER |= {"d_sem", "d_str", "d_fed", "d_fed_local"}
 LOWER_IS_BETTER |= {f"d_fed_local_{s}" for s in ("std", "class_std", "client_std")}
 #: each task family's own metrics, the default columns of its table
@@ -51,7 +46,6 @@ DEFAULT_METRICS = {
 }
 LABELS = {"am": "AM", "fm": "FM", "fpr95": "FPR95", "auroc_ood": "AUROC", "open_acc": "OpenAcc"}
 LABELS.update(s_per_round="s/round", uplink_mib="uplink MiB", downlink_mib="downlink MiB")
-LOWER_IS_BETTER |= {"uplink_mib", "downlink_mib", "recurrent_downlink_mib_per_task"}
 #: from summary.json["comm"]: a run's totals, and FedTIP's downlink per task without the bank
 COMM_METRICS = ("uplink_mib", "downlink_mib", "recurrent_downlink_mib_per_task")
 LABELS.update(
@@ -204,10 +198,9 @@ def aggregate(runs: list[dict], metrics: list[str], layout: str) -> dict[str, di
 
 def value(summary: dict, metric: str) -> float | None:
     """A run's metric. ``s_per_round`` (``s_per_task``): the mean round (task) time the
-    run measured (``summary.json["timing"]``), or, for runs made before it did, its wall
-    time divided by its rounds (tasks); ``uplink_mib``, ``downlink_mib``: the run's totals of its
-    ledger, and ``recurrent_downlink_mib_per_task`` (FedTIP: adapter and anchors, the bank
-    left out), from ``summary.json["comm"]``."""
+    run measured (``summary.json["timing"]``), else its wall time over its rounds (tasks);
+    ``uplink_mib``, ``downlink_mib`` and ``recurrent_downlink_mib_per_task`` (FedTIP, the
+    bank left out): from ``summary.json["comm"]``."""
     if metric in ("s_per_round", "s_per_task"):
         measured = summary.get("timing", {}).get(metric)
         if _finite(measured):

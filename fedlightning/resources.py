@@ -1,13 +1,8 @@
 """Where the Hydra configs are: :func:`conf_dir`, the one function every reader of the
-configs goes through (the CLI, :func:`fedlightning.config.compose`, sweeps, the Flower apps,
-shell completion, the tests and benchmarks).
-
-The repository's top-level ``conf/`` is the one source of the configs. A wheel ships it as
-the folder ``conf`` inside the package (``setup.py`` maps ``fedlightning.conf`` onto ``conf/``);
-a source checkout (an editable install, or ``PYTHONPATH`` pointing at the checkout) reads
-``conf/`` next to the package. Both are found from the imported package's own location, so
-the configs always belong to the ``fedlightning`` that runs them.
-"""
+configs goes through. The repository's ``conf/`` is their one source: a wheel ships it as
+the package's ``conf`` folder (``setup.py``), a source checkout reads ``conf/`` next to the
+package; both are found from the imported package's location, so the configs always belong
+to the ``fedlightning`` that runs them."""
 
 from __future__ import annotations
 
@@ -28,9 +23,3 @@ def conf_dir() -> Path:
         f"wheel install) nor in {PACKAGE_DIR.parent / 'conf'} (a source checkout): reinstall "
         "the package"
     )
-
-
-def config_names(group: str) -> list[str]:
-    """The options of a config group, e.g. ``config_names("experiment")``: the stems of
-    ``conf/<group>/*.yaml``, sorted."""
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))

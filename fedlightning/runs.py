@@ -2,8 +2,7 @@
 protocol, the bank, ``data manifest``): the run directory and resume
 (:func:`prepare_run_dir`), the MLflow run (:meth:`Run.start`), ``summary.json``, final
 metrics, artifacts and console table (:meth:`Run.finish`), and the run identity that a
-resume checks (:func:`run_identity`, :func:`load_checkpoint`; docs/architecture.md).
-"""
+resume checks (:func:`run_identity`, :func:`load_checkpoint`; docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -229,9 +228,8 @@ def lock_run_dir(run_dir: Path) -> None:
     creating the directory if needed; refuse in one line when another process holds it (a
     run in progress there). :func:`release_run_dirs` releases the lock and removes the file
     it made; the operating system releases it when the process ends, killed or not (a
-    killed run's file stays, unlocked: the next run takes it and leaves it as it was).
-    Taken twice by one process: once. Where the directory cannot be made (Hydra then says
-    why) or ``fcntl`` does not exist, nothing is locked."""
+    killed run's file stays, unlocked). Taken twice by one process: once. Where the
+    directory cannot be made or ``fcntl`` does not exist, nothing is locked."""
     key = str(Path(run_dir).resolve())
     if key in _HELD:
         return

@@ -2,12 +2,8 @@
 
 Every trial runs the file's experiment once per seed with the sampled overrides, in process;
 its value is the objective's mean over the seeds. The study lives in an Optuna storage, so
-it resumes and can be shared by several processes: a trial whose process died is marked
-failed (its MLflow run KILLED, linked to its retry) and its parameters run again, resuming
-its checkpointed runs under the retry's MLflow run; the sampler is seeded per trial number
-and a drawn parameter set that already ran or waits is drawn again, so none runs twice
-(docs/experiments.md, "Sweeps").
-"""
+it resumes and can be shared by several processes; a dead process's trial is retried and no
+parameter set runs twice (docs/experiments.md, "Sweeps")."""
 
 from __future__ import annotations
 
@@ -356,8 +352,7 @@ class Sweep:
         out_dir: where trial runs go: ``<out_dir>/<study>/trial_<n>/seed_<s>``.
         overrides: extra Hydra overrides for every run (after the file's own).
         compose: ``overrides -> DictConfig`` (:func:`fedlightning.config.compose`).
-        train: ``(cfg, run_dir, observe) -> summary``.
-    """
+        train: ``(cfg, run_dir, observe) -> summary``."""
 
     def __init__(self, spec: SweepSpec, out_dir: Path, overrides: list[str], compose, train):
         self.spec, self.out_dir, self.overrides = spec, Path(out_dir), list(overrides)

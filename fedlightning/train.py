@@ -34,8 +34,7 @@ def train(
     they are checkpointed and logged; raising :class:`~fedlightning.errors.RunStopped` there
     ends the run as ``KILLED`` (a pruned sweep trial). ``verbose=False`` leaves out the
     summary table on stdout. ``runner``, when given, replaces the one ``cfg.runner`` builds
-    (a Flower ServerApp passes its own).
-    """
+    (a Flower ServerApp passes its own)."""
     from fedlightning.config import check_trainer
 
     check_trainer(cfg)  # the Trainer settings against the runner, an absent GPU: at once
@@ -79,10 +78,8 @@ def run(
     verbose: bool = True,
     runner: Any = None,
 ) -> dict[str, Any]:
-    """Run ``program`` (a :class:`~fedlightning.programs.Program`) on ``cfg`` in ``run_dir``:
-    the one place a run is assembled. The torch threads are set first; then the program's
-    checks, its runner and world, the run directory on rank 0, its inputs, the MLflow run
-    around its work, ``summary.json`` and the artifacts (only rank 0 writes)."""
+    """Run ``program`` (a :class:`~fedlightning.programs.Program`) on ``cfg`` in ``run_dir``,
+    the torch threads set first, then the program's steps in its order (only rank 0 writes)."""
     from fedlightning.federation.world import World
     from fedlightning.runs import Run, apply_threads
 

@@ -24,8 +24,7 @@ class ContinualNodeClassifier(NodeClassifier):
     student)`` over the teacher's known classes on the nodes ``distill_on`` names
     (``"replay"``, ``"current"`` or ``"both"``), plus FedProx's term when ``prox_mu > 0``.
     ``lambda_dis=0`` disables the teacher; replay off leaves distillation on. ``net``,
-    ``optimizer``, ``prox_mu``: as in :class:`NodeClassifier`.
-    """
+    ``optimizer``, ``prox_mu``: as in :class:`NodeClassifier`."""
 
     stackable = True  # training_step is objective(net, teacher) + the proximal term
     loss_masks = ("sup_mask", "replay_mask")  # Eq. (5)'s nodes: a mini-batch's seeds

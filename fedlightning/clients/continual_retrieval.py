@@ -1,8 +1,7 @@
 r"""Class-incremental cross-modal retrieval: the retrieval reading of FedOGL's retention
 objective, Eq. (5). Cross-entropy becomes the symmetric InfoNCE over paired nodes (node
 :math:`i`'s query modality against its item modality, every other paired node a negative);
-the task-start distillation acts on the teacher's similarity logits.
-"""
+the task-start distillation acts on the teacher's similarity logits."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class ContinualRetrievalClient(ContinualNodeClassifier):
     :math:`S = q k^\top / T` of the student and :math:`S^-` of the frozen task-start
     teacher. Arguments as :class:`ContinualNodeClassifier`'s; ``net`` returns ``(q, k)``
     (e.g. :class:`~fedlightning.models.cross_modal.CrossModalGNN`); ``temperature`` is the
-    InfoNCE temperature :math:`T` (default ``0.1``).
-    """
+    InfoNCE temperature :math:`T` (default ``0.1``)."""
 
     def __init__(
         self,

@@ -43,6 +43,5 @@ def retention_objective(
         + \lambda_{\mathrm{rep}} \mathcal{L}_{\mathrm{CE}}(\mathcal{R}_k(t))
         + \lambda_{\mathrm{dis}} \tau^2 \mathrm{KL}(p^{-} \| p)
 
-    ``kl`` already carries ``tau^2`` (:func:`distillation_kl`).
-    """
+    ``kl`` already carries ``tau^2`` (:func:`distillation_kl`)."""
     return ce_current + lambda_rep * ce_replay + lambda_dis * kl

@@ -23,10 +23,8 @@ class NodeClassifier(pl.LightningModule):
     w^t\rVert^2` (FedProx's term when ``prox_mu > 0``, else FedAvg's client). ``optimizer``
     is a partial optimizer, called with the parameters on every local fit.
 
-    ``stackable``: its loss is :meth:`objective` plus the proximal term, so several clients
-    can fit as one stack (:mod:`fedlightning.federation.stacking`); a subclass that
-    overrides ``training_step`` is not stackable unless it says so.
-    """
+    ``stackable``: several clients can fit as one stack (:mod:`fedlightning.federation.stacking`);
+    a subclass that overrides ``training_step`` is not, unless it says so."""
 
     stackable: ClassVar[bool] = True
     #: the node masks the loss reads: a mini-batch fit seeds its batches on them

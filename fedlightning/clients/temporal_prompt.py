@@ -8,8 +8,7 @@ with the prototypical loss (Eqs. 18-19, ``family="nc"``) or the two-way softmax 
 positive and the client-visible negative (Eqs. 20-21, 25, ``family="lp"``, whose "classes"
 are the negative (0) and the positive pair (1)), and the anchor term (Eq. 22). Only the
 adapter :math:`\Omega` of Eq. (17) trains, on the bank's precomputed contexts
-(:func:`fedlightning.temporal.contexts.event_batch`), a round's clients stacked.
-"""
+(:func:`fedlightning.temporal.contexts.event_batch`), a round's clients stacked."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def view_inputs(batch: Batch, family: str) -> dict[str, Any]:
     r"""What :func:`family_views` and :func:`family_prototypes` read of a stacked ``batch``
     (``[K, N, ...]``) that no parameter touches: each side's event context (Eq. 13) and
     :math:`[\mathbf{h}_u \| \mathbf{h}_\cdot]`, the family's mask, and the class masks
-    of Eq. (18). Every step of a fit reads the same, so a client builds them once a batch;
-    the views and prototypes built from them are bitwise those built without."""
+    of Eq. (18): built once a batch, the views and prototypes are bitwise those built without."""
     b = batch
     out: dict[str, Any] = {}
     for side in ("i",) if family == "nc" else ("i", "j"):

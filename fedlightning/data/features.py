@@ -178,8 +178,7 @@ class ImageEncoder:
         weights: a state-dict file for ``module:factory`` (the Lite0 weights come from
             their package).
         image_size: the square input side ``S`` (default ``224``; resize of the shorter
-            side to ``S * 256 / 224``, centre crop).
-    """
+            side to ``S * 256 / 224``, centre crop)."""
 
     def __init__(
         self, model: str = "efficientnet-lite0", weights: str | None = None, image_size: int = 224
@@ -304,8 +303,7 @@ def extract(
 ) -> dict[str, Any]:
     """Encode a raw graph folder into a dataset folder; return the encoder record.
 
-    Every input problem raises before an encoder runs; ``out`` must not exist or be empty.
-    """
+    Every input problem raises before an encoder runs; ``out`` must not exist or be empty."""
     raw = Path(raw).expanduser()
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

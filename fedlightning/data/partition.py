@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 TRAIN, VAL, TEST = 0, 1, 2
 MIN_CLIENT_NODES = 10
 # Above this many nodes, `partition=louvain` partitions with METIS (`large_method`): Louvain
-# in networkx takes minutes there (261 s at 100k nodes). No shipped dataset comes near it.
+# in networkx takes minutes there (docs/scaling.md).
 LARGE_GRAPH_NODES = 50_000
 
 
@@ -33,8 +33,7 @@ class Partition(ContentHashed):
     Args:
         assignment: long ``[N]``, the client of each node.
         split: long ``[N]``, ``0`` train / ``1`` val / ``2`` test inside the node's client.
-        meta: the inputs it was built from (method, parameters, seed, graph fingerprint).
-    """
+        meta: the inputs it was built from (method, parameters, seed, graph fingerprint)."""
 
     assignment: Tensor
     split: Tensor
@@ -239,9 +238,8 @@ class LouvainPartitioner(Partitioner):
     """Louvain communities (networkx, seeded; ``resolution``) merged into K clients by size.
 
     A graph of more than ``large_above`` nodes (default :data:`LARGE_GRAPH_NODES`) is
-    partitioned by ``large_method`` instead: ``"metis"`` (default; :class:`MetisPartitioner`,
-    seconds) or ``"louvain"`` (networkx all the same: minutes at 100k nodes). The manifest
-    says which method made it (``method``)."""
+    partitioned by ``large_method`` instead: ``"metis"`` (default; :class:`MetisPartitioner`)
+    or ``"louvain"``; the manifest's ``method`` says which made it."""
 
     method = "louvain"
     param_names = ("resolution",)
@@ -327,8 +325,7 @@ class DirichletPartitioner(Partitioner):
     ``(seed, "dirichlet_partition")`` draws shares :math:`q_c \sim \mathrm{Dir}(\alpha
     \mathbf{1}_K)` (``alpha > 0``) and a permutation of the class's nodes, cut at
     ``round(cumsum(q_c) x n_c)``: client ``k`` gets the ``k``-th piece. Then
-    :func:`fill_small_clients` brings every client to ``MIN_CLIENT_NODES``.
-    """
+    :func:`fill_small_clients` brings every client to ``MIN_CLIENT_NODES``."""
 
     method = "dirichlet"
     param_names = ("alpha",)

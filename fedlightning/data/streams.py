@@ -37,8 +37,7 @@ def check_stages(
     ``ListConfig``) under rules 1-3 of ``docs/datasets.md``; return it as ints. With
     ``num_classes`` ``None`` (:func:`config_num_classes` does not know it) only the layout is
     checked. A violation is a one-line ConfigError naming the key; ``dataset`` is how
-    messages name the dataset.
-    """
+    messages name the dataset."""
     if isinstance(stages, (str, bytes, Mapping)) or not hasattr(stages, "__iter__"):
         raise ConfigError(
             STAGES_KEY, f"expected a list of classes per stage such as [2, 1, 1], got {stages!r}"
@@ -102,8 +101,7 @@ class ClassStream(ContentHashed):
         never: classes never introduced.
         observed: ``observed[k][t]``: the classes of ``stages[t]`` whose labels client ``k``
             may use at stage ``t`` (its supervised nodes are its training nodes of these).
-        meta: the inputs (stage sizes, fraction, seed, graph and partition hashes).
-    """
+        meta: the inputs (stage sizes, fraction, seed, graph and partition hashes)."""
 
     stages: list[list[int]]
     never: list[int]
@@ -149,8 +147,7 @@ class ClassStream(ContentHashed):
 class ClassIncrementalStream:
     """Builds a :class:`ClassStream` from stage sizes (e.g. ``[2, 1, 1, 1]``), seeded by
     ``protocol.seed``, under the rules of ``docs/datasets.md`` (the class order and which
-    classes each client observes, ``client_fraction`` in (0, 1]).
-    """
+    classes each client observes, ``client_fraction`` in (0, 1])."""
 
     def __init__(self, stages: list[int], client_fraction: float = 1.0) -> None:
         stages = check_stages(stages)

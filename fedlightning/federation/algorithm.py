@@ -64,43 +64,31 @@ class Algorithm:
     """The verbs a federated method declares; the schedules and the round call only these.
 
     Every verb has a default, so a method overrides what it changes (docs/architecture.md,
-    "Adding a method"). :meth:`stage_end_update` is asked only when
-    :attr:`stage_end_exchange` is true.
+    "Adding a method"); :meth:`stage_end_update` is asked only when :attr:`stage_end_exchange`.
 
     Attributes:
         name, variant: the ``method`` and ``variant`` tags of a run.
         continual: the method needs the class-incremental stream (``protocol=cil``).
         stage_end_exchange: the method exchanges messages after every stage.
-        evaluation: what a stage's end measures (``classes``: accuracy and rejection of
-            the logits; ``retrieval``: Recall@1 and similarity rejection,
-            :mod:`~fedlightning.federation.retrieval_stages`).
-        personalized: every client is evaluated with its own weights,
-            :meth:`eval_state` (never stacked), not the global model.
-        pooled: the clients' supports are pooled on one client (FedTIP's ``central``
-            mode): no messages are counted, no client is sent the bank.
-        pool_tasks: the tasks may run on forked processes (``task_workers``): nothing
-            carries from one task to the next but the ledger (false for a method with a
-            one-off exchange before its first task, :meth:`before_tasks`).
-        report_train_loss: clients also send their local loss, ``train_loss``
-            (``federation.report_train_loss``; set by the program that builds the method).
-        max_update_norm, max_client_weight: the bounds of the FedAvg-family server
-            (``algorithm.max_update_norm``, ``algorithm.max_client_weight``; ``None``: off;
+        evaluation: what a stage's end measures (``classes``: accuracy and rejection of the
+            logits; ``retrieval``: :mod:`~fedlightning.federation.retrieval_stages`).
+        personalized: every client is evaluated with its own weights (:meth:`eval_state`).
+        pooled: the clients' supports are pooled on one client (FedTIP's ``central``): no
+            messages are counted.
+        pool_tasks: the tasks may run on forked processes (``task_workers``): nothing but the
+            ledger carries between tasks (false with a one-off :meth:`before_tasks`).
+        report_train_loss: clients also send ``train_loss`` (``federation.report_train_loss``).
+        max_update_norm, max_client_weight: the FedAvg-family server's bounds (``None``: off;
             docs/security.md), checked by :func:`check_bounds`.
-        score: the rejection score of the logits (``msp``, ``energy``; ``None`` where the
-            method scores otherwise, e.g. retrieval's similarity).
-        calibrate_direction: the score's sign is set on validation (a score whose
-            direction is not known in advance: TopoOOD, GRASP, CLIPN).
+        score: the rejection score of the logits (``msp``, ``energy``; ``None``: the method's).
+        calibrate_direction: the score's sign is set on validation (TopoOOD, GRASP, CLIPN).
         release: the differentially private prototype release (``None``: none).
         flower_nodes: the method's clients can run on Flower nodes.
         local_fit_share: the stacked form of :meth:`local_fit`, ``(module, clients,
-            broadcast, executor, epochs, seeds) -> updates`` (``None``: none, clients fit
-            one at a time). A subclass that overrides :meth:`local_fit` without it fits one
-            at a time
-            (:func:`~fedlightning.federation.stacking.why_not_stacked`).
-        task_robust: ``federation.robust`` on a temporal run (set by the program; ``None``:
-            the method's own aggregation): every task's server aggregates the adapter
-            deltas by this rule (docs/security.md, "FedTIP's adapter").
-    """
+            broadcast, executor, epochs, seeds) -> updates`` (``None``: one client at a time,
+            :func:`~fedlightning.federation.stacking.why_not_stacked`).
+        task_robust: ``federation.robust`` on a temporal run (``None``: the method's own
+            aggregation; docs/security.md, "FedTIP's adapter")."""
 
     name = "base"
     variant = "full"

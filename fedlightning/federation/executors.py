@@ -2,8 +2,7 @@
 ``configure_optimizers`` called afresh (docs/architecture.md, "Execution"). On a ``device``
 (``None``: where the module is) the fit runs on a shallow copy of the batch (never the
 client's own data) and the module returns to the CPU; tensors a module keeps outside its
-parameters move in its ``on_fit_start`` (e.g. a teacher, FedProx's anchor).
-"""
+parameters move in its ``on_fit_start`` (e.g. a teacher, FedProx's anchor)."""
 
 from __future__ import annotations
 
@@ -44,10 +43,8 @@ FOREACH_SAME = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 def with_foreach(factory: Callable[..., torch.optim.Optimizer]) -> Callable[..., Any]:
     """``factory`` (``model.optimizer`` as Hydra builds it, a ``functools.partial`` of an
     optimizer class) with ``foreach=True`` when its class is in :data:`FOREACH_SAME` and it
-    sets neither ``foreach`` nor ``fused``. On the CPU torch's default is the per-tensor
-    update, the same bits as the multi-tensor one and slower (Adam's step on five stacked
-    CiteSeer-MM clients' weights: 7.85 ms against 3.66, ``benchmarks/optimizer_step.py``,
-    docs/scaling.md); on CUDA its default is ``foreach`` already."""
+    sets neither ``foreach`` nor ``fused``: on the CPU the same bits as torch's per-tensor
+    default, faster (docs/scaling.md)."""
     if (
         isinstance(factory, partial)
         and factory.func in FOREACH_SAME
@@ -102,38 +99,19 @@ def _with_module_callbacks(
 
 
 class LeanExecutor:
-    """Run ``epochs`` full-batch steps with Lightning's hooks, in Lightning's order, without a
-    Trainer.
-
-    Per fit: ``configure_callbacks``, ``prepare_data``, ``setup("fit")``,
-    ``configure_model``, ``configure_optimizers``, ``on_fit_start``, ``on_train_start``; per
-    epoch (one batch): ``on_train_epoch_start``, the batch hooks (``on_before_batch_transfer``,
-    ``transfer_batch_to_device``, ``on_after_batch_transfer``), ``on_train_batch_start`` (the
-    module's ``-1`` skips the step), then ``optimizer_step`` with the closure of
-    ``training_step``, ``on_before_zero_grad``, ``optimizer_zero_grad``,
-    ``on_before_backward``, ``backward``, ``on_after_backward``, followed inside the step by
-    ``on_before_optimizer_step`` and ``configure_gradient_clipping``; then
-    ``on_train_batch_end`` and ``on_train_epoch_end``; at the end ``on_train_end``,
-    ``on_fit_end``, ``teardown("fit")``; on an error the callbacks' ``on_exception``. At every
-    hook the callbacks run first, then the module, as Lightning's do.
-
-    What has no counterpart without a Trainer: the batch is moved to ``device`` once per fit,
-    so ``transfer_batch_to_device`` is called (every epoch) only where the module overrides
-    it, the default's move being a no-op on a batch already there; there is no
-    Trainer, so ``configure_gradient_clipping`` is called only where the module overrides
-    it (with the ``trainer`` group's ``gradient_clip_val`` and algorithm), and
-    ``self.clip_gradients`` (which reads the Trainer) is unavailable in it (clip with
-    ``torch.nn.utils`` there); without an override a ``gradient_clip_val`` clips as
-    Lightning's default does (:func:`clip_gradients`); ``training_step`` must return the
-    loss (or ``{"loss": ...}``); no logger, checkpoint or validation hooks.
+    """Run ``epochs`` full-batch steps with Lightning's hooks, in Lightning's order (the
+    callbacks' first, then the module's), without a Trainer (docs/architecture.md lists the
+    hooks and what has no counterpart: the batch moves to ``device`` once per fit;
+    ``transfer_batch_to_device`` and ``configure_gradient_clipping`` run only where the
+    module overrides them, the latter without ``self.clip_gradients``; ``training_step``
+    returns the loss; no logger, checkpoint or validation hooks).
 
     Args:
         device: where the fit runs (default ``None``: where the module is, or the CUDA GPU
             that ``trainer``'s ``accelerator`` asks for).
-        trainer: the ``trainer`` group's Trainer settings (conf/trainer); it honours cpu,
-            auto or one GPU, 32-bit precision, ``deterministic`` and gradient clipping, and
-            refuses any other in one line (:func:`fedlightning.config.lean_refusal`).
-    """
+        trainer: the ``trainer`` group's settings (conf/trainer); it honours cpu, auto or one
+            GPU, 32-bit precision, ``deterministic`` and gradient clipping, and refuses any
+            other in one line (:func:`fedlightning.config.lean_refusal`)."""
 
     name = "lean"
 
@@ -308,8 +286,7 @@ class TrainerExecutor:
             decide); a CUDA device overrides them with that one GPU (set by
             ``runner=distributed``).
         trainer: the ``trainer`` group (conf/trainer): every other ``lightning.Trainer``
-            argument (``deterministic``, ``gradient_clip_val``, ...); the four above win.
-    """
+            argument (``deterministic``, ``gradient_clip_val``, ...); the four above win."""
 
     name = "trainer"
 

@@ -14,14 +14,28 @@ MIB = 1024**2
 COLUMNS = ("direction", "round", "client", "field", "values", "bytes", "scope")
 
 
+def counted(records: list[tuple], names: tuple[str, ...], key: str) -> dict[str, Any]:
+    """The count of ``(round, client, ...)`` records, per client and per round, and every
+    record under ``key`` as a mapping of ``names``."""
+    per_client, per_round = defaultdict(int), defaultdict(int)
+    for r, c, *_ in records:
+        per_client[c] += 1
+        per_round[r] += 1
+    return {
+        "count": len(records),
+        "per_client": {str(k): v for k, v in sorted(per_client.items())},
+        "per_round": {str(k): v for k, v in sorted(per_round.items())},
+        key: [dict(zip(names, e, strict=True)) for e in records],
+    }
+
+
 class CommLedger:
     """Counts transmitted values and bytes per direction, round, client and named field.
 
     Every message goes through :meth:`record`; totals are derived from one list of
     entries ``(direction, round, client, field, values, bytes, scope)``, so no count can
     drift from another. ``scope`` names the schedule step a round belongs to where rounds
-    restart (FedTIP's ``task=<id>``); it is empty for a run whose rounds never restart.
-    """
+    restart (FedTIP's ``task=<id>``); it is empty for a run whose rounds never restart."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[str, int, int, str, int, int, str]] = []
@@ -58,36 +72,14 @@ class CommLedger:
         return sum(1 for r, *_ in self.suspicious if round is None or r == round)
 
     def suspicious_summary(self) -> dict[str, Any]:
-        """The ``comm.suspicious`` block: the count, per client and per round, and every
-        record (round, client, rule, scope)."""
-        per_client: dict[int, int] = defaultdict(int)
-        per_round: dict[int, int] = defaultdict(int)
-        for r, c, *_ in self.suspicious:
-            per_client[c] += 1
-            per_round[r] += 1
-        names = ("round", "client", "rule", "scope")
-        return {
-            "count": len(self.suspicious),
-            "per_client": {str(k): v for k, v in sorted(per_client.items())},
-            "per_round": {str(k): v for k, v in sorted(per_round.items())},
-            "clients": [dict(zip(names, e, strict=True)) for e in self.suspicious],
-        }
+        """The ``comm.suspicious`` block (:func:`counted`; records: round, client, rule, scope)."""
+        return counted(self.suspicious, ("round", "client", "rule", "scope"), "clients")
 
     def rejected_summary(self) -> dict[str, Any]:
-        """The ``comm.rejected`` block: the count, per client and per round, and every
-        rejection (round, client, field, rule, values, scope)."""
-        per_client: dict[int, int] = defaultdict(int)
-        per_round: dict[int, int] = defaultdict(int)
-        for r, c, *_ in self.rejections:
-            per_client[c] += 1
-            per_round[r] += 1
+        """The ``comm.rejected`` block (:func:`counted`; records: round, client, field, rule,
+        values, scope)."""
         names = ("round", "client", "field", "rule", "values", "scope")
-        return {
-            "count": len(self.rejections),
-            "per_client": {str(k): v for k, v in sorted(per_client.items())},
-            "per_round": {str(k): v for k, v in sorted(per_round.items())},
-            "messages": [dict(zip(names, e, strict=True)) for e in self.rejections],
-        }
+        return counted(self.rejections, names, "messages")
 
     def record(self, direction: str, client_id: int, message: Message, scope: str = "") -> None:
         """Count ``message`` sent in ``direction`` (``"up"`` or ``"down"``) to/from a client."""
@@ -171,10 +163,7 @@ class CommLedger:
     def state_dict(self) -> dict[str, Any]:
         """The entries as pickled chunks (``packed``), each holding the entries recorded
         since the previous call: a checkpoint after every round pickles only that round's
-        entries. ``torch.save`` of the entries as a list of tuples grew with the run (at
-        round ``r`` it pickled every earlier round's tuples again: 62 ms at round 80 of
-        ``cil_fedogl_citeseer_mm``, ``benchmarks/checkpoint_ledger.py``), so a run's
-        checkpoints cost time quadratic in its rounds."""
+        entries, not every earlier round's again (docs/scaling.md)."""
         if len(self.entries) < self._packed_upto:  # entries replaced: pack them anew
             self._packed, self._packed_upto = [], 0
         if len(self.entries) > self._packed_upto:

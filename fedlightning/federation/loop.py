@@ -140,8 +140,7 @@ class FederatedLoop(Schedule):
         checkpoint_path: where to write the state after every round (``None``: nowhere).
         on_round_end: ``(round, metrics) -> None`` after the checkpoint, e.g. MLflow logging.
         min_clients: ``federation.min_clients``: a round whose kept messages fall below it
-            after the server dropped some stops the run (docs/security.md).
-    """
+            after the server dropped some stops the run (docs/security.md)."""
 
     def __init__(
         self,
@@ -296,10 +295,9 @@ class FederatedLoop(Schedule):
         return {}
 
     def timing(self) -> dict[str, float]:
-        """``summary.json["timing"]``: the mean wall time of a round (``round_time_s``:
-        the clients' fits, aggregation and the round's evaluation, not a stage's end) over
-        every round of the run, a resumed run's earlier rounds included; kept out of
-        ``metrics``, which two runs of one seed share bitwise."""
+        """``summary.json["timing"]``: the mean wall time of a round (``round_time_s``: fits,
+        aggregation and the round's evaluation) over every round, a resumed run's earlier
+        ones included; kept out of ``metrics``, which two runs of one seed share bitwise."""
         times = [h["round_time_s"] for h in self.history if "round_time_s" in h]
         return {
             "s_per_round": sum(times) / len(times) if times else math.nan,

@@ -7,8 +7,7 @@ its own item ranks first (pessimistic ties, :func:`~fedlightning.metrics.recall_
 Counts are pooled over clients. A query's rejection score is its highest similarity to the
 client's known-class items (the retrieval reading of FedOGL Eq. (6)); unknown-class queries
 are the client's test nodes of unknown classes, scored against the same items. A method
-with its own score (GRASP, CLIPN) replaces the similarity through ``query_scores``.
-"""
+with its own score (GRASP, CLIPN) replaces the similarity through ``query_scores``."""
 
 from __future__ import annotations
 
@@ -20,11 +19,7 @@ import torch
 from torch import Tensor
 
 from fedlightning.federation.stages import SPLITS, ClassEvaluation, ContinualLoop, Parts, Pooled
-from fedlightning.metrics import (
-    max_similarity,
-    open_accuracy,
-    recall_at_k,
-)
+from fedlightning.metrics import max_similarity, open_accuracy, recall_at_k
 
 WRONG = -2  # a known query's label when its paired item is not ranked first
 
@@ -35,8 +30,7 @@ class RetrievalEvaluation(ClassEvaluation):
 
     Recall@1 fills ``train_acc``, ``val_acc`` and ``test_acc`` after every round and the
     accuracy-matrix rows after every stage, so the loop's logging, model selection and final
-    metrics work unchanged. No diagnostics (Eqs. (2)-(4) need class representations).
-    """
+    metrics work unchanged. No diagnostics (Eqs. (2)-(4) need class representations)."""
 
     # and final-stage Recall@1 over all known-class queries, pooled over clients
     final_stage_metrics = ("recall_at_1", "val_recall_at_1")

@@ -3,8 +3,7 @@
 Every schedule (:class:`~fedlightning.federation.loop.FederatedLoop`,
 :class:`~fedlightning.federation.stages.ContinualLoop` and its stage-end exchange,
 :class:`~fedlightning.federation.task_loop.TaskLoop`) calls :func:`federated_round`; whatever the
-runner, every message is counted here, in client order, once the runner returns the updates.
-"""
+runner, every message is counted here, in client order, once the runner returns the updates."""
 
 from __future__ import annotations
 
@@ -17,13 +16,7 @@ from fedlightning.errors import FedLightningError, TooFewClients
 from fedlightning.federation.ledger import DOWN, UP, CommLedger
 from fedlightning.federation.runners import ClientFailed, contiguous_shares
 from fedlightning.messages import ClientUpdate, ServerBroadcast, prefixed
-from fedlightning.server.validation import (
-    MessageSpec,
-    Rejection,
-    bounded_weights,
-    screen,
-    validate,
-)
+from fedlightning.server.validation import MessageSpec, Rejection, bounded_weights, screen, validate
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +33,14 @@ class ClientWork:
         share: the fit of several clients at once (stacked execution): ``positions ->
             updates`` for the clients at those positions of the round, in order; ``None``:
             the clients fit one at a time through ``one``.
-        kind: what a remote client runs (``fit``, ``stage_end``, ``task_fit``): a runner
-            whose clients live elsewhere (Flower nodes) sends ``kind``, ``params`` and
-            ``broadcast``, and the node does the same work on its own copy of the client.
+        kind: what a remote client runs (``fit``, ``stage_end``, ``task_fit``): a runner whose
+            clients live elsewhere (Flower nodes) sends ``kind``, ``params`` and ``broadcast``.
         params: the plain values that work needs besides the broadcast (epochs, stage, ...).
         broadcast: the round's broadcast (set by :func:`federated_round`).
         uplink: the declaration every update of the round is checked against before
             aggregation (``None``: any fields, finite values; docs/security.md).
         downlink: the declaration the round's broadcast is checked against before any
-            client sees it (``Algorithm.downlink``; ``None``: unchecked).
-    """
+            client sees it (``Algorithm.downlink``; ``None``: unchecked)."""
 
     one: FitOne | None = None
     share: FitShare | None = None
@@ -107,18 +98,15 @@ def federated_round(
     ``scope``) and every dropped one into its rejections, then ``aggregate(round, updates)``
     (default ``server.aggregate``) on the kept ones.
 
-    With ``server.secure`` (a :class:`~fedlightning.server.secure_sum.SecureSum`, set by
-    ``federation.secure_sum``) and the server's own aggregation, each client's fit returns its
-    masked share, checked by shape and dtype only, and the server aggregates their sum alone
-    (docs/security.md).
+    With ``server.secure`` (:class:`~fedlightning.server.secure_sum.SecureSum`) and the server's
+    own aggregation, each fit returns its masked share, checked by shape and dtype only, and
+    the server aggregates their sum alone (docs/security.md).
 
-    A client whose fit failed (:class:`ClientFailed`), whose message breaks a rule, or that
-    sent nothing where a message is required, is dropped with one log line; when fewer than
-    ``min_clients`` messages remain after a drop, :class:`TooFewClients` ends the run
-    before aggregation (the last checkpoint is the previous round's).
+    A client whose fit failed, whose message breaks a rule, or that sent nothing where a
+    message is required, is dropped with one log line; when fewer than ``min_clients``
+    messages remain, :class:`TooFewClients` ends the run before aggregation.
 
-    Returns the updates kept, in client order (a client that sends nothing is left out).
-    """
+    Returns the updates kept, in client order."""
     broadcast = server.broadcast(round)
     fit = work(broadcast)
     fit.broadcast = broadcast

@@ -1,6 +1,5 @@
 """Runners decide where a round's clients run (docs/scaling.md); same seed, same result,
-whichever runner (Flower's, :mod:`fedlightning.flower`, is one too).
-"""
+whichever runner (Flower's, :mod:`fedlightning.flower`, is one too)."""
 
 from __future__ import annotations
 
@@ -120,20 +119,15 @@ class SequentialRunner(Runner):
     Args:
         executor: the local-fit executor (:mod:`~fedlightning.federation.executors`).
         progress: a progress bar over clients when the terminal is interactive.
-        kill_at: fault injection for resume tests, ``"ROUND:N"``: SIGKILL this process
-            after the N-th client fit of that round (mid-round, as a crash);
-            ``"ROUND:N:KIND"``: only in that round's work of ``KIND`` (``stage_end``: the
-            stage-end exchange that follows the stage's last round; ``task_fit``: a FedTIP
-            task's round); ``"ROUND:N:KIND:TIMES"``: the TIMES-th time it matches (FedTIP's
-            round numbers start again with every task and family).
-        stack_clients: fit a round's clients as one stack and evaluate them in one pass
-            where the method supports it (:mod:`~fedlightning.federation.stacking`; the
-            same results as one at a time, faster); ``False``: one at a time.
-        client_timeout_s: seconds one client's fit may take (``None``: no limit); a fit
-            that raises or runs longer is dropped from its round (:class:`ClientFailed`).
-            A stacked share (several clients fitted at once) counts as one fit.
-        timeout_s: the old name of ``client_timeout_s`` (read, with a warning).
-    """
+        kill_at: fault injection for resume tests: ``"ROUND:N"`` SIGKILLs this process after
+            the N-th client fit of that round; ``"ROUND:N:KIND"`` only in that round's work
+            of ``KIND`` (``stage_end``, ``task_fit``); ``"ROUND:N:KIND:TIMES"`` the TIMES-th
+            time it matches (FedTIP's round numbers start again every task and family).
+        stack_clients: fit a round's clients as one stack where the method supports it
+            (:mod:`~fedlightning.federation.stacking`; the same results, faster).
+        client_timeout_s: seconds one client's fit (or stacked share) may take (``None``: no
+            limit); a fit that raises or runs longer is dropped (:class:`ClientFailed`).
+        timeout_s: the old name of ``client_timeout_s`` (read, with a warning)."""
 
     name = "sequential"
 
@@ -210,18 +204,13 @@ class DistributedRunner(SequentialRunner):
     Args:
         executor: the local-fit executor; its ``device`` is set to this rank's device.
         backend: ``auto`` (NCCL on GPUs, Gloo on CPU), ``gloo`` or ``nccl``.
-        device: ``auto`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``cpu``
-            or ``cuda``.
-        client_timeout_s: as :class:`SequentialRunner`'s (each rank times its own fits);
-            a rank waits for the others in a collective up to :data:`SHARE_WAIT` times it
-            (a share of that many clients that each use their whole limit) before it fails
-            with :class:`~fedlightning.federation.world.RankLost` (default ``600``;
-            ``None``: no fit limit, and the collectives wait 600 s).
+        device: ``auto`` (``cuda:<local_rank>`` with CUDA, else CPU), ``cpu`` or ``cuda``.
+        client_timeout_s: as :class:`SequentialRunner`'s; a rank waits for the others in a
+            collective up to :data:`SHARE_WAIT` times it before it fails with
+            :class:`~fedlightning.federation.world.RankLost` (``None``: 600 s).
         timeout_s: the old name of ``client_timeout_s`` (read, with a warning).
-        progress, kill_at: as :class:`SequentialRunner`'s (the bar on rank 0; the rank
-            that fits the N-th client of ROUND kills itself).
-        stack_clients: as :class:`SequentialRunner`'s (each rank stacks its share).
-    """
+        progress, kill_at: as :class:`SequentialRunner`'s (the bar on rank 0).
+        stack_clients: as :class:`SequentialRunner`'s (each rank stacks its share)."""
 
     name = "distributed"
 

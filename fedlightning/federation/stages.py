@@ -143,8 +143,7 @@ class ContinualLoop(FederatedLoop):
         basis_rank: ``r`` of the structural-basis probe (Eq. (3)); default ``8``.
         on_stage_end: ``(stage, metrics) -> None`` (1-based stage), e.g. MLflow logging.
         evaluation: what a stage's end measures (default :class:`ClassEvaluation`).
-        **kw: as :class:`FederatedLoop`; ``rounds`` is set to ``T x rounds_per_stage``.
-    """
+        **kw: as :class:`FederatedLoop`; ``rounds`` is set to ``T x rounds_per_stage``."""
 
     # the last stage's metrics that the run's final metrics repeat
     final_stage_metrics: tuple[str, ...] = (
@@ -213,10 +212,9 @@ class ContinualLoop(FederatedLoop):
         return out
 
     def _forward_own(self) -> list[tuple]:
-        """Client ``c`` evaluated with its own weights, ``algorithm.eval_state(c,
-        broadcast)``: what ``c`` would load from the server's current broadcast (its local
-        layers and the shared ones; FedIIH's personalized blocks), so a method whose clients
-        keep local parameters is measured on the models its clients use; one at a time."""
+        """Client ``c`` evaluated, one at a time, with the weights it would load from the
+        server's broadcast, ``algorithm.eval_state(c, broadcast)`` (FedIIH's personalized
+        blocks)."""
         broadcast = self.server.broadcast(self.completed_rounds + 1)
         net = self.module.net
         out = []
@@ -379,8 +377,7 @@ class ContinualLoop(FederatedLoop):
         the top-``r`` basis of ``g`` on each earlier stage's training nodes since that
         stage's end (Eq. (3), averaged over earlier stages), and the dispersion of the
         clients' class prototypes of ``z`` around their count-weighted mean (Eq. (4)), with
-        the spread of its client-by-class terms (kept in ``prototype_terms``, Fig. 3).
-        """
+        the spread of its client-by-class terms (kept in ``prototype_terms``, Fig. 3)."""
         if not reps_all or not reps_all[0][1]:
             return {}
         known = self.stream.known(t)

@@ -1,17 +1,10 @@
 """A FedTIP run's tasks on several processes at once (``task_workers``; docs/fedtip.md,
-"Fast path").
-
-Every draw of a task is keyed by (seed, task, family, round, client) and nothing carries
-from one task to the next but the ledger and the set of clients already sent the bank, so
-tasks can run in any order on any process. :func:`task_results` runs them on ``workers``
-forked processes (each with a fresh ledger and the provisioned set the task would have seen
-in a one-process run) and hands back each task's metrics in manifest order while merging
-its ledger entries into the loop's, in that order. Each worker runs on one thread (an
-OpenMP thread pool does not survive a fork; the processes take the threads' place), so the
-metrics, the ledger, the checkpoints and the summary are bitwise those of one process with
-``threads=1`` (``test_task_workers_give_the_one_process_run``). The schedule around it
-(checkpoint, progress, tracking) stays in the calling process.
-"""
+"Fast path"): the tasks are independent, so :func:`task_results` runs them on ``workers``
+forked processes of one thread each (an OpenMP pool does not survive a fork), each with a
+fresh ledger and the provisioned set the task would have seen in one process, and hands
+back each task's metrics in manifest order, merging its ledger entries in that order:
+bitwise the one-process run with ``threads=1``. Checkpoints, progress and tracking stay in
+the calling process."""
 
 from __future__ import annotations
 
@@ -30,12 +23,10 @@ _JOB: dict[str, Any] = {}  # what a forked worker reads: the loop and its tasks
 
 def resolve_workers(workers: Any, tasks: int, runner: Any = None, poolable: bool = True) -> int:
     """``task_workers``: a positive int, or ``auto`` (the default: the usable cores, at most
-    ``tasks``, or 1 where only one process can run them or where the runner is set to kill
-    its process, ``runner.kill_at``, which a pool's worker would take with it); ``None`` is
-    1. More than one needs a one-process CPU runner (``runner=sequential``) on a system that
-    forks, and a schedule whose tasks carry nothing else between them (``poolable``, a task
-    loop's :attr:`~fedlightning.federation.task_loop.TaskLoop.pool_tasks`): otherwise one line
-    naming the key (``auto``: 1)."""
+    ``tasks``; 1 where only one process can run them or with ``runner.kill_at``); ``None`` is
+    1. More than one needs ``runner=sequential`` on the CPU, a system that forks, and
+    ``poolable`` tasks (:attr:`~fedlightning.federation.task_loop.TaskLoop.pool_tasks`):
+    otherwise one line naming the key (``auto``: 1)."""
     device = getattr(getattr(runner, "executor", None), "device", None)
     forkable = runner is None or (
         type(runner).__name__ == "SequentialRunner"

@@ -3,8 +3,7 @@
 A run under ``torchrun`` (``WORLD_SIZE`` set) joins the ``torch.distributed`` process group;
 any other run is a world of one process, where every collective is the identity. Only object
 collectives are used (``broadcast`` of rank 0's results, ``all_gather`` of updates): no
-reduction touches a value that enters the server step.
-"""
+reduction touches a value that enters the server step."""
 
 from __future__ import annotations
 

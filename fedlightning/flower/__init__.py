@@ -1,6 +1,5 @@
 """Flower adapter: the same algorithms as a Flower app (``ServerApp`` + ``ClientApp``; its
-modules: docs/architecture.md). Optional: ``pip install 'fedlightning[flower]'``.
-"""
+modules: docs/architecture.md). Optional: ``pip install 'fedlightning[flower]'``."""
 
 import os
 

@@ -1,8 +1,7 @@
 """The Flower ``ServerApp`` (run config: ``overrides``, ``run-dir``, ``resume``) and
 ``ClientApp`` (node config: ``partition-id``, ``num-partitions``, ``state-dir``, ``data-root``,
 default ``$FEDLIGHTNING_DATA``) of fedlightning, and :func:`simulate`, both in Flower's
-simulation engine (docs/scaling.md).
-"""
+simulation engine (docs/scaling.md)."""
 
 from __future__ import annotations
 

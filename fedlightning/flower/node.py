@@ -2,10 +2,8 @@
 node's own disk, ``<root>/<run key>/client_<k>/``, holding ``config.yaml`` (the run's
 resolved config), ``client.pt`` (the client built at set-up from the node's data: a graph
 client's subgraph, input sizes and class stream, or a FedTIP client's support per task),
-``state_<round>.pt`` (:class:`StateFiles`) and ``sent.jsonl`` (an audit log of every reply).
-A deployment starts a fresh ClientApp process per message, so a fit reads everything from
-this folder; a simulation reuses its processes and :func:`open_node`'s cache.
-"""
+``state_<round>.pt`` (:class:`StateFiles`) and ``sent.jsonl`` (an audit log of every reply),
+from which a deployment's fresh ClientApp process per message reads everything."""
 
 from __future__ import annotations
 

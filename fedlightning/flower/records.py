@@ -1,7 +1,6 @@
 """Our typed messages as Flower records, and back: a ``RecordDict`` of ``tensors`` (an
 ``ArrayRecord``, dtype and shape kept) and ``scalars`` (a ``MetricRecord``). Decoding gives
-bitwise the same fields, so the ledger counts a message the same on a wire or in process.
-"""
+bitwise the same fields, so the ledger counts a message the same on a wire or in process."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``runner=flower``: each round's clients run on Flower nodes, one node per client; the
-schedule, server step, ledger and checkpoints stay in the ServerApp (docs/scaling.md).
-"""
+schedule, server step, ledger and checkpoints stay in the ServerApp (docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ class FlowerRunner(Runner):
         timeout_s: the old name of ``client_timeout_s`` (read, with a warning).
         connect_timeout_s: seconds to wait for one node per client to answer the set-up.
         client_cpus: Flower simulation only: CPUs per virtual node.
-        progress: as every runner's; a Flower round shows in the log, with no bar.
-    """
+        progress: as every runner's; a Flower round shows in the log, with no bar."""
 
     name = "flower"
 

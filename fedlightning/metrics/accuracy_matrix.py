@@ -3,8 +3,7 @@ r"""Class-incremental metrics: the accuracy matrix and AM / FM / seen-task curve
 Stages are 0-based in code. ``M[t, j]`` is the accuracy, after training stage ``t``, on the
 test nodes of the classes that stage ``j`` introduced, pooled over clients (weighted by test
 nodes). Entries never measured (``j > t``, or no test node) are NaN. ``T`` is the number of
-stages, so the final row is ``M[T-1]`` (``M[T]`` in the paper's 1-based notation).
-"""
+stages, so the final row is ``M[T-1]`` (``M[T]`` in the paper's 1-based notation)."""
 
 from __future__ import annotations
 
@@ -34,10 +33,8 @@ class AccuracyMatrix(Metric):
     introduced at stage :math:`j`: :meth:`update` once per client sums counts, so clients
     weigh by test nodes (``[T, T]`` sum states, so DDP reduces correctly too).
 
-    Shapes:
-        - **update input:** ``node_stage`` :math:`(N,)` int, ``correct`` :math:`(N,)` bool
-        - **compute output:** :math:`(T, T)` float64, NaN where nothing was counted
-    """
+    Shapes: update ``node_stage`` :math:`(N,)` int, ``correct`` :math:`(N,)` bool; compute
+    :math:`(T, T)` float64, NaN where nothing was counted."""
 
     is_differentiable = False
     higher_is_better = True
@@ -104,8 +101,7 @@ def average_accuracy(M: Tensor) -> float:
         \mathrm{AM} = \frac{1}{T} \sum_{j=0}^{T-1} M_{T-1,j}
 
     Tasks without a measured value (NaN) are left out of the mean; NaN if none is finite.
-    ``M`` :math:`(T, T)`, row ``t`` = after stage ``t`` (as for every function here).
-    """
+    ``M`` :math:`(T, T)`, row ``t`` = after stage ``t`` (as for every function here)."""
     M = _as_matrix(M)
     return _finite_mean(M[-1])
 
@@ -135,8 +131,7 @@ def forgetting(M: Tensor) -> float:
 
     The drop is signed, as in the FedOGL paper. NaN entries are skipped inside the max; a
     task with no finite reference or final value is left out of the mean; 0 when
-    :math:`T = 1`.
-    """
+    :math:`T = 1`."""
     return _forgetting(M, diag=False)
 
 
@@ -146,8 +141,7 @@ def forgetting_diag(M: Tensor) -> float:
     .. math::
         \mathrm{FM}_{diag} = \frac{1}{T-1} \sum_{j=0}^{T-2} \big( M_{j,j} - M_{T-1,j} \big)
 
-    Signed; tasks with a non-finite term are left out; 0 when :math:`T = 1`.
-    """
+    Signed; tasks with a non-finite term are left out; 0 when :math:`T = 1`."""
     return _forgetting(M, diag=True)
 
 
@@ -158,7 +152,6 @@ def seen_accuracy_curve(M: Tensor) -> list[float]:
         a_t = \frac{1}{t+1} \sum_{j=0}^{t} M_{t,j}, \qquad t = 0, \dots, T-1
 
     Non-finite entries are left out of each mean (NaN if a row has none); the last value
-    equals :func:`average_accuracy`.
-    """
+    equals :func:`average_accuracy`."""
     M = _as_matrix(M)
     return [_finite_mean(M[t, : t + 1]) for t in range(M.shape[0])]

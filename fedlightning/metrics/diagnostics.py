@@ -1,8 +1,7 @@
 r"""Memory-drift diagnostics of the FedOGL paper: semantic, structural, federated (Eqs. 2-4).
 
 Pure functions; they compute in float64 and return floats (centroids and bases: tensors in
-the input dtype).
-"""
+the input dtype)."""
 
 from __future__ import annotations
 
@@ -41,10 +40,7 @@ def class_centroids(z: Tensor, y: Tensor, classes: Sequence[int]) -> dict[int, T
 
     Classes without any node are left out (so drift functions skip them).
 
-    Shapes:
-        - **input:** ``z`` :math:`(N, d)`, ``y`` :math:`(N,)`
-        - **output:** ``{c: (d,)}``
-    """
+    Shapes: input ``z`` :math:`(N, d)`, ``y`` :math:`(N,)`; output ``{c: (d,)}``."""
     if z.dim() != 2 or y.shape != (z.shape[0],):
         raise ValueError(f"expected z [N, d] and y [N], got {tuple(z.shape)}, {tuple(y.shape)}")
     y = y.to(z.device)
@@ -66,9 +62,7 @@ def semantic_drift(then: Mapping[int, Tensor], now: Mapping[int, Tensor]) -> flo
     ``then`` holds each class's centroid when it appeared (stage :math:`t_c`), ``now`` at
     stage :math:`t`; :math:`\mathcal{C}^t_{old}` is the classes in both (NaN if none).
 
-    Shapes:
-        - **input:** ``{c: (d,)}`` each
-    """
+    Shapes: input ``{c: (d,)}`` each."""
     common = sorted(set(then) & set(now))
     if not common:
         return math.nan
@@ -85,10 +79,7 @@ def principal_basis(z: Tensor, r: int, center: bool = True) -> Tensor:
     :math:`1 \le r \le \min(N, d)`; ``center=False`` skips the centring. Signs are fixed by
     :func:`~fedlightning.utils.linalg.fix_signs`, so the basis is deterministic.
 
-    Shapes:
-        - **input:** :math:`(N, d)`
-        - **output:** :math:`(d, r)` in the dtype of ``z``
-    """
+    Shapes: input :math:`(N, d)`; output :math:`(d, r)` in the dtype of ``z``."""
     if z.dim() != 2:
         raise ValueError(f"expected z [N, d], got {tuple(z.shape)}")
     n, d = z.shape
@@ -111,9 +102,7 @@ def basis_drift(u_then: Tensor, u_now: Tensor) -> float:
     0 for the same subspace, 1 for orthogonal ones (``u_then`` right after task :math:`i`,
     ``u_now`` after task :math:`t`, orthonormal columns).
 
-    Shapes:
-        - **input:** :math:`(d, r)` each
-    """
+    Shapes: input :math:`(d, r)` each."""
     if u_then.dim() != 2 or u_then.shape != u_now.shape:
         raise ValueError(
             f"expected two [d, r] bases of one shape, got {tuple(u_then.shape)} and "
@@ -133,8 +122,7 @@ def prototype_discrepancies(
 
     ``local[c]`` maps each client :math:`k \in \mathcal{K}_c` to its prototype
     :math:`\mathbf{p}_{k,c}`, ``global_[c]`` is :math:`\bar{\mathbf{p}}_c`; only the classes
-    with both appear, in ascending order (the clients in ``local[c]``'s order).
-    """
+    with both appear, in ascending order (the clients in ``local[c]``'s order)."""
     classes = sorted(c for c in set(local) & set(global_) if len(local[c]) > 0)
     return {c: {k: _cos_dist(p, global_[c]) for k, p in local[c].items()} for c in classes}
 
@@ -186,9 +174,7 @@ def prototype_dispersion(
     :math:`\mathcal{K}_c`, ``global_[c]`` :math:`\bar{\mathbf{p}}_c`. :math:`\mathcal{C}_K` is
     the classes with both (NaN if none); each class weighs the same.
 
-    Shapes:
-        - **input:** ``local`` ``{c: [(d,), ...]}``, ``global_`` ``{c: (d,)}``
-    """
+    Shapes: input ``local`` ``{c: [(d,), ...]}``, ``global_`` ``{c: (d,)}``."""
     return dispersion_of(
         prototype_discrepancies({c: dict(enumerate(ps)) for c, ps in local.items()}, global_)
     )

@@ -2,8 +2,7 @@ r"""Open-world rejection: known-class scores, the Eq. (6) threshold rule, FPR95 
 
 Known classes are the positive class everywhere: a higher score means "more known". A
 node is accepted when its score is ``>= threshold`` and rejected as OOD otherwise (FedOGL
-Eq. (6)). Rates are fractions in [0, 1].
-"""
+Eq. (6)). Rates are fractions in [0, 1]."""
 
 from __future__ import annotations
 
@@ -48,10 +47,7 @@ def msp_score(logits: Tensor, known: Tensor) -> Tensor:
 
     Logits outside :math:`\mathcal{C}_K` (bool mask ``known``) are dropped before the softmax.
 
-    Shapes:
-        - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
-        - **output:** :math:`(N,)`
-    """
+    Shapes: input ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`; output :math:`(N,)`."""
     return _known_logits(logits, known).softmax(dim=1).amax(dim=1)
 
 
@@ -61,10 +57,7 @@ def energy_score(logits: Tensor, known: Tensor, temperature: float = 1.0) -> Ten
     .. math::
         s_i = T \log \sum_{c \in \mathcal{C}_K} \exp(\ell_{i,c} / T), \qquad T > 0
 
-    Shapes:
-        - **input:** ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`
-        - **output:** :math:`(N,)`
-    """
+    Shapes: input ``logits`` :math:`(N, C)`, ``known`` :math:`(C,)`; output :math:`(N,)`."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return temperature * torch.logsumexp(_known_logits(logits, known) / temperature, dim=1)
@@ -86,8 +79,7 @@ def threshold_at_tpr(known_scores: Tensor, tpr: float = 0.95) -> float:
 
     where :math:`s_{(k)}` is the :math:`k`-th largest of the (non-empty) known scores; with
     ties the accepted fraction can exceed ``tpr`` in (0, 1]. Calibrates :math:`\delta_t` of
-    Eq. (6) on validation known-class nodes; FPR95 uses it on test nodes.
-    """
+    Eq. (6) on validation known-class nodes; FPR95 uses it on test nodes."""
     s = _scores(known_scores)
     if not 0.0 < tpr <= 1.0:
         raise ValueError(f"tpr must be in (0, 1], got {tpr}")
@@ -114,8 +106,7 @@ def fpr_at_tpr(known_scores: Tensor, unknown_scores: Tensor, tpr: float = 0.95) 
         \mathrm{FPR}@\mathrm{tpr} = \frac{1}{m} \sum_{i=1}^{m} [u_i \ge \delta],
         \qquad \delta = \texttt{threshold\_at\_tpr}(s, \mathrm{tpr})
 
-    NaN if either side is empty.
-    """
+    NaN if either side is empty."""
     s, u = _scores(known_scores), _scores(unknown_scores)
     if s.numel() == 0 or u.numel() == 0:
         return math.nan
@@ -129,8 +120,7 @@ def unit_scores(scores: Tensor) -> Tensor:
     ``torchmetrics``' binary metrics apply a sigmoid to predictions outside [0, 1]; on
     large-magnitude scores (logits, energies) the sigmoid saturates in float32 and merges
     distinct scores into ties. Ranks are already in [0, 1], so no sigmoid is applied, and
-    any rank-based metric (AUROC, average precision) is unchanged by the mapping.
-    """
+    any rank-based metric (AUROC, average precision) is unchanged by the mapping."""
     x = torch.as_tensor(scores).detach().flatten().double()
     _, ranks = torch.unique(x, sorted=True, return_inverse=True)
     return ranks.double() / max(1, int(ranks.max()) if ranks.numel() else 0)
@@ -143,8 +133,7 @@ def binary_auroc_of_scores(scores: Tensor, target: Tensor) -> float:
     .. math::
         \mathrm{AUROC} = P(s^+ > s^-) + \tfrac{1}{2} P(s^+ = s^-)
 
-    Both classes must be present (the callers return NaN otherwise).
-    """
+    Both classes must be present (the callers return NaN otherwise)."""
     preds = unit_scores(scores)
     return float(binary_auroc(preds, torch.as_tensor(target).long().flatten().to(preds.device)))
 
@@ -156,8 +145,7 @@ def auroc_known_vs_unknown(known_scores: Tensor, unknown_scores: Tensor) -> floa
     .. math::
         \mathrm{AUROC} = P(s > u) + \tfrac{1}{2} P(s = u)
 
-    NaN if either side is empty.
-    """
+    NaN if either side is empty."""
     s, u = _scores(known_scores), _scores(unknown_scores)
     if s.numel() == 0 or u.numel() == 0:
         return math.nan
@@ -175,8 +163,7 @@ def open_accuracy(pred: Tensor, y: Tensor, is_known: Tensor) -> float:
         \mathrm{acc} = \frac{1}{N} \sum_i \begin{cases} [\hat{y}_i = y_i], & i
         \text{ known} \\ [\hat{y}_i = -1], & i \text{ unknown} \end{cases}
 
-    A rejected known node counts as an error. NaN for no nodes.
-    """
+    A rejected known node counts as an error. NaN for no nodes."""
     pred, y = pred.flatten(), y.flatten().to(pred.device)
     is_known = torch.as_tensor(is_known, device=pred.device).bool().flatten()
     if pred.numel() == 0:
@@ -190,7 +177,6 @@ def score_sign(known_scores: Tensor, unknown_scores: Tensor) -> float:
     energy, GRASP's and CLIPN's scores are calibrated on validation): ``+1.0`` when known
     nodes score higher, :math:`\mathrm{AUROC}(s, u) \ge 0.5`, else ``-1.0`` (then
     ``-score`` is the known-class score). ``+1.0`` when either side is empty or the AUROC
-    is NaN.
-    """
+    is NaN."""
     auroc = auroc_known_vs_unknown(known_scores, unknown_scores)
     return -1.0 if auroc < 0.5 else 1.0

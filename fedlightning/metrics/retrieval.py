@@ -1,8 +1,7 @@
 r"""Cross-modal retrieval: Recall@k of paired embeddings and the max-similarity score.
 
 Query ``i`` and item ``i`` form a pair; every other item is a distractor. Similarity is
-cosine similarity.
-"""
+cosine similarity."""
 
 from __future__ import annotations
 
@@ -17,10 +16,7 @@ def cosine_similarity_matrix(queries: Tensor, items: Tensor) -> Tensor:
 
     Zero vectors have similarity 0 to everything (``F.normalize`` with its epsilon).
 
-    Shapes:
-        - **input:** ``queries`` :math:`(n, d)`, ``items`` :math:`(m, d)`
-        - **output:** :math:`(n, m)`
-    """
+    Shapes: input ``queries`` :math:`(n, d)`, ``items`` :math:`(m, d)`; output :math:`(n, m)`."""
     if queries.dim() != 2 or items.dim() != 2 or queries.shape[1] != items.shape[1]:
         raise ValueError(
             f"expected queries [n, d] and items [m, d], got {tuple(queries.shape)} and "
@@ -39,10 +35,8 @@ def recall_at_k(queries: Tensor, items: Tensor, k: int = 1) -> Tensor:
     Ties rank above the pair (pessimistic), so a degenerate encoder (e.g. constant
     embeddings) scores 0. ``hit.float().mean()`` is Recall@k, :math:`k \ge 1`.
 
-    Shapes:
-        - **input:** ``queries`` :math:`(n, d)`, ``items`` :math:`(n, d)`
-        - **output:** :math:`(n,)` bool
-    """
+    Shapes: input ``queries`` :math:`(n, d)`, ``items`` :math:`(n, d)`; output :math:`(n,)`
+    bool."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if queries.shape[0] != items.shape[0]:
@@ -63,10 +57,8 @@ def max_similarity(queries: Tensor, items: Tensor) -> Tensor:
     .. math::
         s_i = \max_{l} \cos(q_i, v_l)
 
-    Shapes:
-        - **input:** ``queries`` :math:`(n, d)`, ``items`` :math:`(m, d)`, :math:`m \ge 1`
-        - **output:** :math:`(n,)`
-    """
+    Shapes: input ``queries`` :math:`(n, d)`, ``items`` :math:`(m, d)`, :math:`m \ge 1`;
+    output :math:`(n,)`."""
     if items.shape[0] == 0:
         raise ValueError("no items to compare with")
     return cosine_similarity_matrix(queries, items).amax(dim=1)

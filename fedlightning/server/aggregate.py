@@ -38,8 +38,7 @@ def weighted_average(
         \bar{w} = \sum_k \frac{n_k}{\sum_j n_j} w_k
 
     In float64, cast back; integer buffers (e.g. ``num_batches_tracked``) are rounded.
-    ``states`` share keys and shapes; ``weights`` are non-negative, not all zero.
-    """
+    ``states`` share keys and shapes; ``weights`` are non-negative, not all zero."""
     w = normalized_weights(states, weights, "state")
     keys = list(states[0])
     for s in states[1:]:

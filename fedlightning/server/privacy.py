@@ -7,8 +7,7 @@ Mechanism: the mean :math:`\mathbf{q}` of :math:`n` representations, each clippe
 :math:`\Delta_2 = 2C/n`, the exact L2 sensitivity of the mean under the paper's replace-one
 adjacency at a fixed, public :math:`n` (Eq. 5). The noise is :math:`\sigma` times the
 sensitivity, so each release is the Gaussian mechanism of noise multiplier :math:`\sigma`,
-and a run's releases compose.
-"""
+and a run's releases compose."""
 
 from __future__ import annotations
 

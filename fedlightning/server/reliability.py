@@ -3,8 +3,7 @@ r"""FedTIP's server mathematics (paper 001, Sec. 3.5 and 4.3-4.4), Lightning-fre
 One equation, one function: Eqs. (27)-(29); the prompt update (Eqs. 30-31) and anchors
 (Eqs. 23-24) go through the additive statistics of Eq. (6), so secure summation could
 replace the plain sums (:mod:`~fedlightning.server.secure_sum`); the private prototype of
-Eqs. (4), (5), (7) is :mod:`~fedlightning.server.privacy`'s.
-"""
+Eqs. (4), (5), (7) is :mod:`~fedlightning.server.privacy`'s."""
 
 from __future__ import annotations
 
@@ -123,8 +122,7 @@ def anchor_update(
     :math:`\bar{\mathbf{q}}_c \leftarrow \mathrm{norm}((1-\beta)\bar{\mathbf{q}}_c + \beta\hat{\mathbf{q}}_c)`.
 
     A class without an anchor yet takes :math:`\mathrm{norm}(\hat{\mathbf{q}}_c)` (the first
-    aggregate initialises it, docs/readings.md); classes nobody uploaded keep their anchor.
-    """
+    aggregate initialises it, docs/readings.md); classes nobody uploaded keep their anchor."""
     out = {c: a.clone() for c, a in anchors.items()}
     for c, s in stats.s_class.items():
         q_hat = s / (stats.z_class[c] + eps)
@@ -165,8 +163,7 @@ def bound_prototypes(
     Norm: each :math:`\mathbf{q}_{k,c}` is clipped to
     :math:`\rho\,\mathrm{median}_j \lVert\mathbf{q}_{j,c}\rVert` over the round's uploads
     of class :math:`c` (the lower median; ``ratio`` :math:`\rho`; ``None``: off), as Eq. (28)
-    holds the deltas to their median norm: a prototype is a mean of representations, so an
-    honest one is of their scale. Direction: a prototype whose cosine to the class's
+    holds the deltas to their median norm. Direction: a prototype whose cosine to the class's
     reference is negative is set aside (the message keeps its other fields); the reference
     is the class's anchor where one exists, else the coordinate-wise median of the round's
     uploads of the class when there are at least three. A kept prototype's share of
@@ -229,8 +226,7 @@ class FedTIPServer:
     received (:func:`read_update`), never off the scalars the client reports.
 
     :attr:`robust` (``federation.robust``, set by :func:`with_robust`; ``None``: off)
-    aggregates the deltas by a robust rule (:func:`robust_adapter`).
-    """
+    aggregates the deltas by a robust rule (:func:`robust_adapter`)."""
 
     def __init__(
         self,

@@ -1,37 +1,19 @@
 r"""Robust aggregation: rules that bound what a few hostile clients can do to the global model
-(docs/security.md, "Robust aggregation"). Pure functions over the clients' models; no
-Lightning here.
+(docs/security.md, "Robust aggregation", describes each rule and its references). Pure
+functions over the clients' models; no Lightning here.
 
 Each rule reads the clients' updates :math:`\Delta_k = w_k - \bar w` (every floating field
 of the model as one vector) and returns the next global model and the clients it set aside
-as suspicious, which the round records beside its rejections (``comm.suspicious``):
+(``comm.suspicious``): ``median`` and ``trimmed_mean`` (Yin et al., ICML 2018), ``krum``
+(multi-Krum, Blanchard et al., NeurIPS 2017), ``screen`` (norm-and-direction screening
+against a reference and the peers) and ``centered_clip`` (Karimireddy, He and Jaggi, ICML
+2021, Eq. 2: :math:`v \leftarrow v + \frac1n \sum_k \mathrm{clip}_\tau(\Delta_k - v)`).
+``auto``, the default (:data:`PRESETS`), steps aside where it cannot run, and a run in which
+it sets no client aside is bit for bit the run without it.
 
-- ``median``: the coordinate-wise median of the models (Yin et al., ICML 2018);
-- ``trimmed_mean``: the coordinate-wise mean after cutting the ``trim`` fraction of the
-  largest and of the smallest values (Yin et al., ICML 2018);
-- ``krum``: multi-Krum (Blanchard et al., NeurIPS 2017): the FedAvg of the ``keep`` clients
-  whose updates are closest to their :math:`n - f - 2` nearest neighbours;
-- ``screen``: norm-and-direction screening: a client whose update's cosine to a robust
-  reference is below ``cosine`` (or whose norm is above ``norm_ratio`` times the median
-  norm, or that disagrees with most of its peers: ``peers``) is set aside, the others are
-  averaged by FedAvg. The reference is the
-  coordinate-wise median update (``reference: median``) or the previous global update
-  :math:`\bar w^{(t)} - \bar w^{(t-1)}` (``reference: previous``; the median in a round
-  without one): an honest update continues the optimisation, so its cosine to the last
-  (itself screened) aggregate step is positive, and a sign-flipped one's is negative;
-- ``centered_clip``: centered clipping (Karimireddy, He and Jaggi, ICML 2021, Eq. 2):
-  :math:`v \leftarrow v + \frac1n \sum_k \mathrm{clip}_\tau(\Delta_k - v)`, ``iters``
-  times, from the previous global update (zero in a round without one).
-
-``auto`` (the default, :data:`PRESETS`) is ``screen`` by sign agreement, with the median
-update and with the peers as references, with the default's manners (:attr:`RobustRule.auto`): it steps aside with one log line
-where it cannot run (secure sums, an aggregation that is not FedAvg's, a temporal run),
-and a run in which it sets no client aside is bit for bit the run without it.
-
-The rules mirror Flower's ``FedMedian``, ``FedTrimmedAvg`` and ``Krum`` strategies (the tests
-compare them with Flower's ``aggregate_*`` functions), written here over torch state dicts
-so that the core server needs no optional dependency and keeps every field's dtype.
-"""
+The rules mirror Flower's ``FedMedian``, ``FedTrimmedAvg`` and ``Krum`` (the tests compare
+them with Flower's ``aggregate_*``), written over torch state dicts so that the core server
+needs no optional dependency and keeps every field's dtype."""
 
 from __future__ import annotations
 
@@ -69,40 +51,30 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RobustRule:
-    """``federation.robust``: the rule and its parameters.
+    """``federation.robust``: the rule and its parameters (defaults: docs/security.md).
 
     Args:
         rule: one of :data:`RULES` (``none``: FedAvg, unchanged).
-        trim: ``trimmed_mean``: the fraction cut at each end, in ``[0, 0.5)`` (default 0.2).
-        byzantine: ``krum``: :math:`f`, the hostile clients it assumes (default 1).
+        trim: ``trimmed_mean``: the fraction cut at each end, in ``[0, 0.5)``.
+        byzantine: ``krum``: :math:`f`, the hostile clients it assumes.
         keep: ``krum``: the clients averaged (``None``: :math:`n - f`).
-        cosine: ``screen``: the least cosine to the median update a client may have
-            (default 0.0: an update pointing away from the median one is set aside).
+        cosine: ``screen``: the least ``measure`` to the reference a client may have.
         norm_ratio: ``screen``: the most a client's update norm may exceed the median norm,
             as a factor (``None``: no norm screen).
-        reference: ``screen``: what the cosine is measured against, ``median`` (the
-            coordinate-wise median update) or ``previous`` (the previous global update;
-            the median in a round without one).
-        measure: ``screen``: ``cosine`` (the update's cosine to the reference) or ``sign``
-            (:func:`sign_agreement`: the mean agreement of its coordinates' signs with the
-            reference's, in [-1, 1]); ``cosine`` and ``relative`` threshold it alike.
-        relative: ``screen``: a client is also set aside when its cosine is below this
-            fraction of the round's median cosine (``None``: the absolute ``cosine``
-            alone); the threshold is the larger of the two.
-        peers: ``screen``: a client is also set aside when its ``measure`` to more than
-            half of the other clients' updates is below this value by more than chance
-            (:func:`chance_margin`; :func:`peer_outvoted`; ``None``: no peer test), and those
-            clients agree with each other above it by more than chance. A sign-flipped
-            update disagrees with every honest one, so colluders up to a minority are
-            outvoted, however far they pull the median.
+        reference: ``screen``: ``median`` (the coordinate-wise median update) or ``previous``
+            (the previous global update; the median in a round without one).
+        measure: ``screen``: ``cosine`` or ``sign`` (:func:`sign_agreement`, in [-1, 1]).
+        relative: ``screen``: the threshold is also this fraction of the round's median
+            ``measure`` (the larger of the two; ``None``: ``cosine`` alone).
+        peers: ``screen``: a client whose ``measure`` to more than half of the others is
+            below this by more than chance, while those others agree among themselves above it
+            by more than chance, is set aside (:func:`peer_outvoted`; ``None``: no peer test).
         tau: ``centered_clip``: the clipping radius :math:`\tau` (``None``: the median norm
             of the round's deviations from the centre).
-        iters: ``centered_clip``: the clipping iterations :math:`L` (default 3).
-        auto: the default's manners: where the rule cannot run (under secure sums, for an
-            aggregation that is not FedAvg's, on a temporal run) it steps aside with one
-            log line instead of being refused, and ``suspicious`` is reported once it has
-            set a client aside (a run in which it sets none aside is bit for bit FedAvg's).
-    """
+        iters: ``centered_clip``: the clipping iterations :math:`L`.
+        auto: the default's manners: where the rule cannot run (secure sums, an aggregation
+            that is not FedAvg's, a temporal run) it steps aside with one log line instead of
+            being refused, and ``suspicious`` is reported once it has set a client aside."""
 
     rule: str = "none"
     trim: float = 0.2

@@ -5,13 +5,9 @@ and secret sharing): a simulation of the protocol, not a cryptographic implement
 Each client turns its message into the *additive share* the aggregate sums (FedAvg:
 :math:`n_k \mathbf{w}_k`; FedTIP, Eq. (6): :math:`n_k \Delta\Omega_k` and
 :math:`n_{k,c}\mathbf{q}_{k,c}`), encodes it in fixed point in the ring
-:math:`\mathbb{Z}_{2^{64}}` (int64 with wrap-around), and adds, for every other client
-:math:`j` of the round, the mask :math:`+\mathbf{m}_{kj}` (:math:`k < j`) or
-:math:`-\mathbf{m}_{jk}` (:math:`k > j`), uniform on the ring and drawn from a seed agreed
-per pair. In the sum the masks cancel exactly; each share alone is uniform on the ring.
-The counts the weighting needs travel in the clear; the server sums the shares, decodes,
-divides, and hands the server's own aggregation one update: the aggregate.
-"""
+:math:`\mathbb{Z}_{2^{64}}` and adds a pairwise mask per other client, which cancel in the
+sum. The counts travel in the clear; the server sums the shares, decodes, divides, and
+hands its own aggregation one update: the aggregate."""
 
 from __future__ import annotations
 
@@ -105,8 +101,7 @@ class ShareSpec:
         sums: the prefixes of extra fields a server module reads only as their plain sum
             over the round's clients (unweighted; SCAFFOLD's ``control_delta.``:
             :meth:`~fedlightning.server.server.ServerModule.summed_fields`); the aggregate
-            carries each such field's sum.
-    """
+            carries each such field's sum."""
 
     rule: str = "fedavg"
     classes: int = 0

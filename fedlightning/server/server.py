@@ -20,8 +20,7 @@ class ServerModule:
     A module sees messages only; every verb defaults to doing nothing.
 
     ``secure_sum``: whether a secure sum (``federation.secure_sum=true``) can carry what the
-    module reads, ``None`` when it can, else why not (one line, refused before training).
-    """
+    module reads, ``None`` when it can, else why not (one line, refused before training)."""
 
     secure_sum: str | None = None
 
@@ -73,8 +72,7 @@ class Server:
     aggregator and the modules see its update (:func:`bound_update`; ``None``: off).
     :attr:`weight_bounds` (client id -> the most examples it can hold: its subgraph's node
     count, set by the program that made the partition) caps each client's weight too, and
-    the round refuses a message that claims more (docs/security.md, "Bounded influence").
-    """
+    the round refuses a message that claims more (docs/security.md, "Bounded influence")."""
 
     def __init__(
         self,

@@ -9,8 +9,7 @@ one round's updates against it before aggregation and returns the ones kept and 
 Lightning here.
 
 Under secure sums some fields arrive masked (:attr:`MessageSpec.masked`): their shapes and
-dtypes are still checked, their values (finiteness, ranges, rules that read them) are not.
-"""
+dtypes are still checked, their values (finiteness, ranges, rules that read them) are not."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class Field:
         low, high: the valid range, inclusive (scalars); a bound may depend on the client.
         integral: the scalar is a whole number (a count).
         required: the message must carry it (a pattern: at least one field matching it).
-        classes: the allowed values of the name's ``c`` group (``None``: any).
-    """
+        classes: the allowed values of the name's ``c`` group (``None``: any)."""
 
     name: str
     tensor: bool = True
@@ -87,8 +85,7 @@ class MessageSpec:
             that sends nothing is recorded as dropped.
         masked: patterns of the fields that arrive masked (secure sums): shape and dtype
             are checked, values are not.
-        reference: the message the ``like`` and shape rules read (the round's broadcast).
-    """
+        reference: the message the ``like`` and shape rules read (the round's broadcast)."""
 
     fields: tuple[Field, ...]
     rules: tuple[Rule, ...] = ()
@@ -312,10 +309,7 @@ def _short(value: Any) -> str:
 
 # ---------------------------------------------------------------- shared declarations
 ANY = MessageSpec(
-    fields=(
-        Field(r".+", dtype="any", required=False),
-        Field(r".+", tensor=False, required=False),
-    ),
+    fields=(Field(r".+", dtype="any", required=False), Field(r".+", tensor=False, required=False)),
     optional=True,
 )  # an undeclared kind of message: any field, finite values
 NUM_EXAMPLES = Field("num_examples", tensor=False, low=0.0, integral=True)

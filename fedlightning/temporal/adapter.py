@@ -5,11 +5,9 @@ bottleneck gates on the event context (Eqs. 13-15) and a low-rank task template 
 The losses: prototypical node classification (Eqs. 18-19), two-way link prediction
 (Eqs. 20-21), the anchor term (Eq. 22) and the proximal term of Eq. (26).
 
-Everything is *stacked*: ``copies`` independent parameter sets (one per client of a round),
-inputs ``[K, N, ...]`` with a mask ``[K, N]`` of real events, losses summed over clients: one
-stacked fit is K independent local fits (docs/fedtip.md, "Fast path"); ``copies=1`` takes 2-D
-inputs too.
-"""
+Everything is *stacked*: ``copies`` parameter sets (one per client of a round), inputs
+``[K, N, ...]`` with a mask ``[K, N]``, losses summed over clients (docs/fedtip.md, "Fast
+path"); ``copies=1`` takes 2-D inputs too."""
 
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ class StackedLinear(nn.Module):
 class StackDropout(nn.Module):
     """Dropout on ``[K, N, d]`` whose mask is drawn for a round of ``total`` stacked copies,
     of which this stack holds copies ``first .. first + K - 1`` (:attr:`window`), so a
-    copy's mask does not depend on how the round is split into stacks (one stack or one
-    per rank give bitwise the same adapters on CPU). With ``window=None`` (the whole round)
+    copy's mask does not depend on how the round is split into stacks. With ``window=None``
     it is :func:`torch.nn.functional.dropout` on CPU. ``p`` lies in ``[0, 1)``."""
 
     def __init__(self, p: float) -> None:
@@ -115,32 +112,18 @@ class PromptAdapter(StackedCopies, nn.Module):
         \alpha^t \odot \mathrm{TE}(t),\ \mathbf{x})
 
     :math:`\varphi_f, \varphi_t` are one-layer ReLU bottlenecks of width ``bottleneck``.
-    :math:`\psi` (``template``, :data:`TEMPLATES`) concatenates its three inputs
-    :math:`[\alpha^f \odot [\mathbf{h}_u \| \mathbf{h}_i] \| \alpha^t \odot \mathrm{TE}(t)
-    \| \mathbf{x}]` (:math:`2 d_h + d_t + d_e` wide) and maps them to :math:`d_p = d_h` (so
-    that the cosine of Eq. (20) with a bank state is defined, docs/readings.md) by a
-    rank-``rank`` linear map :math:`B A \cdot + \mathbf{b}`: a linear map because the paper
-    calls :math:`\psi` "lightweight" and its budget (~1,050 values per message) leaves no
-    room for a full :math:`(2 d_h + d_t + d_e) \times d_p` matrix (12,352 values at
-    :math:`d_h = d_t = 64`), and a ReLU inside a rank-1 or rank-2 bottleneck would only
-    cut the map's rank further. ``template="paper"`` is Eq. (16) as written: :math:`\psi`
-    alone, both factors initialised as :class:`torch.nn.Linear`. ``template="residual"``
-    (the default; a deviation, docs/readings.md) adds the gated source state
-    :math:`\alpha^f_u \odot \mathbf{h}_u` to the map, whose output factor starts at zero:
-    training starts from the pre-training similarity :math:`s(\mathbf{h}_u, \mathbf{h}_i)`
-    of Eq. (10) (Sec. 4.3; docs/fedtip.md). The two have the same parameters.
-    ``static=True`` is the static-prompt ablation (gates that ignore the event). ``d_h``,
-    ``d_t``, ``d_e``: bank state, time-encoding and edge-feature widths; ``dropout``: a
-    :class:`StackDropout` on the bottleneck activations; ``copies``: parameter sets
-    (clients) stacked on a leading axis.
-
-    ``tie`` reads Eq. (17)'s :math:`\varphi_f, \varphi_t` (:data:`TIES`): ``"none"`` (the
-    default) two bottleneck networks; ``"phi"`` one shared bottleneck
-    :math:`\varphi_f = \varphi_t = \varphi` (and one dropout draw) feeding both gates, which
-    keep their own :math:`W_f, \mathbf{b}_f, W_t, \mathbf{b}_t`: Eqs. (14)-(15) still run in
-    parallel on the same context, and the message loses one bottleneck's
-    :math:`(d_z + 1) \cdot` ``bottleneck`` values (the paper-budget setting, docs/fedtip.md).
-    """
+    :math:`\psi` (``template``, :data:`TEMPLATES`) maps the concatenation of its three inputs
+    (:math:`2 d_h + d_t + d_e` wide) to :math:`d_p = d_h` by a rank-``rank`` linear map
+    :math:`B A \cdot + \mathbf{b}` (why linear and low-rank: docs/fedtip.md).
+    ``template="paper"`` is Eq. (16) as written; ``template="residual"`` (the default, a
+    deviation, docs/readings.md) adds the gated source state :math:`\alpha^f_u \odot
+    \mathbf{h}_u`, the map's output factor starting at zero, so training starts from the
+    pre-training similarity of Eq. (10). ``static=True`` is the static-prompt ablation (gates
+    that ignore the event). ``d_h``, ``d_t``, ``d_e``: bank state, time-encoding and
+    edge-feature widths; ``dropout``: a :class:`StackDropout` on the bottleneck activations;
+    ``copies``: parameter sets (clients) stacked on a leading axis. ``tie`` (:data:`TIES`):
+    ``"none"``, two bottlenecks, or ``"phi"``, one shared :math:`\varphi` (and one dropout
+    draw) feeding both gates, which keep their own :math:`W, \mathbf{b}` (docs/fedtip.md)."""
 
     def __init__(
         self,
@@ -285,8 +268,7 @@ def anchor_loss(q: Tensor, counts: Tensor, anchors: Tensor, has_anchor: Tensor) 
 
     ``q``, ``counts``: :func:`class_prototypes`; ``anchors`` ``[C, d]`` with ``has_anchor``
     ``[C]``: a class the server has no anchor for yet is skipped (docs/readings.md), while
-    :math:`n_k` still counts all of the client's support.
-    """
+    :math:`n_k` still counts all of the client's support."""
     rho = counts / counts.sum(1, keepdim=True).clamp(min=1)
     cos = F.cosine_similarity(q, anchors.unsqueeze(0).to(q), dim=-1)
     keep = (counts > 0) & has_anchor.unsqueeze(0)
@@ -307,9 +289,8 @@ def flat_start(adapter: nn.Module, start: dict[str, Tensor]) -> Tensor:
 
 def proximal_flat(params: Sequence[Tensor], start: Tensor) -> Tensor:
     r"""The proximal term of Eq. (26) without its weight over all parameters at once
-    (``start``: :func:`flat_start`). Its gradient is bitwise :func:`proximal_adapter`'s,
-    :math:`2(\Omega_k - \Omega^{(r)})` element by element, from a dozen autograd nodes
-    instead of four per parameter; the loss value itself is summed in another order.
-    ``params``: the adapter's parameters, in order."""
+    (``start``: :func:`flat_start`; ``params``: the adapter's, in order). Its gradient is
+    bitwise :func:`proximal_adapter`'s from a dozen autograd nodes instead of four per
+    parameter; the loss value is summed in another order."""
     flat = torch.cat([p.reshape(-1) for p in params])
     return ((flat - start) ** 2).sum()

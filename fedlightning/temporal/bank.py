@@ -6,8 +6,7 @@ from the state before it, a step is taken on Eq. (10) with one negative of Eq. (
 (``negatives="filtered"``: a destination-side node :math:`j` with :math:`(u, j)` not seen up to
 :math:`t`; ``"unfiltered"``: any, an ablation), then the batch is ingested. Early stopping on
 the pre-validation AP. Every streaming stage runs on one thread (:func:`streaming_threads`;
-docs/fedtip.md, "Cold start") and reports its progress (:class:`StageProgress`).
-"""
+docs/fedtip.md, "Cold start") and reports its progress (:class:`StageProgress`)."""
 
 from __future__ import annotations
 
@@ -60,9 +59,8 @@ def streaming_threads(n: int = STREAMING_THREADS) -> Iterator[None]:
 class StageProgress:
     """Progress of one streaming stage over ``total`` events: a tqdm bar on an interactive
     terminal only, an INFO line when the stage starts and at most every
-    :data:`PROGRESS_LOG_EVERY_S` while it runs, and a summary line when it ends; with
-    ``summarized`` (a bank epoch, whose caller logs one line with its loss and rate) these
-    lines are DEBUG and the bar shows the progress."""
+    :data:`PROGRESS_LOG_EVERY_S` while it runs, and a summary line when it ends (DEBUG with
+    ``summarized``: a bank epoch, whose caller logs its own line)."""
 
     def __init__(
         self, stage: str, total: int, logger: logging.Logger | None = None, summarized: bool = False
@@ -373,11 +371,10 @@ def bank_state(enc, negatives: PretrainNegatives) -> dict[str, Any]:
 
 def pack_store(store: dict[int, tuple[Tensor, ...]], num_nodes: int) -> tuple[Tensor, ...]:
     """A TGN message store (node ``i`` -> ``(src, dst, t, msg)`` of its pending messages,
-    every node a key) as its four columns concatenated in node order. Saved as a dict, its
-    ~10^5 small tensors took seconds to save and to load (a Wikipedia bank: 3.7 s and 3.3 s);
-    as four tensors, milliseconds. Node ``i``'s messages all have ``src == i`` (TGN files a
-    message under its first node), so the first column alone splits the columns again
-    (:func:`unpack_store`): nothing is added to the bank's values."""
+    every node a key) as its four columns concatenated in node order (milliseconds to save
+    and load, where a dict of ~10^5 small tensors took seconds: docs/fedtip.md). Node ``i``'s
+    messages all have ``src == i``, so the first column alone splits the columns again
+    (:func:`unpack_store`)."""
     if sorted(store) != list(range(num_nodes)):
         raise ValueError(f"a message store must hold every node 0..{num_nodes - 1}")
     cols = tuple(torch.cat(col) for col in zip(*(store[i] for i in range(num_nodes)), strict=True))

@@ -1,8 +1,7 @@
 r"""Event contexts from the frozen bank (FedTIP Sec. 4.2, Eq. (12); docs/readings.md, "States";
 docs/temporal.md, "Event contexts"): the server's validation and test segments
 and each task client's support, streamed from the bank snapshot, computed once per (bank,
-protocol) on one thread.
-"""
+protocol) on one thread."""
 
 from __future__ import annotations
 
@@ -158,9 +157,8 @@ def stream_contexts(
 def fork(enc):
     """An independent copy of an encoder's state that shares what streaming never mutates:
     the stream's event arrays and the TGN message-store entries (immutable tuples of tensors,
-    replaced, not changed): each store is a dict of its own holding the same entries. A deep
-    copy of the stores (one tuple a node and store: 18k on Wikipedia) was most of the cold
-    contexts' time, with one fork per task client."""
+    replaced, not changed): each store is a dict of its own holding the same entries, where a
+    deep copy was most of the cold contexts' time."""
     shared: list[Any] = [enc.state.event_t, enc.state.event_msg]
     stores = {s: getattr(enc.memory, s) for s in MSG_STORES} if hasattr(enc, "memory") else {}
     twin = copy.deepcopy(enc, {id(x): x for x in [*shared, *stores.values()]})
@@ -223,9 +221,8 @@ def cached_contexts(
 ) -> tuple[Path, str, bool]:
     """The contexts' file, hash and whether they were reused: computed once per (bank,
     protocol, training negatives). With ``max_tasks`` (a run of the first tasks only) the
-    contexts of every task are reused when cached, else only those tasks' are computed: each
-    task streams from its own copy of the snapshot, so its contexts are bitwise the same
-    either way, and the hash is that of the whole protocol's."""
+    contexts of every task are reused when cached, else only those tasks' are computed
+    (bitwise the same either way; the hash is the whole protocol's)."""
     mode = train_mode or protocol.negatives["mode"]
     key = content_hash(
         {"version": CONTEXT_VERSION, "bank": bank_hash, "train_mode": mode, **protocol.event_hashes}

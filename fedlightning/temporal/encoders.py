@@ -6,8 +6,7 @@ Both keep a streaming state and share three verbs: :meth:`embed` node states
 ``TransformerConv`` whose edges carry :math:`\mathrm{TE}(t_{last}(v) - t_e)` and the event
 features. TGAT (Xu et al., 2020), no memory: the query is the node's statistics with
 :math:`\mathrm{TE}(0)`, keys and values each neighbour's statistics, the event's features and
-:math:`\mathrm{TE}(t - t_e)`.
-"""
+:math:`\mathrm{TE}(t - t_e)`."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ The layout (docs/experiments.md, "MLflow layout"): a run goes to the MLflow expe
 ``<logger.experiment_name>/<task>`` of its ``task`` tag (``fedlightning/cil``,
 ``fedlightning/sweep``, ...), a nested run to its parent's. A local store (SQLite file or
 file store) is opened under a file lock, so that processes starting at once on a fresh store
-create it once (MLflow's schema migrations are not safe to run concurrently).
-"""
+create it once (MLflow's schema migrations are not safe to run concurrently)."""
 
 from __future__ import annotations
 

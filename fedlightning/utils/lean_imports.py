@@ -5,14 +5,8 @@ probe whenever installed (why and what it saves: docs/scaling.md, "Start-up time
 ``sys.meta_path``: while a guarded package's ``__init__`` runs, and only in the importing
 thread, its probed packages (:data:`GUARDED`) look absent (``ModuleNotFoundError``, no
 distribution metadata), so it takes its own "not installed" branch. Once every guarded
-package is imported the finder removes itself and the probed packages import normally.
-
-Left behind in PyG (``tests/test_lean_imports.py`` checks both libraries still work):
-annotation-only names (``BatchEncoding`` is ``Dict``, ``PreTrainedTokenizerBase`` is
-``None``, the unused ``WITH_TRANSFORMERS`` is ``False``); PyG imports ``transformers`` where
-it needs it. A guarded package already imported is not guarded and a probed package already
-imported is never hidden.
-"""
+package is imported the finder removes itself and the probed packages import normally. A
+guarded package already imported is not guarded, a probed one already imported never hidden."""
 
 from __future__ import annotations
 

@@ -32,10 +32,8 @@ def torch_generator(*keys: Any) -> torch.Generator:
 
 def manual_seed(seed: int) -> None:
     """``torch.manual_seed(seed)`` for the generators a run can draw from: on a machine
-    without CUDA only the CPU generator, whose state is the same. ``torch.manual_seed`` would
-    also queue the seed for a CUDA that cannot start, taking a Python stack trace each time
-    (``torch.cuda._lazy_call``): about 1 ms a call deep in a round, where a seed is set
-    per client and round."""
+    without CUDA only the CPU generator, whose state is the same, without the CUDA seed
+    ``torch.manual_seed`` queues at a cost on every call (docs/architecture.md)."""
     if torch.cuda.is_available():
         torch.manual_seed(seed)
     else:

@@ -34,8 +34,7 @@ class MultimodalGraph:
         edge_index: long ``[2, E]``, undirected (both directions), coalesced, no self loops.
         y: long ``[N]`` class labels in ``0..C-1``.
         class_names: the ``C`` class names, in label order.
-        node_ids: optional original node identifiers (e.g. paper ids), length ``N``.
-    """
+        node_ids: optional original node identifiers (e.g. paper ids), length ``N``."""
 
     name: str
     features: dict[str, Tensor]
@@ -208,8 +207,7 @@ def apply_missing(
         rate: one rate for all modalities, or a rate per modality name (missing names: 0).
         seed: the protocol seed.
         inplace: zero a dense modality's hidden rows in its own tensor (the same values,
-            without a second copy of the features; for a graph nothing else holds).
-    """
+            without a second copy of the features; for a graph nothing else holds)."""
     rates = [float(rate.get(m, 0.0) if isinstance(rate, dict) else rate) for m in graph.modalities]
     if all(r == 0.0 for r in rates):
         return graph
@@ -254,8 +252,7 @@ class SetupStep:
         name: the step's name, e.g. ``"graph edges"``.
         total: the number of pieces the step does.
         unit: what a piece is, e.g. ``"block"``, ``"client"``.
-        quiet: a step known to be short (a small graph): its lines at DEBUG, no bar.
-    """
+        quiet: a step known to be short (a small graph): its lines at DEBUG, no bar."""
 
     def __init__(self, name: str, total: int, unit: str, quiet: bool = False) -> None:
         self.name, self.total, self.unit, self.done = name, int(total), unit, 0

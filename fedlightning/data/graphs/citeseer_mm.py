@@ -95,8 +95,7 @@ def load_citeseer_mm(root: str | os.PathLike[str] | None = None) -> MultimodalGr
     ``[3186, 384]`` MiniLM embeddings) and ``bow`` (float32 0/1 ``[3186, 3703]``, the rows
     of ``citeseer.npz`` named by the paper ids); labels from ``citeseer_texts.txt``, class
     names sorted; the citations between two of the papers, undirected, no self loops. A
-    missing or malformed file, or a paper id missing from one, is a DataError.
-    """
+    missing or malformed file, or a paper id missing from one, is a DataError."""
     base = data_root(root)
     tape = require_dir(
         base / "citeseer_tape",

@@ -45,8 +45,7 @@ def _is_int(s: str) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------------------
-# labels: integer ids or class names
+# -------------------------------------------------------------- labels: integer ids or class names
 
 
 def _read_label_csv(path: Path) -> tuple[list[str], list[int]]:
@@ -351,8 +350,7 @@ def _read_edge_csv(
     """``(edges [E, 2] int64, "<src name>,<dst name>")`` from a comma-separated file.
 
     The first line is a header when a column name is asked for, or else when one of the two
-    edge columns on it is not an integer. Every line has as many columns as the first.
-    """
+    edge columns on it is not an integer. Every line has as many columns as the first."""
     rows = read_lines(path, "comma-separated edges")
     if not rows:
         return np.zeros((0, 2), dtype=np.int64), "src,dst"
@@ -485,9 +483,8 @@ def load_folder(
         labels_as: ``"auto"`` (integer ids when every label is an integer, class names when
             none is), ``"ids"`` or ``"names"`` (e.g. years read as names).
 
-    Raises a DataError naming the file, the field and the expectation for a missing or
-    malformed file; a ConfigError for a bad ``src_column``, ``dst_column`` or ``labels_as``.
-    """
+    Raises a DataError naming the file, field and expectation, a ConfigError naming a bad
+    argument."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise DataError(
@@ -514,8 +511,7 @@ def save_folder(graph: MultimodalGraph, path: str | os.PathLike[str]) -> None:
     only if the graph has ids.
 
     Raises a :class:`FolderExistsError` if ``path`` exists and is not an empty directory,
-    a ValueError if a modality name cannot be a file name.
-    """
+    a ValueError if a modality name cannot be a file name."""
     folder = Path(path).expanduser()
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FolderExistsError(

@@ -130,8 +130,7 @@ def load_magb(
 
     Returns a graph with modalities ``text`` and/or ``image``; a row that is all zeros or
     not finite is a node without that modality (masked, zeroed). An optional
-    ``class_names.json`` list in the folder names the classes.
-    """
+    ``class_names.json`` list in the folder names the classes."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise DataError(folder, "dataset folder does not exist (see docs/datasets.md, MAGB)")

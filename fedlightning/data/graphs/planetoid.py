@@ -71,8 +71,7 @@ def data_root(root: str | os.PathLike[str] | None = None) -> Path:
     return path
 
 
-# ------------------------------------------------------------------------------------------
-# gnn-benchmark npz files
+# ------------------------------------------------------------------------- gnn-benchmark npz files
 
 
 @dataclass
@@ -231,8 +230,7 @@ def _load_npz(name: str, root: Path) -> MultimodalGraph:
     return _bow_graph(name, bow, coo.row, coo.col, z.labels, z.class_names, z.node_names)
 
 
-# ------------------------------------------------------------------------------------------
-# raw Planetoid files
+# ----------------------------------------------------------------------------- raw Planetoid files
 
 
 class _PlanetoidUnpickler(pickle.Unpickler):
@@ -386,9 +384,7 @@ def _load_raw(name: str, root: Path) -> MultimodalGraph:
 
 
 def load_planetoid(
-    name: str = "cora",
-    source: str = "planetoid",
-    root: str | os.PathLike[str] | None = None,
+    name: str = "cora", source: str = "planetoid", root: str | os.PathLike[str] | None = None
 ) -> MultimodalGraph:
     """Load Cora or CiteSeer as a one-modality (``bow``, 0/1 word indicators, float32)
     :class:`MultimodalGraph`, edges undirected, coalesced and free of self loops (sizes and
@@ -402,8 +398,7 @@ def load_planetoid(
         root: the data directory (:func:`data_root`).
 
     Raises a ValueError for an unknown ``name`` or ``source``, a DataError naming the file
-    and the field for a missing or malformed file.
-    """
+    and the field for a missing or malformed file."""
     key = str(name).lower()
     if key not in _NAMES:
         raise ValueError(f"load_planetoid: name must be one of {list(_NAMES)}, got {name!r}")

@@ -108,8 +108,7 @@ def _sbm_edges_by_block(
     :math:`m_{ab} \sim \mathrm{Binomial}(P_{ab}, p)` (:math:`P_{aa} = \binom{n_a}{2}`,
     :math:`P_{ab} = n_a n_b`; :math:`p = p_{in}` if :math:`a = b` else :math:`p_{out}`),
     then :math:`m_{ab}` distinct pairs uniformly (:func:`_block_pairs`). Work and memory
-    grow with the edges, not with :math:`N^2`; the graph is a different draw than the
-    per-pair sampler's for the same seed."""
+    grow with the edges, not with :math:`N^2` (a different draw than :func:`_sbm_edges`')."""
     members = [np.flatnonzero(y == c) for c in range(int(y.max()) + 1)]
     src, dst = [], []
     blocks = len(members) * (len(members) + 1) // 2
@@ -150,8 +149,8 @@ def _gaussian_fast(
 ) -> torch.Tensor:
     """``means[y] + noise * N(0, I)`` as :func:`_gaussian`, drawn by torch's generator in
     float32 (seeded from ``rng``) and finished in place, chunk by chunk: no float64 draw and
-    no temporaries of the whole matrix; about 4x faster than :func:`_gaussian` (other
-    values, the same distribution). Used with the ``blocks`` sampler."""
+    no temporaries of the whole matrix (other values, the same distribution). Used with the
+    ``blocks`` sampler."""
     n, d = y.size, means.shape[1]
     g = torch.Generator().manual_seed(int(rng.integers(2**63 - 1)))
     out = torch.randn((n, d), generator=g)
@@ -202,29 +201,23 @@ def make_synthetic(
 ) -> MultimodalGraph:
     """Generate the ``synthetic`` graph: a stochastic block model with one block per class.
 
-    Classes are balanced (sizes differ by at most one) and assigned by a seeded permutation.
-    Each unordered pair of nodes is linked with probability ``p_in`` within a class and
-    ``p_out`` across classes. For each modality ``m`` of dimension ``d`` (``modalities``,
-    default ``{"text": 32, "image": 16}``), every class ``c`` gets a mean
-    ``mu_c ~ signal * N(0, I_d)`` and node ``i`` the features ``mu_{y_i} + noise * N(0, I_d)``.
+    Classes are balanced and assigned by a seeded permutation; each pair of nodes is linked
+    with probability ``p_in`` within a class and ``p_out`` across. Each modality ``m`` of
+    dimension ``d`` (default ``{"text": 32, "image": 16}``) gives class ``c`` a mean
+    ``mu_c ~ signal * N(0, I_d)`` and node ``i`` the features ``mu_{y_i} + noise * N(0, I_d)``;
     ``missing_rate`` in ``[0, 1)`` hides each modality for that fraction of the nodes
-    (:func:`apply_missing`; needs two or more modalities). Each ``multi_hot`` modality
-    (name -> vocabulary size ``d``) is a bag of words (:func:`_multi_hot`) at about
-    ``density`` non-zeros, stored sparse (torch COO) unless ``sparse=False``.
+    (:func:`apply_missing`). Each ``multi_hot`` modality (name -> vocabulary size) is a bag
+    of words (:func:`_multi_hot`) at about ``density`` non-zeros, sparse unless ``sparse=False``.
 
-    ``sampler`` picks how edges are drawn: ``"pairs"`` decides every pair (:math:`O(N^2)`
-    work, the graphs of every shipped config), ``"blocks"`` draws each block pair's edge
-    count, then its endpoints (:func:`_sbm_edges_by_block`, work in proportion to the
-    edges: seconds for 1M nodes) and the dense modalities with torch's float32 generator
-    (:func:`_gaussian_fast`: other values of the same distribution, 4x faster), ``"auto"``
-    (default) ``"blocks"`` above :data:`BLOCKS_ABOVE` nodes and ``"pairs"`` up to it.
+    ``sampler``: ``"pairs"`` decides every pair (:math:`O(N^2)`, every shipped config),
+    ``"blocks"`` draws each block pair's edge count, then its endpoints
+    (:func:`_sbm_edges_by_block`) and the dense modalities with torch's float32 generator
+    (:func:`_gaussian_fast`: other values of the same distribution), ``"auto"`` ``"blocks"``
+    above :data:`BLOCKS_ABOVE` nodes.
 
-    Everything is a function of ``seed >= 0``: the labels and edges of one stream, each
-    modality's features of a stream keyed by its name (so adding a modality or changing a
-    dimension leaves the graph and the other modalities unchanged), and the missing
-    modalities of :func:`apply_missing` with the same ``seed``. An invalid argument is a
-    ValueError naming it.
-    """
+    Everything is a function of ``seed >= 0``; each modality's features come from a stream
+    keyed by its name (adding one leaves the graph and the others unchanged). An invalid
+    argument is a ValueError naming it."""
     n = _check_int("num_nodes", num_nodes, 1)
     c = _check_int("num_classes", num_classes, 1)
     if c > n:

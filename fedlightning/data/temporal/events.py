@@ -16,8 +16,7 @@ class EventStream:
     ``[E]``, non-decreasing; optional int64 ``label`` ``[E]``, the source's 0/1 state at
     ``t``; optional float32 edge features ``msg`` ``[E, d]``. A ``bipartite`` stream has users
     as sources and items as destinations (``node_type`` ``0``/``1``; all zeros otherwise).
-    ``source`` is the file read, ``node_names`` each node's original id (optional).
-    """
+    ``source`` is the file read, ``node_names`` each node's original id (optional)."""
 
     name: str
     src: np.ndarray

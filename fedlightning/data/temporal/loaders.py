@@ -3,10 +3,8 @@
 labels. ``docs/datasets.md`` gives the formats, the id mapping and the time order.
 
 Every reader returns an :class:`~fedlightning.data.temporal.events.EventStream` and raises
-:class:`~fedlightning.errors.DataError` naming the file, the line (1-based, as an editor
-shows it), the field and what was expected. Files are parsed in one vectorised pass; only
-when that fails is the file scanned line by line to find the offending line.
-"""
+:class:`~fedlightning.errors.DataError` naming the file, the line (1-based), the field and
+what was expected; a file is scanned line by line only when the vectorised pass fails."""
 
 from __future__ import annotations
 
@@ -252,12 +250,9 @@ def load_jodie_csv(path: str | Path, name: str | None = None) -> EventStream:
     """Loads a JODIE CSV (Wikipedia, Reddit, MOOC): one header line, then
     ``user_id,item_id,timestamp,state_label,f1,...,fd`` lines (``d >= 0``), sorted by time.
 
-    Returns a bipartite stream named ``name`` (default: the file name without suffix);
-    ``t`` int64 when every timestamp is integral, else float64; ``label`` int64 0/1; ``msg``
-    float32 ``[E, d]`` or ``None``. Raises a DataError for an empty or header-only file, a
-    row with another number of columns than the header (line 1), a non-finite value, a
-    non-integer id, a label other than 0/1, a time smaller than the one before.
-    """
+    Returns a bipartite stream named ``name`` (default: the file's stem); ``label`` int64
+    0/1; ``msg`` float32 ``[E, d]`` or ``None``. Raises a DataError for an empty file, a row
+    unlike the header, a bad value, id or label, or a time smaller than the one before."""
     path = Path(path)
     what = "JODIE CSV `user_id,item_id,timestamp,state_label,f1..fd` with one header line"
     rows = read_lines(path, what)
@@ -299,8 +294,7 @@ def load_wikipedia_txt(path: str | Path, name: str = "wikipedia") -> EventStream
     space-separated integers ``user item timestamp``, no header, sorted by time.
 
     Returns a bipartite stream (``t`` int64, no labels, no features). Raises a DataError
-    for an empty file, a line that is not 3 integers, a time smaller than the one before.
-    """
+    for an empty file, a line that is not 3 integers, a time smaller than the one before."""
     path = Path(path)
     m, rows = _integer_lines(path, ("user", "item", "timestamp"), None)
     _check_sorted(path, m[:, 2], rows, "timestamp", "the file is sorted by time")
@@ -314,12 +308,9 @@ def load_bitcoin_csv(
     ``temporal/soc-sign-bitcoinalpha.csv``): lines ``source,target,rating,time`` of
     integers, no header, in any order (sorted stably by time here).
 
-    Returns a stream of one node type (``t`` int64) whose ``label`` is ``rating < 0``
-    (distrust). ``msg`` is ``None``, or with ``rating_feature`` the float32 ``[E, 1]``
-    feature ``rating / 10``, which gives the label away: never an input when predicting
-    it. Raises a DataError for an empty file, a line that is not 4 integers, a rating
-    outside ``-10..10``.
-    """
+    Returns a stream of one node type whose ``label`` is ``rating < 0`` (distrust); with
+    ``rating_feature``, ``msg`` is ``rating / 10`` ``[E, 1]``, which gives the label away.
+    Raises a DataError for an empty file, a line not of 4 integers, a rating outside -10..10."""
     path = Path(path)
     m, rows = _integer_lines(path, ("source", "target", "rating", "time"), ",")
     rating = m[:, 2]
@@ -353,9 +344,8 @@ def load_interactions(
 
     Args:
         path: the text file.
-        bipartite: two id spaces (sources ``u<raw>``, destinations ``i<raw>``; a warning
-            counts the ids seen on both sides) or one; no default, as either reading of the
-            other's file is silently wrong.
+        bipartite: two id spaces (sources ``u<raw>``, destinations ``i<raw>``) or one; no
+            default, as either reading of the other's file is silently wrong.
         labels: whether column 4 is a 0/1 label (default: when the lines have 4 or more).
         sep: ``"\\t"``/``"tab"``, ``","``/``"comma"``, ``";"``/``"semicolon"``,
             ``" "``/``"space"``/``"whitespace"``, or ``None`` to detect (default).
@@ -363,10 +353,8 @@ def load_interactions(
         name: the dataset name (default: the file name without suffix).
 
     Returns an EventStream in time order (``t`` int64 when every time is integral, else
-    float64; ``label`` int64 or ``None``; ``msg`` float32 or ``None``). Raises a DataError
-    naming the file, line, field and expectation, a ConfigError for an argument of the
-    wrong kind.
-    """
+    float64). Raises a DataError naming the file, line, field and expectation, a ConfigError
+    for an argument of the wrong kind."""
     if not isinstance(bipartite, bool):
         raise ConfigError(
             "dataset.bipartite",
@@ -442,13 +430,11 @@ def make_synthetic_stream(
     features), so equal seeds give equal streams. ``positive_rate`` in ``[0, 1]`` is the
     target fraction of label-1 events, ``feature_dim >= 0`` the size of ``msg``, and
     ``label_shift`` the distance a label-1 event's features move along one random unit
-    direction (the default 0.75 is a weak signal; a larger one makes the event's own
-    features, which the bank's state before the event has not seen, tell the label).
+    direction (the default 0.75 is a weak signal).
 
     Returns:
         EventStream: users ``0..num_users-1`` (``"u<k>"``), then items (``"i<k>"``); ``t``
-        int64, ``label`` int64, ``msg`` float32 ``[E, d]`` (``None`` when ``d == 0``).
-    """
+        int64, ``label`` int64, ``msg`` float32 ``[E, d]`` (``None`` when ``d == 0``)."""
     if num_users < 1 or num_items < 1 or num_events < 1:
         raise ValueError(
             f"make_synthetic_stream: need num_users, num_items, num_events >= 1, got "

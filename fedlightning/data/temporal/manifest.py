@@ -1,6 +1,5 @@
 """The chronological manifest of FedTIP (Sec. 3.1, 5.1.1): six outcomes, one per event, and
-the inductive flags (boundaries and rules in ``docs/temporal.md``).
-"""
+the inductive flags (boundaries and rules in ``docs/temporal.md``)."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ class Manifest:
         inductive: bool ``[E]``: test events that touch an inductive node.
         inductive_nodes: the sampled inductive node ids.
         bounds: the segment ends ``[b_pre, b_pv, b_cand, b_val]``.
-        params: fractions, ``inductive_fraction``, ``seed`` and the stream fingerprint.
-    """
+        params: fractions, ``inductive_fraction``, ``seed`` and the stream fingerprint."""
 
     outcome: np.ndarray
     inductive: np.ndarray

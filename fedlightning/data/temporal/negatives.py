@@ -1,7 +1,6 @@
 """Stage-valid negative destinations and their collision checks (FedTIP Sec. 3, 5.1.2; the
 rules of ``same_time``, ``strict`` and the supports' ``unfiltered`` in ``docs/temporal.md``).
-Draws are deterministic per seed, mode, set (a task, or an evaluation segment) and event.
-"""
+Draws are deterministic per seed, mode, set (a task, or an evaluation segment) and event."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Unreliable clients (``protocol.noise``; docs/temporal.md, "Unreliable clients"): a seeded
 fraction of the clients whose task supports carry flipped state labels, the setting that
 tests FedTIP's reliability weighting (paper 001, Eqs. (27)-(30)) directly. Only the clients'
-training supports are corrupted; validation and test labels never are.
-"""
+training supports are corrupted; validation and test labels never are."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ def draw_noise(
       is flipped in every task it serves in, and the flipped sets are nested in both
       fractions (a higher rate flips a superset: one draw across a sweep).
 
-    A ``ValueError`` when the stream has no state labels 0/1 to flip.
-    """
+    A ``ValueError`` when the stream has no state labels 0/1 to flip."""
     if not stream.has_labels:
         raise ValueError(
             f"protocol.noise flips state labels, but {stream.name} has no state labels 0/1: "

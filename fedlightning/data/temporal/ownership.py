@@ -47,8 +47,7 @@ def build_ownership(
       ``sup_pool`` and the others, spread by two independent
       :math:`\mathrm{Dirichlet}(\alpha \mathbf{1}_K)` client distributions;
     - ``activity_skew``: users go to client :math:`k` with probability proportional to
-      :math:`(k + 1)^{-s}` (``skew`` :math:`s`; client order seeded).
-    """
+      :math:`(k + 1)^{-s}` (``skew`` :math:`s`; client order seeded)."""
     if kind not in KINDS:
         raise ValueError(f"protocol.ownership.kind must be one of {KINDS}, got {kind!r}")
     if clients < 1:

@@ -3,8 +3,7 @@ and, with ``protocol.noise`` on, the unreliable clients' label noise.
 
 Built from ``protocol.*`` (``conf/protocol/temporal.yaml``) and the stream, cached under
 ``protocol.cache_dir`` by a hash of the stream's content and every parameter, reused when
-both are the same, and written into the run directory as JSON with their hashes.
-"""
+both are the same, and written into the run directory as JSON with their hashes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Few-shot task supports (FedTIP Sec. 3.2, 5.1.1): who adapts on which events (the rule in
-``docs/temporal.md``); deterministic in ``protocol.seed`` and the task number.
-"""
+``docs/temporal.md``); deterministic in ``protocol.seed`` and the task number."""
 
 from __future__ import annotations
 
