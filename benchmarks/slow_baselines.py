@@ -20,7 +20,7 @@ this checkout's runs, and says whether each run's ``summary.json`` metrics (wall
 aside) equal the reference's bitwise.
 
     python benchmarks/slow_baselines.py [--rounds 3] [--repeats 1] [--ref REV] [--keep] \\
-        [--methods fedavg fediih fedssp]
+        [--methods fedavg fediih fedssp] [--extra fediih:model.net.iterations=1]
 """
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ def results(run_dir: Path) -> str:
     return json.dumps(clean(summary["metrics"]), sort_keys=True)
 
 
-def run(tree: Path, method: str, rounds: int, out: Path, env: dict) -> list[dict]:
-    """One method's run in ``tree`` (a fresh process); its rounds' timings."""
+def run(tree: Path, method: str, rounds: int, out: Path, env: dict, extra: list[str]) -> list[dict]:
+    """One method's run in ``tree`` (a fresh process, ``extra`` overrides last); its
+    rounds' timings."""
     times = out.with_suffix(".json")
-    overrides = [*BASE, f"algorithm={METHODS[method]}", f"federation.rounds={rounds}"]
+    overrides = [*BASE, f"algorithm={METHODS[method]}", f"federation.rounds={rounds}", *extra]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(times), "--"]
     cmd += [*overrides, f"hydra.run.dir={out}"]
     proc = subprocess.run(
@@ -126,6 +127,13 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--ref", default=None, help="also run FedIIH and FedSSP of this git rev")
     ap.add_argument("--keep", action="store_true", help="keep the reference worktree")
+    ap.add_argument(
+        "--extra",
+        nargs="+",
+        default=[],
+        metavar="METHOD:OVERRIDE",
+        help="an override for one method's runs, e.g. fediih:model.net.iterations=1",
+    )
     args = ap.parse_args()
     if args.rounds < 2:
         raise SystemExit(f"--rounds must be >= 2 (a stage's first round is set apart), got {args.rounds}")  # fmt: skip
@@ -140,6 +148,12 @@ def main() -> None:
         if ref_tree is not None and m != "fedavg":
             sides.append(("ref", m, ref_tree))
         sides.append(("head", m, REPO))
+    extra: dict[str, list[str]] = {m: [] for m in METHODS}
+    for item in args.extra:
+        method, _, override = item.partition(":")
+        if method not in METHODS or not override:
+            raise SystemExit(f"--extra takes METHOD:OVERRIDE with METHOD in {list(METHODS)}, got {item!r}")  # fmt: skip
+        extra[method].append(override)
     tmp = Path(tempfile.mkdtemp(prefix="slow_baselines_"))
     env = {**os.environ, "FEDLIGHTNING_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
     timings: dict[tuple[str, str], list[dict]] = {}
@@ -148,7 +162,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for side, method, tree in sides:
                 out = tmp / f"{side}-{method}-{rep}"
-                t = run(tree, method, args.rounds, out, env)
+                t = run(tree, method, args.rounds, out, env, extra[method])
                 timings.setdefault((side, method), []).extend(t)
                 summaries[(side, method)] = results(out)
                 cpu = sum(r["cpu_s"] for r in t)
