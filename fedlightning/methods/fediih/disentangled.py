@@ -23,7 +23,7 @@ def unit_channels(x: Tensor) -> Tensor:
     dropout mask's zeros) in the input layer's weights."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     nonzero = norm > 0
-    return torch.where(nonzero, x / torch.where(nonzero, norm, torch.ones_like(norm)), 0.0)
+    return torch.where(nonzero, x / torch.where(nonzero, norm, 1.0), 0.0)
 
 
 class _Gathered(torch.autograd.Function):
