@@ -117,3 +117,67 @@ def test_routing_gradient_is_the_same_on_every_run_on_two_threads(grads_on_two_t
         x0, lambda x: (neighbourhood_routing(x, edges, iterations=2) * upstream).sum()
     )
     assert all(torch.equal(grads[0], other) for other in grads[1:])
+
+
+def per_iteration_routing(x: torch.Tensor, edge_index: torch.Tensor, iterations: int = 6):
+    """The routing layer as written before (DisenGCN, Alg. 1): ``z[src]`` gathered afresh
+    twice per iteration; the reference for the one gather per layer."""
+    z = unit_channels(x)
+    src, dst = edge_index
+    keep = src != dst
+    src, dst = src[keep], dst[keep]
+    c = z
+    for _ in range(iterations):
+        p = torch.softmax((z.index_select(0, src) * c.index_select(0, dst)).sum(-1), dim=1)
+        c = unit_channels(z.index_add(0, dst, p.unsqueeze(-1) * z.index_select(0, src)))
+    return c
+
+
+def test_one_gather_per_layer_is_bitwise_the_per_iteration_gathers_on_cora(shared_data):
+    """Cora's graph, FedIIH's three routing layers of six iterations with dropout between
+    them: the values and the input's gradient are bitwise those of the per-iteration
+    gathers (each use of the shared gather keeps its own ``index_select`` backward)."""
+    from fedlightning.data.graphs.planetoid import load_planetoid
+
+    edges = load_planetoid("cora", root=shared_data).edge_index
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.relu(torch.randn(2708, 2, 16, generator=g))
+    keep = [(torch.rand(2708, 2, 16, generator=g) > 0.35) / 0.65 for _ in range(2)]
+    upstream = torch.randn(2708, 2, 16, generator=g)
+    out, grads = [], []
+    for routing in (neighbourhood_routing, per_iteration_routing):
+        x = x0.clone().requires_grad_(True)
+        h = routing(x, edges, 6)
+        for mask in keep:
+            h = routing(h * mask, edges, 6)
+        (h * upstream).sum().backward()
+        out.append(h.detach())
+        grads.append(x.grad)
+    assert torch.equal(out[0], out[1])
+    assert torch.equal(grads[0], grads[1])
+    assert grads[0].abs().sum() > 0
+
+
+def test_a_sparse_input_is_coalesced_once_with_the_same_logits():
+    g = torch.Generator().manual_seed(1)
+    dense = (torch.rand(6, 5, generator=g) < 0.4).float()
+    idx = dense.nonzero().t()
+    sparse = torch.sparse_coo_tensor(idx, dense[idx[0], idx[1]], (6, 5))  # not flagged
+    assert not sparse.is_coalesced()
+    kept = disentangled.sparse_coalesced(sparse)
+    assert kept.is_coalesced() and disentangled.sparse_coalesced(sparse) is kept
+    assert disentangled.sparse_coalesced(dense) is dense
+    torch.manual_seed(0)
+    net = DisentangledGNN({"w": 5}, 3, factors=2, hidden=4).eval()
+
+    def logits(x: torch.Tensor) -> torch.Tensor:
+        data = Data(
+            x_w=x,
+            modality_mask=torch.ones(6, 1, dtype=torch.bool),
+            edge_index=torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]]),
+            num_nodes=6,
+        )
+        return net(data)
+
+    assert torch.allclose(logits(sparse), logits(dense), atol=1e-6)
+    assert torch.equal(logits(sparse), logits(sparse.coalesce()))

@@ -120,3 +120,21 @@ def test_spectral_conv_gradient_is_the_same_on_every_run_on_two_threads(grads_on
         torch.randn(2000, 16), lambda x: conv(x, edges, weights).square().sum()
     )
     assert all(torch.equal(grads[0], other) for other in grads[1:])
+
+
+def test_a_sparse_input_gives_the_logits_of_its_dense_form():
+    """A sparse COO modality (coalesced once per tensor, not flagged so by its maker) gives
+    the dense input's logits, and bitwise those of its freshly coalesced copy."""
+    torch.manual_seed(0)
+    net = SpectralGNN({"a": 5}, 3, hidden=8, eigs=4, heads=2).eval()
+    data = graph()
+    dense = (torch.rand(12, 5) < 0.5).float()
+    idx = dense.nonzero().t()
+    sparse = torch.sparse_coo_tensor(idx, dense[idx[0], idx[1]], (12, 5))
+    assert not sparse.is_coalesced()
+    logits = {}
+    for name, x in (("dense", dense), ("sparse", sparse), ("coalesced", sparse.coalesce())):
+        data.x_a = x
+        logits[name] = net(data)
+    assert torch.allclose(logits["sparse"], logits["dense"], atol=1e-6)
+    assert torch.equal(logits["sparse"], logits["coalesced"])

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx
 from torch_geometric.data import Data
 
-from fedlightning.models.dropout import Dropout, InputDropout
+from fedlightning.models.dropout import Dropout, InputDropout, coalesced
 from fedlightning.models.sparse import SparseLinear
 
 
@@ -22,7 +23,26 @@ def unit_channels(x: Tensor) -> Tensor:
     dropout mask's zeros) in the input layer's weights."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     nonzero = norm > 0
-    return torch.where(nonzero, x / torch.where(nonzero, norm, torch.ones_like(norm)), 0.0)
+    return torch.where(nonzero, x / torch.where(nonzero, norm, 1.0), 0.0)
+
+
+class _Gathered(torch.autograd.Function):
+    """``z.index_select(0, index)`` whose value ``rows`` was gathered once, with
+    ``index_select``'s own backward (``zeros.index_add_(0, index, grad)``): each use is its
+    own node of the graph, as a separate gather was, so the gradient of ``z`` is summed in
+    the same order and bitwise the same, for one gather per routing layer instead of two per
+    iteration."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, z: Tensor, index: Tensor, rows: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.shape = z.shape
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.shape).index_add_(0, index, grad), None, None
 
 
 def neighbourhood_routing(
@@ -34,16 +54,37 @@ def neighbourhood_routing(
     :math:`p_{v,k} = \mathrm{softmax}_k(z_{v,k}^\top c_{u,k} / \tau)` and
     :math:`c_{u,k} = \mathrm{normalize}(z_{u,k} + \sum_{v} p_{v,k} z_{v,k})`
     (:func:`unit_channels`: a zero channel stays zero). Self loops are ignored (a node's own
-    ``z`` is always in its sum). Returns ``c`` ``[N, K, d]``."""
+    ``z`` is always in its sum). Returns ``c`` ``[N, K, d]``.
+
+    ``z_v`` on the edges is gathered once per layer (:class:`_Gathered`), not twice per
+    iteration: the same values and gradient, bit for bit."""
     z = unit_channels(x)
     src, dst = edge_index
     keep = src != dst
     src, dst = src[keep], dst[keep]
+    with torch.no_grad():
+        z_src = z.index_select(0, src)
     c = z  # rows by index_select: z[src]'s backward adds in no fixed order on threads
     for _ in range(iterations):
-        p = torch.softmax((z.index_select(0, src) * c.index_select(0, dst)).sum(-1) / tau, dim=1)
-        c = unit_channels(z.index_add(0, dst, p.unsqueeze(-1) * z.index_select(0, src)))
+        logits = (gathered(z, src, z_src) * c.index_select(0, dst)).sum(-1)
+        p = torch.softmax(logits if tau == 1.0 else logits / tau, dim=1)  # x / 1 is x
+        c = unit_channels(z.index_add(0, dst, p.unsqueeze(-1) * gathered(z, src, z_src)))
     return c
+
+
+def gathered(z: Tensor, index: Tensor, rows: Tensor) -> Tensor:
+    """``rows`` (``z.index_select(0, index)``, gathered once) as a gather of ``z``: with
+    :class:`_Gathered`'s backward when ``z`` takes a gradient."""
+    if torch.is_grad_enabled() and z.requires_grad:
+        return _Gathered.apply(z, index, rows)
+    return rows
+
+
+def sparse_coalesced(x: Tensor) -> Tensor:
+    """A sparse COO input coalesced once per tensor (:func:`~fedlightning.models.dropout.coalesced`,
+    kept while it lives): an evaluation's input, not coalesced by a dropout, was coalesced
+    again, and its CSR structure found again, at every forward. Other inputs as they are."""
+    return coalesced(x) if x.layout == torch.sparse_coo else x
 
 
 def factor_moments(h: Tensor, mask: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
@@ -100,7 +141,8 @@ class DisentangledGNN(nn.Module):
         a = data.modality_mask.to(self.availability.weight.dtype)
         s = self.availability(a)
         for i, m in enumerate(self.modalities):
-            s = s + a[:, i : i + 1] * self.inputs[m](self.input_dropout(data[f"x_{m}"]))
+            x_m = sparse_coalesced(data[f"x_{m}"])
+            s = s + a[:, i : i + 1] * self.inputs[m](self.input_dropout(x_m))
         s = torch.relu(s)
         x = s.view(s.size(0), self.factors, -1)
         for layer in range(self.routing_layers):

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch_geometric.data import Data
 from torch_geometric.utils import softmax as edge_softmax
 
-from fedlightning.models.dropout import Dropout
+from fedlightning.models.dropout import Dropout, coalesced
 from fedlightning.models.multimodal import ModalityEncoders, masked_fusion
 
 SHARED_PREFIXES = ("eig_encoder.", "filter_encoder.")  # GSKS: the spectral encoders
@@ -179,7 +179,10 @@ class SpectralGNN(nn.Module):
 
     def representations(self, data: Data) -> dict[str, Tensor]:
         """``s`` (fused input), ``g`` (after message passing), ``z = g + b_k``; ``[N, hidden]``."""
+        # a sparse input coalesced once per tensor: else every evaluation's forward coalesced
+        # it and found its CSR structure again
         feats = {m: data[f"x_{m}"] for m in self.modalities}
+        feats = {m: coalesced(x) if x.layout == torch.sparse_coo else x for m, x in feats.items()}
         s = masked_fusion(self.encoders(feats), data.modality_mask)
         e, U = self.eigenpairs(data)
         edges, bases = edge_bases(self.filters(e), U, data.edge_index, s.size(0))
