@@ -55,8 +55,9 @@ def gathered_stage_batch(data: Any, known: Tensor, supervised: Tensor, replay: T
 # a stacked fit gathers its clients' rows only when their dense features are this large: below
 # it the copies cost little memory and gathering them step by step costs time (docs/scaling.md)
 GATHER_MIN_BYTES = 256 * 2**20
-# from then on, the C allocator maps each block of this many bytes or more on its own
-MAPPED_BLOCK_BYTES = 4 * 2**20
+# from then on, the C allocator maps each block of this many bytes or more on its own (less
+# memory, more CPU time: docs/scaling.md, "Memory"); None keeps glibc's own threshold
+MAPPED_BLOCK_BYTES: int | None = 4 * 2**20
 
 
 def dense_features(data: Any) -> dict[str, Tensor]:
@@ -312,7 +313,7 @@ class ContinualFedAvg(Algorithm):
         self._gather_rows = self.gathers_rows(module, executor) and (
             sum(dense_feature_bytes(c.data) for c in clients) >= GATHER_MIN_BYTES
         )
-        if self._gather_rows:  # a large input: its blocks of 4 MiB or more mapped apart
+        if self._gather_rows and MAPPED_BLOCK_BYTES:  # a large input: large blocks apart
             map_blocks_from(MAPPED_BLOCK_BYTES)
         try:
             for c in clients:
