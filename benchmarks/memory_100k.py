@@ -9,16 +9,21 @@ and the process's CPU seconds (user + system) are measured from outside:
     python benchmarks/memory_100k.py                       # this tree, once
     python benchmarks/memory_100k.py --trees OLD NEW --repeat 2   # alternating, ratios
     python benchmarks/memory_100k.py --census               # in-process: live tensors
+    python benchmarks/memory_100k.py --peaks                # in-process: where RSS climbs
 
 ``--census`` runs the same command in this process and prints, after every stacked fit, the
 CPU storages of 4 MiB or more that are alive (their bytes, shape and dtype), and the
-process's resident and peak memory (docs/scaling.md, "Memory").
+process's resident and peak memory (docs/scaling.md, "Memory"). ``--peaks`` runs it in this
+process while a thread samples the resident memory every millisecond; each time it passes
+its highest so far by 8 MiB, the main thread's innermost frames of this repository are
+recorded, and the climbs are printed by place (the highest RSS seen there).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -26,7 +31,9 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,16 +130,86 @@ def run_census(extra: list[str]) -> None:
     census("end")
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [  # noqa: RUF012 - glibc's struct mallinfo2
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def heap_mib() -> tuple[float, float]:
+    """glibc's heap now (``mallinfo2``), MiB: in use (mapped blocks included) and free but
+    held; ``(nan, nan)`` on another C library."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return float("nan"), float("nan")
+    fn.restype = _Mallinfo2
+    info = fn()
+    return (info.uordblks + info.hblkhd) / 2**20, info.fordblks / 2**20
+
+
+def rss_mib() -> float:
+    """The process's resident memory now, MiB."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def where(frame) -> str:  # noqa: ANN001 - a frame
+    """The innermost six frames of this repository's package under ``frame``."""
+    own = [f for f in traceback.extract_stack(frame) if "/fedlightning/" in f.filename]
+    return " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in own[::-1][:6])
+
+
+def run_peaks(extra: list[str]) -> None:
+    """The command in this process, the places where its resident memory climbs."""
+    main_id, stop = threading.get_ident(), threading.Event()
+    climbs: dict[str, tuple[float, float, float]] = {}
+
+    def sample() -> None:
+        top = 0.0
+        while not stop.is_set():
+            now = rss_mib()
+            if now > top + 8:
+                top = now
+                frame = sys._current_frames().get(main_id)
+                key = where(frame) if frame is not None else "?"
+                climbs[key] = max(climbs.get(key, (0.0, 0.0, 0.0)), (now, *heap_mib()))
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    from fedlightning.cli import main
+
+    with tempfile.TemporaryDirectory() as out:
+        sys.argv = ["fedlightning", "train", *COMMAND, *extra, f"hydra.run.dir={out}"]
+        with contextlib.suppress(SystemExit):
+            main()
+    stop.set()
+    thread.join()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"--- peak {peak:.0f} MiB; the last climbs (RSS, heap in use, heap free; MiB; where):")
+    for key, (mib, used, free) in sorted(climbs.items(), key=lambda kv: kv[1])[-25:]:
+        print(f"    {mib:7.0f} {used:7.0f} {free:7.0f}  {key}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", nargs="+", type=Path, default=[REPO])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--census", action="store_true")
+    parser.add_argument("--peaks", action="store_true")
     parser.add_argument("--env", nargs="*", default=[], help="NAME=VALUE for the runs")
     parser.add_argument("extra", nargs="*", help="more overrides")
     args = parser.parse_args()
     if args.census:
         run_census(args.extra)
+        return
+    if args.peaks:
+        run_peaks(args.extra)
         return
     env = dict(e.split("=", 1) for e in args.env)
     results: dict[Path, list[dict]] = {t: [] for t in args.trees}

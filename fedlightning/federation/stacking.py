@@ -63,12 +63,27 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 _TRIM = _malloc_trim()
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_blocks_from(nbytes: int) -> None:
+    """Have the C allocator map every block of ``nbytes`` or more on its own, unmapped when
+    freed (glibc's ``mallopt(M_MMAP_THRESHOLD, nbytes)``, for the rest of the process;
+    nothing elsewhere). glibc's own threshold rises to the size of the largest mapped block
+    freed, up to 32 MiB, so a large stack's activations (``[N, 64]`` float32: 22 MiB at 90k
+    nodes) come to lie on its heap, where a freed block below a live one stays resident
+    (docs/scaling.md, "Memory")."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes))
+    except (OSError, AttributeError):
+        return
 
 
 def release_freed_memory() -> None:
     """Hand the C allocator's freed heap memory back to the system (glibc's
     ``malloc_trim(0)``; nothing elsewhere). A stacked fit or evaluation calls it once its
-    union is bound, the previous one freed: blocks of a few MiB that glibc keeps on its
+    union is bound, the previous one freed, and once it is done: blocks of a few MiB that glibc keeps on its
     heap after a stage's tensors are freed (below its mmap threshold, which rises to 32 MiB)
     would otherwise stay resident under the next fit's peak (docs/scaling.md, "Memory")."""
     if _TRIM is not None:
@@ -167,10 +182,11 @@ class StackedClients(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int = 0) -> Tensor:
         m = self.client[0]
-        logits = self.net(batch)
         teacher = None
-        if self.teacher:  # frozen: computed once per stage's union (kept_output)
+        if self.teacher:  # frozen: computed once per stage's union (kept_output), and before
+            # the student's pass, whose saved activations would lie under the teacher's pass
             teacher = kept_output(self.teacher[0], batch, self.teacher_sources)
+        logits = self.net(batch)
         mu = float(getattr(m, "prox_mu", 0.0))
         copies = {n: p.unbind(0) for n, p in self.net.named_parameters()} if mu > 0 else {}
         losses = []
@@ -228,6 +244,7 @@ class StackedFit:
             out = fn(self.net, self.union)
         finally:
             self.net.train(training)
+            release_freed_memory()
         return [cut_rows(out, a, b) for _, a, b in self.segments.ranges()]
 
     def load(self, module: pl.LightningModule, k: int) -> pl.LightningModule:
@@ -273,6 +290,7 @@ def fit_stacked(
         streams, segments.streams = segments.streams, None
         if teacher is not None:
             teacher.cpu()  # as the executor returns the stack to the CPU
+        release_freed_memory()  # the steps' activations, before what comes next
     return StackedFit(net, stacked.losses, streams, segments, union)
 
 
@@ -291,8 +309,10 @@ def outputs_in_one_pass(
     for name, p in stack.named_parameters():  # the one state into every copy
         p.copy_(state[name].expand_as(p))
     union = segments.bind(graphs)
+    release_freed_memory()
     stack.eval()
     out = fn(stack, union)
+    release_freed_memory()  # the pass's intermediates, before the caller's next step
     return [cut_rows(out, a, b) for _, a, b in segments.ranges()]
 
 

@@ -3,6 +3,9 @@ whatever its mask (docs/fedogl.md, "Input dropout on sparse inputs")."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -80,6 +83,23 @@ def dropout_keep(shape: torch.Size, p: float) -> Tensor:
     """The mask ``m`` of :func:`dropout_noise` (bool): ``u < 1-p`` for one float64 uniform
     ``u`` per entry from torch's global CPU generator."""
     return torch.rand(shape, dtype=torch.float64) < 1.0 - p
+
+
+class PackedMask:
+    """A CPU bool mask kept as bits (numpy's ``packbits``, little bit order): an eighth of
+    its bytes. :meth:`unpack` gives the same mask back, a new bool tensor of its shape."""
+
+    def __init__(self, keep: Tensor) -> None:
+        if keep.dtype != torch.bool or keep.device.type != "cpu":
+            raise ValueError(f"PackedMask takes a CPU bool mask, got {keep.dtype} on {keep.device}")
+        self.shape = keep.shape
+        self.bits = np.packbits(keep.reshape(-1).numpy(), bitorder="little")
+
+    def unpack(self) -> Tensor:
+        """The mask, bool, of its shape."""
+        count = math.prod(self.shape)
+        flat = np.unpackbits(self.bits, count=count, bitorder="little")  # 0/1 bytes
+        return torch.from_numpy(flat).view(torch.bool).view(self.shape)
 
 
 def _dropped(values: Tensor, p: float) -> Tensor:

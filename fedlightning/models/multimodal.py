@@ -16,9 +16,12 @@ def masked_fusion(embeddings: list[Tensor], mask: Tensor) -> Tensor:
     r""":math:`s_i = \sum_m a_{i,m} h_{i,m} / \max(1, \sum_m a_{i,m})` of ``M`` embeddings
     ``[N, d]`` and the availability ``mask`` ``a`` ``[N, M]``; ``[N, d]`` (zeros for a node
     with no modality)."""
-    stacked = torch.stack(embeddings, dim=1)  # [N, M, d]
+    stacked = torch.stack(embeddings, dim=1)  # [N, M, d], a new tensor
     a = mask.to(stacked.dtype).unsqueeze(-1)
-    return (stacked * a).sum(1) / a.sum(1).clamp(min=1.0)
+    # in place: the product's values without a second [N, M, d] (stack's backward keeps no
+    # output, mul's keeps only ``a`` while ``a`` takes no gradient)
+    weighted = stacked * a if a.requires_grad else stacked.mul_(a)
+    return weighted.sum(1) / a.sum(1).clamp(min=1.0)
 
 
 class ModalityEncoders(nn.Module):

@@ -30,10 +30,10 @@ from torch_geometric.nn.dense.linear import Linear as PygLinear
 from fedlightning.models.constant import graphs_identity, kept_gcn_norm, unchanged
 from fedlightning.models.dropout import (
     InputDropout,
+    PackedMask,
     drawn_as_torch,
     dropout,
     dropout_keep,
-    dropout_noise,
     keep_scale,
     nonzero_dropout,
     nonzero_keep,
@@ -367,6 +367,28 @@ class _Propagate(torch.autograd.Function):
         return gh, None, None
 
 
+class _Scaled(torch.autograd.Function):
+    """``x * noise`` (a hidden dropout's product), whose backward keeps the noise's masks
+    as bits (``keeps``, one :class:`~fedlightning.models.dropout.PackedMask` per copy's
+    rows, ``noise = m / (1-p)``) instead of the float noise, and rebuilds it for the
+    gradient ``g * noise``: the product autograd's ``mul`` makes, on the same values."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, noise: Tensor, keeps: list, p: float) -> Tensor:
+        ctx.keeps, ctx.p, ctx.shape, ctx.dtype = keeps, p, noise.shape, noise.dtype
+        return x * noise
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        noise = g.new_empty(ctx.shape, dtype=ctx.dtype)
+        at = 0
+        for keep in ctx.keeps:
+            rows = keep.shape[0]
+            noise[at : at + rows].copy_(keep.unpack()).div_(1.0 - ctx.p)
+            at += rows
+        return g * noise, None, None, None
+
+
 class SegmentDropout(nn.Module):
     """A dropout module (:class:`torch.nn.Dropout` or
     :class:`~fedlightning.models.dropout.InputDropout`) drawn per copy: copy ``k``'s rows
@@ -393,10 +415,13 @@ class SegmentDropout(nn.Module):
             return self._drop(x)
         if x.layout != torch.sparse_coo and self.max_density is None and drawn_as_torch(x, self.p):
             noise = torch.empty_like(x)  # every copy's multiplier, one product: no concatenation
+            keeps = []
             for k, block in enumerate(seg.split(noise)):
                 with seg.stream(k, x.device):
-                    dropout_noise(block.shape, self.p, x.dtype, out=block)
-            return x * noise
+                    keep = dropout_keep(block.shape, self.p)  # dropout_noise's draw
+                block.copy_(keep).div_(1.0 - self.p)  # and its multiplier
+                keeps.append(PackedMask(keep))
+            return _Scaled.apply(x, noise, keeps, self.p)
         if x.layout == torch.sparse_coo or (x.requires_grad and torch.is_grad_enabled()):
             parts = []
             for k, xk in enumerate(seg.split(x)):
@@ -417,8 +442,10 @@ class SegmentDropout(nn.Module):
     def masks(self, x: Tensor | GatheredRows) -> list | None:
         """The masks this input dropout draws for every copy's rows of ``x`` in this step,
         as :meth:`forward` draws them (the same streams, order and values), without the
-        dropped input: per copy ``(keep, None)`` (standard dropout, ``keep`` the bool mask
-        of its rows) or ``(keep, (positions, values))`` (its non-zeros' masks). ``None``
+        dropped input: per copy ``(keep, None)`` (standard dropout, ``keep`` the mask of its
+        rows) or ``(keep, (positions, values))`` (its non-zeros' masks), each ``keep`` a
+        :class:`~fedlightning.models.dropout.PackedMask` (bits: a 32nd of the input's
+        float32 bytes, unpacked where it is applied). ``None``
         where :meth:`forward` takes another path (no streams, evaluation, a sparse or
         gradient-taking input, one not a bound union's: :meth:`Segments.input_positions`)."""
         seg = self.segments[0]
@@ -448,9 +475,11 @@ class SegmentDropout(nn.Module):
         for k, a, b in seg.ranges():
             with seg.stream(k, probe.device):
                 if parts[k] is None:
-                    out.append((dropout_keep((b - a, probe.shape[1]), self.p), None))
+                    keep = dropout_keep((b - a, probe.shape[1]), self.p)
                 else:
-                    out.append((nonzero_keep(parts[k][0].shape, self.p, probe), parts[k]))
+                    keep = nonzero_keep(parts[k][0].shape, self.p, probe)
+            out.append((PackedMask(keep), parts[k]))  # kept as bits until the backward
+            del keep
         return out
 
     def _drop_planned(self, x: Tensor, out: Tensor, parts: list) -> Tensor:
@@ -488,21 +517,48 @@ def gathered_positions(x: GatheredRows, segments: Segments, max_density: float) 
     return x.positions[max_density]
 
 
-def _dropped_rows(x: Tensor | GatheredRows, k: int, a: int, b: int, mask: Any, p: float) -> Tensor:
+def _dropped_rows(
+    x: Tensor | GatheredRows,
+    k: int,
+    a: int,
+    b: int,
+    mask: Any,
+    p: float,
+    scratch: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """Copy ``k``'s rows ``a:b`` of ``x`` after the input dropout drawn as ``mask``
     (:meth:`SegmentDropout.masks`; ``None``: no dropout): the values the unfused dropout
-    writes for them (gathered rows: part ``k``, gathered here)."""
-    rows = x.part(k) if isinstance(x, GatheredRows) else x[a:b]
+    writes for them (gathered rows: part ``k``, gathered here). With ``scratch``
+    (:func:`_scratch`), the rows and the multiplier ``m / (1-p)`` are written into its two
+    buffers, reused copy after copy, instead of new tensors: the same values."""
+    n = b - a
+    if isinstance(x, GatheredRows):
+        source, index = x.parts[k]
+        own = scratch is not None
+        rows = torch.index_select(source, 0, index, out=scratch[0][:n]) if own else x.part(k)
+    else:
+        rows, own = x[a:b], False  # the data's rows: never written
     if mask is None:
         return rows
     keep, nonzero = mask
-    if nonzero is None:  # dropout(x_k, p): x_k * (m / (1-p))
+    keep = keep.unpack() if isinstance(keep, PackedMask) else keep
+    if nonzero is None and scratch is None:  # dropout(x_k, p): x_k * (m / (1-p))
         return rows * scaled(keep, p, rows.dtype)
+    if nonzero is None:
+        noise = scratch[1][:n].copy_(keep).div_(1.0 - p)  # scaled(keep, p) in the buffer
+        return rows.mul_(noise) if own else torch.mul(rows, noise, out=scratch[0][:n])
     pos, values = nonzero  # nonzero_dropout: the non-zeros' values * (m / (1-p))
     if not isinstance(x, GatheredRows):
         rows = rows.clone(memory_format=torch.contiguous_format)
     rows.view(-1)[pos - a * rows.shape[1]] = values * scaled(keep, p, rows.dtype)
     return rows
+
+
+def _scratch(x: Tensor | GatheredRows, blocks: list[slice]) -> tuple[Tensor, Tensor]:
+    """Two buffers as large as the largest copy's rows of ``x`` (:func:`_dropped_rows`)."""
+    probe = x.parts[0][0] if isinstance(x, GatheredRows) else x
+    rows = max((r.stop - r.start for r in blocks), default=0)
+    return probe.new_empty((rows, probe.shape[1])), probe.new_empty((rows, probe.shape[1]))
 
 
 class _DropAffine(torch.autograd.Function):
@@ -511,8 +567,8 @@ class _DropAffine(torch.autograd.Function):
     mask (:meth:`SegmentDropout.masks`; ``None``: not dropped), then through its weight, as
     :class:`_SegmentAffine` maps the dropped input. The backward recomputes each copy's
     dropped rows from ``x`` and the mask for the weight's gradient ``g_k^T x_k`` instead of
-    keeping the dropped input (the size of the features; the masks are bools, a quarter of
-    it): the same operations on the same values, so every output and gradient is bitwise
+    keeping the dropped input (the size of the features; the masks are bits, a 32nd of
+    it for float32): the same operations on the same values, so every output and gradient is bitwise
     the unfused one's. ``x`` takes no gradient (it is data)."""
 
     @staticmethod
@@ -528,13 +584,14 @@ class _DropAffine(torch.autograd.Function):
         blocks = _blocks(ptr)
         like = x if isinstance(x, Tensor) else weight
         out = like.new_empty((ptr[-1], weight.shape[1]))
+        scratch = _scratch(x, blocks)
         for k, rows in enumerate(blocks):
-            xk = _dropped_rows(x, k, rows.start, rows.stop, masks[k], p)
+            xk = _dropped_rows(x, k, rows.start, rows.stop, masks[k], p, scratch)
             if bias is None:
                 torch.mm(xk, weight[k].t(), out=out[rows])
             else:
                 torch.addmm(bias[k], xk, weight[k].t(), out=out[rows])
-            del xk  # one copy's dropped rows at a time
+            del xk  # one copy's dropped rows at a time, in the scratch buffers
         ctx.x, ctx.blocks, ctx.masks, ctx.p = x, blocks, masks, p  # x: constant data
         ctx.has_bias = bias is not None
         return out
@@ -543,9 +600,9 @@ class _DropAffine(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         gw = gb = None
         if ctx.needs_input_grad[1]:
-            parts = []
+            parts, scratch = [], _scratch(ctx.x, ctx.blocks)
             for k, rows in enumerate(ctx.blocks):
-                xk = _dropped_rows(ctx.x, k, rows.start, rows.stop, ctx.masks[k], ctx.p)
+                xk = _dropped_rows(ctx.x, k, rows.start, rows.stop, ctx.masks[k], ctx.p, scratch)
                 parts.append(g[rows].t().mm(xk))
                 del xk
             gw = torch.stack(parts)

@@ -56,10 +56,13 @@ def build_client(
     return FederatedClient(k, data)
 
 
-def build_clients(graph: MultimodalGraph, partition: Partition) -> list[FederatedClient]:
+def build_clients(
+    graph: MultimodalGraph, partition: Partition, release: bool = False
+) -> list[FederatedClient]:
     """Every client's induced subgraph with its train/val/test masks (cut in one pass:
-    :meth:`~fedlightning.data.graphs.base.MultimodalGraph.split`)."""
-    subs = graph.split(partition.assignment, partition.num_clients)
+    :meth:`~fedlightning.data.graphs.base.MultimodalGraph.split`; ``release``: the graph's
+    dense modalities are dropped from it as the clients' rows are gathered)."""
+    subs = graph.split(partition.assignment, partition.num_clients, release)
     return [build_client(graph, partition, k, subs[k]) for k in range(partition.num_clients)]
 
 
@@ -227,11 +230,12 @@ class GraphProgram(Program):
         partition, stream, hashes = world.on_main(
             build_protocol, cfg, graph, run_dir, self.resuming
         )
-        clients = build_clients(graph, partition)
-        log.info("%r split into %d clients (partition %s)", graph, len(clients), partition.hash)
-
+        described = repr(graph)
         in_dims = {m: x.size(1) for m, x in graph.features.items()}
-        graph.features.clear()  # each client holds its own rows; the whole copy is not read again
+        # each client holds its own rows; the whole copy is not read again (issue 49's peak)
+        clients = build_clients(graph, partition, release=True)
+        log.info("%s split into %d clients (partition %s)", described, len(clients), partition.hash)
+        graph.features.clear()
         net, algorithm, module = build_model(cfg, in_dims, graph.num_classes)
         module.minibatch = MiniBatch.from_config(cfg.federation.get("minibatch"))  # scaling.md
         if large := sum(applies(module.minibatch, c.data) for c in clients):  # one at a time

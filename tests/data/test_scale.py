@@ -231,3 +231,19 @@ def test_split_gives_each_parts_subgraph_in_one_pass():
     # the parts' dense rows are adjacent rows of one tensor
     base = parts[0].features["a"].untyped_storage().data_ptr()
     assert all(p.features["a"].untyped_storage().data_ptr() == base for p in parts)
+
+
+def test_split_with_release_drops_the_graphs_dense_rows_and_gives_the_same_parts():
+    """``release=True``: the same parts, in the same modality order; the graph keeps its
+    sparse modality and no longer holds the dense ones (each freed once gathered)."""
+    kw = dict(num_nodes=600, num_classes=3, modalities={"a": 8, "b": 5}, multi_hot={"w": 40},
+              p_in=0.02, p_out=0.002, missing_rate=0.2, seed=2)  # fmt: skip
+    g, h = make_synthetic(**kw), make_synthetic(**kw)
+    assignment = torch.randint(0, 4, (600,), generator=torch.Generator().manual_seed(1))
+    want, got = g.split(assignment, 4), h.split(assignment, 4, release=True)
+    assert list(h.features) == ["w"] and list(g.features) == ["a", "b", "w"]
+    for a, b in zip(want, got, strict=True):
+        assert list(b.features) == list(a.features)
+        assert torch.equal(a.features["a"], b.features["a"])
+        assert torch.equal(a.features["b"], b.features["b"])
+        assert torch.equal(a.features["w"].to_dense(), b.features["w"].to_dense())

@@ -12,6 +12,7 @@ from torch_geometric.data import Data
 
 import fedlightning.models.stacked as stacked
 from fedlightning.models import ModalityEncoders
+from fedlightning.models.dropout import PackedMask
 from fedlightning.models.stacked import SegmentDropout, SegmentEncoders, seeded_streams, stack_net
 
 SIZES, SEEDS = [30, 0, 24, 17], [31, 32, 33, 34]
@@ -107,8 +108,8 @@ def test_fused_input_dropout_is_each_clients_own_encoders():
 
 
 def test_fused_step_keeps_masks_not_the_dropped_input():
-    """What the fused step's backward keeps: the data itself and bool masks (no float
-    tensor of the input's size besides the data)."""
+    """What the fused step's backward keeps: the data itself and the masks as bits, one
+    per entry of a copy's rows (no tensor of the input's size besides the data)."""
     torch.manual_seed(0)
     stack, segments = stack_net(Net({"dense": 32}, dropout=0.5), 2)
     union = segments.bind([Data(x_dense=torch.randn(n, 32), num_nodes=n) for n in (20, 12)])
@@ -117,7 +118,21 @@ def test_fused_step_keeps_masks_not_the_dropped_input():
     node = out.grad_fn.next_functions[0][0]  # relu's input: the fused step
     assert type(node).__name__ == "_DropAffineBackward"
     assert node.x is union.x_dense and not node.saved_tensors
-    assert all(keep.dtype == torch.bool and nz is None for keep, nz in node.masks)
+    assert [keep.bits.nbytes for keep, _ in node.masks] == [20 * 32 // 8, 12 * 32 // 8]
+    assert all(isinstance(keep, PackedMask) and nz is None for keep, nz in node.masks)
+
+
+def test_packed_mask_holds_a_masks_bits():
+    """A mask kept as bits: byte ``j`` holds entries ``8j..8j+7``, entry ``8j+i`` its bit
+    ``i`` (little order), a last partial byte padded with zeros; unpacked, the mask."""
+    keep = torch.tensor([[1, 0, 1, 1, 0, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0, 0, 0, 1]]).bool()
+    packed = PackedMask(keep)
+    # entries 0-7: 1+4+8+128; 8-15: 0 (entry 8) + 2 + 4; 16-17: entry 17 -> bit 1
+    assert packed.bits.tolist() == [141, 6, 2]
+    back = packed.unpack()
+    assert back.dtype == torch.bool and back.shape == keep.shape and torch.equal(back, keep)
+    with pytest.raises(ValueError, match="CPU bool mask"):
+        PackedMask(keep.float())
 
 
 def test_a_small_input_takes_the_plain_steps(monkeypatch):

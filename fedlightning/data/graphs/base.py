@@ -102,12 +102,15 @@ class MultimodalGraph:
             node_ids=None if self.node_ids is None else [self.node_ids[i] for i in nodes.tolist()],
         )
 
-    def split(self, assignment: Tensor, parts: int) -> list[MultimodalGraph]:
+    def split(self, assignment: Tensor, parts: int, release: bool = False) -> list[MultimodalGraph]:
         """``[self.subgraph(nodes of part k) for k in range(parts)]`` (``assignment[i]``: the
         part of node ``i``; other values belong to no part), with the same values, in one
         pass over the edges instead of one per part; each dense modality is gathered once,
         part ``k``'s rows adjacent views of that one tensor (a stacked union of the parts
-        in order is then a view, no copy: ``fedlightning.models.stacked.joined_rows``)."""
+        in order is then a view, no copy: ``fedlightning.models.stacked.joined_rows``).
+        ``release``: this graph's dense modalities are dropped from it as they are
+        gathered (for a caller that reads them no more: one modality's two copies at a
+        time, not every modality's)."""
         assignment = assignment.long()
         valid = (assignment >= 0) & (assignment < parts)
         part = torch.where(valid, assignment, parts)  # the rest last, then dropped
@@ -123,17 +126,17 @@ class MultimodalGraph:
         by_part = torch.argsort(part[src], stable=True)  # each part's edges in their order
         edge_counts = torch.bincount(part[src], minlength=parts)[:parts].tolist()
         edges = torch.stack([local[src[by_part]], local[dst[by_part]]])
-        dense = {
-            m: x.index_select(0, order).split(counts.tolist())
-            for m, x in self.features.items()
-            if x.layout == torch.strided
-        }
+        names, dense = list(self.features), {}
+        for m in [m for m in names if self.features[m].layout == torch.strided]:
+            dense[m] = self.features[m].index_select(0, order).split(counts.tolist())
+            if release:
+                del self.features[m]
         out, at = [], 0
         for k, nodes in enumerate(order.split(counts.tolist())):
             e = edge_counts[k]
             feats = {
-                m: dense[m][k] if m in dense else x.index_select(0, nodes)
-                for m, x in self.features.items()
+                m: dense[m][k] if m in dense else self.features[m].index_select(0, nodes)
+                for m in names
             }
             out.append(
                 MultimodalGraph(
