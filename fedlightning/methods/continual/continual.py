@@ -238,12 +238,14 @@ class ContinualFedAvg(Algorithm):
     def gathers_rows(self, module: Any, executor: Any) -> bool:
         """Whether a stacked fit of ``module`` reads its stage batches' dense features as
         :class:`~fedlightning.models.stacked.GatheredRows` (issue 49's memory, docs/scaling.md
-        "Memory"): the client's batch is :meth:`prepare`'s own, the net a
+        "Memory"): the client's batch is :meth:`prepare`'s own (or an override's that sets
+        ``prepare_keeps_batch = True`` in its class and returns that batch unchanged), the net a
         :class:`~fedlightning.models.multimodal.MultimodalGNN` whose features go to its
         :class:`~fedlightning.models.multimodal.ModalityEncoders` alone, on the CPU."""
         net, device = module.net, getattr(executor, "device", None)
+        owner = defined_by(self, "prepare")
         return (
-            defined_by(self, "prepare") is ContinualFedAvg
+            (owner is ContinualFedAvg or vars(owner).get("prepare_keeps_batch", False))
             and isinstance(net, MultimodalGNN)
             and defined_by(net, "gnn_inputs") is MultimodalGNN
             and type(net.encoders) is ModalityEncoders

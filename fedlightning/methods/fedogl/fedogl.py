@@ -42,6 +42,7 @@ class FedOGL(ContinualFedAvg):
     prototype release (FedTIP's Eq. 7 on Eq. 11's means); the rest as ContinualFedAvg."""
 
     stage_end_exchange = True
+    prepare_keeps_batch = True  # its prepare sets the bases and returns the stage's batch
     BASIS_DEFAULTS = {
         "rank_local": 8,
         "rank": 16,
