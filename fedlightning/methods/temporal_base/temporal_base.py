@@ -43,7 +43,7 @@ class TemporalMethod(Algorithm):
 
     Hooks the temporal program reads, each with its default here:
     :meth:`attach` (before anything else), :meth:`materialize_views`, :meth:`variant` (the
-    run's tag), :meth:`use_secure_sum` (``federation.secure_sum``), :attr:`release` and
+    run's tag, which depends on the bank: a verb here where a graph method's is a fixed name), :meth:`use_secure_sum` (``federation.secure_sum``), :attr:`release` and
     :meth:`privacy_budget` (summary.json's ``privacy``), :meth:`message_size` (the message
     counted by hand), :attr:`flower_nodes`, :attr:`task_robust`, :attr:`pool_tasks`."""
 
