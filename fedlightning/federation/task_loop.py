@@ -70,7 +70,8 @@ class TaskLoop(Schedule):
     """Runs the task manifest (module docstring).
 
     Args:
-        algorithm: the :class:`~fedlightning.methods.fedtip.fedtip.FedTIP` configuration.
+        algorithm: the temporal method (FedTIP, a comparator or a baseline; its task verbs
+            are :class:`~fedlightning.federation.algorithm.Algorithm`'s).
         tasks: every task's client batches, in task order.
         eval_batches: ``{"val": batch, "test": batch}``, the server's segments.
         families: task families to run (``nc`` needs state labels).

@@ -7,11 +7,13 @@ and read the cache."""
 from __future__ import annotations
 
 import logging
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from fedlightning.clients.temporal_prompt import FAMILIES, as_single
@@ -24,6 +26,7 @@ from fedlightning.federation.task_loop import TaskBatches, TaskLoop
 from fedlightning.federation.task_pool import resolve_workers
 from fedlightning.federation.world import World
 from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.methods.temporal_base.temporal_base import TemporalMethod
 from fedlightning.programs import Program, metric_text, secure_on
 from fedlightning.programs.temporal_setup import bank_config, ensure_bank, temporal_setup
 from fedlightning.runs import (
@@ -80,16 +83,36 @@ def eval_batches(
     return {"val": as_single(val), "test": as_single(test)}
 
 
-def make_algorithm(cfg: DictConfig) -> FedTIP:
+def saved_settings(node: DictConfig) -> DictConfig:
+    """A resumed run's ``algorithm`` less the keys its class does not declare that are
+    FedTIP's: a baseline's config saved while every temporal config composed fedtip.yaml
+    carries FedTIP's settings, which the baseline never read."""
     try:
-        algorithm = build(cfg.algorithm, "algorithm")
+        target = get_class(str(node.get("_target_", "")))
+    except Exception:  # a bad _target_: build names it
+        return node
+    if not is_dataclass(target) or issubclass(target, FedTIP):
+        return node
+    legacy = {f.name for f in fields(FedTIP)} - {f.name for f in fields(target)}
+    kept = OmegaConf.to_container(node, resolve=True)
+    return OmegaConf.create({k: v for k, v in kept.items() if k not in legacy})
+
+
+def make_algorithm(cfg: DictConfig) -> TemporalMethod:
+    """The run's temporal method (:class:`TemporalMethod`), told the run's secure-sum and
+    robust-aggregation settings; one line refusing any other algorithm."""
+    node = cfg.algorithm
+    try:
+        if cfg.get("resume"):
+            node = saved_settings(node)
+        algorithm = build(node, "algorithm")
     except ValueError as e:
         raise ConfigError("algorithm", str(e)) from None
-    if not isinstance(algorithm, FedTIP):
+    if not isinstance(algorithm, TemporalMethod):
         raise ConfigError(
             "algorithm",
-            f"task=temporal needs a FedTIP algorithm (fedtip, prompt_fedavg, prompt_central, "
-            f"fulltune_fedavg), got {type(algorithm).__name__}",
+            f"task=temporal needs a temporal method (fedtip, its comparators and baselines: "
+            f"docs/fedtip.md), got {type(algorithm).__name__}",
         )
     flower = "flower" in str(cfg.runner.get("_target_", ""))
     if flower and not algorithm.flower_nodes:  # docs/fedtip.md

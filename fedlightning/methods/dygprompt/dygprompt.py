@@ -14,7 +14,9 @@ from fedlightning.methods.fedtip.fedtip import FedTIP
 
 @dataclass
 class DyGPrompt(FedTIP):
-    """One DyGPrompt row; ``lr`` the prompts' step, ``cn_lr`` the condition-nets'."""
+    """One DyGPrompt row; ``lr`` the prompts' step, ``cn_lr`` the condition-nets'. A FedTIP
+    configuration with its own adapter: it keeps FedTIP's stacked fit, Eq. (2) message and
+    ``lambda_p``, so it reads FedTIP's settings where they live (fedtip.yaml)."""
 
     name: str = "dygprompt_fedavg"
     prototype_bound: float | None = None  # a published baseline runs as published

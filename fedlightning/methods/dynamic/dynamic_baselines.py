@@ -18,9 +18,9 @@ from fedlightning.messages import ClientUpdate, ServerBroadcast
 from fedlightning.methods.dynamic.dynamic_client import DynamicBaselineClient
 from fedlightning.methods.dynamic.dynamic_model import StackedNet
 from fedlightning.methods.dynamic.snapshots import SnapshotView, snapshot_view
-from fedlightning.methods.fedtip.fedtip import FedTIP
 from fedlightning.methods.fulltune.fulltune import fedavg_server
 from fedlightning.methods.history.graph_task import event_nodes
+from fedlightning.methods.temporal_base.temporal_base import TemporalMethod
 from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.utils.seeding import derive_seed, manual_seed
 
@@ -28,17 +28,13 @@ SIDES = {"u": "src", "i": "dst", "j": "neg"}
 
 
 @dataclass
-class DynamicBaseline(FedTIP):
+class DynamicBaseline(TemporalMethod):
     """The shared part; ``windows``, ``recent``: the snapshot view's; ``hidden``: the net's."""
 
     name: str = "dynamic_baseline"
-    aggregation: str = "fedavg"
-    anchors: bool = False
-    lambda_p: float = 0.0
     windows: int = 10
     recent: int = 5
     hidden: int = 128
-    lr: float = 1e-3
     modes = ("federated",)
     flower_nodes = False  # a Flower node does not build the history view: refused up front
 

@@ -14,10 +14,9 @@ from fedlightning.methods.dynamic.dynamic_baselines import DynamicBaseline
 from fedlightning.methods.dynamic.dynamic_client import DynamicBaselineClient
 from fedlightning.methods.dynamic.dynamic_model import FedDGLNet
 from fedlightning.methods.feddgl.feddgl_server import GLOB, MIX, FedDGLServer, personalise
+from fedlightning.methods.temporal_base.temporal_base import CLASSES
 from fedlightning.server.aggregate import strip_prefix
 from fedlightning.server.reliability import unflatten
-
-CLASSES = (0, 1)
 
 
 @dataclass

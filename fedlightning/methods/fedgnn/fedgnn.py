@@ -30,7 +30,7 @@ from fedlightning.methods.fedgnn.fedgnn_server import (
     row_upload_problem,
     unflatten_keys,
 )
-from fedlightning.methods.fedtip.fedtip import FedTIP, support_size
+from fedlightning.methods.temporal_base.temporal_base import TemporalMethod, support_size
 from fedlightning.server.validation import Field, MessageSpec, Rule
 from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
@@ -47,16 +47,12 @@ def event_rows(graph: HistoryGraph, stream: Any, batch: Batch) -> dict[str, Tens
 
 
 @dataclass
-class FedGNN(FedTIP):
+class FedGNN(TemporalMethod):
     """FedGNN; ``ldp_clip``, ``epsilon``: the local DP (``0``: no noise); ``pseudo_items`` per
     upload; ``init``: the item table from the ``bank`` or ``random``."""
 
     name: str = "fedgnn"
-    prototype_bound = None  # a published baseline: without FedTIP's prototype bound
     mode: str = "fedgnn"
-    aggregation: str = "fedavg"
-    anchors: bool = False
-    lambda_p: float = 0.0
     lr: float = 0.01
     ldp_clip: float = 0.1
     epsilon: float = 1.0

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -17,47 +16,31 @@ from fedlightning.clients.temporal_prompt import (
     class_members,
     family_prototypes,
     family_views,
-    score_segment,
     stack_batches,
 )
 from fedlightning.errors import ConfigError
-from fedlightning.federation.algorithm import Algorithm
 from fedlightning.federation.round import ClientWork
-from fedlightning.federation.task_loop import Batch, TaskBatches, TaskContext
+from fedlightning.federation.task_loop import TaskBatches, TaskContext
 from fedlightning.messages import ClientUpdate, ServerBroadcast
+from fedlightning.methods.temporal_base.temporal_base import CLASSES, TemporalMethod
 from fedlightning.server.privacy import PrototypeRelease, private_prototype
 from fedlightning.server.reliability import (
     PROTO_NORM_RATIO,
     FedTIPServer,
-    coverage_of,
     label_coverage,
     read_broadcast,
-    update_norm,
 )
 from fedlightning.server.secure_sum import SecureSum, ShareSpec
-from fedlightning.server.validation import Field, MessageSpec, Rule, close
 from fedlightning.temporal.adapter import TEMPLATES, TIES, PromptAdapter
 from fedlightning.utils.seeding import derive_seed, manual_seed, torch_generator
 
 MODES = ("federated", "central")
 AGGREGATIONS = ("reliability", "fedavg")
 PROMPTS = ("interaction", "static")
-NEGATIVES = ("protocol", "unfiltered")
-CLASSES = (0, 1)  # the label set of Eq. (27): node states, or negative/positive links
-
-
-def support_size(task: TaskBatches) -> Callable[[int], float]:
-    """A client's support size in ``task`` (the server knows it from the task manifest)."""
-
-    def support(k: int) -> float:
-        batch = task.clients.get(k)
-        return float(len(batch["h_u"])) if batch is not None else math.inf
-
-    return support
 
 
 @dataclass
-class FedTIP(Algorithm):
+class FedTIP(TemporalMethod):
     """One FedTIP configuration (settings: docs/fedtip.md), run by the task loop through its
     task verbs. ``mode``: ``federated`` or ``central`` (pooled); ``aggregation``:
     ``reliability`` (Eqs. 27-30) or ``fedavg``; ``anchors``: Eqs. (22)-(24); ``prompt``:
@@ -67,14 +50,11 @@ class FedTIP(Algorithm):
     names, still read."""
 
     name: str = "fedtip"
-    # the median-norm bound on prototype uploads (docs/security.md); None for baselines
+    # the median-norm bound on prototype uploads (docs/security.md); None for DyGPrompt
     prototype_bound: float | None = PROTO_NORM_RATIO
-    mode: str = "federated"
     aggregation: str = "reliability"
     anchors: bool = True
     prompt: str = "interaction"
-    negatives: str = "protocol"
-    tau: float = 0.1
     lambda_p: float = 1e-2
     lambda_a: float = 1e-1
     beta: float = 0.1
@@ -85,23 +65,17 @@ class FedTIP(Algorithm):
     residual: bool | None = None
     tie: str = "none"
     dropout: float = 0.1
-    lr: float = 1e-3
-    encoder_lr: float = 1e-4
-    weight_decay: float = 1e-5
     dp: Any = None
     clip: float | None = None
     sigma: float = 0.0
     modes = MODES
-    secure_seed = None  # federation.secure_sum: the run's seed (set by the program)
-    max_update_norm = None  # under secure sums, each client's clip of its delta
-    snapshot = protocol = None  # the bank's snapshot encoder and the protocol (attach)
+    aggregations = AGGREGATIONS
+    anchored = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for key, value, allowed in (
-            ("mode", self.mode, self.modes),
-            ("aggregation", self.aggregation, AGGREGATIONS),
             ("prompt", self.prompt, PROMPTS),
-            ("negatives", self.negatives, NEGATIVES),
             ("tie", self.tie, TIES),
             ("template", self.template, TEMPLATES),
         ):
@@ -166,10 +140,6 @@ class FedTIP(Algorithm):
             weight_decay=self.weight_decay,
         )
 
-    def attach(self, snapshot: Any, protocol: Any) -> None:
-        """The bank's snapshot encoder and the protocol, before the first task."""
-        self.snapshot, self.protocol = snapshot, protocol
-
     def task_server(self, module: FedTIPClient) -> FedTIPServer:
         """The task's server, starting from the module's initial adapter."""
         omega = module.adapter.state_dict()
@@ -187,17 +157,6 @@ class FedTIP(Algorithm):
             server.secure = SecureSum(int(self.secure_seed), spec)
         return server
 
-    def use_secure_sum(self, seed: int, max_update_norm: float | None = None) -> None:
-        """Every task's server sums masked shares of Eq. (6) (with reliability weights in two
-        phases: Eq. 2's scalars, then the weighted shares)."""
-        self.secure_seed, self.max_update_norm = int(seed), max_update_norm
-
-    def privacy_budget(self, tasks: int, rounds: int, families: Sequence[str]) -> dict[str, Any]:
-        """The budget of one release per task, prototype-sending family and round."""
-        sending = [f for f in families if "prototypes" in self.message_fields(f)]
-        released = self.release.on and self.mode == "federated"
-        return self.release.budget(tasks * rounds * len(sending) if released else 0)
-
     def task_work(
         self,
         context: TaskContext,
@@ -212,72 +171,6 @@ class FedTIP(Algorithm):
         fit = partial(self.fit_clients, context, task, family, module, broadcast.round)
         uplink = self.task_uplink(task, family, broadcast, module.adapter.d_h)
         return ClientWork(share=partial(fit, omega, anchors), uplink=uplink)
-
-    def task_uplink(
-        self,
-        task: TaskBatches,
-        family: str,
-        broadcast: ServerBroadcast,
-        width: int,
-        field: str = "adapter",
-    ) -> MessageSpec:
-        """Eq. (2)'s declared message (:meth:`message_fields`): ``delta`` like ``field``;
-        whole ``count.<c>`` within the support (twice it for ``lp``); ``proto.<c>`` with its
-        count; ``coverage`` and ``norm`` as the server recomputes them (Eq. 27)."""
-        fields = self.message_fields(family)
-        classes, support = frozenset(CLASSES), support_size(task)
-        declared = [
-            Field("delta", dtype="like", like=lambda m: field),
-            Field(r"count\.(?P<c>\d+)", tensor=False, low=1.0, high=support, integral=True,
-                  classes=classes, required=False),
-        ]  # fmt: skip
-        if "prototypes" in fields:
-            declared.append(Field(r"proto\.(?P<c>\d+)", shape=(width,), classes=classes,
-                                  required=False))  # fmt: skip
-        if "coverage" in fields:
-            declared += [
-                Field("coverage", tensor=False, low=0.0, high=1.0),
-                Field("norm", tensor=False, low=0.0),
-            ]
-        per_event = 1 if family == "nc" else 2
-
-        def counts_fit(u: ClientUpdate) -> str | None:
-            total = sum(v for k, v in u.scalars.items() if k.startswith("count."))
-            cap = per_event * support(u.client_id)
-            return (
-                f"count.*: counts sum to {total:g}, the support holds {cap:g}"
-                if total > cap
-                else None
-            )
-
-        def paired(u: ClientUpdate) -> str | None:
-            if "prototypes" not in fields:
-                return None
-            protos = {k.split(".")[1] for k in u.tensors if k.startswith("proto.")}
-            counts = {k.split(".")[1] for k in u.scalars if k.startswith("count.")}
-            for c in sorted(protos ^ counts):
-                name = f"proto.{c}" if c in protos else f"count.{c}"
-                return f"{name}: a prototype and its count travel together"
-            return None
-
-        def reported(u: ClientUpdate) -> str | None:
-            if "coverage" not in fields:
-                return None
-            counts = {int(k[6:]): int(v) for k, v in u.scalars.items() if k.startswith("count.")}
-            for name, mine in (
-                ("coverage", coverage_of(counts, CLASSES)),
-                ("norm", update_norm(u.tensors["delta"])),
-            ):
-                if not close(float(u.scalars[name]), mine):
-                    return f"{name}: reports {u.scalars[name]:g}, the server recomputes {mine:g}"
-            return None
-
-        rules = (
-            Rule(counts_fit, reads=(r"count\..+",)),
-            Rule(paired),
-            Rule(reported, reads=("coverage", "norm", "delta", r"count\..+")),
-        )
-        return MessageSpec(tuple(declared), rules=rules, reference=broadcast)
 
     def fit_clients(
         self,
@@ -342,28 +235,6 @@ class FedTIP(Algorithm):
             q, counts = family_prototypes(family_views(module.adapter, pooled, family), family)
         adapter.load_state_dict(module.adapter.state_dict())
         return adapter, {c: q[0, c] for c in range(q.size(1)) if counts[0, c] > 0}
-
-    def task_scores(
-        self, adapter: PromptAdapter, prototypes: dict[int, Tensor], batch: Batch, family: str
-    ) -> dict[str, float]:
-        """The server's AUC-ROC of one segment (:func:`score_segment`)."""
-        return score_segment(adapter, prototypes, batch, family)
-
-    def message_fields(self, family: str) -> tuple[str, ...]:
-        """Delta and counts; prototypes for anchors or ``nc``; coverage, norm for reliability."""
-        fields = ["delta", "counts"]
-        if self.anchors or family == "nc":
-            fields.append("prototypes")
-        if self.aggregation == "reliability":
-            fields += ["coverage", "norm"]
-        return tuple(fields)
-
-    def message_size(self, adapter: PromptAdapter, family: str, classes: int = 2) -> int:
-        """Float32 values of one Eq. (2) message with :meth:`message_fields`."""
-        fields = self.message_fields(family)
-        n = adapter.num_values() + classes
-        n += classes * adapter.d_h if "prototypes" in fields else 0
-        return n + (2 if "coverage" in fields else 0)
 
     def make_updates(
         self,

@@ -63,13 +63,15 @@ def fedavg_server(model: nn.Module) -> FedTIPServer:
 
 @dataclass
 class FullTuneFedAvg(FedTIP):
-    """``fulltune_fedavg``."""
+    """``fulltune_fedavg``: FedTIP's adapter (its settings: ``bottleneck``, ``rank``,
+    ``template``, ...) fitted with the bank's encoder; ``encoder_lr``: the encoder's step."""
 
     name: str = "fulltune_fedavg"
     mode: str = "fulltune"
     aggregation: str = "fedavg"
     anchors: bool = False
     lambda_p: float = 0.0
+    encoder_lr: float = 1e-4
     modes = ("fulltune",)
 
     def __post_init__(self) -> None:

@@ -20,7 +20,6 @@ from fedlightning.federation.task_loop import (
     TaskLoop,
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast
-from fedlightning.methods.fedtip.fedtip import FedTIP
 from fedlightning.methods.fulltune.fulltune import fedavg_server, model_update
 from fedlightning.methods.history.graph_task import (
     ClientGraph,
@@ -29,6 +28,7 @@ from fedlightning.methods.history.graph_task import (
     event_nodes,
 )
 from fedlightning.methods.history.history import FEATURES, HistoryGraph, cached_history
+from fedlightning.methods.temporal_base.temporal_base import TemporalMethod
 from fedlightning.server.reliability import FedTIPServer, unflatten
 from fedlightning.temporal.bank import streaming_threads
 
@@ -40,21 +40,19 @@ def both_ways(edge_index: Tensor) -> Tensor:
 
 
 @dataclass
-class HistoryBaseline(FedTIP):
+class HistoryBaseline(TemporalMethod):
     """The shared part; ``features``, ``segments``: the history's; ``hidden``, ``out``: the
-    GNN's widths; ``optimizer``: the local fit's."""
+    GNN's widths; ``optimizer``, ``dropout``: the local fit's."""
 
     flower_nodes = False  # a Flower node holds neither the history view nor the exchange
     name: str = "history_gnn"
     mode: str = "graph"
-    aggregation: str = "fedavg"
-    anchors: bool = False
-    lambda_p: float = 0.0
     features: str = "bank"
     segments: list[str] = field(default_factory=lambda: ["pretrain"])
     hidden: int = 32
     out: int = 32
     optimizer: str = "adam"
+    dropout: float = 0.1
     modes = ("graph",)
     pool_tasks = False  # the one-off exchange is in the first task's scope of the ledger
 

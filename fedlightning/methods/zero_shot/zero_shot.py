@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from fedlightning.clients.temporal_prompt import family_prototypes, family_views, stack_batches
 from fedlightning.federation.task_loop import TaskBatches, TaskContext
-from fedlightning.methods.fedtip.fedtip import FedTIP
+from fedlightning.methods.temporal_base.temporal_base import TemporalMethod
 
 
 class BankTemplate(nn.Module):
@@ -30,13 +30,11 @@ class BankTemplate(nn.Module):
 
 
 @dataclass
-class ZeroShot(FedTIP):
+class ZeroShot(TemporalMethod):
     """``algorithm=zero_shot``: FedTIP's protocol with the bank's template, no message."""
 
     name: str = "zero_shot"
     mode: str = "zero_shot"
-    anchors: bool = False
-    aggregation: str = "fedavg"
     modes = ("zero_shot",)
 
     def __post_init__(self) -> None:
