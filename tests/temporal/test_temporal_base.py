@@ -102,3 +102,17 @@ def test_a_saved_baseline_config_with_fedtip_keys_resumes(compose, tmp_path):
 def test_every_fedtip_setting_the_base_lacks_is_fedtip_only():
     base = {f.name for f in fields(TemporalMethod)}
     assert {f.name for f in fields(FedTIP)} - base == FEDTIP_ONLY | {"dropout"}
+
+
+@pytest.mark.parametrize("name", ["fedgnn", "feddy", "fedgcn", "zero_shot", "fulltune_fedavg"])
+def test_secure_sums_refuse_a_method_whose_server_sums_in_the_clear(compose, name):
+    """Only FedTIP's task server sums masked shares (Eq. 6); a baseline under
+    ``federation.secure_sum=true`` is refused in one line naming the key, not run in the
+    clear."""
+    algorithm = build(algorithm_cfg(compose, name).algorithm, "algorithm")
+    with pytest.raises(ConfigError) as e:
+        algorithm.use_secure_sum(0)
+    assert e.value.key == "federation.secure_sum" and "\n" not in str(e.value)
+    fedtip = build(algorithm_cfg(compose, "fedtip").algorithm, "algorithm")
+    fedtip.use_secure_sum(7, 2.0)
+    assert (fedtip.secure_seed, fedtip.max_update_norm) == (7, 2.0)

@@ -71,6 +71,7 @@ class FedTIP(TemporalMethod):
     modes = MODES
     aggregations = AGGREGATIONS
     anchored = True
+    secure_sums = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

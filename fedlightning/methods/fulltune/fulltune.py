@@ -73,6 +73,7 @@ class FullTuneFedAvg(FedTIP):
     lambda_p: float = 0.0
     encoder_lr: float = 1e-4
     modes = ("fulltune",)
+    secure_sums = False  # its task server is a plain FedAvg of the whole model
 
     def __post_init__(self) -> None:
         super().__post_init__()

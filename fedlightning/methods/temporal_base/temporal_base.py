@@ -58,6 +58,7 @@ class TemporalMethod(Algorithm):
     modes: ClassVar[tuple[str, ...]] = ("federated",)
     aggregations: ClassVar[tuple[str, ...]] = ("fedavg",)
     anchored: ClassVar[bool] = False  # the method has anchor prototypes (FedTIP)
+    secure_sums: ClassVar[bool] = False  # its task server sums masked shares (FedTIP's)
     secure_seed = None  # federation.secure_sum: the run's seed (use_secure_sum)
     snapshot = protocol = None  # the bank's snapshot encoder and the protocol (attach)
 
@@ -88,8 +89,16 @@ class TemporalMethod(Algorithm):
 
     def use_secure_sum(self, seed: int, max_update_norm: float | None = None) -> None:
         """``federation.secure_sum``: the run's seed and each client's clip of its delta,
-        kept for a task server that sums masked shares (FedTIP's); the others aggregate as
-        they do without it."""
+        kept for a task server that sums masked shares (:attr:`secure_sums`: FedTIP's); a
+        method whose server aggregates in the clear is refused in one line, before any
+        data loads."""
+        if not self.secure_sums:
+            raise ConfigError(
+                "federation.secure_sum",
+                f"{self.name}'s task server aggregates the clients' messages in the clear; "
+                "only FedTIP's sums masked shares (docs/security.md): set "
+                "federation.secure_sum=false",
+            )
         self.secure_seed, self.max_update_norm = int(seed), max_update_norm
 
     def privacy_budget(self, tasks: int, rounds: int, families: Sequence[str]) -> dict[str, Any]:
