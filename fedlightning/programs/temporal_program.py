@@ -109,10 +109,13 @@ def make_algorithm(cfg: DictConfig) -> TemporalMethod:
     except ValueError as e:
         raise ConfigError("algorithm", str(e)) from None
     if not isinstance(algorithm, TemporalMethod):
+        got = type(algorithm).__name__
+        if "_target_" not in node:  # conf/algorithm/temporal_base.yaml: shared settings
+            got = "only the settings temporal methods share (no _target_)"
         raise ConfigError(
             "algorithm",
             f"task=temporal needs a temporal method (fedtip, its comparators and baselines: "
-            f"docs/fedtip.md), got {type(algorithm).__name__}",
+            f"docs/fedtip.md), got {got}",
         )
     flower = "flower" in str(cfg.runner.get("_target_", ""))
     if flower and not algorithm.flower_nodes:  # docs/fedtip.md

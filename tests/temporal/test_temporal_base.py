@@ -116,3 +116,11 @@ def test_secure_sums_refuse_a_method_whose_server_sums_in_the_clear(compose, nam
     fedtip = build(algorithm_cfg(compose, "fedtip").algorithm, "algorithm")
     fedtip.use_secure_sum(7, 2.0)
     assert (fedtip.secure_seed, fedtip.max_update_norm) == (7, 2.0)
+
+
+def test_the_shared_settings_alone_are_refused_as_no_method(compose):
+    """``algorithm=temporal_base`` (listed beside the methods) is the settings they share:
+    refused in one line that says so, not a traceback or a class name of OmegaConf's."""
+    with pytest.raises(ConfigError) as e:
+        make_algorithm(algorithm_cfg(compose, "temporal_base"))
+    assert e.value.key == "algorithm" and "no _target_" in str(e.value)
