@@ -324,6 +324,8 @@ def main() -> None:
             "evals": inputs["evals"],
             "dims": inputs["dims"],
             "families": check_families(cfg.families, inputs["protocol"].stream),
+            "encoder": inputs["encoder"],
+            "protocol": inputs["protocol"],
         }
         rows = {name: run_row(stream, args.tasks, name, shared) for name in args.rows}
         summary = summarize(rows, shared["families"])
