@@ -33,18 +33,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from fedtip_tuning import timed_loop  # the same timed, lean task loop (sibling script)
 from hydra import compose, initialize_config_dir
 
 from fedlightning.clients.temporal_prompt import score_segment
 from fedlightning.config import build
-from fedlightning.federation.executors import LeanExecutor
-from fedlightning.federation.runners import SequentialRunner
 from fedlightning.federation.task_loop import TaskLoop
 from fedlightning.programs.temporal_program import check_families, temporal_inputs
 from fedlightning.resources import conf_dir
@@ -164,21 +162,8 @@ def run_row(stream: str, tasks: int, name: str, shared: dict) -> dict:
     if name != "zero_shot":
         alg.task_work = task_work
     alg.task_scores = evaluate  # the server's scores, with the records above
-    loop = Loop(
-        alg,
-        shared["tasks"],
-        shared["evals"],
-        shared["families"],
-        shared["dims"],
-        SequentialRunner(LeanExecutor(), progress=False),
-        rounds=int(cfg.federation.rounds),
-        epochs=int(cfg.federation.local_epochs),
-        seed=int(cfg.seed),
-        progress=False,
-    )
-    t0 = time.perf_counter()
-    results = loop.run()
-    return {"results": results, "record": record, "seconds": time.perf_counter() - t0}
+    results, seconds = timed_loop(alg, cfg, shared, loop_cls=Loop)
+    return {"results": results, "record": record, "seconds": seconds}
 
 
 def mean_2se(values: list[float]) -> tuple[float, float, int]:
@@ -339,6 +324,8 @@ def main() -> None:
             "evals": inputs["evals"],
             "dims": inputs["dims"],
             "families": check_families(cfg.families, inputs["protocol"].stream),
+            "encoder": inputs["encoder"],
+            "protocol": inputs["protocol"],
         }
         rows = {name: run_row(stream, args.tasks, name, shared) for name in args.rows}
         summary = summarize(rows, shared["families"])

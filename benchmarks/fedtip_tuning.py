@@ -35,6 +35,7 @@ import numpy as np
 import optuna
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from fedlightning.config import build
 from fedlightning.federation.executors import LeanExecutor
@@ -68,11 +69,16 @@ def inputs(experiment: str, protocol_seed: int) -> dict:
     return _INPUTS[key]
 
 
-def run_setting(cfg, shared: dict, tasks: int | None) -> tuple[list[dict], float]:
-    """The task loop of ``cfg`` over the first ``tasks`` tasks: every task's metrics, and the
-    seconds it took."""
-    alg = build(cfg.algorithm, "algorithm")
-    loop = TaskLoop(
+def timed_loop(
+    alg, cfg, shared: dict, tasks: int | None = None, loop_cls: type[TaskLoop] = TaskLoop
+) -> tuple[list[dict], float]:
+    """``loop_cls`` (a :class:`TaskLoop`) of ``alg`` over the first ``tasks`` tasks of the
+    cached ``shared`` inputs, sequential and lean, with ``cfg``'s rounds, local epochs and
+    seed: every task's metrics, and the seconds the loop ran. A published baseline's history
+    view is attached and materialized first, as the training program does (not timed)."""
+    alg.attach(shared["encoder"], shared["protocol"])
+    alg.materialize_views(OmegaConf.to_container(cfg.protocol, resolve=True)["cache_dir"])
+    loop = loop_cls(
         alg,
         list(shared["tasks"])[:tasks],
         shared["evals"],
@@ -87,6 +93,12 @@ def run_setting(cfg, shared: dict, tasks: int | None) -> tuple[list[dict], float
     t0 = time.perf_counter()
     results = loop.run()
     return results, time.perf_counter() - t0
+
+
+def run_setting(cfg, shared: dict, tasks: int | None) -> tuple[list[dict], float]:
+    """The task loop of ``cfg``'s algorithm over the first ``tasks`` tasks: every task's
+    metrics, and the seconds it took."""
+    return timed_loop(build(cfg.algorithm, "algorithm"), cfg, shared, tasks)
 
 
 def overrides_of(params: dict) -> list[str]:

@@ -122,3 +122,36 @@ def test_the_tuned_table_gives_seed_means_task_stds_and_paired_margins(tmp_path)
     # zero-shot minus fedtip: -0.2, 2 SE over seeds 0.200, over the four pairs 0.141
     assert "| T-LP minus fedtip_residual |" in other.splitlines()[0]
     assert other.splitlines()[2].endswith("| -0.2000 ± 0.2000 / 0.1414 |")
+
+
+def test_the_tuned_table_reads_studies_from_several_folders(tmp_path):
+    """``--tuned DIR A B``: a method's study is read from the first folder that holds it (the
+    Table 2 style's baselines beside FedTIP's study of the Table 3 style)."""
+    (tmp_path / "t" / "eval").mkdir(parents=True)
+    for m, v in (("zero_shot", [0.5, 0.5]), ("fedtip_residual", [0.7, 0.9]), ("stfl", [0.6, 0.8])):
+        rec = tuned_eval(m, 1, v)
+        (tmp_path / "t" / "eval" / f"{m}_s_p1.json").write_text(json.dumps(rec))
+
+    def study(wall: float, value: float) -> dict:
+        return {
+            "trials": [{"value": value}] * 3,
+            "wall_s": wall,
+            "default_value": value,
+            "best": {"value": value, "params": {"algorithm.lr": 0.01}},
+        }
+
+    for folder, name, wall in (
+        ("a", "stfl", 5.0),
+        ("b", "fedtip_residual", 7.0),
+        ("b", "stfl", 9.0),
+    ):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / f"{name}_s.json").write_text(json.dumps(study(wall, 0.7)))
+    lines = doc_tables.regenerate("--tuned t a b --against fedtip_residual", tmp_path).splitlines()
+    rows = {line.split(" | ")[1]: line for line in lines[2:5]}
+    # stfl from a (5 s, not b's 9 s); fedtip from b; one seed, so the seed margin is 0
+    assert rows["stfl"].startswith("| s | stfl | 3 | 5 | 0.700 | 1 x 2 | 0.700 ± 0.000 (0.141)")
+    # stfl minus fedtip: -0.1, -0.1 -> mean -0.1, pooled std 0
+    assert rows["stfl"].endswith("| -0.1000 ± 0.0000 / 0.0000 |")
+    assert rows["fedtip_residual"].startswith("| s | fedtip_residual | 3 | 7 | 0.700 |")
+    assert rows["zero_shot"].startswith("| s | zero_shot | 0 | - | - |")

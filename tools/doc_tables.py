@@ -97,7 +97,7 @@ def _paired(runs: dict, other: dict, metric: str) -> str:
 
 def tuned_tables(
     folder: Path,
-    studies_dir: Path | None = None,
+    studies_dir: Path | list[Path] | None = None,
     against: tuple[str, ...] = ("zero_shot", "prompt_fedavg"),
 ) -> str:
     """The tuned table (module docstring) from ``folder/studies/*.json`` and
@@ -105,12 +105,14 @@ def tuned_tables(
     validation value; the test T-LP and I-LP as mean ± std over the protocol seeds with the
     mean over-task std in brackets; the test T-LP minus the zero-shot row and minus
     ``prompt_fedavg`` (± two standard errors over seeds / over seed-task pairs); then each
-    method's best setting. ``studies_dir``: the studies, when not ``folder/studies``;
-    ``against``: the rows the differences are taken to."""
-    studies = {
-        p.stem: json.loads(p.read_text())
-        for p in sorted((studies_dir or folder / "studies").glob("*.json"))
-    }
+    method's best setting. ``studies_dir``: the studies' folder (or folders, the first
+    that holds a method's study wins), when not ``folder/studies``; ``against``: the rows
+    the differences are taken to."""
+    dirs = studies_dir if isinstance(studies_dir, list) else [studies_dir or folder / "studies"]
+    studies: dict = {}
+    for d in dirs:
+        for p in sorted(d.glob("*.json")):
+            studies.setdefault(p.stem, json.loads(p.read_text()))
     evals: dict = {}
     for p in sorted((folder / "eval").glob("*.json")):
         r = json.loads(p.read_text())
@@ -167,8 +169,8 @@ def tuned_tables(
 def regenerate(args: str, root: Path = REPO) -> str:
     """The Markdown table ``fedlightning report <args>`` makes (``--dirs`` relative to
     ``root``); it must make one table (name the datasets with ``--dataset``). Arguments
-    ``--tuned DIR [STUDIES] [--against A,B]``: :func:`tuned_tables` of ``root / DIR`` (its
-    studies, the rows the differences are taken to)."""
+    ``--tuned DIR [STUDIES...] [--against A,B]``: :func:`tuned_tables` of ``root / DIR`` (the
+    folders of its studies, the rows the differences are taken to)."""
     if args.startswith("--tuned "):
         words = args.split()[1:]
         against = ("zero_shot", "prompt_fedavg")
@@ -176,7 +178,7 @@ def regenerate(args: str, root: Path = REPO) -> str:
             i = words.index("--against")
             against, words = tuple(words[i + 1].split(",")), words[:i] + words[i + 2 :]
         dirs = [root / d for d in words]
-        return tuned_tables(dirs[0], dirs[1] if len(dirs) > 1 else None, against)
+        return tuned_tables(dirs[0], dirs[1:] or None, against)
     from fedlightning.report import main as report
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(root):
