@@ -63,21 +63,6 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 _TRIM = _malloc_trim()
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def map_blocks_from(nbytes: int) -> None:
-    """Have the C allocator map every block of ``nbytes`` or more on its own, unmapped when
-    freed (glibc's ``mallopt(M_MMAP_THRESHOLD, nbytes)``, for the rest of the process;
-    nothing elsewhere). glibc's own threshold rises to the size of the largest mapped block
-    freed, up to 32 MiB, so a large stack's activations (``[N, 64]`` float32: 22 MiB at 90k
-    nodes) come to lie on its heap, where a freed block below a live one stays resident
-    (docs/scaling.md, "Memory")."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes))
-    except (OSError, AttributeError):
-        return
 
 
 def release_freed_memory() -> None:

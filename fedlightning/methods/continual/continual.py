@@ -23,7 +23,6 @@ from fedlightning.federation.stacking import (
     StackedFit,
     defined_by,
     fit_stacked,
-    map_blocks_from,
 )
 from fedlightning.messages import ClientUpdate, ServerBroadcast, detach_state
 from fedlightning.models.constant import graphs_identity, unchanged
@@ -55,9 +54,6 @@ def gathered_stage_batch(data: Any, known: Tensor, supervised: Tensor, replay: T
 # a stacked fit gathers its clients' rows only when their dense features are this large: below
 # it the copies cost little memory and gathering them step by step costs time (docs/scaling.md)
 GATHER_MIN_BYTES = 256 * 2**20
-# from then on, the C allocator maps each block of this many bytes or more on its own (less
-# memory, more CPU time: docs/scaling.md, "Memory"); None keeps glibc's own threshold
-MAPPED_BLOCK_BYTES: int | None = 4 * 2**20
 
 
 def dense_features(data: Any) -> dict[str, Tensor]:
@@ -315,8 +311,6 @@ class ContinualFedAvg(Algorithm):
         self._gather_rows = self.gathers_rows(module, executor) and (
             sum(dense_feature_bytes(c.data) for c in clients) >= GATHER_MIN_BYTES
         )
-        if self._gather_rows and MAPPED_BLOCK_BYTES:  # a large input: large blocks apart
-            map_blocks_from(MAPPED_BLOCK_BYTES)
         try:
             for c in clients:
                 batches.append(self.prepare(module, c, broadcast))
